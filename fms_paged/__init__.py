@@ -1,0 +1,18 @@
+"""fms_paged: a paged KV cache for an FMS-style LLaMA, inside plain PyTorch."""
+
+from fms_paged.generation import generate
+from fms_paged.models import LLaMA, LLaMAConfig, get_model, list_models, register_model
+from fms_paged.tokenizers import load_tokenizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLaMA",
+    "LLaMAConfig",
+    "__version__",
+    "generate",
+    "get_model",
+    "list_models",
+    "load_tokenizer",
+    "register_model",
+]

@@ -1,0 +1,90 @@
+"""The interface `generate` (and the engine) drive a KV-cache backend through, and its factory.
+
+A backend turns "these sequences get these new tokens" into model inputs plus the per-step
+`AttentionStep`; the layout of the inputs is the backend's choice (dense: right-padded [B, S];
+paged: packed [1, T] for prefill). `last` indexes each sequence's last token in the flattened
+[B' * S'] logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from fms_paged.kv.contiguous import ContiguousKVCache, DenseStep
+
+
+class KVCacheBackend(Protocol):
+    def reset(self) -> None: ...
+
+    def prefill(
+        self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]:
+        """-> tokens [B', S'], positions [B', S'], step, last [len(seq_ids)]"""
+        ...
+
+    def decode(
+        self, seq_ids: Sequence[int], tokens: torch.Tensor, lengths: Sequence[int],
+        active: Sequence[bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """One new token per row; tokens: [B] (device), lengths: host tokens cached per row."""
+        ...
+
+    def release(self, seq_ids: Sequence[int]) -> None: ...
+
+
+class DenseBackend:
+    """Rows 0..B-1 of a preallocated contiguous cache; batches right-padded (the baseline)."""
+
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int):
+        c = model.config
+        self.cache = ContiguousKVCache(c.nlayers, max_batch, max_seq_len, c.kvheads, c.head_dim,
+                                       model.dtype, model.device)
+        self.device = model.device
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.cache.nbytes
+
+    def reset(self) -> None:
+        pass  # stale rows are never read: the mask only admits positions already written
+
+    @staticmethod
+    def _check_rows(seq_ids: Sequence[int]) -> None:
+        if list(seq_ids) != list(range(len(seq_ids))):
+            raise ValueError(f"the dense backend serves rows 0..B-1 in order, got seq_ids={seq_ids}")
+
+    def prefill(self, seq_ids, prompts):
+        self._check_rows(seq_ids)
+        B, S = len(prompts), max(len(p) for p in prompts)
+        tokens = torch.zeros(B, S, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.tensor(p)
+        positions = torch.arange(S).expand(B, S)
+        last = torch.tensor([b * S + len(p) - 1 for b, p in enumerate(prompts)])
+        positions = positions.to(self.device)
+        step = self.cache.step(positions, S)
+        return tokens.to(self.device), positions, step, last.to(self.device)
+
+    def decode(self, seq_ids, tokens, lengths, active):
+        self._check_rows(seq_ids)
+        positions = torch.tensor(list(lengths), dtype=torch.long)[:, None].to(self.device)
+        step: DenseStep = self.cache.step(positions, max(lengths) + 1)
+        return tokens[:, None], positions, step
+
+    def release(self, seq_ids) -> None:
+        pass
+
+
+def make_cache(model: torch.nn.Module, max_batch: int, max_seq_len: int, **kwargs) -> KVCacheBackend:
+    """The backend named by `model.config.attn_impl`, sized for `max_batch` x `max_seq_len`."""
+    impl = model.config.attn_impl
+    if impl == "sdpa":
+        return DenseBackend(model, max_batch, max_seq_len, **kwargs)
+    if impl == "paged":
+        from fms_paged.kv.paged import PagedBackend
+
+        return PagedBackend(model, max_batch, max_seq_len, **kwargs)
+    raise ValueError(f"attn_impl={impl!r}; expected 'sdpa' or 'paged'")

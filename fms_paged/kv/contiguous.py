@@ -1,0 +1,71 @@
+"""The dense baseline: a preallocated contiguous KV cache per layer (gpt-fast style) + SDPA.
+
+Every sequence owns a row of `max_seq_len` slots whatever its real length: this is the memory the
+paged backend saves. Batches are right-padded to the longest sequence (the padded baseline).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ContiguousKVCache(nn.Module):
+    """k, v buffers: [nlayers, max_batch, Hkv, max_seq_len, D]."""
+
+    def __init__(
+        self,
+        nlayers: int,
+        max_batch: int,
+        max_seq_len: int,
+        kvheads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        shape = (nlayers, max_batch, kvheads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def step(self, positions: torch.Tensor, kv_len: int) -> DenseStep:
+        """positions: [B, S] absolute positions of the new tokens of rows 0..B-1 (device);
+        kv_len: host-known 1 + the largest position in the batch (attention span this step)."""
+        B = positions.shape[0]
+        if B > self.max_batch or kv_len > self.max_seq_len:
+            raise ValueError(
+                f"step needs batch {B} x length {kv_len}; cache holds {self.max_batch} x "
+                f"{self.max_seq_len}"
+            )
+        return DenseStep(self, positions, kv_len)
+
+
+class DenseStep:
+    """One step of the dense backend; the mask is built once and shared by all layers."""
+
+    def __init__(self, cache: ContiguousKVCache, positions: torch.Tensor, kv_len: int):
+        self.cache = cache
+        self.positions = positions  # [B, S]
+        self.kv_len = kv_len
+        B = positions.shape[0]
+        self.rows = torch.arange(B, device=positions.device)[:, None]  # [B, 1]
+        kv_pos = torch.arange(kv_len, device=positions.device)
+        # mask: [B, 1, S, L]; True where the key's position is <= the query's position
+        self.mask = (kv_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B, H, S, D]; k, v: [B, Hkv, S, D]
+        B = q.shape[0]
+        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [Bmax, Hkv, Lmax, D]
+        # advanced indices around a slice: the indexed view is [B, S, Hkv, D]
+        kc[self.rows, :, self.positions] = k.transpose(1, 2)
+        vc[self.rows, :, self.positions] = v.transpose(1, 2)
+        keys, values = kc[:B, :, : self.kv_len], vc[:B, :, : self.kv_len]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)

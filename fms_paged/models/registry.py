@@ -1,0 +1,91 @@
+"""Model registry in the FMS style: `register_model(arch, variant, factory)`, `get_model`, `list_models`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fms_paged.device import resolve_device, resolve_dtype
+
+# architecture -> variant -> factory(**config_overrides) -> nn.Module (on the meta device is fine)
+_REGISTRY: dict[str, dict[str, Callable[..., nn.Module]]] = {}
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
+
+
+def register_model(architecture: str, variant: str, factory: Callable[..., nn.Module]) -> None:
+    variants = _REGISTRY.setdefault(architecture, {})
+    if variant in variants:
+        raise KeyError(f"variant {variant!r} of architecture {architecture!r} is already registered")
+    variants[variant] = factory
+
+
+def list_models(architecture: str | None = None) -> list[str]:
+    """`list_models()` -> architectures; `list_models("llama")` -> its variants."""
+    if architecture is None:
+        return sorted(_REGISTRY)
+    if architecture not in _REGISTRY:
+        raise KeyError(f"unknown architecture {architecture!r}; known: {sorted(_REGISTRY)}")
+    return sorted(_REGISTRY[architecture])
+
+
+def default_model_path() -> Path:
+    """The project's embedded default model (see fms_paged/assets/default_model/README.md)."""
+    override = os.environ.get("FMS_PAGED_DEFAULT_MODEL")
+    return Path(override) if override else DEFAULT_MODEL_DIR
+
+
+def get_model(
+    architecture: str = "llama",
+    variant: str | None = None,
+    model_path: str | os.PathLike | None = None,
+    attn_impl: str = "sdpa",
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
+    seed: int | None = 0,
+    **config_overrides: Any,
+) -> nn.Module:
+    """Build a registered variant with random weights, or load a Hugging Face checkpoint directory.
+
+    With neither `variant` nor `model_path`, loads the project's embedded default model.
+    The weights do not depend on `attn_impl`; only the attention backend does.
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype)
+    if variant is not None and model_path is not None:
+        raise ValueError("pass either variant= or model_path=, not both")
+    if variant is None and model_path is None:
+        model_path = default_model_path()
+        if not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"no variant or model_path given and the default model is missing at {model_path}; "
+                f"pass variant= one of {list_models(architecture) if architecture in _REGISTRY else []}"
+            )
+    if model_path is not None:
+        if architecture != "llama":
+            raise ValueError(f"checkpoint loading supports architecture 'llama', got {architecture!r}")
+        from fms_paged.models.hf import load_hf_llama
+
+        return load_hf_llama(model_path, attn_impl=attn_impl, device=dev, dtype=dt, **config_overrides)
+
+    if architecture not in _REGISTRY:
+        raise KeyError(f"unknown architecture {architecture!r}; known: {list_models()}")
+    if variant not in _REGISTRY[architecture]:
+        raise KeyError(
+            f"unknown variant {variant!r} for architecture {architecture!r}; "
+            f"known variants: {list_models(architecture)}"
+        )
+    with torch.device("meta"):
+        model = _REGISTRY[architecture][variant](attn_impl=attn_impl, **config_overrides)
+    model = model.to_empty(device=dev)
+    if dt is not None:
+        model = model.to(dt)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model.reset_parameters()
+    return model.eval()

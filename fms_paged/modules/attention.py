@@ -1,0 +1,72 @@
+"""Multi-head attention with GQA, backed by a pluggable per-step KV-cache backend.
+
+The projection/RoPE math is identical for every backend; only `step.attend` differs:
+- no step: plain causal SDPA over the tokens given (no cache; used for perplexity and tests);
+- `fms_paged.kv.contiguous.DenseStep`: the dense baseline (preallocated contiguous cache + SDPA);
+- `fms_paged.kv.paged.PagedStep`: the page pool + FlexAttention through the block table.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fms_paged.modules.positions import apply_rope
+
+
+class AttentionStep(Protocol):
+    """What a KV-cache backend provides for one forward step (built once, shared by all layers)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k/v of the new tokens and attend.
+
+        q: [B, H, S, D]; k, v: [B, Hkv, S, D] (RoPE applied) -> out: [B, H, S, D]
+        """
+        ...
+
+
+class QKV(nn.Module):
+    """Separate q/k/v projections (FMS `in_proj.query/key/value`)."""
+
+    def __init__(self, emb_dim: int, nheads: int, kvheads: int, head_dim: int):
+        super().__init__()
+        self.query = nn.Linear(emb_dim, nheads * head_dim, bias=False)
+        self.key = nn.Linear(emb_dim, kvheads * head_dim, bias=False)
+        self.value = nn.Linear(emb_dim, kvheads * head_dim, bias=False)
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, emb_dim: int, nheads: int, kvheads: int, layer_idx: int):
+        super().__init__()
+        if emb_dim % nheads:
+            raise ValueError(f"emb_dim={emb_dim} is not divisible by nheads={nheads}")
+        self.nheads = nheads
+        self.kvheads = kvheads
+        self.head_dim = emb_dim // nheads
+        self.layer_idx = layer_idx
+        self.in_proj = QKV(emb_dim, nheads, kvheads, self.head_dim)
+        self.dense = nn.Linear(nheads * self.head_dim, emb_dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: AttentionStep | None = None,
+    ) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.in_proj.query(x).view(B, S, self.nheads, self.head_dim)
+        k = self.in_proj.key(x).view(B, S, self.kvheads, self.head_dim)
+        v = self.in_proj.value(x).view(B, S, self.kvheads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # [B, S, H, D] -> [B, H, S, D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if step is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = step.attend(self.layer_idx, q, k, v)
+        # [B, H, S, D] -> [B, S, H*D]
+        return self.dense(out.transpose(1, 2).reshape(B, S, self.nheads * self.head_dim))

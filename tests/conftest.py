@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random Hugging Face LLaMA checkpoints built in the test (no network)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+HF_CONFIGS = {
+    # (a) plain multi-head attention
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    # (b) grouped-query attention 4:1
+    "gqa": dict(num_attention_heads=8, num_key_value_heads=2),
+    # (c) llama3 RoPE: large theta + frequency scaling
+    "llama3": dict(
+        num_attention_heads=4, num_key_value_heads=1, rope_theta=500_000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+}
+
+
+def make_hf_llama(seed: int = 0, **overrides):
+    """A random-weight transformers LlamaForCausalLM (fp32, eval mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    # HF inits norms to ones; randomise them so the norm weights are actually tested
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """Factory: (hf_model, checkpoint_dir) saved with save_pretrained (safetensors)."""
+
+    def build(name: str = "gqa", max_shard_size: str | None = None, **overrides):
+        cfg = dict(HF_CONFIGS.get(name, {}))
+        cfg.update(overrides)
+        model = make_hf_llama(**cfg)
+        path = tmp_path / name
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(path, safe_serialization=True, **kwargs)
+        return model, path
+
+    return build
