@@ -20,13 +20,21 @@ class KVCacheBackend(Protocol):
     def reset(self) -> None: ...
 
     def prefill(
-        self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]
+        self,
+        seq_ids: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]:
-        """-> tokens [B', S'], positions [B', S'], step, last [len(seq_ids)]"""
+        """Append `prompts[i]` to sequence `seq_ids[i]`, whose first `starts[i]` tokens (default 0)
+        are already cached (chunked prefill). -> tokens [B', S'], positions [B', S'], step,
+        last [len(seq_ids)]"""
         ...
 
     def decode(
-        self, seq_ids: Sequence[int], tokens: torch.Tensor, lengths: Sequence[int],
+        self,
+        seq_ids: Sequence[int],
+        tokens: torch.Tensor,
+        lengths: Sequence[int],
         active: Sequence[bool],
     ) -> tuple[torch.Tensor, torch.Tensor, object]:
         """One new token per row; tokens: [B] (device), lengths: host tokens cached per row."""
@@ -40,8 +48,9 @@ class DenseBackend:
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int):
         c = model.config
-        self.cache = ContiguousKVCache(c.nlayers, max_batch, max_seq_len, c.kvheads, c.head_dim,
-                                       model.dtype, model.device)
+        self.cache = ContiguousKVCache(
+            c.nlayers, max_batch, max_seq_len, c.kvheads, c.head_dim, model.dtype, model.device
+        )
         self.device = model.device
 
     @property
@@ -54,18 +63,22 @@ class DenseBackend:
     @staticmethod
     def _check_rows(seq_ids: Sequence[int]) -> None:
         if list(seq_ids) != list(range(len(seq_ids))):
-            raise ValueError(f"the dense backend serves rows 0..B-1 in order, got seq_ids={seq_ids}")
+            raise ValueError(
+                f"the dense backend serves rows 0..B-1 in order, got seq_ids={seq_ids}"
+            )
 
-    def prefill(self, seq_ids, prompts):
+    def prefill(self, seq_ids, prompts, starts=None):
         self._check_rows(seq_ids)
         B, S = len(prompts), max(len(p) for p in prompts)
+        starts = [0] * B if starts is None else list(starts)
         tokens = torch.zeros(B, S, dtype=torch.long)
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = torch.tensor(p)
-        positions = torch.arange(S).expand(B, S)
+        # padded tokens get positions past their row's end: they are overwritten before being read
+        positions = torch.tensor(starts)[:, None] + torch.arange(S)
         last = torch.tensor([b * S + len(p) - 1 for b, p in enumerate(prompts)])
         positions = positions.to(self.device)
-        step = self.cache.step(positions, S)
+        step = self.cache.step(positions, max(starts) + S)
         return tokens.to(self.device), positions, step, last.to(self.device)
 
     def decode(self, seq_ids, tokens, lengths, active):
@@ -78,7 +91,9 @@ class DenseBackend:
         pass
 
 
-def make_cache(model: torch.nn.Module, max_batch: int, max_seq_len: int, **kwargs) -> KVCacheBackend:
+def make_cache(
+    model: torch.nn.Module, max_batch: int, max_seq_len: int, **kwargs
+) -> KVCacheBackend:
     """The backend named by `model.config.attn_impl`, sized for `max_batch` x `max_seq_len`."""
     impl = model.config.attn_impl
     if impl == "sdpa":

@@ -1,0 +1,164 @@
+"""FlexAttention mask_mod / score_mod through the block table, and BlockMasks built from it.
+
+Queries come in a layout [B', S'] (decode: one row per sequence, S' = 1; prefill: all prompts packed
+into one row, B' = 1) described by two tables: `q_seq[b, i]` (the sequence id of query token i of
+row b) and `q_pos[b, i]` (its logical position; -1 for padding). Keys/values are the whole page pool
+`[1, Hkv, num_pages * P, D]`. A pool slot `kv` is visible to a query iff
+  - its page is owned by the query's sequence: `lp = phys_to_logical[kv // P] >= 0` and
+    `page_table[seq, lp] == kv // P` (freed or foreign pages, even with stale data, never match),
+  - and it is causal: logical position `lp * P + kv % P <= q_pos` (which also bounds it by the
+    sequence length, since every position up to the query's own has been written).
+
+The BlockMask (KV block = one page) lists, for each query block, the physical pages it may touch,
+straight from the page table: no `create_block_mask` over the pool. Pages that every query of the
+block sees entirely are "full" blocks (mask_mod skipped); the rest are "partial".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+Q_BLOCK = 128  # query block size of the prefill BlockMask (decode rows hold a single query)
+
+
+def paged_mask_mod(page_table: torch.Tensor, phys_to_logical: torch.Tensor, q_seq: torch.Tensor,
+                   q_pos: torch.Tensor, page_size: int) -> Callable:
+    """mask_mod(b, h, q_idx, kv_idx) for a page pool.
+
+    page_table: [max_seqs, max_pages] int32; phys_to_logical: [num_pages] int32;
+    q_seq, q_pos: [B', S'] int32 (the query layout).
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        page = kv_idx // page_size
+        lp = phys_to_logical[page]
+        seq = q_seq[b, q_idx]
+        owned = (lp >= 0) & (page_table[seq, lp.clamp(min=0)] == page)
+        return owned & (lp * page_size + kv_idx % page_size <= q_pos[b, q_idx])
+
+    return mask_mod
+
+
+def logical_score_mod(score_mod: Callable, phys_to_logical: torch.Tensor, q_pos: torch.Tensor,
+                      page_size: int) -> Callable:
+    """Wrap a user `score_mod(score, b, h, q_pos, kv_pos)` written in logical positions (as for a
+    dense cache) so it runs over the pool: physical kv index -> logical position of its sequence."""
+
+    def paged_score_mod(score, b, h, q_idx, kv_idx):
+        page = kv_idx // page_size
+        kv_pos = phys_to_logical[page].clamp(min=0) * page_size + kv_idx % page_size
+        return score_mod(score, b, h, q_pos[b, q_idx], kv_pos)
+
+    return paged_score_mod
+
+
+class DecodeBlockMask:
+    """Persistent BlockMask tensors for decode: B rows, one query each, fixed shapes (no recompiles).
+
+    Row b attends to the pages of sequence `seq_ids[b]`: its first `len // P` pages are full blocks,
+    the page holding position `len - 1` (if not full) the one partial block. Inactive rows: none.
+    """
+
+    def __init__(self, max_batch: int, num_pages: int, max_pages: int, page_size: int,
+                 device: torch.device):
+        B, N = max_batch, num_pages
+        i32 = dict(dtype=torch.int32, device=device)
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.num_pages = num_pages
+        self.q_seq = torch.zeros(B, 1, **i32)  # [B, 1]
+        self.q_pos = torch.full((B, 1), -1, **i32)  # [B, 1]
+        self.full_num = torch.zeros(B, 1, 1, **i32)
+        self.full_idx = torch.zeros(B, 1, 1, N, **i32)  # CPU flex wants the KV dim to span the pool
+        self.part_num = torch.zeros(B, 1, 1, **i32)
+        self.part_idx = torch.zeros(B, 1, 1, N, **i32)
+
+    def update(self, page_table: torch.Tensor, seq_ids: Sequence[int], lengths: Sequence[int],
+               active: Sequence[bool]) -> None:
+        """Refill in place from host-known ids/lengths (after this step's tokens are reserved) and
+        the device page table: one small host->device copy plus device gathers, no sync."""
+        P = self.page_size
+        lens = np.asarray(lengths, dtype=np.int64) * np.asarray(active, dtype=np.int64)
+        full = lens // P
+        part = (lens % P > 0).astype(np.int64)
+        host = np.stack([np.asarray(seq_ids, dtype=np.int64), lens - 1, full, part])
+        dev = torch.from_numpy(host).to(self.q_seq.device, non_blocking=True)
+        seqs = dev[0]
+        B = len(seq_ids)
+        self.q_seq[:B, 0] = dev[0].to(torch.int32)
+        self.q_pos[:B, 0] = dev[1].to(torch.int32)
+        self.full_num[:B, 0, 0] = dev[2].to(torch.int32)
+        self.part_num[:B, 0, 0] = dev[3].to(torch.int32)
+        rows = page_table.index_select(0, seqs)  # [B, max_pages]
+        self.full_idx[:B, 0, 0, : self.max_pages] = rows
+        last = dev[2].clamp(max=self.max_pages - 1)
+        self.part_idx[:B, 0, 0, 0] = rows.gather(1, last[:, None])[:, 0]
+
+    def block_mask(self, mask_mod: Callable, B: int | None = None) -> BlockMask:
+        B = B or self.q_seq.shape[0]
+        return BlockMask.from_kv_blocks(
+            self.part_num[:B], self.part_idx[:B], self.full_num[:B], self.full_idx[:B],
+            BLOCK_SIZE=(Q_BLOCK, self.page_size), mask_mod=mask_mod,
+            seq_lengths=(1, self.num_pages * self.page_size), compute_q_blocks=False,
+        )
+
+
+def prefill_block_mask(
+    seq_pages: Sequence[Sequence[int]], starts: Sequence[int], counts: Sequence[int],
+    num_pages: int, page_size: int, mask_mod: Callable, device: torch.device,
+) -> BlockMask:
+    """BlockMask for packed prefill: sequence i contributes `counts[i]` query tokens at logical
+    positions `starts[i] ..`, its pages are `seq_pages[i]` (host list, logical order).
+
+    Built on the host from the page lists (prefill metadata is host-known): per query block, the
+    union of pages its sequences can see; with a single sequence in the block, pages wholly before
+    its first query are full blocks.
+    """
+    P = page_size
+    T = int(sum(counts))
+    nqb = max(1, -(-T // Q_BLOCK))
+    full_idx = np.zeros((nqb, num_pages), dtype=np.int32)
+    part_idx = np.zeros((nqb, num_pages), dtype=np.int32)
+    full_num = np.zeros(nqb, dtype=np.int32)
+    part_num = np.zeros(nqb, dtype=np.int32)
+    # segments: the run of each sequence's tokens inside each query block
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    segs: list[list[tuple[int, int, int]]] = [[] for _ in range(nqb)]  # (seq index, min pos, max pos)
+    for i, (start, n) in enumerate(zip(starts, counts)):
+        if n == 0:
+            continue
+        lo, hi = offsets[i], offsets[i] + n  # token range [lo, hi)
+        for j in range(lo // Q_BLOCK, (hi - 1) // Q_BLOCK + 1):
+            a, b = max(lo, j * Q_BLOCK), min(hi, (j + 1) * Q_BLOCK)
+            segs[j].append((i, start + a - lo, start + b - 1 - lo))
+    for j, block in enumerate(segs):
+        block = [seg for seg in block if len(seq_pages[seg[0]])]  # the padding run has no pages
+        if not block:
+            continue
+        if len(block) == 1:
+            i, pmin, pmax = block[0]
+            pages = np.asarray(seq_pages[i][: pmax // P + 1], dtype=np.int32)
+            n_full = (pmin + 1) // P  # pages entirely at positions <= pmin
+            full, part = pages[:n_full], pages[n_full:]
+        else:
+            full = np.zeros(0, dtype=np.int32)
+            part = np.unique(np.concatenate(
+                [np.asarray(seq_pages[i][: pmax // P + 1], dtype=np.int32) for i, _, pmax in block]
+            ))
+        full_num[j], part_num[j] = len(full), len(part)
+        full_idx[j, : len(full)] = full
+        part_idx[j, : len(part)] = part
+
+    def dev(a: np.ndarray, shape) -> torch.Tensor:
+        return torch.from_numpy(a).reshape(shape).to(device)
+
+    return BlockMask.from_kv_blocks(
+        dev(part_num, (1, 1, nqb)), dev(part_idx, (1, 1, nqb, num_pages)),
+        dev(full_num, (1, 1, nqb)), dev(full_idx, (1, 1, nqb, num_pages)),
+        BLOCK_SIZE=(Q_BLOCK, P), mask_mod=mask_mod, seq_lengths=(T, num_pages * P),
+        compute_q_blocks=False,
+    )

@@ -1,0 +1,166 @@
+"""Tensor side of the paged KV cache: the only code of the PageManager that touches the device.
+
+The PageManager does its bookkeeping on the host (numpy + a deque) and calls these helpers to
+move small index arrays to the device and to read/write the KV pools. None of them reads device
+memory back to the host (no `.item()`, `.tolist()`, `nonzero`, boolean masking), so they are safe
+on the decode hot path.
+
+Pool layout (one tensor per layer, or one stacked tensor for all layers):
+    # pool: [L, Hkv, num_pages * P, D]   slot = page * P + offset, slot dim is -2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def as_int_array(values: Sequence[int] | np.ndarray | torch.Tensor, what: str) -> np.ndarray:
+    """Host ints (list / numpy / CPU tensor) -> 1-D int64 numpy array; ValueError otherwise."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{what} must be host data, got a tensor on {values.device}")
+        values = values.numpy()
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be a 1-D sequence of ints, got {values!r}")
+    return arr.astype(np.int64, copy=False)
+
+
+def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host numpy array -> tensor on `device` in one copy, without waiting for the device.
+
+    On CUDA the array is staged in pinned memory so the copy is asynchronous; the caching host
+    allocator keeps the staging buffer alive until the copy has run.
+    """
+    host = torch.from_numpy(np.ascontiguousarray(arr))
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        pinned.copy_(host)
+        return pinned.to(device, non_blocking=True)
+    return host.to(device)
+
+
+def scatter_int32(dst: torch.Tensor, flat_idx: torch.Tensor, values: torch.Tensor) -> None:
+    """dst.view(-1)[flat_idx] = values (cast to int32), in place, no host sync.
+
+    # dst: any contiguous int32 tensor; flat_idx, values: [K] int64 on dst.device
+    """
+    if flat_idx.numel():
+        dst.view(-1).index_copy_(0, flat_idx, values.to(torch.int32))
+
+
+def fill_int32(dst: torch.Tensor, flat_idx: torch.Tensor, value: int) -> None:
+    """dst.view(-1)[flat_idx] = value, in place, no host sync."""
+    if flat_idx.numel():
+        dst.view(-1).index_fill_(0, flat_idx, value)
+
+
+def check_pool_pair(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    """Pools must be 4-D `[L, Hkv, N, D]`, same shape, dtype and device."""
+    if k_pool.dim() != 4:
+        raise ValueError(f"k_pool must be [L, Hkv, num_pages*P, D], got shape {tuple(k_pool.shape)}")
+    for name, got, want in (
+        ("shape", tuple(v_pool.shape), tuple(k_pool.shape)),
+        ("dtype", v_pool.dtype, k_pool.dtype),
+        ("device", v_pool.device, k_pool.device),
+    ):
+        if got != want:
+            raise ValueError(f"v_pool {name} {got} does not match k_pool {name} {want}")
+
+
+def _check_kv(name: str, x: torch.Tensor, pool: torch.Tensor, num_tokens: int) -> None:
+    """x must be [T, Hkv, D] (or [L, T, Hkv, D]) with the pool's dtype and device."""
+    L, H, _, D = pool.shape
+    if x.dtype != pool.dtype:
+        raise TypeError(f"{name} dtype {x.dtype} does not match pool dtype {pool.dtype}")
+    if x.device != pool.device:
+        raise TypeError(f"{name} device {x.device} does not match pool device {pool.device}")
+    want = [(num_tokens, H, D)] if L == 1 else []
+    want.append((L, num_tokens, H, D))
+    if tuple(x.shape) not in want:
+        shapes = " or ".join(str(list(w)) for w in want)
+        raise ValueError(f"{name} shape {list(x.shape)}, expected {shapes} ([L, T, Hkv, D])")
+
+
+def write_slots(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write new keys/values into the pools at `slots`: one `index_copy_` per pool, no host sync.
+
+    # k_pool, v_pool: [L, Hkv, num_pages*P, D]
+    # slots: [T] int64 on the pools' device (from PageManager.slots)
+    # k, v: [T, Hkv, D] when L == 1, else [L, T, Hkv, D] (all layers at once)
+    For a stacked pool written one layer at a time, pass `pool[layer : layer + 1]`.
+    Raises TypeError (dtype/device) or ValueError (shape); the pools are unchanged on error.
+    """
+    check_pool_pair(k_pool, v_pool)
+    if slots.dim() != 1 or slots.dtype != torch.int64 or slots.device != k_pool.device:
+        raise ValueError(
+            f"slots must be a 1-D int64 tensor on {k_pool.device}, got "
+            f"{slots.dtype} {list(slots.shape)} on {slots.device}"
+        )
+    T = slots.shape[0]
+    _check_kv("k", k, k_pool, T)
+    _check_kv("v", v, v_pool, T)
+    for pool, x in ((k_pool, k), (v_pool, v)):
+        x4 = x.unsqueeze(0) if x.dim() == 3 else x  # [L, T, Hkv, D]
+        pool.index_copy_(2, slots, x4.transpose(1, 2))  # source: [L, Hkv, T, D]
+
+
+def copy_pages(pools: tuple[torch.Tensor, ...], src: np.ndarray, dst: np.ndarray, P: int) -> None:
+    """Copy whole pages src[i] -> dst[i] in every pool (copy-on-write), one index op per pool.
+
+    # pools: each [L, Hkv, num_pages*P, D]; src, dst: [K] host page ids, dst distinct
+    """
+    if src.size == 0:
+        return
+    offs = np.arange(P, dtype=np.int64)
+    src_slots = (src.astype(np.int64)[:, None] * P + offs).reshape(-1)  # [K*P]
+    dst_slots = (dst.astype(np.int64)[:, None] * P + offs).reshape(-1)  # [K*P]
+    by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    for pool in pools:
+        if pool.dim() != 4:
+            raise ValueError(f"pool must be [L, Hkv, num_pages*P, D], got {list(pool.shape)}")
+        if pool.device not in by_device:
+            both = to_device(np.concatenate([src_slots, dst_slots]), pool.device)
+            by_device[pool.device] = (both[: src_slots.size], both[src_slots.size :])
+        s, d = by_device[pool.device]
+        pool.index_copy_(2, d, pool.index_select(2, s))
+
+
+def gather_slots(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    layer: int,
+    slot_idx: np.ndarray,
+    valid: np.ndarray,
+    lens: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather padded, logically contiguous K/V: one index_select per pool.
+
+    # slot_idx, valid: [B, S] host (slot per logical position; valid = position < length)
+    # returns k, v: [B, Hkv, S, D] (zeros where not valid), lens: [B] int64 on the pool device
+    """
+    check_pool_pair(k_pool, v_pool)
+    B, S = slot_idx.shape
+    dev = k_pool.device
+    packed = to_device(np.concatenate([slot_idx.reshape(-1), valid.reshape(-1).astype(np.int64), lens]), dev)
+    idx, mask, lens_t = packed[: B * S], packed[B * S : 2 * B * S], packed[2 * B * S :]
+    keep = mask.view(B, 1, S, 1).bool()
+    out = []
+    for pool in (k_pool, v_pool):
+        x = pool[layer].index_select(1, idx)  # [Hkv, B*S, D]
+        x = x.view(x.shape[0], B, S, x.shape[-1]).transpose(0, 1)  # [B, Hkv, S, D]
+        out.append(torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=dev)))
+    return out[0], out[1], lens_t

@@ -1,0 +1,443 @@
+"""PageManager: a lock-free, ref-counted page allocator for a paged KV cache (vLLM-style).
+
+Bookkeeping lives on the host (a `collections.deque` free pool, numpy mirrors of the page table,
+lengths, refcounts and page->logical index); the device holds read-only views of the same state
+(`page_table`, `seq_lens`, `phys_to_logical`) for the attention kernels. Every device write is an
+index op fed by one host->device copy, so nothing on the hot path waits for the device.
+Tensor math on the pools (and input conversion) lives in `fms_paged.kv._pool_ops`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from fms_paged.kv import _pool_ops as ops
+from fms_paged.kv._pool_ops import write_slots
+
+__all__ = ["OutOfPages", "PageManager", "write_slots"]
+
+NULL_PAGE = 0
+
+
+class OutOfPages(RuntimeError):
+    """The free pool cannot serve a reserve; nothing was changed.
+
+    Attributes: `needed` (pages the batch needed), `free` (pages free when it was refused),
+    `seq_ids` (the sequences that needed new pages).
+    """
+
+    def __init__(self, needed: int, free: int, seq_ids: Sequence[int]):
+        self.needed, self.free, self.seq_ids = needed, free, list(seq_ids)
+        shown = self.seq_ids if len(self.seq_ids) <= 8 else [*self.seq_ids[:8], "..."]
+        which = f"seq {shown[0]}" if len(shown) == 1 else f"seqs {shown}".replace("'", "")
+        super().__init__(f"need {needed} pages for {which}, {free} free")
+
+
+class PageManager:
+    """Ref-counted pages of `page_size` token slots shared by up to `max_seqs` sequences.
+
+    Page 0 is the NULL page: never free, never owned; unused page-table entries point to it.
+    Sequence ids are ints in [0, max_seqs) and are the rows of the page table. All ops take a batch.
+
+    Device views (read-only, on `device`):
+        page_table:      [max_seqs, max_pages_per_seq] int32, 0 where unused
+        seq_lens:        [max_seqs] int32, 0 for sequences that are not live
+        phys_to_logical: [num_pages] int32, logical page index of an owned page, -1 otherwise
+    Slot of token `pos` of seq `s`: page_table[s, pos // P] * P + pos % P.
+
+    Errors: bad ids, lengths or positions raise ValueError (never IndexError); wrong k/v dtype or
+    device raise TypeError, wrong shape ValueError; an unservable reserve raises OutOfPages. A call
+    that raises changes nothing.
+
+    Copy-on-write: `fork` shares pages. When `reserve` grows a sequence into a partly-filled page
+    that is shared, the sequence gets a private page and (src, dst) is queued in `pending_copies`.
+    Call `apply_copies(*pools)` after `reserve` and before the next `assign`/`erase`/`reserve`
+    that involves those sequences, so the shared source page is still intact when copied.
+
+    Concurrency contract (no locks anywhere):
+        Any number of threads may call reserve / erase / fork / slots / assign / gather concurrently
+        provided each sequence id, and every sequence forked from it (its "family": they share
+        pages and refcounts), is used by one thread at a time. The only shared structure is the
+        free pool, a `collections.deque` whose `popleft` / `extend` are atomic in CPython.
+        `reserve` checks the pool size, then takes pages one `popleft` at a time; on a shortage it
+        returns what it took and raises OutOfPages, so under contention a thread may see a spurious
+        OutOfPages, but a page is never lost or owned twice. `erase` updates host and device state
+        of a page (phys_to_logical = -1, table entry = 0) BEFORE pushing it onto the free pool, so
+        the next owner's writes are never overwritten. `apply_copies`, `reset`, and the host views
+        `utilization` / `live_seqs` / `refcounts` / `free_pages` are not meant to race with writers
+        (they are consistent snapshots only when no other thread is mutating).
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_seqs: int,
+        device: str | torch.device = "cpu",
+        *,
+        max_seq_len: int | None = None,
+    ):
+        for name, val, low in (("num_pages", num_pages, 2), ("page_size", page_size, 1),
+                               ("max_seqs", max_seqs, 1)):  # fmt: skip
+            if not isinstance(val, int) or val < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
+        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
+            raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
+        self.num_pages, self.page_size, self.max_seqs = num_pages, page_size, max_seqs
+        self.device = torch.device(device)
+        P = page_size
+        self.max_pages_per_seq = -(-max_seq_len // P) if max_seq_len else num_pages - 1
+        self.max_seq_len = max_seq_len if max_seq_len else self.max_pages_per_seq * P
+        C = self.max_pages_per_seq
+        # host mirror: the source of truth for validation and planning
+        self._lens = np.zeros(max_seqs, dtype=np.int64)
+        self._live = np.zeros(max_seqs, dtype=bool)
+        self._table = np.zeros((max_seqs, C), dtype=np.int32)
+        self._refcount = np.zeros(num_pages, dtype=np.int32)
+        self._p2l = np.full(num_pages, -1, dtype=np.int32)
+        self._free: collections.deque[int] = collections.deque(range(1, num_pages))
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()
+        # device views
+        self._page_table_d = torch.zeros((max_seqs, C), dtype=torch.int32, device=self.device)
+        self._seq_lens_d = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
+        self._p2l_d = torch.full((num_pages,), -1, dtype=torch.int32, device=self.device)
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def page_table(self) -> torch.Tensor:
+        """[max_seqs, max_pages_per_seq] int32 on device; do not write to it."""
+        return self._page_table_d
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """[max_seqs] int32 on device; 0 for sequences that are not live."""
+        return self._seq_lens_d
+
+    @property
+    def phys_to_logical(self) -> torch.Tensor:
+        """[num_pages] int32 on device: logical page index of an owned page, -1 otherwise."""
+        return self._p2l_d
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def live_seqs(self) -> list[int]:
+        """Sorted ids of live sequences (host)."""
+        return np.flatnonzero(self._live).tolist()
+
+    @property
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """Queued copy-on-write page copies (src_page, dst_page), applied by `apply_copies`."""
+        return list(self._pending)
+
+    @property
+    def refcounts(self) -> np.ndarray:
+        """[num_pages] host copy of the page refcounts (0 for free pages and the null page)."""
+        return self._refcount.copy()
+
+    @property
+    def free_pages(self) -> list[int]:
+        """Host snapshot of the free pool (debugging/tests; O(num_pages))."""
+        return list(self._free)
+
+    @property
+    def utilization(self) -> float:
+        """Tokens held in distinct used pages / (used pages * page_size); 0.0 when empty."""
+        ids = np.flatnonzero(self._live)
+        P = self.page_size
+        fill = np.zeros(self.num_pages, dtype=np.int64)
+        for s in ids.tolist():
+            n = self._num_pages_for(self._lens[s])
+            counts = np.clip(self._lens[s] - np.arange(n) * P, 0, P)
+            np.maximum.at(fill, self._table[s, :n], counts)
+        used = int(np.count_nonzero(self._refcount))
+        return float(fill.sum()) / (used * P) if used else 0.0
+
+    def length(self, seq_id: int) -> int:
+        """Host length of a sequence (0 if not live)."""
+        return int(self._lens[self._check_ids([seq_id], "seq_id")[0]])
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        """Host list of the physical pages of a sequence, in logical order."""
+        s = int(self._check_ids([seq_id], "seq_id")[0])
+        return self._table[s, : self._num_pages_for(self._lens[s])].tolist()
+
+    # ------------------------------------------------------------------ validation helpers
+    def _num_pages_for(self, length: np.ndarray | int) -> np.ndarray | int:
+        return -(-length // self.page_size)
+
+    def _check_ids(self, seq_ids, what: str = "seq_ids", *, unique: bool = True) -> np.ndarray:
+        ids = ops.as_int_array(seq_ids, what)
+        bad = (ids < 0) | (ids >= self.max_seqs)
+        if bad.any():
+            raise ValueError(f"seq id {ids[bad][0]} out of range, expected 0 <= id < {self.max_seqs}")
+        if unique and np.unique(ids).size != ids.size:
+            vals, counts = np.unique(ids, return_counts=True)
+            raise ValueError(f"duplicate seq id {vals[counts > 1][0]} in {what}")
+        return ids
+
+    def _check_live(self, ids: np.ndarray) -> None:
+        dead = ~self._live[ids]
+        if dead.any():
+            raise ValueError(f"seq id {ids[dead][0]} is not live (reserve it first)")
+
+    def _check_reserve(self, seq_ids, new_lengths) -> tuple[np.ndarray, np.ndarray]:
+        ids = self._check_ids(seq_ids)
+        lens = ops.as_int_array(new_lengths, "new_lengths")
+        if ids.size != lens.size:
+            raise ValueError(f"got {ids.size} seq_ids but {lens.size} new_lengths")
+        bad = (lens < 0) | (lens > self.max_seq_len)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"length {lens[i]} for seq {ids[i]} out of range, expected 0 <= length <= "
+                f"{self.max_seq_len} (max_pages_per_seq={self.max_pages_per_seq} * page_size="
+                f"{self.page_size})"
+            )
+        shrink = lens < self._lens[ids]
+        if shrink.any():
+            i = int(np.argmax(shrink))
+            raise ValueError(
+                f"reserve cannot shrink: seq {ids[i]} has length {self._lens[ids[i]]}, asked for {lens[i]}"
+            )
+        return ids, lens
+
+    # ------------------------------------------------------------------ free pool
+    def _take(self, n: int, needers: np.ndarray) -> list[int]:
+        """Pop n pages one popleft at a time; on shortage return them and raise OutOfPages."""
+        free = self._free
+        if len(free) < n:
+            raise OutOfPages(n, len(free), needers.tolist())
+        taken: list[int] = []
+        try:  # n separate atomic poplefts, driven from C; extend keeps what it got on error
+            taken.extend(itertools.starmap(free.popleft, itertools.repeat((), n)))
+        except IndexError:
+            free.extend(taken)  # lost a race with another thread: give back, change nothing
+            raise OutOfPages(n, len(free), needers.tolist()) from None
+        return taken
+
+    # ------------------------------------------------------------------ ops
+    def reserve(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> None:
+        """Make each seq hold new_lengths[i] token slots (all-or-nothing); see class docstring.
+
+        Takes only the missing pages (ceil(len / P) in all) plus one private page per seq whose
+        shared, partly-filled last page it grows into (copy-on-write, queued in pending_copies).
+        Raises ValueError on bad input and OutOfPages when the pool is short; nothing changes then.
+        """
+        ids, lens = self._check_reserve(seq_ids, new_lengths)
+        if ids.size == 0:
+            return
+        P = self.page_size
+        cur = self._lens[ids]
+        have = self._num_pages_for(cur)
+        grow = self._num_pages_for(lens) - have
+        cow = (cur % P != 0) & (lens > cur)  # grows into a partly filled last page ...
+        if cow.any():  # ... that is shared with a forked sequence
+            cow = self._plan_cow(ids, have, cow)
+        need = grow + cow
+        total = int(need.sum())
+        pages = self._take(total, ids[need > 0]) if total else []
+        if cow.any():
+            self._copy_on_write(ids, have, cow, need, pages)
+        self._commit(ids, lens, have - cow, need, np.asarray(pages, dtype=np.int64))
+
+    def _plan_cow(self, ids: np.ndarray, have: np.ndarray, grows: np.ndarray) -> np.ndarray:
+        """Which seqs need a private copy of their last page (loop over candidates only).
+
+        In batch order, a seq copies while another holder of the page is left; when every holder
+        grows in the same batch, the last one keeps the page (so no page is dropped mid-copy).
+        """
+        cow = np.zeros_like(grows)
+        left: dict[int, int] = {}  # page -> references not yet copied away
+        idx = np.flatnonzero(grows)
+        for i, page in zip(idx.tolist(), self._table[ids[idx], have[idx] - 1].tolist(), strict=True):
+            refs = left.get(page, int(self._refcount[page]))
+            if refs > 1:
+                cow[i], left[page] = True, refs - 1
+        return cow
+
+    def _copy_on_write(self, ids, have, cow, need, pages) -> None:
+        """Drop one reference to each shared last page; queue (src, dst) copies."""
+        src = self._table[ids[cow], have[cow] - 1].astype(np.int64)
+        first = np.cumsum(need) - need  # index in `pages` of each seq's first new page
+        dst = np.asarray(pages, dtype=np.int64)[first[cow]]
+        np.subtract.at(self._refcount, src, 1)  # src stays >= 1 (see _plan_cow)
+        self._pending.extend(zip(src.tolist(), dst.tolist(), strict=True))
+
+    def _commit(self, ids, lens, start, need, pages: np.ndarray) -> None:
+        """Write new pages (seq ids[i] gets need[i] pages from logical index start[i]) + lengths."""
+        first = np.cumsum(need) - need
+        rows = np.repeat(ids, need)
+        cols = np.repeat(start - first, need) + np.arange(pages.size)
+        self._refcount[pages] = 1
+        self._table[rows, cols] = pages
+        self._p2l[pages] = cols
+        self._lens[ids] = lens
+        self._live[ids] = True
+        C, k, b = self.max_pages_per_seq, pages.size, ids.size
+        packed = ops.to_device(np.concatenate([rows * C + cols, pages, cols, ids, lens]), self.device)
+        ops.scatter_int32(self._page_table_d, packed[:k], packed[k : 2 * k])
+        ops.scatter_int32(self._p2l_d, packed[k : 2 * k], packed[2 * k : 3 * k])
+        ops.scatter_int32(self._seq_lens_d, packed[3 * k : 3 * k + b], packed[3 * k + b :])
+
+    def erase(self, seq_ids: Sequence[int]) -> None:
+        """Drop the sequences: refcount -1 per page, pages reaching 0 return to the free pool."""
+        ids = self._check_ids(seq_ids)
+        self._check_live(ids)
+        if ids.size == 0:
+            return
+        n = self._num_pages_for(self._lens[ids])
+        m = int(n.max())
+        held = np.arange(m) < n[:, None]  # [B, m]
+        rows = np.broadcast_to(ids[:, None], held.shape)[held]
+        cols = np.broadcast_to(np.arange(m), held.shape)[held]
+        pages = self._table[rows, cols].astype(np.int64)
+        if (self._refcount[pages] > 1).any():  # forked pages: may repeat within the batch
+            np.subtract.at(self._refcount, pages, 1)
+            freed = np.unique(pages[self._refcount[pages] == 0])
+        else:  # every page appears once and drops to 0
+            self._refcount[pages] = 0
+            freed = pages
+        # state of freed pages first, THEN push them on the free pool (concurrency contract)
+        self._p2l[freed] = -1
+        self._table[rows, cols] = NULL_PAGE
+        self._lens[ids] = 0
+        self._live[ids] = False
+        C = self.max_pages_per_seq
+        packed = ops.to_device(np.concatenate([rows * C + cols, freed, ids]), self.device)
+        k, f = rows.size, freed.size
+        ops.fill_int32(self._page_table_d, packed[:k], NULL_PAGE)
+        ops.fill_int32(self._p2l_d, packed[k : k + f], -1)
+        ops.fill_int32(self._seq_lens_d, packed[k + f :], 0)
+        self._free.extend(freed.tolist())
+
+    def fork(self, parent: int, child: int) -> None:
+        """Child (not live) shares all pages of parent (live): same length, same table row.
+
+        O(pages of parent); no KV data is copied (copy-on-write happens in a later reserve).
+        """
+        p, c = (int(x) for x in self._check_ids([parent, child], "fork(parent, child)"))
+        self._check_live(np.array([p]))
+        if self._live[c]:
+            raise ValueError(f"fork child seq id {c} is already live (erase it first)")
+        length = int(self._lens[p])
+        n = self._num_pages_for(length)
+        pages = self._table[p, :n]
+        self._refcount[pages] += 1
+        self._table[c, :n] = pages
+        self._lens[c] = length
+        self._live[c] = True
+        flat = c * self.max_pages_per_seq + np.arange(n, dtype=np.int64)
+        packed = ops.to_device(np.concatenate([flat, pages, [c, length]]), self.device)
+        ops.scatter_int32(self._page_table_d, packed[:n], packed[n : 2 * n])
+        ops.scatter_int32(self._seq_lens_d, packed[2 * n : 2 * n + 1], packed[2 * n + 1 :])
+
+    def apply_copies(self, *pools: torch.Tensor) -> None:
+        """Run the queued copy-on-write copies src->dst in every pool, then clear the queue.
+
+        # each pool: [L, Hkv, num_pages*P, D] (e.g. k_pool, v_pool, or every layer's pools)
+        """
+        n = len(self._pending)
+        pairs = [self._pending.popleft() for _ in range(n)]
+        if not pairs:
+            return
+        src, dst = np.asarray(pairs, dtype=np.int64).T
+        try:
+            ops.copy_pages(pools, src, dst, self.page_size)
+        except Exception:
+            self._pending.extendleft(reversed(pairs))  # keep the queue on error
+            raise
+
+    def reset(self) -> None:
+        """Free everything (not thread-safe)."""
+        self._lens[:] = 0
+        self._live[:] = False
+        self._table[:] = NULL_PAGE
+        self._refcount[:] = 0
+        self._p2l[:] = -1
+        self._free.clear()  # same deque object: references to the pool stay valid
+        self._free.extend(range(1, self.num_pages))
+        self._pending.clear()
+        self._page_table_d.zero_()
+        self._seq_lens_d.zero_()
+        self._p2l_d.fill_(-1)
+
+    # ------------------------------------------------------------------ slots / KV data
+    def slots(self, seq_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """Pool slot of each token, from the host mirror, in one host->device copy.
+
+        # seq_ids, positions: [T] host ints (list / numpy / CPU tensor)
+        # returns slots: [T] int64 on device
+        ValueError for a seq that is not live or a position outside [0, length).
+        """
+        seqs = self._check_ids(seq_ids, "seq_ids", unique=False)
+        pos = ops.as_int_array(positions, "positions")
+        if seqs.size != pos.size:
+            raise ValueError(f"got {seqs.size} seq_ids but {pos.size} positions")
+        self._check_live(seqs)
+        lens = self._lens[seqs]
+        bad = (pos < 0) | (pos >= lens)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"position {pos[i]} of seq {seqs[i]} out of range, expected 0 <= position < length {lens[i]}"
+            )
+        P = self.page_size
+        slot = self._table[seqs, pos // P].astype(np.int64) * P + pos % P
+        return ops.to_device(slot, self.device)
+
+    def assign(
+        self,
+        seq_ids: Sequence[int],
+        positions: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> None:
+        """Write k/v of each token at its slot. Positions must be < the reserved length.
+
+        # k, v: [T, Hkv, D] (pools with L == 1) or [L, T, Hkv, D]
+        # k_pool, v_pool: [L, Hkv, num_pages*P, D]
+        TypeError for a dtype/device mismatch, ValueError for shapes/ids/positions; pools unchanged.
+        """
+        ops.check_pool_pair(k_pool, v_pool)
+        T = len(positions)
+        ops._check_kv("k", k, k_pool, T)
+        ops._check_kv("v", v, v_pool, T)
+        self._check_pool_size(k_pool)
+        write_slots(k_pool, v_pool, self.slots(seq_ids, positions), k, v)
+
+    def gather(
+        self, seq_ids: Sequence[int], k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logically contiguous K/V of each sequence, zero-padded to the longest.
+
+        # returns k, v: [B, Hkv, max_len, D]; lens: [B] int64 on the pools' device
+        """
+        ids = self._check_ids(seq_ids, "seq_ids", unique=False)
+        self._check_live(ids)
+        ops.check_pool_pair(k_pool, v_pool)
+        self._check_pool_size(k_pool)
+        if not 0 <= layer < k_pool.shape[0]:
+            raise ValueError(f"layer {layer} out of range, pool has {k_pool.shape[0]} layers")
+        lens = self._lens[ids]
+        S = int(lens.max()) if ids.size else 0
+        P = self.page_size
+        pos = np.arange(S, dtype=np.int64)
+        valid = pos < lens[:, None]  # [B, S]
+        slot_idx = self._table[ids[:, None], pos // P].astype(np.int64) * P + pos % P  # [B, S]
+        slot_idx[~valid] = 0  # the null page's first slot: always a valid index
+        return ops.gather_slots(k_pool, v_pool, layer, slot_idx, valid, lens)
+
+    def _check_pool_size(self, pool: torch.Tensor) -> None:
+        want = self.num_pages * self.page_size
+        if pool.shape[2] != want:
+            raise ValueError(f"pool slot dim {pool.shape[2]}, expected num_pages*page_size = {want}")

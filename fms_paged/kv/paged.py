@@ -1,0 +1,323 @@
+"""The paged backend: K/V in a page pool, attention by FlexAttention through the block table.
+
+Per layer the pool is `[1, Hkv, num_pages * P, D]` (a view of one stacked tensor
+`[nlayers, Hkv, num_pages * P, D]`). Each step: RESERVE pages for the new tokens (host bookkeeping),
+compute their pool slots once, build one BlockMask shared by every layer, and in each layer ASSIGN the
+new k/v to their slots and run flex_attention over the whole pool (only the listed pages are read).
+
+Layouts: decode runs one row per sequence ([B, 1], B fixed = max_batch, so shapes never change);
+prefill packs all prompts into one row ([1, T], no padding to the longest prompt).
+
+Kernels: "flex" (compiled flex_attention: Triton on CUDA, inductor C++ on CPU), or "gather"
+(GATHER each sequence's pages + SDPA; the fallback where compiled flex is unavailable, e.g. MPS or a
+CPU without a C++ compiler). "auto" picks flex when available and announces a fallback once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
+
+from fms_paged.flex.masks import DecodeBlockMask, paged_mask_mod, prefill_block_mask
+from fms_paged.kv._pool_ops import write_slots
+from fms_paged.kv.page_manager import PageManager
+
+KERNELS = ("auto", "flex", "flex-eager", "gather")
+
+
+@functools.cache
+def compiled_flex(dynamic: bool) -> Callable:
+    """One compiled flex_attention per shape policy, shared by every backend in the process.
+
+    Each distinct (pool size, batch, prefill bucket) is one static-shape specialization of the same
+    code object; Dynamo's default limit of 8 is too low for a process that serves several pool
+    sizes, so it is raised (within a pool, decode shapes never change: see the recompile test).
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        torch._dynamo.config.accumulated_recompile_limit, 512
+    )
+    return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
+
+
+def flex_unavailable_reason(device: torch.device) -> str | None:
+    """Why compiled flex_attention cannot run on `device` here (None if it can)."""
+    if os.environ.get("FMS_PAGED_FORCE_GATHER"):
+        return "FMS_PAGED_FORCE_GATHER is set"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed"
+        return None
+    if device.type == "cpu":
+        if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
+            return "no C++ compiler found for inductor's CPU flex_attention"
+        try:
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            if not pick_vec_isa():
+                return "this CPU has no AVX2/AVX512/NEON vector ISA for inductor"
+        except Exception as e:  # pragma: no cover - depends on the torch build
+            return f"inductor CPU support unavailable ({e})"
+        return None
+    return f"compiled flex_attention is not supported on {device.type} by this torch build"
+
+
+def choose_kernel(kernel: str, device: torch.device) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; expected one of {KERNELS}")
+    if kernel != "auto":
+        return kernel
+    reason = flex_unavailable_reason(device)
+    if reason is None:
+        return "flex"
+    warnings.warn(f"fms_paged: paged attention falls back to GATHER + SDPA: {reason}", stacklevel=3)
+    return "gather"
+
+
+def prefill_bucket(T: int) -> int:
+    """Packed prefill length rounded up: powers of two from 128 to 1024, then multiples of 1024."""
+    if T <= 1024:
+        return max(128, 1 << (T - 1).bit_length())
+    return -(-T // 1024) * 1024
+
+
+def default_num_pages(max_batch: int, max_seq_len: int, page_size: int) -> int:
+    """Enough pages for every sequence at full length, plus the null page."""
+    return max_batch * -(-max_seq_len // page_size) + 1
+
+
+class PagedBackend:
+    """Drives a PageManager + per-layer page pools for `generate` and the engine."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_batch: int,
+        max_seq_len: int,
+        *,
+        num_pages: int | None = None,
+        kernel: str = "auto",
+        score_mod: Callable | None = None,
+    ):
+        c = model.config
+        self.P = P = c.page_size
+        self.device = model.device
+        self.max_batch = max_batch
+        self.num_pages = num_pages or default_num_pages(max_batch, max_seq_len, P)
+        self.kernel = choose_kernel(kernel, self.device)
+        self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
+        shape = (c.nlayers, c.kvheads, self.num_pages * P, c.head_dim)
+        self.k_pool = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        self.v_pool = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        self.score_mod = score_mod
+        self.decode_mask = DecodeBlockMask(
+            max_batch, self.num_pages, self.pm.max_pages_per_seq, P, self.device
+        )
+        self.decode_mask_mod = paged_mask_mod(
+            self.pm.page_table,
+            self.pm.phys_to_logical,
+            self.decode_mask.q_seq,
+            self.decode_mask.q_pos,
+            P,
+        )
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.k_pool.nbytes + self.v_pool.nbytes
+
+    def reset(self) -> None:
+        self.pm.reset()
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        live = set(self.pm.live_seqs)
+        ids = [s for s in seq_ids if s in live]
+        if ids:
+            self.pm.erase(ids)
+
+    def _reserve(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> None:
+        """RESERVE, then zero the newly taken pages and apply copy-on-write copies.
+
+        Zeroing matters: attention multiplies masked-out weights (exactly 0) by the values of the
+        whole page, and 0 * NaN = NaN, so stale NaN/inf left by a page's previous owner in slots
+        not yet written would leak into the output.
+        """
+        P, live = self.P, set(self.pm.live_seqs)
+        old = [self.pm.length(s) if s in live else 0 for s in seq_ids]
+        self.pm.reserve(seq_ids, new_lengths)
+        fresh = [
+            self.pm.pages_of(s)[-(-o // P) : -(-n // P)]
+            for s, o, n in zip(seq_ids, old, new_lengths)
+            if -(-n // P) > -(-o // P)
+        ]
+        if fresh:
+            pages = torch.tensor([p for ps in fresh for p in ps], dtype=torch.long)
+            idx = (pages[:, None] * P + torch.arange(P)).flatten().to(self.device)
+            self.k_pool.index_fill_(2, idx, 0)
+            self.v_pool.index_fill_(2, idx, 0)
+        if self.pm.pending_copies:  # copy-on-write of pages shared by fork
+            self.pm.apply_copies(self.k_pool, self.v_pool)
+
+    def prefill(self, seq_ids, prompts, starts=None):
+        starts = [0] * len(prompts) if starts is None else list(starts)
+        counts = [len(p) for p in prompts]
+        self._reserve(seq_ids, [s + n for s, n in zip(starts, counts)])
+        tok_seq = np.repeat(np.asarray(seq_ids, dtype=np.int64), counts)
+        tok_pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
+        slots = self.pm.slots(tok_seq, tok_pos)  # [T]
+        last = torch.from_numpy(np.cumsum(counts) - 1).to(self.device)
+        if self.kernel == "gather":  # padded rows for GATHER + SDPA
+            B, S = len(prompts), max(counts)
+            tokens = torch.zeros(B, S, dtype=torch.long)
+            pos = torch.tensor(starts)[:, None] + torch.arange(S)  # pads sit past each row's end
+            valid = torch.arange(S)[None, :] < torch.tensor(counts)[:, None]
+            for b, p in enumerate(prompts):
+                tokens[b, : len(p)] = torch.tensor(p)
+            # padded tokens write into the null page's slot 0: never readable
+            pad_slots = torch.zeros(B * S, dtype=torch.long, device=self.device)
+            pad_slots[valid.flatten().nonzero()[:, 0].to(self.device)] = slots
+            last = torch.tensor([b * S + n - 1 for b, n in enumerate(counts)], device=self.device)
+            pos = pos.to(self.device)
+            step = GatherStep(self, pad_slots, list(seq_ids), pos, max(starts) + S)
+            return tokens.to(self.device), pos, step, last
+        # pad the packed row to a bucket size so few distinct shapes get compiled; pad tokens have
+        # q_pos = -1 (they see nothing) and write into the null page
+        T = len(tok_seq)
+        pad = prefill_bucket(T) - T if self.kernel == "flex" else 0
+        flat = [t for p in prompts for t in p] + [0] * pad
+        tokens = torch.tensor(flat, dtype=torch.long)[None]
+        tok_seq = np.concatenate([tok_seq, np.zeros(pad, dtype=np.int64)])
+        tok_pos = np.concatenate([tok_pos, np.full(pad, -1, dtype=np.int64)])
+        if pad:
+            slots = torch.cat([slots, torch.zeros(pad, dtype=torch.long, device=self.device)])
+            counts_padded = counts + [pad]
+        else:
+            counts_padded = counts
+        q_seq = torch.from_numpy(tok_seq.astype(np.int32))[None].to(self.device)
+        q_pos = torch.from_numpy(tok_pos.astype(np.int32))[None].to(self.device)
+        mask_mod = paged_mask_mod(self.pm.page_table, self.pm.phys_to_logical, q_seq, q_pos, self.P)
+        block_mask = prefill_block_mask(
+            [self.pm.pages_of(s) for s in seq_ids] + [[]],
+            starts + [0],
+            counts_padded,
+            self.num_pages,
+            self.P,
+            mask_mod,
+            self.device,
+        )
+        step = FlexStep(self, slots, block_mask, q_pos, prefill=True)
+        return tokens.to(self.device), q_pos.long(), step, last
+
+    def decode(self, seq_ids, tokens, lengths, active):
+        """One token per row; `lengths[i]` tokens are cached already, the new one goes at that
+        position. Inactive rows (finished sequences) are masked out and write to the null page."""
+        ids = [s for s, a in zip(seq_ids, active) if a]
+        new_len = [n + 1 for n, a in zip(lengths, active) if a]
+        self._reserve(ids, new_len)
+        B = len(seq_ids)
+        act = np.asarray(active, dtype=bool)
+        pos_host = np.asarray(lengths, dtype=np.int64)
+        slots = self.pm.slots(ids, pos_host[act])
+        if not act.all():
+            full = torch.zeros(B, dtype=torch.long, device=self.device)
+            full[torch.from_numpy(np.flatnonzero(act)).to(self.device)] = slots
+            slots = full
+        positions = torch.from_numpy(pos_host)[:, None].to(self.device)
+        if self.kernel == "gather":
+            return (
+                tokens[:, None],
+                positions,
+                GatherStep(self, slots, list(seq_ids), positions, int(pos_host.max()) + 1, act),
+            )
+        self.decode_mask.update(self.pm.page_table, seq_ids, pos_host + 1, act)
+        block_mask = self.decode_mask.block_mask(self.decode_mask_mod, B)
+        step = FlexStep(self, slots, block_mask, self.decode_mask.q_pos[:B], prefill=False)
+        return tokens[:, None], positions, step
+
+
+class FlexStep:
+    """One step over the pool with flex_attention; built once, shared by all layers."""
+
+    def __init__(
+        self,
+        backend: PagedBackend,
+        slots: torch.Tensor,
+        block_mask,
+        q_pos: torch.Tensor,
+        prefill: bool,
+    ):
+        self.b = backend
+        self.slots = slots  # [B' * S'] pool slot of every new token
+        self.block_mask = block_mask
+        kernel = backend.kernel
+        if kernel == "flex":
+            self.attn = compiled_flex(dynamic=False)
+        else:  # "flex-eager": reference semantics, materializes scores over the whole pool
+            self.attn = flex_attention
+        self.score_mod = None
+        if backend.score_mod is not None:
+            from fms_paged.flex.masks import logical_score_mod
+
+            self.score_mod = logical_score_mod(
+                backend.score_mod, backend.pm.phys_to_logical, q_pos, backend.P
+            )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B', H, S', D]; k, v: [B', Hkv, S', D]
+        kp, vp = (
+            self.b.k_pool[layer : layer + 1],
+            self.b.v_pool[layer : layer + 1],
+        )  # [1, Hkv, NP, D]
+        write_slots(kp, vp, self.slots, _tokens_major(k), _tokens_major(v))
+        return self.attn(
+            q, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask, enable_gqa=True
+        )
+
+
+class GatherStep:
+    """Fallback: GATHER each row's logical K/V from its pages, then SDPA with a causal mask."""
+
+    def __init__(
+        self,
+        backend: PagedBackend,
+        slots: torch.Tensor,
+        seq_ids: list[int],
+        positions: torch.Tensor,
+        span: int,
+        active: np.ndarray | None = None,
+    ):
+        self.b = backend
+        self.slots = slots
+        P, dev = backend.P, backend.device
+        seqs = torch.tensor(seq_ids, device=dev)
+        j = torch.arange(span, device=dev)
+        pages = backend.pm.page_table.index_select(0, seqs)  # [B, max_pages]
+        col = (j // P).clamp(max=pages.shape[1] - 1)
+        self.kv_slots = pages[:, col].long() * P + j % P  # [B, L]
+        # mask: [B, 1, S, L]; key position <= query position (inactive rows see only slot 0 of the
+        # null page, keeping the softmax finite; their outputs are discarded)
+        self.mask = (j[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        if active is not None and not active.all():
+            inactive = torch.from_numpy(~active).to(dev)
+            self.mask = self.mask & ~inactive[:, None, None, None] | (j == 0)[None, None, None, :]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kp, vp = self.b.k_pool[layer : layer + 1], self.b.v_pool[layer : layer + 1]
+        write_slots(kp, vp, self.slots, _tokens_major(k), _tokens_major(v))
+        keys = kp[0][:, self.kv_slots].transpose(0, 1)  # [Hkv, B, L, D] -> [B, Hkv, L, D]
+        values = vp[0][:, self.kv_slots].transpose(0, 1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
+
+
+def _tokens_major(x: torch.Tensor) -> torch.Tensor:
+    """[B', Hkv, S', D] -> [B' * S', Hkv, D], the token order of the step's slots."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])

@@ -1,0 +1,472 @@
+"""Unit tests of PageManager: bookkeeping, KV round trips, copy-on-write, bad input, no host sync.
+
+References are independent of the implementation: plain dicts of what was written, slots recomputed
+from the device page table with torch ops, and the attention-mask rule from the architecture.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fms_paged.kv import OutOfPages, PageManager, _pool_ops
+from fms_paged.kv import page_manager as page_manager_mod
+from fms_paged.kv.page_manager import write_slots
+
+H, D = 2, 3  # kv heads, head dim of the toy pools
+
+
+def make_pools(pm: PageManager, layers: int = 1, dtype=torch.float32):
+    # pool: [L, Hkv, num_pages*P, D]
+    shape = (layers, H, pm.num_pages * pm.page_size, D)
+    return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+
+def snapshot(pm: PageManager, *pools: torch.Tensor) -> dict:
+    """Everything a failed call must leave untouched (host mirror, device views, pool, pools)."""
+    return {
+        "free": pm.free_pages,
+        "refcounts": pm.refcounts.tolist(),
+        "live": pm.live_seqs,
+        "lens": [pm.length(s) for s in range(pm.max_seqs)],
+        "pages": [pm.pages_of(s) for s in range(pm.max_seqs)],
+        "pending": pm.pending_copies,
+        "page_table": pm.page_table.clone(),
+        "seq_lens": pm.seq_lens.clone(),
+        "p2l": pm.phys_to_logical.clone(),
+        "pools": [p.clone() for p in pools],
+    }
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), key
+        elif key == "pools":
+            assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True)), key
+        else:
+            assert x == y, key
+
+
+def ref_slots(pm: PageManager, seqs, positions) -> torch.Tensor:
+    """Slot rule from the architecture, computed with torch from the DEVICE page table."""
+    s, pos = torch.as_tensor(seqs), torch.as_tensor(positions)
+    P = pm.page_size
+    return pm.page_table[s, pos // P].long() * P + pos % P
+
+
+def visible_pages(pm: PageManager, seq: int) -> set[int]:
+    """Pages whose slots the attention mask shows to `seq` (rule: p2l >= 0 and table hit)."""
+    p2l = pm.phys_to_logical
+    out = set()
+    for page in range(pm.num_pages):
+        lp = int(p2l[page])
+        if lp >= 0 and int(pm.page_table[seq, lp]) == page:
+            out.add(page)
+    return out
+
+
+# ---------------------------------------------------------------------------- bookkeeping
+def test_fresh_manager_views():
+    pm = PageManager(10, 4, 3)
+    assert pm.max_pages_per_seq == 9 and pm.max_seq_len == 36
+    assert pm.page_table.shape == (3, 9) and pm.page_table.dtype == torch.int32
+    assert pm.seq_lens.shape == (3,) and pm.seq_lens.dtype == torch.int32
+    assert pm.phys_to_logical.shape == (10,) and pm.phys_to_logical.dtype == torch.int32
+    assert pm.num_free_pages == 9 and 0 not in pm.free_pages
+    assert pm.utilization == 0.0 and pm.live_seqs == [] and pm.pending_copies == []
+    assert (pm.phys_to_logical == -1).all() and (pm.page_table == 0).all()
+
+
+def test_max_seq_len_bounds_table_width():
+    pm = PageManager(1000, 16, 4, max_seq_len=100)
+    assert pm.max_pages_per_seq == math.ceil(100 / 16) == 7
+    assert pm.page_table.shape == (4, 7)
+    pm.reserve([0], [100])
+    with pytest.raises(ValueError, match="101"):
+        pm.reserve([1], [101])
+
+
+@pytest.mark.parametrize("P", [1, 3, 4])
+def test_reserve_takes_only_missing_pages(P):
+    pm = PageManager(40, P, 4)
+    pm.reserve([0, 1], [5, 0])
+    assert pm.live_seqs == [0, 1]
+    assert len(pm.pages_of(0)) == math.ceil(5 / P) and pm.pages_of(1) == []
+    first = pm.pages_of(0)
+    pm.reserve([0, 1], [9, 2])
+    assert pm.pages_of(0)[: len(first)] == first  # old pages kept in place
+    assert len(pm.pages_of(0)) == math.ceil(9 / P) and len(pm.pages_of(1)) == math.ceil(2 / P)
+    assert pm.num_free_pages == 39 - math.ceil(9 / P) - math.ceil(2 / P)
+    assert pm.length(0) == 9 and pm.seq_lens.tolist()[:2] == [9, 2]
+    for s in (0, 1):
+        pages = pm.pages_of(s)
+        assert 0 not in pages
+        assert pm.page_table[s, : len(pages)].tolist() == pages
+        assert (pm.page_table[s, len(pages) :] == 0).all()
+        assert [int(pm.phys_to_logical[p]) for p in pages] == list(range(len(pages)))
+        assert visible_pages(pm, s) == set(pages)
+    owned = pm.pages_of(0) + pm.pages_of(1)
+    assert len(set(owned)) == len(owned) and not set(owned) & set(pm.free_pages)
+
+
+def test_utilization_counts_distinct_pages():
+    pm = PageManager(20, 4, 4)
+    pm.reserve([0], [6])  # 2 pages, 6 tokens
+    assert pm.utilization == pytest.approx(6 / 8)
+    pm.fork(0, 1)  # shares both pages: still 6 tokens in 2 pages
+    assert pm.utilization == pytest.approx(6 / 8)
+    pm.reserve([1], [9])  # private copy of the half page (4 tokens now) + 1 new page (1 token)
+    assert pm.utilization == pytest.approx((4 + 2 + 4 + 1) / (4 * 4))
+
+
+def test_erase_frees_and_reset():
+    pm = PageManager(16, 2, 4)
+    pm.reserve([0, 1, 2], [3, 4, 0])
+    pages0 = pm.pages_of(0)
+    pm.erase([0, 2])
+    assert pm.live_seqs == [1] and pm.length(0) == 0 and pm.pages_of(0) == []
+    assert set(pages0) <= set(pm.free_pages)
+    assert (pm.page_table[0] == 0).all() and int(pm.seq_lens[0]) == 0
+    assert all(int(pm.phys_to_logical[p]) == -1 for p in pages0)
+    pm.reserve([0], [5])  # a freed id can be reused
+    pm.reset()
+    assert pm.num_free_pages == 15 and sorted(pm.free_pages) == list(range(1, 16))
+    assert pm.live_seqs == [] and (pm.page_table == 0).all() and (pm.seq_lens == 0).all()
+    assert (pm.phys_to_logical == -1).all() and not pm.refcounts.any()
+
+
+def test_out_of_pages_changes_nothing():
+    pm = PageManager(8, 2, 4)
+    k_pool, v_pool = make_pools(pm)
+    pm.reserve([0], [5])  # 3 pages, 4 free
+    before = snapshot(pm, k_pool, v_pool)
+    with pytest.raises(OutOfPages, match=r"need 5 pages for seqs \[0, 1\], 4 free") as err:
+        pm.reserve([0, 1], [7, 8])  # seq 0 alone (1 page) would fit: all-or-nothing
+    assert isinstance(err.value, RuntimeError)
+    assert (err.value.needed, err.value.free, err.value.seq_ids) == (5, 4, [0, 1])
+    assert_same(before, snapshot(pm, k_pool, v_pool))
+    with pytest.raises(OutOfPages, match=r"need 5 pages for seq 2, 4 free"):
+        pm.reserve([2], [10])
+    assert_same(before, snapshot(pm, k_pool, v_pool))
+    pm.reserve([1], [8])  # exactly what is left
+    assert pm.num_free_pages == 0
+
+
+def test_no_lock_anywhere():
+    for mod in (page_manager_mod, _pool_ops):
+        src = inspect.getsource(mod)
+        assert "threading" not in src and "Lock(" not in src
+    doc = PageManager.__doc__
+    assert "Concurrency contract" in doc and "one thread at a time" in doc
+
+
+# ---------------------------------------------------------------------------- KV data
+@pytest.mark.parametrize("P", [1, 3, 4])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_assign_gather_round_trip(P, layers):
+    pm = PageManager(32, P, 4)
+    k_pool, v_pool = make_pools(pm, layers)
+    lens = {0: 7, 2: 1, 3: 5}
+    pm.reserve(list(lens), list(lens.values()))
+    seqs = [s for s, n in lens.items() for _ in range(n)]
+    pos = [p for n in lens.values() for p in range(n)]
+    T = len(seqs)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(layers, T, H, D, generator=gen)  # k: [L, T, Hkv, D]
+    v = torch.randn(layers, T, H, D, generator=gen)
+    if layers == 1:
+        pm.assign(seqs, pos, k[0], v[0], k_pool, v_pool)  # [T, Hkv, D] form
+    else:
+        pm.assign(seqs, pos, k, v, k_pool, v_pool)
+    slots = pm.slots(seqs, pos)
+    assert slots.dtype == torch.int64 and torch.equal(slots, ref_slots(pm, seqs, pos))
+    assert len(set(slots.tolist())) == T and min(slots.tolist()) >= P  # never the null page
+    for layer in range(layers):
+        gk, gv, glens = pm.gather([3, 0, 2], k_pool, v_pool, layer=layer)
+        assert gk.shape == (3, H, 7, D) and glens.tolist() == [5, 7, 1]
+        for b, s in enumerate([3, 0, 2]):
+            rows = [i for i, x in enumerate(seqs) if x == s]  # tokens of s, in position order
+            assert torch.equal(gk[b, :, : lens[s]], k[layer, rows].transpose(0, 1))
+            assert torch.equal(gv[b, :, : lens[s]], v[layer, rows].transpose(0, 1))
+            assert not gk[b, :, lens[s] :].any() and not gv[b, :, lens[s] :].any()
+
+
+def test_write_slots_per_layer_matches_stacked_assign():
+    pm = PageManager(16, 4, 2)
+    pm.reserve([0, 1], [6, 3])
+    seqs, pos = [0] * 6 + [1] * 3, list(range(6)) + list(range(3))
+    k = torch.randn(2, 9, H, D)
+    stacked, stacked_v = make_pools(pm, 2)
+    pm.assign(seqs, pos, k, -k, stacked, stacked_v)
+    per_layer = [make_pools(pm, 1) for _ in range(2)]
+    slots = pm.slots(seqs, pos)  # once per step, reused by every layer
+    for layer, (kp, vp) in enumerate(per_layer):
+        write_slots(kp, vp, slots, k[layer], -k[layer])
+        assert torch.equal(kp[0], stacked[layer]) and torch.equal(vp[0], stacked_v[layer])
+
+
+def test_fork_copy_on_write_diverges():
+    pm = PageManager(20, 4, 4)
+    k_pool, v_pool = make_pools(pm, 2)
+    pm.reserve([0], [6])  # pages: full + half-full
+    k = torch.arange(2 * 6 * H * D, dtype=torch.float32).view(2, 6, H, D)
+    pm.assign([0] * 6, range(6), k, k + 0.5, k_pool, v_pool)
+    pm.fork(0, 1)
+    parent_pages = pm.pages_of(0)
+    assert pm.pages_of(1) == parent_pages and pm.length(1) == 6
+    assert pm.refcounts[parent_pages].tolist() == [2, 2]
+    assert torch.equal(pm.page_table[1], pm.page_table[0])
+    free_before = pm.num_free_pages
+    pm.reserve([1], [8])  # grows into the shared half page -> private copy
+    full, half = parent_pages
+    (src, dst), = pm.pending_copies  # fmt: skip
+    assert src == half and pm.pages_of(1) == [full, dst] and pm.num_free_pages == free_before - 1
+    assert pm.refcounts[[full, half, dst]].tolist() == [2, 1, 1]
+    assert int(pm.phys_to_logical[dst]) == 1
+    pm.apply_copies(k_pool, v_pool)
+    assert pm.pending_copies == []
+    kc = torch.full((2, 2, H, D), 100.0)
+    pm.assign([1, 1], [6, 7], kc, kc, k_pool, v_pool)  # child's new tokens
+    pm.reserve([0], [7])  # parent now holds its page alone: no copy
+    assert pm.pending_copies == [] and pm.pages_of(0) == parent_pages
+    kp = torch.full((2, 1, H, D), -7.0)
+    pm.assign([0], [6], kp, kp, k_pool, v_pool)
+    for layer in range(2):
+        gk, gv, lens = pm.gather([0, 1], k_pool, v_pool, layer)
+        assert lens.tolist() == [7, 8]
+        prefix = k[layer].transpose(0, 1)  # [Hkv, 6, D]
+        assert torch.equal(gk[0, :, :6], prefix) and torch.equal(gk[1, :, :6], prefix)
+        assert torch.equal(gv[1, :, :6], prefix + 0.5)
+        assert (gk[0, :, 6] == -7).all() and (gk[1, :, 6:8] == 100).all()
+    assert visible_pages(pm, 0) == {full, half} and visible_pages(pm, 1) == {full, dst}
+    pm.erase([0])
+    assert pm.refcounts[full] == 1 and half in pm.free_pages and full not in pm.free_pages
+    pm.erase([1])
+    assert pm.num_free_pages == 19
+
+
+def test_fork_on_page_boundary_needs_no_copy():
+    pm = PageManager(20, 4, 4)
+    pm.reserve([0], [8])
+    pm.fork(0, 1)
+    pm.reserve([0, 1], [9, 12])
+    assert pm.pending_copies == []
+    assert pm.pages_of(0)[:2] == pm.pages_of(1)[:2] and pm.pages_of(0)[2] != pm.pages_of(1)[2]
+
+
+def test_apply_copies_out_of_pages_counts_copy():
+    pm = PageManager(5, 2, 4)  # 4 usable
+    pm.reserve([0], [3])  # 2 pages
+    pm.fork(0, 1)
+    pm.reserve([2], [4])  # 2 pages, 0 free
+    before = snapshot(pm)
+    with pytest.raises(OutOfPages, match="need 1 pages for seq 1, 0 free"):
+        pm.reserve([1], [4])  # no new logical page, but a private copy of page 2
+    assert_same(before, snapshot(pm))
+
+
+# ---------------------------------------------------------------------------- bad input
+def _live_pm():
+    pm = PageManager(12, 2, 4, max_seq_len=10)
+    k_pool, v_pool = make_pools(pm)
+    pm.reserve([0, 1], [3, 2])
+    return pm, k_pool, v_pool
+
+
+BAD_CALLS = {
+    "id out of range": (lambda pm, kp, vp: pm.reserve([4], [1]), ValueError, "seq id 4"),
+    "negative id": (lambda pm, kp, vp: pm.erase([-1]), ValueError, "seq id -1"),
+    "id not int": (lambda pm, kp, vp: pm.reserve([1.5], [1]), ValueError, "1.5"),
+    "duplicate id": (
+        lambda pm, kp, vp: pm.reserve([2, 2], [1, 1]),
+        ValueError,
+        "duplicate seq id 2",
+    ),
+    "duplicate erase": (lambda pm, kp, vp: pm.erase([0, 0]), ValueError, "duplicate seq id 0"),
+    "unknown erase": (lambda pm, kp, vp: pm.erase([0, 3]), ValueError, "seq id 3 is not live"),
+    "negative length": (lambda pm, kp, vp: pm.reserve([2], [-1]), ValueError, "length -1"),
+    "over capacity": (lambda pm, kp, vp: pm.reserve([0, 2], [4, 11]), ValueError, "length 11"),
+    "shrink": (lambda pm, kp, vp: pm.reserve([0], [2]), ValueError, "reserve cannot shrink"),
+    "lengths mismatch": (lambda pm, kp, vp: pm.reserve([2, 3], [1]), ValueError, "2 seq_ids but 1"),
+    "fork dead parent": (lambda pm, kp, vp: pm.fork(3, 2), ValueError, "seq id 3 is not live"),
+    "fork live child": (lambda pm, kp, vp: pm.fork(0, 1), ValueError, "child seq id 1"),
+    "fork self": (lambda pm, kp, vp: pm.fork(0, 0), ValueError, "duplicate seq id 0"),
+    "slot unknown seq": (lambda pm, kp, vp: pm.slots([0, 2], [0, 0]), ValueError, "seq id 2"),
+    "position beyond": (
+        lambda pm, kp, vp: pm.slots([0, 1], [0, 2]),
+        ValueError,
+        "position 2 of seq 1 out of range, expected 0 <= position < length 2",
+    ),
+    "negative position": (lambda pm, kp, vp: pm.slots([0], [-1]), ValueError, "position -1"),
+    "assign beyond": (
+        lambda pm, kp, vp: pm.assign([0], [3], torch.ones(1, H, D), torch.ones(1, H, D), kp, vp),
+        ValueError,
+        "position 3 of seq 0",
+    ),
+    "k dtype": (
+        lambda pm, kp, vp: pm.assign(
+            [0], [0], torch.ones(1, H, D, dtype=torch.float16), torch.ones(1, H, D), kp, vp
+        ),
+        TypeError,
+        "k dtype torch.float16 does not match pool dtype torch.float32",
+    ),
+    "v shape": (
+        lambda pm, kp, vp: pm.assign([0], [0], torch.ones(1, H, D), torch.ones(1, H, D + 1), kp, vp),
+        ValueError,
+        f"v shape [1, {H}, {D + 1}], expected [1, {H}, {D}]",
+    ),
+    "k token count": (
+        lambda pm, kp, vp: pm.assign([0, 0], [0, 1], torch.ones(1, H, D), torch.ones(2, H, D), kp, vp),
+        ValueError,
+        "k shape [1,",
+    ),
+    "k device": (
+        lambda pm, kp, vp: pm.assign(
+            [0], [0], torch.ones(1, H, D, device="meta"), torch.ones(1, H, D), kp, vp
+        ),
+        TypeError,
+        "k device meta does not match pool device cpu",
+    ),
+    "write_slots device": (
+        lambda pm, kp, vp: write_slots(
+            kp, vp, pm.slots([0], [0]), torch.ones(1, H, D), torch.ones(1, H, D, device="meta")
+        ),
+        TypeError,
+        "v device meta",
+    ),
+    "gather unknown": (lambda pm, kp, vp: pm.gather([0, 3], kp, vp), ValueError, "seq id 3"),
+    "gather layer": (lambda pm, kp, vp: pm.gather([0], kp, vp, layer=1), ValueError, "layer 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_input_is_typed_and_changes_nothing(case):
+    call, exc, msg = BAD_CALLS[case]
+    pm, k_pool, v_pool = _live_pm()
+    pm.assign([0, 0, 0], [0, 1, 2], torch.randn(3, H, D), torch.randn(3, H, D), k_pool, v_pool)
+    before = snapshot(pm, k_pool, v_pool)
+    with pytest.raises(exc) as err:
+        call(pm, k_pool, v_pool)
+    assert msg in str(err.value)
+    assert_same(before, snapshot(pm, k_pool, v_pool))
+
+
+def test_out_of_pages_is_runtime_error_and_exported():
+    assert issubclass(OutOfPages, RuntimeError)
+    import fms_paged.kv as kv
+
+    assert {"PageManager", "OutOfPages"} <= set(kv.__all__)
+
+
+# ---------------------------------------------------------------------------- no host sync
+class NoHostSync(TorchDispatchMode):
+    """Fails on every aten op that reads device memory back to the host.
+
+    On CPU, `.tolist()` / `.numpy()` and boolean-mask indexing do not dispatch a sync op, so the
+    hot path is also run on `device="meta"` (no data at all: any read-back raises there) and
+    boolean indices (a hidden `nonzero` on CUDA) are refused here.
+    """
+
+    BANNED = {"_local_scalar_dense", "nonzero", "item", "equal", "is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.seen.append(name)
+        if name in self.BANNED or "_local_scalar" in name:
+            raise AssertionError(f"host sync: aten.{name}")
+        if name.startswith("index") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for a in args
+            if isinstance(a, (list, tuple))
+            for i in a
+        ):
+            raise AssertionError(f"host sync: aten.{name} with a boolean mask")
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_sync_mode_catches_syncs():
+    t = torch.tensor([1, 2])
+    syncs = (
+        lambda: t[0].item(),
+        lambda: bool(t[0]),
+        lambda: int(t[0]),
+        t.nonzero,
+        lambda: t[t > 1],
+    )
+    for sync in syncs:
+        with pytest.raises(AssertionError, match="host sync"), NoHostSync():
+            sync()
+    m = torch.zeros(2, device="meta")
+    for read_back in (m.tolist, m.numpy, m.cpu):
+        with pytest.raises((NotImplementedError, TypeError)):
+            read_back()
+
+
+def decode_steps(pm: PageManager, k_pool, v_pool, lens: dict[int, int], steps: int) -> dict:
+    """The per-step hot path: reserve +1 token, copy-on-write, slots once, write every layer."""
+    L = k_pool.shape[0]
+    for _ in range(steps):  # crosses page boundaries and forces a copy-on-write
+        batch = list(lens)
+        pm.reserve(batch, [lens[s] + 1 for s in batch])
+        pm.apply_copies(k_pool, v_pool)
+        pos = [lens[s] for s in batch]
+        slots = pm.slots(batch, pos)
+        k = torch.randn(L, len(batch), H, D, device=k_pool.device)  # k: [L, T, Hkv, D]
+        for layer in range(L):
+            kp, vp = k_pool[layer : layer + 1], v_pool[layer : layer + 1]
+            write_slots(kp, vp, slots, k[layer], k[layer])
+        pm.assign(batch, pos, k, k, k_pool, v_pool)
+        lens = {s: n + 1 for s, n in lens.items()}
+    return lens
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_hot_path_has_no_host_sync(device):
+    pm = PageManager(64, 4, 8, device=device)
+    k_pool, v_pool = (p.to(device) for p in make_pools(pm, 2))
+    seqs = [0, 1, 2, 5]
+    pm.reserve(seqs, [3, 4, 1, 7])
+    pm.fork(1, 6)
+    pm.fork(0, 7)
+    lens = {s: pm.length(s) for s in [*seqs, 6, 7]}
+    with NoHostSync() as mode:
+        lens = decode_steps(pm, k_pool, v_pool, lens, steps=6)
+        pm.fork(2, 3)
+        pm.erase([0, 3])
+        gk, _, _ = pm.gather([1, 6], k_pool, v_pool, layer=1)
+    assert "index_copy_" in mode.seen  # the mode saw the device writes
+    assert gk.shape == (2, H, max(lens[1], lens[6]), D)
+    assert [pm.length(s) for s in (1, 2, 5, 6, 7)] == [lens[s] for s in (1, 2, 5, 6, 7)]
+    if device == "cpu":
+        assert pm.seq_lens.tolist() == [pm.length(s) for s in range(8)]
+
+
+# ---------------------------------------------------------------------------- benchmark
+def test_benchmark_runs_tiny_and_writes_json(tmp_path, capsys):
+    from fms_paged.bench.page_manager import main
+
+    args = ["--out", str(tmp_path), "--num-pages", "300", "2000", "--live", "1", "50"]
+    main([*args, "--batch", "4", "--pages-per-seq", "8", "--iters", "3", "--repeats", "2"])
+    report = json.loads((tmp_path / "page_manager.json").read_text())
+    rows = report["results"]
+    assert [(r["num_pages"], r["live_seqs"]) for r in rows] == [
+        (300, 1), (300, 50), (2000, 1), (2000, 50)
+    ]  # fmt: skip
+    assert all(r["pages_per_s"] > 0 and r["pages_per_round"] == 32 for r in rows)
+    fp = {f["max_seqs"]: f for f in report["footprint"]}[1]
+    assert fp["page_table_bytes"] == 4 * 2048 and fp["kv_pool_bytes"] == 2 * 32 * 32 * 128 * 2 * 2049 * 16
+    assert "pages/s" in capsys.readouterr().out
+    assert np.isclose(fp["metadata_fraction"], fp["metadata_bytes"] / fp["kv_pool_bytes"])

@@ -1,0 +1,317 @@
+"""attn_impl="paged" against the dense SDPA backend on the same weights (fp32).
+
+Lockstep: both backends prefill the same prompts, then decode the same tokens; the logits of every
+prompt position and of every decode step must agree to 1e-5 (fp32 round-off: the two paths sum the
+same products in different orders). Wide parametrizations use the eager flex kernel (same mask and
+block lists as the compiled one, no compile cost); compiled cases share one pool size so they share
+compiled kernels.
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fms_paged import generate, get_model
+from fms_paged.kv.cache import make_cache
+from fms_paged.kv.paged import PagedBackend
+
+TOL = 1e-5
+NUM_PAGES = 160  # compiled cases all use this pool so they share kernels
+
+
+def pair(**cfg):
+    dense = get_model(variant="micro", device="cpu", seed=0, **cfg)
+    paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", **cfg)
+    assert all(
+        torch.equal(a, b) for a, b in zip(dense.state_dict().values(), paged.state_dict().values())
+    )
+    return dense, paged
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def lockstep(
+    dense,
+    paged,
+    prompts,
+    steps,
+    *,
+    kernel,
+    num_pages=None,
+    seq_ids=None,
+    max_batch=None,
+    before=None,
+):
+    """Max |logit difference| over all prompt positions and `steps` decode steps."""
+    B = len(prompts)
+    seq_ids = seq_ids or list(range(B))
+    max_len = max(map(len, prompts)) + steps + 1
+    dc = make_cache(dense, B, max_len)
+    pc = PagedBackend(paged, max_batch or B, max_len, num_pages=num_pages, kernel=kernel)
+    if before is not None:
+        before(pc)
+    t, p, s, _ = dc.prefill(list(range(B)), prompts)
+    d_logits = dense(t, p, s)  # [B, S, V]
+    t, p, s, _ = pc.prefill(seq_ids, prompts)
+    p_logits = paged(t, p, s)  # packed [1, T', V] (or padded [B, S, V] for the gather kernel)
+    worst = 0.0
+    off = 0
+    for b, prompt in enumerate(prompts):
+        n = len(prompt)
+        got = p_logits[b, :n] if kernel == "gather" else p_logits[0, off : off + n]
+        worst = max(worst, (got - d_logits[b, :n]).abs().max().item())
+        off += n
+    lengths = [len(q) for q in prompts]
+    tok = torch.stack([d_logits[b, n - 1].argmax() for b, n in enumerate(lengths)])
+    for _ in range(steps):
+        t, p, s = dc.decode(list(range(B)), tok, lengths, [True] * B)
+        d = dense(t, p, s)[:, -1]
+        t, p, s = pc.decode(seq_ids, tok, lengths, [True] * B)
+        g = paged(t, p, s)[:, -1]
+        assert torch.isfinite(g).all()
+        worst = max(worst, (g - d).abs().max().item())
+        lengths = [n + 1 for n in lengths]
+        tok = d.argmax(-1)
+    return worst
+
+
+LENGTHS = [1, 15, 17, 232, 1000]
+
+
+@pytest.mark.parametrize("P", [16, 32, 64, 128])
+def test_eager_flex_matches_dense_all_page_sizes(P):
+    dense, paged = pair(page_size=P)
+    assert lockstep(dense, paged, prompts_of(LENGTHS), steps=P + 2, kernel="flex-eager") <= TOL
+
+
+@pytest.mark.parametrize("kernel", ["flex", "gather"])
+def test_kernels_match_dense(kernel):
+    dense, paged = pair(page_size=16)
+    worst = lockstep(
+        dense,
+        paged,
+        prompts_of([1, 15, 17, 232, 100]),
+        steps=20,
+        kernel=kernel,
+        num_pages=NUM_PAGES,
+        max_batch=8,
+    )
+    assert worst <= TOL
+
+
+def test_gqa_4_to_1():
+    dense, paged = pair(page_size=16, nheads=8, kvheads=2)
+    assert lockstep(dense, paged, prompts_of([17, 40, 3]), steps=10, kernel="flex-eager") <= TOL
+
+
+def test_shuffled_pages_and_noncontiguous_rows():
+    """Scattered physical pages, and sequences held in rows 5, 2, 7 of an 8-row backend."""
+    dense, paged = pair(page_size=16)
+
+    def scatter(pc):
+        random.Random(0).shuffle(pc.pm._free)
+
+    worst = lockstep(
+        dense,
+        paged,
+        prompts_of([40, 9, 70]),
+        steps=20,
+        kernel="flex",
+        num_pages=NUM_PAGES,
+        seq_ids=[5, 2, 7],
+        max_batch=8,
+        before=scatter,
+    )
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("kernel", ["flex", "gather"])
+def test_nan_filled_pages_are_reused_safely(kernel):
+    """Pages of an erased sequence, filled with NaN, are handed to new sequences: the output stays
+    finite and equal to dense (new pages are zeroed on RESERVE; freed pages are never listed)."""
+    dense, paged = pair(page_size=16)
+
+    def poison(pc):
+        pc.prefill([0, 1], prompts_of([80, 37], seed=9))
+        pc.release([0, 1])
+        pc.k_pool[:, :, 16:] = float("nan")  # every page but the null page
+        pc.v_pool[:, :, 16:] = float("nan")
+        pc.pm._free.rotate(3)  # reuse in a different order
+
+    worst = lockstep(
+        dense,
+        paged,
+        prompts_of([30, 5, 64]),
+        steps=20,
+        kernel=kernel,
+        num_pages=NUM_PAGES,
+        max_batch=8,
+        before=poison,
+    )
+    assert worst <= TOL
+
+
+def test_chunked_prefill_through_pages():
+    """A prompt fed in chunks (each chunk reads the earlier ones from the pool) equals dense."""
+    dense, paged = pair(page_size=16)
+    x = prompts_of([150])[0]
+    pc = PagedBackend(paged, 1, 160, num_pages=NUM_PAGES, kernel="flex")
+    outs = []
+    with torch.inference_mode():
+        for start in range(0, 150, 37):
+            t, p, s, _ = pc.prefill([0], [x[start : start + 37]], [start])
+            outs.append(paged(t, p, s)[0, : len(x[start : start + 37])])
+        ref = dense(torch.tensor([x]))[0]
+    assert (torch.cat(outs) - ref).abs().max().item() <= TOL
+
+
+def test_forked_sequences_diverge_correctly():
+    """FORK shares the prompt's pages; each branch then decodes its own tokens (copy-on-write of
+    the partial last page) and matches a dense run of its own full sequence."""
+    dense, paged = pair(page_size=16)
+    prompt = prompts_of([21])[0]
+    pc = PagedBackend(paged, 8, 64, num_pages=NUM_PAGES, kernel="flex")
+    with torch.inference_mode():
+        t, p, s, _ = pc.prefill([0], [prompt])
+        paged(t, p, s)
+        pc.pm.fork(0, 1)
+        shared = set(pc.pm.pages_of(0)) & set(pc.pm.pages_of(1))
+        assert len(shared) == 2
+        branches = {0: [7, 8, 9], 1: [100, 101, 102]}
+        got = {0: [], 1: []}
+        for k in range(3):
+            tok = torch.tensor([branches[0][k], branches[1][k]])
+            t, p, s = pc.decode([0, 1], tok, [21 + k] * 2, [True, True])
+            logits = paged(t, p, s)[:, -1]
+            for b in (0, 1):
+                got[b].append(logits[b])
+        for b in (0, 1):
+            ref = dense(torch.tensor([prompt + branches[b]]))[0, 21:]
+            assert (torch.stack(got[b]) - ref).abs().max().item() <= TOL
+
+
+def test_zero_recompiles_over_500_decode_steps():
+    """After warm-up, 500 decode steps with growing lengths and sequences leaving and joining (new
+    prompts prefilled into freed rows) run without a single recompilation (Dynamo raises if one
+    happens) and without graph breaks (fullgraph=True)."""
+    import torch._dynamo
+
+    _, paged = pair(page_size=16)
+    B, max_len = 4, 160
+    pc = PagedBackend(paged, B, max_len, num_pages=NUM_PAGES, kernel="flex")
+    rng = np.random.default_rng(0)
+    lengths, budget = [0] * B, [0] * B
+
+    def join(row):
+        n = int(rng.integers(1, 40))
+        t, p, s, _ = pc.prefill([row], [rng.integers(3, 256, n).tolist()])
+        paged(t, p, s)
+        lengths[row], budget[row] = n, int(rng.integers(5, max_len - n))
+
+    with torch.inference_mode():
+        for row in range(B):  # warm-up: compiles the decode shape and the 128-token prefill bucket
+            join(row)
+        t, p, s = pc.decode(list(range(B)), torch.ones(B, dtype=torch.long), lengths, [True] * B)
+        paged(t, p, s)
+        lengths = [n + 1 for n in lengths]
+        leaves = joins = 0
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(500):
+                for row in range(B):
+                    if budget[row] <= 0:
+                        pc.release([row])
+                        leaves += 1
+                        join(row)
+                        joins += 1
+                tok = torch.randint(3, 256, (B,))
+                t, p, s = pc.decode(list(range(B)), tok, lengths, [True] * B)
+                paged(t, p, s)
+                lengths = [n + 1 for n in lengths]
+                budget = [b - 1 for b in budget]
+    assert leaves > 5 and joins > 5
+
+
+def test_forced_fallback_is_announced_and_equal(monkeypatch):
+    dense, paged = pair(page_size=16)
+    monkeypatch.setenv("FMS_PAGED_FORCE_GATHER", "1")
+    prompts = prompts_of([5, 30, 12])
+    with pytest.warns(UserWarning, match="falls back to GATHER"):
+        cache = make_cache(paged, 3, 64)
+    assert cache.kernel == "gather"
+    assert generate(paged, prompts, 16, eos_id=None, cache=cache) == generate(
+        dense, prompts, 16, eos_id=None
+    )
+
+
+def test_generate_paged_equals_dense_and_hf(hf_checkpoint):
+    """8 mixed-length prompts x 64 new tokens: identical greedy tokens for paged, dense and HF."""
+    hf, path = hf_checkpoint("gqa")
+    dense = get_model(model_path=path, device="cpu")
+    paged = get_model(model_path=path, device="cpu", attn_impl="paged", page_size=16)
+    prompts = prompts_of([3, 17, 9, 33, 1, 24, 16, 48], seed=4)
+    got = generate(paged, prompts, 64, eos_id=None)
+    assert got == generate(dense, prompts, 64, eos_id=None)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    ref = hf.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=64,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[:, width:]
+    assert got == ref.tolist()
+
+
+def test_finished_sequence_pages_are_freed_at_once():
+    _, paged = pair(page_size=16)
+    cache = make_cache(paged, 2, 80, kernel="gather")
+    free0 = cache.pm.num_free_pages
+    seen = []
+
+    def on_token(i, tok):
+        seen.append((i, cache.pm.num_free_pages))
+
+    eos = generate(paged, [[5, 6, 7]], 8, eos_id=None)[0][2]  # seq 0 emits this at step 3
+    generate(paged, [[5, 6, 7], [9] * 40], 8, eos_id=eos, on_token=on_token, cache=cache)
+    assert cache.pm.num_free_pages == free0  # everything returned at the end
+    # right after seq 0 finished (its 3rd token), its page was back in the pool
+    after = [n for i, n in seen if i == 1]
+    assert max(after[3:]) > min(after[:2])
+
+
+def test_bf16_agreement():
+    """bf16: paged and dense differ only by accumulation order. Both are compared with the fp32
+    dense reference; paged must be no further from it than dense bf16 plus bf16 rounding of the
+    logits (2**-8 relative, ~ 0.4% of the largest logit)."""
+    dense, paged = pair(page_size=16, dtype=None)
+    prompts = prompts_of([30, 7, 64])
+    ref = lockstep_logits(dense, prompts)
+    dense16 = dense.to(torch.bfloat16)
+    paged16 = paged.to(torch.bfloat16)
+    d = lockstep_logits(dense16, prompts)
+    p = lockstep_logits(paged16, prompts, kernel="flex-eager")
+    scale = ref.abs().max().item()
+    err_dense = (d - ref).abs().max().item()
+    err_paged = (p - ref).abs().max().item()
+    assert err_paged <= err_dense + 2**-8 * scale
+    assert (p - d).abs().max().item() <= 2 * err_dense + 2**-8 * scale
+
+
+@torch.inference_mode()
+def lockstep_logits(model, prompts, kernel=None):
+    kw = {} if model.config.attn_impl == "sdpa" else {"kernel": kernel, "num_pages": NUM_PAGES}
+    cache = make_cache(model, len(prompts), 80, **kw)
+    t, p, s, last = cache.prefill(list(range(len(prompts))), prompts)
+    return model(t, p, s).flatten(0, 1)[last].float()
