@@ -1,0 +1,1 @@
+"""Benchmarks: latency, memory, perplexity, peers, reporting (`python scripts/benchmark_inference.py`)."""
