@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
@@ -14,7 +15,7 @@ install: $(STAMP)
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PIP) install -q -e '.[bench,notebooks,dev]'
 	touch $(STAMP)
 
@@ -32,3 +33,30 @@ format: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info results .pytest_cache
+
+# ---- benchmarks (results in results/<target>/: JSON, CSV, markdown, PNG plots) -------------------
+# BENCH_ARGS adds options, e.g. BENCH_ARGS="--scale 0.05 --wandb". The default scale is automatic:
+# 1.0 on CUDA, smaller on CPU/MPS so each target finishes in about 10 minutes on a 2-core CPU.
+BENCH_ARGS ?=
+.PHONY: bench-llama bench-llama-paged bench-compare bench-ppl bench-peers bench-decode bench-pages
+
+bench-llama: install
+	$(PY) scripts/benchmark_inference.py --attn-impl sdpa --scenario all --out results/bench-llama $(BENCH_ARGS)
+
+bench-llama-paged: install
+	$(PY) scripts/benchmark_inference.py --attn-impl paged --scenario all --out results/bench-llama-paged $(BENCH_ARGS)
+
+bench-compare: install
+	$(PY) scripts/benchmark_inference.py --attn-impl both --scenario all --out results/bench-compare $(BENCH_ARGS)
+
+bench-ppl: install
+	$(PY) scripts/perplexity.py --attn-impl both --out results/bench-ppl $(BENCH_ARGS)
+
+bench-peers: install
+	$(PY) scripts/benchmark_inference.py --attn-impl both --scenario single,mixed --peers --no-ppl --no-memory --out results/bench-peers $(BENCH_ARGS)
+
+bench-decode: install
+	$(PY) scripts/benchmark_inference.py --attn-impl both --scenario decode --no-ppl --no-memory --out results/bench-decode $(BENCH_ARGS)
+
+bench-pages: install
+	$(PY) -m fms_paged.bench.page_manager --out results/bench-pages
