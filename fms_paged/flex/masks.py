@@ -26,31 +26,36 @@ Q_BLOCK = 128  # query block size of the prefill BlockMask (decode rows hold a s
 
 
 def paged_mask_mod(page_table: torch.Tensor, phys_to_logical: torch.Tensor, q_seq: torch.Tensor,
-                   q_pos: torch.Tensor, page_size: int) -> Callable:
+                   q_pos: torch.Tensor, page_size: int, gqa_packed: bool = False) -> Callable:
     """mask_mod(b, h, q_idx, kv_idx) for a page pool.
 
     page_table: [max_seqs, max_pages] int32; phys_to_logical: [num_pages] int32;
-    q_seq, q_pos: [B', S'] int32 (the query layout).
+    q_seq, q_pos: [B', S'] int32 (the query layout). `gqa_packed`: decode with the G query heads of
+    each kv head packed into the query dimension (q_idx is a head within the group, S' = 1).
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
+        qi = q_idx * 0 if gqa_packed else q_idx
         page = kv_idx // page_size
         lp = phys_to_logical[page]
-        seq = q_seq[b, q_idx]
+        seq = q_seq[b, qi]
         owned = (lp >= 0) & (page_table[seq, lp.clamp(min=0)] == page)
-        return owned & (lp * page_size + kv_idx % page_size <= q_pos[b, q_idx])
+        return owned & (lp * page_size + kv_idx % page_size <= q_pos[b, qi])
 
     return mask_mod
 
 
 def logical_score_mod(score_mod: Callable, phys_to_logical: torch.Tensor, q_pos: torch.Tensor,
-                      page_size: int) -> Callable:
+                      page_size: int, gqa_group: int = 0) -> Callable:
     """Wrap a user `score_mod(score, b, h, q_pos, kv_pos)` written in logical positions (as for a
-    dense cache) so it runs over the pool: physical kv index -> logical position of its sequence."""
+    dense cache) so it runs over the pool: physical kv index -> logical position of its sequence.
+    `gqa_group` = G for GQA-packed decode (flex's h is then the kv head, q_idx the head in it)."""
 
     def paged_score_mod(score, b, h, q_idx, kv_idx):
         page = kv_idx // page_size
         kv_pos = phys_to_logical[page].clamp(min=0) * page_size + kv_idx % page_size
+        if gqa_group:
+            return score_mod(score, b, h * gqa_group + q_idx, q_pos[b, q_idx * 0], kv_pos)
         return score_mod(score, b, h, q_pos[b, q_idx], kv_pos)
 
     return paged_score_mod
@@ -64,8 +69,9 @@ class DecodeBlockMask:
     """
 
     def __init__(self, max_batch: int, num_pages: int, max_pages: int, page_size: int,
-                 device: torch.device):
+                 device: torch.device, q_len: int = 1):
         B, N = max_batch, num_pages
+        self.q_len = q_len  # queries per row: 1, or G when GQA groups are packed into it
         i32 = dict(dtype=torch.int32, device=device)
         self.page_size = page_size
         self.max_pages = max_pages
@@ -103,7 +109,7 @@ class DecodeBlockMask:
         return BlockMask.from_kv_blocks(
             self.part_num[:B], self.part_idx[:B], self.full_num[:B], self.full_idx[:B],
             BLOCK_SIZE=(Q_BLOCK, self.page_size), mask_mod=mask_mod,
-            seq_lengths=(1, self.num_pages * self.page_size), compute_q_blocks=False,
+            seq_lengths=(self.q_len, self.num_pages * self.page_size), compute_q_blocks=False,
         )
 
 
