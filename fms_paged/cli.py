@@ -1,0 +1,226 @@
+"""`fms-paged` console script: generate / bench / ppl / info.
+
+Bad arguments exit with code 2 and one line naming the argument (no usage dump).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", type=Path, default=None,
+                   help="Hugging Face LLaMA dir (config.json, *.safetensors, tokenizer.model or "
+                        "tokenizer.json). Default: the embedded default model.")
+    g.add_argument("--variant", default=None,
+                   help="a registered variant with random weights instead (e.g. micro); needs "
+                        "--prompt-ids since it has no tokenizer")
+    g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
+    g.add_argument("--dtype", default=None,
+                   help="float32 | bfloat16 | float16 (default: the checkpoint's dtype)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fms-paged", description="Paged-KV-cache LLaMA inference, benchmarks and tools.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text from a prompt",
+                       description="Generate a continuation of a prompt (greedy unless "
+                                   "--temperature > 0).")
+    _model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="file whose text is the prompt")
+    src.add_argument("--prompt-ids", help="prompt as space-separated token ids")
+    g.add_argument("--attn-impl", choices=["sdpa", "paged"], default="paged",
+                   help="attention backend: paged (page pool + FlexAttention) or sdpa (dense)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    g.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k best")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+
+    sub.add_parser("bench", help="run the inference benchmark (see `fms-paged bench --help`)",
+                   add_help=False)
+
+    q = sub.add_parser("ppl", help="perplexity of the dense and paged backends",
+                       description="Perplexity with the KV cache enabled, for both backends, on the "
+                                   "default model's held-out text or a text file.")
+    _model_args(q)
+    q.add_argument("--text-file", type=Path, default=None,
+                   help="text to score (default: held-out Python standard-library source)")
+    q.add_argument("--max-chars", type=_positive_int, default=50_000, help="characters to score")
+    q.add_argument("--window", type=_positive_int, default=256, help="tokens per scored window")
+
+    i = sub.add_parser("info", help="device, torch, kernel availability and memory budget",
+                       description="What this machine gives the paged backend.")
+    i.add_argument("--device", default="auto", help="device to inspect")
+    i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return p
+
+
+def _load(args, attn_impl: str = "sdpa"):
+    from fms_paged import get_model, load_tokenizer
+    from fms_paged.models import default_model_path
+
+    if args.variant and args.model_path:
+        raise ValueError("argument --variant: not allowed with --model-path")
+    model = get_model(variant=args.variant, model_path=args.model_path, attn_impl=attn_impl,
+                      device=args.device, dtype=args.dtype)
+    tok = None
+    if not args.variant:
+        tok = load_tokenizer(args.model_path or default_model_path())
+    return model, tok
+
+
+def cmd_generate(args) -> int:
+    from fms_paged import generate
+
+    model, tok = _load(args, args.attn_impl)
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split()]
+        except ValueError:
+            raise ValueError(f"argument --prompt-ids: expected integers, got {args.prompt_ids!r}") from None
+    else:
+        if tok is None:
+            raise ValueError("argument --prompt: a --variant model has no tokenizer; use --prompt-ids")
+        text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+        ids = tok.encode(text)
+        if args.stream:
+            print(text, end="", flush=True)
+    streamed: list[int] = []
+
+    def on_token(_: int, token: int) -> None:
+        streamed.append(token)
+        if tok is None:
+            print(token, end=" ", flush=True)
+        else:  # decode the whole suffix so multi-piece characters print correctly
+            full = tok.decode(streamed)
+            prev = tok.decode(streamed[:-1])
+            print(full[len(prev):], end="", flush=True)
+
+    out = generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   on_token=on_token if args.stream else None)[0]
+    if args.stream:
+        print()
+    elif tok is None:
+        print(" ".join(map(str, out)))
+    else:
+        print((args.prompt or "") + tok.decode(out) if args.prompt is not None else tok.decode(out))
+    return 0
+
+
+def cmd_ppl(args) -> int:
+    from fms_paged.bench.perplexity import perplexity
+
+    if args.text_file is not None:
+        text = args.text_file.read_text()[: args.max_chars]
+    else:
+        from fms_paged.data.stdlib_corpus import heldout_text
+
+        text = heldout_text(args.max_chars)
+    results = {}
+    for impl in ("sdpa", "paged"):
+        model, tok = _load(args, impl)
+        if tok is None:
+            raise ValueError("argument --variant: perplexity needs a tokenizer; use --model-path")
+        results[impl] = perplexity(model, tok.encode(text), window=args.window)
+    for impl, r in results.items():
+        print(f"{impl:6s} ppl {r['ppl']:.4f} over {r['tokens']} tokens")
+    rel = abs(results["paged"]["ppl"] - results["sdpa"]["ppl"]) / results["sdpa"]["ppl"]
+    print(f"paged/dense relative difference {rel:.2e}")
+    return 0
+
+
+def machine_info(device: str = "auto") -> dict:
+    import platform
+
+    import torch
+
+    from fms_paged.device import resolve_device
+    from fms_paged.kv.paged import flex_unavailable_reason
+
+    dev = resolve_device(device)
+    reason = flex_unavailable_reason(dev)
+    info = {
+        "device": str(dev),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "compiled_flex_available": reason is None,
+        "paged_kernel": "flex (compiled)" if reason is None else "gather + sdpa (fallback)",
+        "fallback_reason": reason,
+    }
+    try:
+        from fms_paged import get_model
+        from fms_paged.kv.budget import memory_budget
+
+        model = get_model(device=dev)
+        budget = memory_budget(model)
+        info["default_model"] = {
+            "params": sum(p.numel() for p in model.parameters()),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "page_size": model.config.page_size,
+        }
+        info["memory_budget"] = budget.as_dict()
+    except FileNotFoundError as e:
+        info["default_model"] = f"unavailable: {e}"
+    return info
+
+
+def cmd_info(args) -> int:
+    info = machine_info(args.device)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key, value in info.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for k, v in value.items():
+                print(f"  {k}: {v}")
+        else:
+            print(f"{key}: {value}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from fms_paged.bench.cli import main as bench_main
+
+        return bench_main(argv[1:]) or 0
+    args = build_parser().parse_args(argv)
+    commands = {"generate": cmd_generate, "ppl": cmd_ppl, "info": cmd_info}
+    try:
+        return commands[args.command](args)
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
+        msg = str(e).strip("'\"").splitlines()[0]
+        print(f"fms-paged {args.command}: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""`fms-paged` end to end, in a subprocess, on the embedded default model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fms_paged import generate, get_model, load_tokenizer
+from fms_paged.models import default_model_path
+
+
+def run(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "fms_paged.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_matches_python_api():
+    prompt = "def fibonacci(n):"
+    r = run("generate", "--prompt", prompt, "--max-new-tokens", "12", "--attn-impl", "sdpa",
+            "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    tok = load_tokenizer(default_model_path())
+    ref = generate(get_model(device="cpu"), [tok.encode(prompt)], 12)[0]
+    assert r.stdout.rstrip("\n") == prompt + tok.decode(ref)
+
+
+def test_generate_stream_paged_equals_dense():
+    args = ["--prompt", "import os", "--max-new-tokens", "10", "--device", "cpu", "--stream"]
+    paged = run("generate", *args, "--attn-impl", "paged")
+    dense = run("generate", *args, "--attn-impl", "sdpa")
+    assert paged.returncode == 0 and dense.returncode == 0, paged.stderr + dense.stderr
+    assert paged.stdout == dense.stdout and paged.stdout.startswith("import os")
+
+
+def test_generate_prompt_ids_on_variant():
+    r = run("generate", "--variant", "micro", "--prompt-ids", "1 2 3", "--max-new-tokens", "4",
+            "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    ref = generate(get_model(variant="micro", device="cpu"), [[1, 2, 3]], 4)[0]
+    assert r.stdout.split() == [str(t) for t in ref]
+
+
+def test_ppl_both_backends_agree():
+    r = run("ppl", "--max-chars", "3000", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    ppl = {line.split()[0]: float(line.split()[2]) for line in r.stdout.splitlines()
+           if " ppl " in line}
+    assert set(ppl) == {"sdpa", "paged"}
+    assert abs(ppl["paged"] - ppl["sdpa"]) / ppl["sdpa"] <= 1e-5
+    assert 1 < ppl["sdpa"] < 4096
+
+
+def test_info_json():
+    r = run("info", "--json", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["device"] == "cpu" and "torch" in info
+    budget = info["memory_budget"]
+    assert budget["num_pages"] * info["default_model"]["page_size"] == budget["tokens"]
+    assert budget["num_pages"] > 0
+
+
+def test_bench_help():
+    r = run("bench", "--help")
+    assert r.returncode == 0 and "--scenario" in r.stdout
+
+
+@pytest.mark.parametrize("args, name", [
+    (["generate", "--prompt", "x", "--max-new-tokens", "zero"], "--max-new-tokens"),
+    (["generate", "--prompt", "x", "--attn-impl", "flash"], "--attn-impl"),
+    (["generate", "--prompt-ids", "1 two", "--device", "cpu"], "--prompt-ids"),
+    (["generate", "--max-new-tokens", "3"], "--prompt"),
+    (["ppl", "--window", "-3"], "--window"),
+    (["generate", "--prompt", "x", "--device", "tpu"], "device"),
+    (["teleport"], "teleport"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, name):
+    r = run(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0], r.stderr
