@@ -51,3 +51,21 @@ def hf_checkpoint(tmp_path):
         return model, path
 
     return build
+
+
+@pytest.fixture
+def hf_greedy():
+    """HF `generate` on a batch of mixed-length prompts (left-padded, as HF batches): new tokens."""
+
+    def run(hf, prompts, max_new_tokens):
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[:, width:].tolist()
+
+    return run

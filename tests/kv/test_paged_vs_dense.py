@@ -249,7 +249,7 @@ def test_forced_fallback_is_announced_and_equal(monkeypatch):
     )
 
 
-def test_generate_paged_equals_dense_and_hf(hf_checkpoint):
+def test_generate_paged_equals_dense_and_hf(hf_checkpoint, hf_greedy):
     """8 mixed-length prompts x 64 new tokens: identical greedy tokens for paged, dense and HF."""
     hf, path = hf_checkpoint("gqa")
     dense = get_model(model_path=path, device="cpu")
@@ -257,21 +257,7 @@ def test_generate_paged_equals_dense_and_hf(hf_checkpoint):
     prompts = prompts_of([3, 17, 9, 33, 1, 24, 16, 48], seed=4)
     got = generate(paged, prompts, 64, eos_id=None)
     assert got == generate(dense, prompts, 64, eos_id=None)
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    ref = hf.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=64,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[:, width:]
-    assert got == ref.tolist()
+    assert got == hf_greedy(hf, prompts, 64)
 
 
 def test_finished_sequence_pages_are_freed_at_once():

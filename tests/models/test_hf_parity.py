@@ -63,22 +63,14 @@ def test_dtype_honoured(hf_checkpoint):
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
 
 
-def test_greedy_generate_matches_hf_batch(hf_checkpoint):
+def test_greedy_generate_matches_hf_batch(hf_checkpoint, hf_greedy):
     """A batch of 6 mixed-length prompts x 32 new tokens: same tokens as HF generate (left-padded)."""
     hf, path = hf_checkpoint("gqa")
     ours = get_model(model_path=path, device="cpu")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 9, 33, 2, 24)]
     got = generate(ours, prompts, max_new_tokens=32, eos_id=None)
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)[:, width:]
-    assert got == ref.tolist()
+    assert got == hf_greedy(hf, prompts, 32)
 
 
 def test_save_roundtrip_loads_in_transformers(tmp_path):
