@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb-project", default="fms-paged-bench")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page of the paged backend (default: the model config's, 16)")
     p.add_argument("--name", default=None, help="run name (default: the --out folder's name)")
     p.add_argument("--out", default="results/bench")
     return p
@@ -88,7 +90,8 @@ def model_spec(args, device: torch.device) -> tuple[dict[str, Any], str]:
     model is named and the embedded default model is missing."""
     from fms_paged.models.registry import default_model_path
 
-    spec: dict[str, Any] = {"device": str(device), "dtype": args.dtype, "seed": args.seed}
+    spec: dict[str, Any] = {"device": str(device), "dtype": args.dtype, "seed": args.seed,
+                            "page_size": args.page_size}
     if args.variant:
         return {**spec, "variant": args.variant}, f"variant {args.variant} (random weights)"
     if args.model_path:

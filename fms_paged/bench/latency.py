@@ -43,6 +43,7 @@ def load_model(spec: dict[str, Any], attn_impl: str = "sdpa") -> torch.nn.Module
         device=spec.get("device", "auto"),
         dtype=spec.get("dtype"),
         seed=spec.get("seed", 0),
+        **({"page_size": spec["page_size"]} if spec.get("page_size") else {}),
     )
 
 
