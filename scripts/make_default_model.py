@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR, help="output directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {DEFAULT_STEPS}; --tiny: 3)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps (default {DEFAULT_STEPS}; --tiny: 3)")
     p.add_argument("--minutes", type=float, default=None,
                    help="wall-clock safety stop (breaks determinism if it triggers; default none)")
     p.add_argument("--vocab-size", type=int, default=None, help="default 4096 (--tiny: 400)")

@@ -278,8 +278,9 @@ def _prefill_chunked(model, cache, prompts, chunk: int) -> None:
 
 
 def _time_mask_build(cache, seq_ids, lengths) -> float | None:
-    """Seconds to rebuild this step's BlockMask alone (refill from the page table + wrap); the
-    refill is idempotent, so re-running it after the step changes nothing."""
+    """Seconds to rebuild this step's BlockMask alone: what a decode step does, i.e. refill the
+    persistent tensors from the page table (the BlockMask object wrapping them is built once per
+    batch size). The refill is idempotent, so re-running it after the step changes nothing."""
     dm = getattr(cache, "decode_mask", None)
     if dm is None or getattr(cache, "kernel", None) == "gather":
         return None
@@ -287,7 +288,6 @@ def _time_mask_build(cache, seq_ids, lengths) -> float | None:
     sync(device)
     t0 = time.perf_counter()
     dm.update(cache.pm.page_table, seq_ids, np.asarray(lengths) + 1, [True] * len(seq_ids))
-    dm.block_mask(cache.decode_mask_mod, len(seq_ids))
     sync(device)
     return time.perf_counter() - t0
 

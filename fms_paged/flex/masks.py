@@ -76,33 +76,35 @@ class DecodeBlockMask:
         self.page_size = page_size
         self.max_pages = max_pages
         self.num_pages = num_pages
-        self.q_seq = torch.zeros(B, 1, **i32)  # [B, 1]
-        self.q_pos = torch.full((B, 1), -1, **i32)  # [B, 1]
-        self.full_num = torch.zeros(B, 1, 1, **i32)
+        # one int32 buffer holds every per-row scalar, refilled by a single host->device copy:
+        # rows q_seq, q_pos, full_num, part_num; the BlockMask/mask_mod tensors are views of it
+        self._meta = torch.zeros(4, B, **i32)
+        self._meta[1] = -1
+        self.q_seq = self._meta[0].view(B, 1)  # [B, 1]
+        self.q_pos = self._meta[1].view(B, 1)  # [B, 1]
+        self.full_num = self._meta[2].view(B, 1, 1)
+        self.part_num = self._meta[3].view(B, 1, 1)
+        self._last = torch.zeros(B, 1, dtype=torch.int64, device=device)  # index of the partial page
         self.full_idx = torch.zeros(B, 1, 1, N, **i32)  # CPU flex wants the KV dim to span the pool
-        self.part_num = torch.zeros(B, 1, 1, **i32)
         self.part_idx = torch.zeros(B, 1, 1, N, **i32)
 
     def update(self, page_table: torch.Tensor, seq_ids: Sequence[int], lengths: Sequence[int],
                active: Sequence[bool]) -> None:
         """Refill in place from host-known ids/lengths (after this step's tokens are reserved) and
-        the device page table: one small host->device copy plus device gathers, no sync."""
-        P = self.page_size
+        the device page table: two small host->device copies plus two device gathers, no sync."""
+        P, B = self.page_size, len(seq_ids)
         lens = np.asarray(lengths, dtype=np.int64) * np.asarray(active, dtype=np.int64)
-        full = lens // P
-        part = (lens % P > 0).astype(np.int64)
-        host = np.stack([np.asarray(seq_ids, dtype=np.int64), lens - 1, full, part])
-        dev = torch.from_numpy(host).to(self.q_seq.device, non_blocking=True)
-        seqs = dev[0]
-        B = len(seq_ids)
-        self.q_seq[:B, 0] = dev[0].to(torch.int32)
-        self.q_pos[:B, 0] = dev[1].to(torch.int32)
-        self.full_num[:B, 0, 0] = dev[2].to(torch.int32)
-        self.part_num[:B, 0, 0] = dev[3].to(torch.int32)
-        rows = page_table.index_select(0, seqs)  # [B, max_pages]
+        host = np.empty((4, B), dtype=np.int32)
+        host[0] = seq_ids
+        host[1] = lens - 1
+        host[2] = lens // P
+        host[3] = lens % P > 0
+        self._meta[:, :B].copy_(torch.from_numpy(host), non_blocking=True)
+        last = np.minimum(host[2], self.max_pages - 1).astype(np.int64)[:, None]
+        self._last[:B].copy_(torch.from_numpy(last), non_blocking=True)
+        rows = page_table.index_select(0, self._meta[0, :B])  # [B, max_pages]
         self.full_idx[:B, 0, 0, : self.max_pages] = rows
-        last = dev[2].clamp(max=self.max_pages - 1)
-        self.part_idx[:B, 0, 0, 0] = rows.gather(1, last[:, None])[:, 0]
+        self.part_idx[:B, 0, 0, :1] = rows.gather(1, self._last[:B])
 
     def block_mask(self, mask_mod: Callable, B: int | None = None) -> BlockMask:
         B = B or self.q_seq.shape[0]
