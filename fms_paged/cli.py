@@ -130,7 +130,7 @@ def cmd_generate(args) -> int:
     elif tok is None:
         print(" ".join(map(str, out)))
     else:
-        print((args.prompt or "") + tok.decode(out) if args.prompt is not None else tok.decode(out))
+        print((args.prompt or "") + tok.decode(out))
     return 0
 
 

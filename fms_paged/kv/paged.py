@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from fms_paged.flex.masks import DecodeBlockMask, paged_mask_mod, prefill_block_mask
+from fms_paged.flex.masks import (
+    DecodeBlockMask,
+    logical_score_mod,
+    paged_mask_mod,
+    prefill_block_mask,
+)
 from fms_paged.kv._pool_ops import write_slots
 from fms_paged.kv.page_manager import PageManager
 
@@ -283,8 +288,6 @@ class FlexStep:
             self.attn = flex_attention
         self.score_mod = None
         if backend.score_mod is not None:
-            from fms_paged.flex.masks import logical_score_mod
-
             self.score_mod = logical_score_mod(
                 backend.score_mod, backend.pm.phys_to_logical, q_pos, backend.P, self.gqa_group
             )
