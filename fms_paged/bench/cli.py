@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="decode steps left out of the statistics")
     p.add_argument("--decode-steps", type=int, default=20, help="timed steps per decode-benchmark case")
     p.add_argument(
+        "--decode-modes",
+        default=",".join(latency.DECODE_MODES),
+        help="decode benchmark: eager (model op by op) and/or compiled (whole step compiled, both "
+        "backends), comma-separated",
+    )
+    p.add_argument(
         "--memory",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -280,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "decode" in names:
         results["decode"] = latency.decode_benchmark(
-            model, scale, kernel=kernel, steps=args.decode_steps, warmup=max(args.warmup, 1), seed=args.seed
+            model, scale, kernel=kernel, steps=args.decode_steps, warmup=max(args.warmup, 1), seed=args.seed,
+            modes=[m.strip() for m in args.decode_modes.split(",") if m.strip()],
         )
     if args.ppl:
         ids, what = eval_tokens(args, model, spec.get("model_path"))

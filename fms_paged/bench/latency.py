@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from fms_paged.bench.environment import decode_roofline_ms, sync
 from fms_paged.bench.memory import kv_accounting, min_pages
+from fms_paged.generation.generate import decode_fn
 from fms_paged.kv.cache import DenseBackend
 
 SCENARIOS = ("single", "mixed", "chat")
@@ -29,6 +30,7 @@ SINGLE_LEN = 8000
 MIXED_RANGE, MIXED_N = (500, 8000), 16
 CHAT_TURNS, CHAT_MSG = 8, 1000
 DECODE_CONTEXTS, DECODE_BATCH = (512, 2048, 8192), 8
+DECODE_MODES = ("eager", "compiled")
 
 
 # ---------------------------------------------------------------------------- models and backends
@@ -277,28 +279,28 @@ def _prefill_chunked(model, cache, prompts, chunk: int) -> None:
             model(tokens, positions, step)
 
 
-def _time_mask_build(cache, seq_ids, lengths) -> float | None:
-    """Seconds to rebuild this step's BlockMask alone: what a decode step does, i.e. refill the
-    persistent tensors from the page table (the BlockMask object wrapping them is built once per
-    batch size). The refill is idempotent, so re-running it after the step changes nothing."""
-    dm = getattr(cache, "decode_mask", None)
-    if dm is None or getattr(cache, "kernel", None) == "gather":
+def _time_mask_build(step) -> float | None:
+    """Seconds to build this step's slots and BlockMask alone (`FlexStep.prepare`, eager ops): a
+    pure function of the step's metadata and the page table, so re-running it changes nothing."""
+    if getattr(step, "decode_meta", None) is None:
         return None
-    device = cache.device
+    device = step.q_pos.device
     sync(device)
     t0 = time.perf_counter()
-    dm.update(cache.pm.page_table, seq_ids, np.asarray(lengths) + 1, [True] * len(seq_ids))
+    step.prepare()
     sync(device)
     return time.perf_counter() - t0
 
 
 @torch.inference_mode()
-def time_decode(model, cache, prompts, steps: int, warmup: int, chunk: int = 512) -> dict[str, Any]:
+def time_decode(model, cache, prompts, steps: int, warmup: int, chunk: int = 512,
+                compile: bool = False) -> dict[str, Any]:
     """Prefill once, then time `steps` decode steps (after `warmup`). -> median ms of the whole step,
-    of `cache.decode` alone (step metadata: page reservation + BlockMask build) and of the BlockMask
-    build alone."""
+    of `cache.decode` alone (host step metadata: page reservation) and of the slots + BlockMask
+    build alone. `compile`: the whole decode step as one compiled graph (`compiled_decode`)."""
     device, B = model.device, len(prompts)
     seq_ids = list(range(B))
+    decode = decode_fn(cache, compile)
     cache.reset()
     _prefill_chunked(model, cache, prompts, chunk)
     lengths = [len(p) for p in prompts]
@@ -310,10 +312,10 @@ def time_decode(model, cache, prompts, steps: int, warmup: int, chunk: int = 512
         tokens, positions, step = cache.decode(seq_ids, tok, lengths, [True] * B)
         sync(device)
         t1 = time.perf_counter()
-        tok = model(tokens, positions, step)[:, -1].argmax(-1)
+        tok = decode(model, tokens, positions, step).argmax(-1)
         sync(device)
         t2 = time.perf_counter()
-        m = _time_mask_build(cache, seq_ids, lengths)
+        m = _time_mask_build(step)
         lengths = [n + 1 for n in lengths]
         if i >= warmup:
             whole.append(t2 - t0)
@@ -333,6 +335,22 @@ def time_decode(model, cache, prompts, steps: int, warmup: int, chunk: int = 512
     }
 
 
+def with_rope_len(model, max_len: int):
+    """A shallow twin sharing every weight whose RoPE table reaches `max_len` positions (decode
+    timing at contexts past the model's trained length: the cost does not depend on the values)."""
+    if max_len <= model.config.max_expected_seq_len:
+        return model
+    from fms_paged.modules import RotaryEmbedding
+
+    twin = copy.copy(model)
+    twin._modules = dict(model._modules)  # don't touch the original's submodules
+    twin.config = dataclasses.replace(model.config, max_expected_seq_len=max_len)
+    c = twin.config
+    twin.rot_emb = RotaryEmbedding(c.head_dim, max_len, c.rope_theta, c.rope_scaling)
+    twin.rot_emb.reset_buffers(model.device)
+    return twin
+
+
 def decode_benchmark(
     model,
     scale: float,
@@ -342,27 +360,36 @@ def decode_benchmark(
     warmup: int = 3,
     batch: int = DECODE_BATCH,
     seed: int = 0,
+    modes: Sequence[str] = DECODE_MODES,
 ) -> list[dict[str, Any]]:
     """Dense vs paged decode ms/step at each context in DECODE_CONTEXTS x scale, for one sequence and
-    for a mixed batch of `batch` sequences with lengths spread up to the context."""
-    max_len = model.config.max_expected_seq_len
-    contexts = sorted({min(max(16, round(c * scale)), max_len - warmup - steps - 1) for c in DECODE_CONTEXTS})
-    P, vocab = model.config.page_size, model.config.src_vocab_size
+    for a mixed batch of `batch` sequences with lengths spread up to the context, in each mode:
+    "eager" (the model op by op; the paged attention kernel compiled per layer) and "compiled"
+    (the whole decode step one compiled graph, for both backends). Contexts past the model's
+    maximum length run on a twin with a longer RoPE table (`with_rope_len`)."""
+    bad = set(modes) - set(DECODE_MODES)
+    if bad:
+        raise ValueError(f"decode modes {sorted(bad)}; expected some of {DECODE_MODES}")
+    contexts = sorted({max(16, round(c * scale)) for c in DECODE_CONTEXTS})
     span = max(contexts) + warmup + steps + 1
+    model = with_rope_len(model, span)
+    P, vocab = model.config.page_size, model.config.src_vocab_size
     # one paged pool for the whole benchmark: decode shapes depend only on (pool, B)
     num_pages = pool_pages([span] * batch, P)
     paged = make_backend(model, "paged", batch, span, kernel=kernel, num_pages=num_pages)
     rows = []
-    cases = [(c, k) for c in contexts for k in ("single", "mixed")]
-    for ctx, kind in tqdm(cases, desc="decode benchmark", disable=None):
+    cases = [(m, c, k) for m in modes for c in contexts for k in ("single", "mixed")]
+    for mode, ctx, kind in tqdm(cases, desc="decode benchmark", disable=None):
         lengths = [ctx] if kind == "single" else np.linspace(ctx / batch, ctx, batch).round().astype(int)
         prompts = random_prompts([int(n) for n in lengths], vocab, seed)
         dense = make_backend(model, "sdpa", len(prompts), span)
-        d = time_decode(model, dense, prompts, steps, warmup)
-        p = time_decode(model, paged, prompts, steps, warmup)
+        compiled = mode == "compiled"
+        d = time_decode(model, dense, prompts, steps, warmup, compile=compiled)
+        p = time_decode(model, paged, prompts, steps, warmup, compile=compiled)
         del dense
         rows.append(
             {
+                "mode": mode,
                 "context": ctx,
                 "case": kind,
                 "batch": len(prompts),
@@ -376,6 +403,7 @@ def decode_benchmark(
                 "paged_mask_share": p["mask_share"],
                 "dense_meta_share": d["meta_share"],
                 "kernel": paged.kernel,
+                "page_size": P,
                 "steps": steps,
             }
         )

@@ -143,6 +143,7 @@ def markdown(results: dict[str, Any]) -> str:
         parts.append(
             _table(
                 [
+                    "mode",
                     "context",
                     "case",
                     "B",
@@ -155,6 +156,7 @@ def markdown(results: dict[str, Any]) -> str:
                 ],
                 [
                     [
+                        d.get("mode", "eager"),
                         str(d["context"]),
                         d["case"],
                         str(d["batch"]),
@@ -233,15 +235,17 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
                 label=f"{impl}: chat turns (B=1)",
             )
             drew = True
-        for case in ("single", "mixed"):
-            pts = [
-                (d["context"], d["dense_ms" if impl == "sdpa" else "paged_ms"])
-                for d in results.get("decode", [])
-                if d["case"] == case
-            ]
-            if pts:
-                ax.plot(*zip(*pts), "s--", label=f"{impl}: decode bench, {case}")
-                drew = True
+        for mode in ("eager", "compiled"):
+            for case in ("single", "mixed"):
+                pts = [
+                    (d["context"], d["dense_ms" if impl == "sdpa" else "paged_ms"])
+                    for d in results.get("decode", [])
+                    if d["case"] == case and d.get("mode", "eager") == mode
+                ]
+                if pts:
+                    style = "s--" if mode == "eager" else "^:"
+                    ax.plot(*zip(*pts), style, label=f"{impl}: decode bench, {case}, {mode}")
+                    drew = True
     if drew:
         ax.set(
             xlabel="context length (tokens)", ylabel="decode ms / step", title="Latency vs sequence length"

@@ -50,7 +50,7 @@ def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 m[f"{name}/paged_over_dense/{k}"] = float(v)
     for d in results.get("decode", []):
-        key = f"decode/{d['case']}/{d['context']}"
+        key = f"decode/{d.get('mode', 'eager')}/{d['case']}/{d['context']}"
         for k in ("dense_ms", "paged_ms", "ratio_paged_dense", "paged_meta_share", "paged_mask_share"):
             if d.get(k) is not None:
                 m[f"{key}/{k}"] = float(d[k])

@@ -1,3 +1,9 @@
-from fms_paged.flex.masks import DecodeBlockMask, logical_score_mod, paged_mask_mod, prefill_block_mask
+from fms_paged.flex.masks import (
+    decode_block_mask,
+    decode_meta,
+    logical_score_mod,
+    paged_mask_mod,
+    prefill_block_mask,
+)
 
-__all__ = ["DecodeBlockMask", "logical_score_mod", "paged_mask_mod", "prefill_block_mask"]
+__all__ = ["decode_block_mask", "decode_meta", "logical_score_mod", "paged_mask_mod", "prefill_block_mask"]

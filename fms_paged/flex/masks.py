@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 Q_BLOCK = 128  # query block size of the prefill BlockMask (decode rows hold a single query)
@@ -61,58 +62,43 @@ def logical_score_mod(score_mod: Callable, phys_to_logical: torch.Tensor, q_pos:
     return paged_score_mod
 
 
-class DecodeBlockMask:
-    """Persistent BlockMask tensors for decode: B rows, one query each, fixed shapes (no recompiles).
+def decode_meta(seq_ids: Sequence[int], q_pos: Sequence[int], slots: Sequence[int],
+                page_size: int) -> torch.Tensor:
+    """Host-known decode metadata, one column per row -> [5, B] int64 (host tensor): seq id, query
+    position, pool slot of the new token, pages seen whole ((q_pos + 1) // P), partial pages (1 if
+    the page holding q_pos is only partly visible). q_pos = -1 marks an inactive row: pass seq 0
+    (any valid table row) and slot 0 (the null page's, never readable); it sees no page."""
+    P = page_size
+    cols = [
+        (s, q, slot, (q + 1) // P, int((q + 1) % P > 0)) if q >= 0 else (s, -1, slot, 0, 0)
+        for s, q, slot in zip(seq_ids, q_pos, slots)
+    ]
+    return torch.tensor(cols, dtype=torch.int64).T.contiguous()  # row-major: views stay plain
 
-    Row b attends to the pages of sequence `seq_ids[b]`: its first `len // P` pages are full blocks,
-    the page holding position `len - 1` (if not full) the one partial block. Inactive rows: none.
+
+def decode_block_mask(page_table: torch.Tensor, meta: torch.Tensor, num_pages: int, page_size: int,
+                      mask_mod: Callable, q_len: int = 1) -> BlockMask:
+    """BlockMask for decode (one query row per sequence), from the page table by device ops alone.
+
+    page_table: [max_seqs, C] int32; meta: [5, B] from `decode_meta`, on the table's device. Row b
+    sees its sequence's first `(q_pos + 1) // P` pages whole (listed straight from the table row)
+    and, if the page holding q_pos (the new token's, slot // P) is only partly visible, that page
+    as the one partial block (mask_mod applied). Shapes depend only on (B, num_pages), so a compiled
+    decode step never recompiles; no host sync, no loop over pages. `q_len`: queries per row (G when
+    GQA groups are packed into the query).
     """
-
-    def __init__(self, max_batch: int, num_pages: int, max_pages: int, page_size: int,
-                 device: torch.device, q_len: int = 1):
-        B, N = max_batch, num_pages
-        self.q_len = q_len  # queries per row: 1, or G when GQA groups are packed into it
-        i32 = dict(dtype=torch.int32, device=device)
-        self.page_size = page_size
-        self.max_pages = max_pages
-        self.num_pages = num_pages
-        # one int32 buffer holds every per-row scalar, refilled by a single host->device copy:
-        # rows q_seq, q_pos, full_num, part_num; the BlockMask/mask_mod tensors are views of it
-        self._meta = torch.zeros(4, B, **i32)
-        self._meta[1] = -1
-        self.q_seq = self._meta[0].view(B, 1)  # [B, 1]
-        self.q_pos = self._meta[1].view(B, 1)  # [B, 1]
-        self.full_num = self._meta[2].view(B, 1, 1)
-        self.part_num = self._meta[3].view(B, 1, 1)
-        self._last = torch.zeros(B, 1, dtype=torch.int64, device=device)  # index of the partial page
-        self.full_idx = torch.zeros(B, 1, 1, N, **i32)  # CPU flex wants the KV dim to span the pool
-        self.part_idx = torch.zeros(B, 1, 1, N, **i32)
-
-    def update(self, page_table: torch.Tensor, seq_ids: Sequence[int], lengths: Sequence[int],
-               active: Sequence[bool]) -> None:
-        """Refill in place from host-known ids/lengths (after this step's tokens are reserved) and
-        the device page table: two small host->device copies plus two device gathers, no sync."""
-        P, B = self.page_size, len(seq_ids)
-        lens = np.asarray(lengths, dtype=np.int64) * np.asarray(active, dtype=np.int64)
-        host = np.empty((4, B), dtype=np.int32)
-        host[0] = seq_ids
-        host[1] = lens - 1
-        host[2] = lens // P
-        host[3] = lens % P > 0
-        self._meta[:, :B].copy_(torch.from_numpy(host), non_blocking=True)
-        last = np.minimum(host[2], self.max_pages - 1).astype(np.int64)[:, None]
-        self._last[:B].copy_(torch.from_numpy(last), non_blocking=True)
-        rows = page_table.index_select(0, self._meta[0, :B])  # [B, max_pages]
-        self.full_idx[:B, 0, 0, : self.max_pages] = rows
-        self.part_idx[:B, 0, 0, :1] = rows.gather(1, self._last[:B])
-
-    def block_mask(self, mask_mod: Callable, B: int | None = None) -> BlockMask:
-        B = B or self.q_seq.shape[0]
-        return BlockMask.from_kv_blocks(
-            self.part_num[:B], self.part_idx[:B], self.full_num[:B], self.full_idx[:B],
-            BLOCK_SIZE=(Q_BLOCK, self.page_size), mask_mod=mask_mod,
-            seq_lengths=(self.q_len, self.num_pages * self.page_size), compute_q_blocks=False,
-        )
+    B, C, N, P = meta.shape[1], page_table.shape[1], num_pages, page_size
+    seq, slots = meta[0], meta[2]
+    # separate buffers: inductor's CPU flex template names its pointer arguments by storage
+    full_num = meta[3].to(torch.int32).view(B, 1, 1)
+    part_num = meta[4].to(torch.int32).view(B, 1, 1)
+    # the CPU kernel checks that the KV block dim spans the pool: indices are [B, 1, 1, num_pages]
+    full_idx = F.pad(page_table.index_select(0, seq), (0, N - C)).view(B, 1, 1, N)
+    part_idx = F.pad((slots // P).to(torch.int32)[:, None], (0, N - 1)).view(B, 1, 1, N)
+    return BlockMask.from_kv_blocks(
+        part_num, part_idx, full_num, full_idx, BLOCK_SIZE=(Q_BLOCK, P),
+        mask_mod=mask_mod, seq_lengths=(q_len, N * P), compute_q_blocks=False,
+    )
 
 
 def prefill_block_mask(

@@ -7,6 +7,7 @@ erases their pages at once so the memory is reusable.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +18,29 @@ from fms_paged.generation.sampling import check_sampling_args, sample
 from fms_paged.kv.cache import KVCacheBackend, make_cache
 
 _MODEL_EOS: Any = object()
+
+
+def decode_one_token(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                     step: object) -> torch.Tensor:
+    """One decode step: tokens, positions [B, 1] -> logits of the new position [B, V]."""
+    return model(tokens, positions, step)[:, -1]
+
+
+@functools.cache
+def compiled_decode(static_shapes: bool) -> Callable:
+    """`decode_one_token` under torch.compile (fullgraph): the whole decode step, from the step's
+    metadata (`prepare`) through every layer to the logits, is one compiled graph, so per-op
+    Python overhead goes away. `static_shapes=True` for the paged flex backend (its decode shapes
+    never change); the dense backend's attention span grows every step, so it is compiled with
+    automatic dynamic shapes (one recompilation on the second step, then none)."""
+    return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None)
+
+
+def decode_fn(cache: KVCacheBackend, compile: bool) -> Callable:
+    """The decode-step function for `cache`: eager, or the shared compiled one for its shapes."""
+    if not compile:
+        return decode_one_token
+    return compiled_decode(getattr(cache, "kernel", None) == "flex")
 
 
 def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_len: int,
@@ -63,6 +87,7 @@ def generate(
     eos_id: int | Sequence[int] | None = _MODEL_EOS,
     on_token: Callable[[int, int], None] | None = None,
     cache: KVCacheBackend | None = None,
+    compile: bool = False,
 ) -> list[list[int]]:
     """Generate up to `max_new_tokens` new tokens for each prompt; returns only the new tokens.
 
@@ -70,6 +95,8 @@ def generate(
     with `seed`. A sequence stops after emitting an EOS token (`eos_id`; default: the model config's
     `eos_token_id`; `None` disables). `on_token(prompt_index, token)` streams tokens as they come.
     `cache` reuses a backend made by `fms_paged.kv.make_cache` (else one is made for this call).
+    `compile=True` runs each decode step as one compiled graph (`compiled_decode`); the first call
+    compiles it (tens of seconds on a CPU), later calls with the same shapes reuse it.
     """
     config = model.config
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -91,6 +118,7 @@ def generate(
         generator.manual_seed(seed if seed is not None else torch.initial_seed())
 
     seq_ids = list(range(n))
+    decode = decode_fn(cache, compile)
     cache.reset()
     tokens, positions, step, last = cache.prefill(seq_ids, prompts)
     logits = model(tokens, positions, step)  # [B', S', V]
@@ -115,7 +143,7 @@ def generate(
         tokens, positions, step = cache.decode(seq_ids, next_tok, lengths, active)
         for i in range(n):
             lengths[i] += active[i]
-        logits = model(tokens, positions, step)  # [B, 1, V]
-        next_tok = sample(logits[:, -1].float(), temperature, top_k, top_p, generator)
+        logits = decode(model, tokens, positions, step)  # [B, V]
+        next_tok = sample(logits.float(), temperature, top_k, top_p, generator)
     cache.release([i for i in range(n) if active[i]])
     return out

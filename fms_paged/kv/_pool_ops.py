@@ -11,6 +11,7 @@ Pool layout (one tensor per layer, or one stacked tensor for all layers):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +30,16 @@ def as_int_array(values: Sequence[int] | np.ndarray | torch.Tensor, what: str) -
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise ValueError(f"{what} must be a 1-D sequence of ints, got {values!r}")
     return arr.astype(np.int64, copy=False)
+
+
+def as_int_list(values: Sequence[int] | np.ndarray | torch.Tensor, what: str) -> list[int]:
+    """Host ints -> a list of Python ints (cheaper than numpy for a handful of values)."""
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        return as_int_array(values, what).tolist()
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise ValueError(f"{what} must be a 1-D sequence of ints, got {values!r}") from None
 
 
 def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
-class ContiguousKVCache(nn.Module):
-    """k, v buffers: [nlayers, max_batch, Hkv, max_seq_len, D]."""
+class ContiguousKVCache:
+    """Per layer, k and v buffers `[max_batch, Hkv, max_seq_len, D]` (one tensor each, so that
+    in-place writes stay in place under torch.compile)."""
 
     def __init__(
         self,
@@ -24,16 +24,15 @@ class ContiguousKVCache(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        super().__init__()
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
-        shape = (nlayers, max_batch, kvheads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (max_batch, kvheads, max_seq_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(nlayers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(nlayers)]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
 
     def step(self, positions: torch.Tensor, kv_len: int) -> DenseStep:
         """positions: [B, S] absolute positions of the new tokens of rows 0..B-1 (device);
@@ -48,17 +47,20 @@ class ContiguousKVCache(nn.Module):
 
 
 class DenseStep:
-    """One step of the dense backend; the mask is built once and shared by all layers."""
+    """One step of the dense backend; the mask is built once (`prepare`) and shared by all layers."""
 
     def __init__(self, cache: ContiguousKVCache, positions: torch.Tensor, kv_len: int):
         self.cache = cache
         self.positions = positions  # [B, S]
         self.kv_len = kv_len
-        B = positions.shape[0]
-        self.rows = torch.arange(B, device=positions.device)[:, None]  # [B, 1]
-        kv_pos = torch.arange(kv_len, device=positions.device)
+
+    def prepare(self) -> DenseStep:
+        B, dev = self.positions.shape[0], self.positions.device
+        self.rows = torch.arange(B, device=dev)[:, None]  # [B, 1]
+        kv_pos = torch.arange(self.kv_len, device=dev)
         # mask: [B, 1, S, L]; True where the key's position is <= the query's position
-        self.mask = (kv_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        self.mask = (kv_pos[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
+        return self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, H, S, D]; k, v: [B, Hkv, S, D]

@@ -178,7 +178,7 @@ class PageManager:
         bad = (ids < 0) | (ids >= self.max_seqs)
         if bad.any():
             raise ValueError(f"seq id {ids[bad][0]} out of range, expected 0 <= id < {self.max_seqs}")
-        if unique and np.unique(ids).size != ids.size:
+        if unique and ids.size > 1 and (np.diff(np.sort(ids)) == 0).any():
             vals, counts = np.unique(ids, return_counts=True)
             raise ValueError(f"duplicate seq id {vals[counts > 1][0]} in {what}")
         return ids
@@ -240,13 +240,53 @@ class PageManager:
         grow = self._num_pages_for(lens) - have
         cow = (cur % P != 0) & (lens > cur)  # grows into a partly filled last page ...
         if cow.any():  # ... that is shared with a forked sequence
-            cow = self._plan_cow(ids, have, cow)
+            cow &= self._refcount[self._table[ids, np.maximum(have - 1, 0)]] > 1
+            if cow.any():
+                cow = self._plan_cow(ids, have, cow)
         need = grow + cow
         total = int(need.sum())
+        if total == 0:  # no page changes hands (most decode steps): only the lengths move
+            self._lens[ids] = lens
+            self._live[ids] = True
+            packed = ops.to_device(np.concatenate([ids, lens]), self.device)
+            ops.scatter_int32(self._seq_lens_d, packed[: ids.size], packed[ids.size :])
+            return
         pages = self._take(total, ids[need > 0]) if total else []
         if cow.any():
             self._copy_on_write(ids, have, cow, need, pages)
         self._commit(ids, lens, have - cow, need, np.asarray(pages, dtype=np.int64))
+
+    def reserve_next(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> list[int]:
+        """RESERVE one more token slot for each sequence (a decode step).
+
+        `lengths[i]` must be the tokens seq `seq_ids[i]` holds now (0 for a sequence that is not
+        live). Same effect and errors as `reserve(seq_ids, [n + 1 for n in lengths])`, but the
+        common case, where no sequence opens a page or grows into a shared one, is a plain Python
+        pass over the batch (numpy calls cost more than the bookkeeping for a handful of rows).
+        Returns the pool slot of each sequence's new token (position `lengths[i]`), host ints.
+        """
+        ids = ops.as_int_list(seq_ids, "seq_ids")
+        lens = ops.as_int_list(lengths, "lengths")
+        if len(ids) != len(lens):
+            raise ValueError(f"got {len(ids)} seq_ids but {len(lens)} lengths")
+        P, held, table, refs = self.page_size, self._lens, self._table, self._refcount
+        slow = False
+        for s, n in zip(ids, lens):
+            if not 0 <= s < self.max_seqs:
+                raise ValueError(f"seq id {s} out of range, expected 0 <= id < {self.max_seqs}")
+            if held[s] != n:
+                raise ValueError(f"seq {s} holds {held[s]} tokens, but the step says {n}")
+            if n % P == 0 or n >= self.max_seq_len or refs[table[s, n // P]] > 1:
+                slow = True  # opens a page, out of range (reserve raises), or copy-on-write
+        if len(set(ids)) != len(ids):
+            self._check_ids(ids)  # raises, naming the duplicate
+        if slow:
+            self.reserve(ids, [n + 1 for n in lens])
+        elif ids:
+            held[ids] += 1
+            packed = ops.to_device(np.asarray(ids + [n + 1 for n in lens], dtype=np.int64), self.device)
+            ops.scatter_int32(self._seq_lens_d, packed[: len(ids)], packed[len(ids) :])
+        return [int(table[s, n // P]) * P + n % P for s, n in zip(ids, lens)]
 
     def _plan_cow(self, ids: np.ndarray, have: np.ndarray, grows: np.ndarray) -> np.ndarray:
         """Which seqs need a private copy of their last page (loop over candidates only).

@@ -1,9 +1,11 @@
 """The paged backend: K/V in a page pool, attention by FlexAttention through the block table.
 
-Per layer the pool is `[1, Hkv, num_pages * P, D]` (a view of one stacked tensor
-`[nlayers, Hkv, num_pages * P, D]`). Each step: RESERVE pages for the new tokens (host bookkeeping),
-compute their pool slots once, build one BlockMask shared by every layer, and in each layer ASSIGN the
-new k/v to their slots and run flex_attention over the whole pool (only the listed pages are read).
+Per layer the pool is one tensor `[1, Hkv, num_pages * P, D]` (a tensor of its own, not a view of a
+stacked one: under torch.compile an in-place write into a view copies the whole base). Each step:
+RESERVE pages for the new tokens (host bookkeeping, only when a page boundary is crossed), then, once
+per step before the layers (`prepare`, device ops only, so a compiled decode step fuses it), compute
+the new tokens' pool slots and one BlockMask shared by every layer; each layer ASSIGNs its new k/v to
+those slots and runs flex_attention over the whole pool (only the listed pages are read).
 
 Layouts: decode runs one row per sequence ([B, 1], B fixed = max_batch, so shapes never change);
 prefill packs all prompts into one row ([1, T], no padding to the longest prompt).
@@ -27,12 +29,12 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from fms_paged.flex.masks import (
-    DecodeBlockMask,
+    decode_block_mask,
+    decode_meta,
     logical_score_mod,
     paged_mask_mod,
     prefill_block_mask,
 )
-from fms_paged.kv._pool_ops import write_slots
 from fms_paged.kv.page_manager import PageManager
 
 KERNELS = ("auto", "flex", "flex-eager", "gather")
@@ -125,29 +127,18 @@ class PagedBackend:
         self.num_pages = num_pages or default_num_pages(max_batch, max_seq_len, P)
         self.kernel = choose_kernel(kernel, self.device)
         self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
-        shape = (c.nlayers, c.kvheads, self.num_pages * P, c.head_dim)
-        self.k_pool = torch.zeros(shape, dtype=model.dtype, device=self.device)
-        self.v_pool = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        shape = (1, c.kvheads, self.num_pages * P, c.head_dim)
+        # one pool per layer: [1, Hkv, num_pages * P, D]
+        self.k_pools = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(c.nlayers)]
+        self.v_pools = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(c.nlayers)]
         self.score_mod = score_mod
         # decode packs the G = nheads / kvheads query heads of each kv head into the query length:
         # the CPU flex kernel then reads each page once per kv head (measured ~5x faster at B=8)
         self.gqa_group = c.nheads // c.kvheads
-        self.decode_mask = DecodeBlockMask(
-            max_batch, self.num_pages, self.pm.max_pages_per_seq, P, self.device, q_len=self.gqa_group
-        )
-        self._decode_block_masks: dict[int, object] = {}
-        self.decode_mask_mod = paged_mask_mod(
-            self.pm.page_table,
-            self.pm.phys_to_logical,
-            self.decode_mask.q_seq,
-            self.decode_mask.q_pos,
-            P,
-            gqa_packed=True,
-        )
 
     @property
     def kv_bytes(self) -> int:
-        return self.k_pool.nbytes + self.v_pool.nbytes
+        return sum(p.nbytes for p in self.k_pools + self.v_pools)
 
     def reset(self) -> None:
         self.pm.reset()
@@ -160,26 +151,30 @@ class PagedBackend:
 
     def _reserve(self, seq_ids: Sequence[int], old_lengths: Sequence[int],
                  new_lengths: Sequence[int]) -> None:
-        """RESERVE, then zero the newly taken pages and apply copy-on-write copies.
+        """RESERVE (prefill), then prepare the pages it opened (`_after_reserve`)."""
+        P = self.P
+        self.pm.reserve(seq_ids, new_lengths)
+        opened = [  # logical pages ceil(old / P) .. ceil(new / P) - 1 of each seq
+            p
+            for s, o, n in zip(seq_ids, old_lengths, new_lengths)
+            for p in self.pm.pages_of(s)[-(-o // P) : -(-n // P)]
+        ]
+        self._after_reserve(opened)
+
+    def _after_reserve(self, opened_pages: list[int]) -> None:
+        """Zero the pages a RESERVE just handed out and apply its copy-on-write copies.
 
         Zeroing matters: attention multiplies masked-out weights (exactly 0) by the values of the
         whole page, and 0 * NaN = NaN, so stale NaN/inf left by a page's previous owner in slots
         not yet written would leak into the output.
         """
-        P, old = self.P, old_lengths  # host-known: the caller says how many tokens are cached
-        self.pm.reserve(seq_ids, new_lengths)
-        fresh = [
-            self.pm.pages_of(s)[-(-o // P) : -(-n // P)]
-            for s, o, n in zip(seq_ids, old, new_lengths)
-            if -(-n // P) > -(-o // P)
-        ]
-        if fresh:
-            pages = torch.tensor([p for ps in fresh for p in ps], dtype=torch.long)
-            idx = (pages[:, None] * P + torch.arange(P)).flatten().to(self.device)
-            self.k_pool.index_fill_(2, idx, 0)
-            self.v_pool.index_fill_(2, idx, 0)
+        if opened_pages:
+            P = self.P
+            idx = (torch.tensor(opened_pages)[:, None] * P + torch.arange(P)).flatten().to(self.device)
+            for pool in self.k_pools + self.v_pools:
+                pool.index_fill_(2, idx, 0)
         if self.pm.pending_copies:  # copy-on-write of pages shared by fork
-            self.pm.apply_copies(self.k_pool, self.v_pool)
+            self.pm.apply_copies(*self.k_pools, *self.v_pools)
 
     def prefill(self, seq_ids, prompts, starts=None):
         starts = [0] * len(prompts) if starts is None else list(starts)
@@ -206,7 +201,8 @@ class PagedBackend:
             pad_slots[valid.flatten().nonzero()[:, 0].to(self.device)] = slots
             last = torch.tensor([b * S + n - 1 for b, n in enumerate(counts)], device=self.device)
             pos = pos.to(self.device)
-            step = GatherStep(self, pad_slots, list(seq_ids), pos, max(starts) + S)
+            seqs = torch.tensor(list(seq_ids), device=self.device)
+            step = GatherStep(self, pad_slots, seqs, pos, max(starts) + S)
             return tokens.to(self.device), pos, step, last
         # pad the packed row to a bucket size so few distinct shapes get compiled; pad tokens have
         # q_pos = -1 (they see nothing) and write into the null page
@@ -233,79 +229,96 @@ class PagedBackend:
             mask_mod,
             self.device,
         )
-        step = FlexStep(self, slots, block_mask, q_pos, prefill=True)
+        step = FlexStep(self, q_pos, slots=slots, block_mask=block_mask)
         return tokens.to(self.device), q_pos.long(), step, last
 
     def decode(self, seq_ids, tokens, lengths, active):
         """One token per row; `lengths[i]` tokens are cached already, the new one goes at that
-        position. Inactive rows (finished sequences) are masked out and write to the null page."""
-        ids = [s for s, a in zip(seq_ids, active) if a]
-        new_len = [n + 1 for n, a in zip(lengths, active) if a]
-        self._reserve(ids, [n - 1 for n in new_len], new_len)
-        B = len(seq_ids)
-        act = np.asarray(active, dtype=bool)
-        pos_host = np.asarray(lengths, dtype=np.int64)
-        slots = self.pm.slots(ids, pos_host[act])
-        if not act.all():
-            full = torch.zeros(B, dtype=torch.long, device=self.device)
-            full[torch.from_numpy(np.flatnonzero(act)).to(self.device)] = slots
-            slots = full
-        positions = torch.from_numpy(pos_host)[:, None].to(self.device)
-        if self.kernel == "gather":
-            return (
-                tokens[:, None],
-                positions,
-                GatherStep(self, slots, list(seq_ids), positions, int(pos_host.max()) + 1, act),
+        position. Inactive rows (finished sequences) are masked out and write to the null page.
+
+        Host work: RESERVE for the rows whose new token opens a page (all-or-nothing), plus one
+        host->device copy of (seq ids, query positions); slots and the BlockMask are derived from
+        them on the device in `FlexStep.prepare`."""
+        B, P = len(seq_ids), self.P
+        if len(lengths) != B or len(active) != B:
+            raise ValueError(
+                f"decode got {B} seq_ids, {len(lengths)} lengths and {len(active)} active flags"
             )
-        self.decode_mask.update(self.pm.page_table, seq_ids, pos_host + 1, act)
-        block_mask = self._decode_block_masks.get(B)
-        if block_mask is None:  # its tensors are persistent and refilled in place each step
-            block_mask = self._decode_block_masks[B] = self.decode_mask.block_mask(
-                self.decode_mask_mod, B)
-        step = FlexStep(self, slots, block_mask, self.decode_mask.q_pos[:B], prefill=False)
-        return tokens[:, None], positions, step
+        ids = [s for s, a in zip(seq_ids, active) if a]
+        held = [n for n, a in zip(lengths, active) if a]
+        new_slots = iter(self.pm.reserve_next(ids, held))  # checks ids and that each holds `held`
+        self._after_reserve([self.pm.pages_of(s)[n // P] for s, n in zip(ids, held) if n % P == 0])
+        meta = decode_meta(
+            [s if a else 0 for s, a in zip(seq_ids, active)],
+            [n if a else -1 for n, a in zip(lengths, active)],
+            [next(new_slots) if a else 0 for a in active],
+            P,
+        ).to(self.device)  # [5, B]: one host->device copy
+        positions = meta[1].clamp(min=0)[:, None]  # [B, 1] RoPE positions
+        if self.kernel == "gather":
+            seqs = torch.tensor(list(seq_ids), device=self.device)
+            step = GatherStep(self, meta[2], seqs, positions, max(lengths) + 1, meta[1])
+            return tokens[:, None], positions, step
+        return tokens[:, None], positions, FlexStep(self, meta[1][:, None], decode_meta=meta)
 
 
 class FlexStep:
-    """One step over the pool with flex_attention; built once, shared by all layers."""
+    """One step over the pool with flex_attention: slots and BlockMask shared by all layers.
+
+    Prefill: slots and BlockMask are built on the host by the backend (from the page lists).
+    Decode: `decode_meta` ([5, B] int64 on device, see `fms_paged.flex.masks.decode_meta`) holds
+    each row's sequence, query position and new slot; `prepare` builds the BlockMask from it and
+    the device page table with device ops only.
+    """
 
     def __init__(
         self,
         backend: PagedBackend,
-        slots: torch.Tensor,
-        block_mask,
         q_pos: torch.Tensor,
-        prefill: bool,
+        *,
+        slots: torch.Tensor | None = None,
+        block_mask=None,
+        decode_meta: torch.Tensor | None = None,
     ):
         self.b = backend
+        self.q_pos = q_pos  # [B', S'] logical position of each query (-1: none)
         self.slots = slots  # [B' * S'] pool slot of every new token
         self.block_mask = block_mask
-        self.gqa_group = 0 if prefill else backend.gqa_group  # decode: GQA groups packed into q
-        kernel = backend.kernel
-        if kernel == "flex":
-            self.attn = compiled_flex(dynamic=False)
-        else:  # "flex-eager": reference semantics, materializes scores over the whole pool
-            self.attn = flex_attention
+        self.decode_meta = decode_meta
+        self.gqa_group = backend.gqa_group if decode_meta is not None else 0  # decode: GQA in q
         self.score_mod = None
         if backend.score_mod is not None:
             self.score_mod = logical_score_mod(
                 backend.score_mod, backend.pm.phys_to_logical, q_pos, backend.P, self.gqa_group
             )
 
+    def prepare(self) -> FlexStep:
+        """Decode: the BlockMask from the page table (device ops, no host sync)."""
+        if self.decode_meta is None:
+            return self
+        b, meta = self.b, self.decode_meta
+        self.slots = meta[2]
+        mask_mod = paged_mask_mod(b.pm.page_table, b.pm.phys_to_logical, meta[0][:, None],
+                                  meta[1][:, None], b.P, gqa_packed=True)
+        self.block_mask = decode_block_mask(b.pm.page_table, meta, b.num_pages, b.P, mask_mod,
+                                            b.gqa_group)
+        return self
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B', H, S', D]; k, v: [B', Hkv, S', D]
-        kp, vp = (
-            self.b.k_pool[layer : layer + 1],
-            self.b.v_pool[layer : layer + 1],
-        )  # [1, Hkv, NP, D]
-        write_slots(kp, vp, self.slots, _tokens_major(k), _tokens_major(v))
+        kp, vp = self.b.k_pools[layer], self.b.v_pools[layer]  # [1, Hkv, NP, D]
+        kp.index_copy_(2, self.slots, _tokens_last(k))
+        vp.index_copy_(2, self.slots, _tokens_last(v))
+        # inside a compiled forward flex_attention is traced with the rest of the step
+        if self.b.kernel == "flex" and not torch.compiler.is_compiling():
+            attn = compiled_flex(dynamic=False)
+        else:  # "flex-eager": reference semantics, materializes scores over the whole pool
+            attn = flex_attention
         if not self.gqa_group:
-            return self.attn(
-                q, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask, enable_gqa=True
-            )
+            return attn(q, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask, enable_gqa=True)
         B, H, _, D = q.shape  # decode: S' = 1; query head h reads kv head h // G
         qg = q.reshape(B, H // self.gqa_group, self.gqa_group, D)  # [B, Hkv, G, D]
-        out = self.attn(qg, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask)
+        out = attn(qg, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask)
         return out.reshape(B, H, 1, D)
 
 
@@ -316,34 +329,41 @@ class GatherStep:
         self,
         backend: PagedBackend,
         slots: torch.Tensor,
-        seq_ids: list[int],
+        seqs: torch.Tensor,
         positions: torch.Tensor,
         span: int,
-        active: np.ndarray | None = None,
+        q_pos: torch.Tensor | None = None,
     ):
         self.b = backend
-        self.slots = slots
-        P, dev = backend.P, backend.device
-        seqs = torch.tensor(seq_ids, device=dev)
-        j = torch.arange(span, device=dev)
-        pages = backend.pm.page_table.index_select(0, seqs)  # [B, max_pages]
+        self.slots = slots  # [B * S] pool slot of every new token
+        self.seqs = seqs  # [B] sequence of each row
+        self.positions = positions  # [B, S]
+        self.span = span  # host-known: 1 + the largest position this step
+        self.q_pos = q_pos  # decode: [B] query positions, -1 for inactive rows
+
+    def prepare(self) -> GatherStep:
+        P, dev = self.b.P, self.positions.device
+        j = torch.arange(self.span, device=dev)
+        pages = self.b.pm.page_table.index_select(0, self.seqs)  # [B, max_pages]
         col = (j // P).clamp(max=pages.shape[1] - 1)
         self.kv_slots = pages[:, col].long() * P + j % P  # [B, L]
-        # mask: [B, 1, S, L]; key position <= query position (inactive rows see only slot 0 of the
-        # null page, keeping the softmax finite; their outputs are discarded)
-        self.mask = (j[None, None, :] <= positions[:, :, None]).unsqueeze(1)
-        if active is not None and not active.all():
-            inactive = torch.from_numpy(~active).to(dev)
-            self.mask = self.mask & ~inactive[:, None, None, None] | (j == 0)[None, None, None, :]
+        # mask: [B, 1, S, L]; key position <= query position
+        self.mask = (j[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
+        if self.q_pos is not None:  # decode
+            # inactive rows see only slot 0 of the null page (finite softmax; output discarded)
+            inactive = (self.q_pos < 0)[:, None, None, None]
+            self.mask = self.mask & ~inactive | (j == 0)[None, None, None, :] & inactive
+        return self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kp, vp = self.b.k_pool[layer : layer + 1], self.b.v_pool[layer : layer + 1]
-        write_slots(kp, vp, self.slots, _tokens_major(k), _tokens_major(v))
+        kp, vp = self.b.k_pools[layer], self.b.v_pools[layer]
+        kp.index_copy_(2, self.slots, _tokens_last(k))
+        vp.index_copy_(2, self.slots, _tokens_last(v))
         keys = kp[0][:, self.kv_slots].transpose(0, 1)  # [Hkv, B, L, D] -> [B, Hkv, L, D]
         values = vp[0][:, self.kv_slots].transpose(0, 1)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
 
 
-def _tokens_major(x: torch.Tensor) -> torch.Tensor:
-    """[B', Hkv, S', D] -> [B' * S', Hkv, D], the token order of the step's slots."""
-    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+def _tokens_last(x: torch.Tensor) -> torch.Tensor:
+    """[B', Hkv, S', D] -> [1, Hkv, B' * S', D], the token order of the step's slots."""
+    return x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3])

@@ -124,6 +124,8 @@ class LLaMA(nn.Module):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         cos, sin = self.rot_emb(positions)
+        if step is not None:
+            step = step.prepare()  # per-step metadata (slots, masks), built once for all layers
         x = self.embedding(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, step)

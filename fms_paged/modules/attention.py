@@ -3,7 +3,8 @@
 The projection/RoPE math is identical for every backend; only `step.attend` differs:
 - no step: plain causal SDPA over the tokens given (no cache; used for perplexity and tests);
 - `fms_paged.kv.contiguous.DenseStep`: the dense baseline (preallocated contiguous cache + SDPA);
-- `fms_paged.kv.paged.PagedStep`: the page pool + FlexAttention through the block table.
+- `fms_paged.kv.paged.FlexStep` / `GatherStep`: the page pool + FlexAttention through the block table
+  (or its GATHER + SDPA fallback).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from fms_paged.modules.positions import apply_rope
 
 class AttentionStep(Protocol):
     """What a KV-cache backend provides for one forward step (built once, shared by all layers)."""
+
+    def prepare(self) -> AttentionStep:
+        """Device-side per-step metadata (slots, masks), run by the model once before its layers,
+        so that a compiled forward traces it with the rest of the step. Returns the step to use."""
+        ...
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k/v of the new tokens and attend.

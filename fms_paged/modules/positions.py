@@ -60,19 +60,27 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
         t = torch.arange(self.max_seq_len, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [L, D/2]
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        # per dimension, in the interleaved layout: cos of its pair; -sin for the first of a pair,
+        # +sin for the second (see apply_rope)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos = torch.stack((cos, cos), dim=-1).flatten(1).to(device)  # [L, D]
+        self.sin = torch.stack((-sin, sin), dim=-1).flatten(1).to(device)  # [L, D]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [B, S] int64 -> cos, sin: [B, S, 1, D/2] fp32 (broadcast over heads)
+        # positions: [B, S] int64 -> cos, sin: [B, S, 1, D] fp32 (broadcast over heads)
         pos = positions.clamp(min=0)
         return self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs. x: [B, S, H, D]; cos/sin: [B, S, 1, D/2]."""
+    """Rotate interleaved pairs (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin).
+
+    x: [B, S, H, D]; cos/sin: [B, S, 1, D] from `RotaryEmbedding` (sin carries the pair's sign).
+    Written as two pointwise products over the whole head, `x * cos + swap(x) * sin`, so the result
+    is a plain 4-D tensor (under torch.compile it fuses into one kernel; the same products and sums
+    as the pairwise form, so the values are bitwise equal).
+    """
     B, S, H, D = x.shape
-    xf = x.float().view(B, S, H, D // 2, 2)
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.view(B, S, H, D).to(x.dtype)
+    xf = x.float()
+    swapped = xf.view(B, S, H, D // 2, 2).flip(-1).view(B, S, H, D)  # (x1, x0) per pair
+    return (xf * cos + swapped * sin).to(x.dtype)

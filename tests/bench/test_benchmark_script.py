@@ -133,7 +133,9 @@ def test_perplexity_agrees_across_backends_and_with_no_cache(run):
 def test_decode_rows_and_report_files(run):
     out, res, stdout = run
     rows = res["decode"]
-    assert {(r["case"], r["batch"]) for r in rows} == {("single", 1), ("mixed", 8)}
+    assert {(r["mode"], r["case"], r["batch"]) for r in rows} == {
+        (m, c, b) for m in ("eager", "compiled") for c, b in (("single", 1), ("mixed", 8))
+    }
     for r in rows:
         assert r["ratio_paged_dense"] == pytest.approx(r["paged_ms"] / r["dense_ms"])
         assert 0 < r["paged_meta_share"] < 1

@@ -14,7 +14,8 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from fms_paged.flex.masks import (
     Q_BLOCK,
-    DecodeBlockMask,
+    decode_block_mask,
+    decode_meta,
     logical_score_mod,
     paged_mask_mod,
     prefill_block_mask,
@@ -84,14 +85,16 @@ def test_decode_mask_and_blocks(P):
     pm = scattered_manager(P, lengths)
     seq_ids = [5, 0, 3, 6, 2]  # non-contiguous rows, and an inactive row (2 is not live)
     active = [True, True, True, True, False]
-    lens = [lengths.get(s, 0) for s in seq_ids]
-    dm = DecodeBlockMask(len(seq_ids), pm.num_pages, pm.max_pages_per_seq, P, torch.device("cpu"))
-    dm.update(pm.page_table, seq_ids, lens, active)
-    mm = paged_mask_mod(pm.page_table, pm.phys_to_logical, dm.q_seq, dm.q_pos, P)
-    E = expected_visibility(pm, dm.q_seq, dm.q_pos, P)
+    q_pos = [lengths[s] - 1 if a else -1 for s, a in zip(seq_ids, active)]
+    slots = pm.slots([s for s, a in zip(seq_ids, active) if a], [q for q in q_pos if q >= 0]).tolist()
+    slots.append(0)  # the inactive row's
+    meta = decode_meta([s if a else 0 for s, a in zip(seq_ids, active)], q_pos, slots, P)
+    q_seq, q_p = meta[0][:, None], meta[1][:, None]
+    mm = paged_mask_mod(pm.page_table, pm.phys_to_logical, q_seq, q_p, P)
+    E = expected_visibility(pm, q_seq, q_p, P)
     got = create_mask(mm, len(seq_ids), 1, 1, pm.num_pages * P)[:, 0]
     assert np.array_equal(got.numpy(), E)
-    check_block_mask(dm.block_mask(mm), E, P, q_block=1)
+    check_block_mask(decode_block_mask(pm.page_table, meta, pm.num_pages, P, mm), E, P, q_block=1)
 
 
 @pytest.mark.parametrize("P", [4, 16])

@@ -140,8 +140,8 @@ def test_nan_filled_pages_are_reused_safely(kernel):
     def poison(pc):
         pc.prefill([0, 1], prompts_of([80, 37], seed=9))
         pc.release([0, 1])
-        pc.k_pool[:, :, 16:] = float("nan")  # every page but the null page
-        pc.v_pool[:, :, 16:] = float("nan")
+        for pool in pc.k_pools + pc.v_pools:
+            pool[:, :, 16:] = float("nan")  # every page but the null page
         pc.pm._free.rotate(3)  # reuse in a different order
 
     worst = lockstep(
