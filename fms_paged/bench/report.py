@@ -151,7 +151,7 @@ def markdown(results: dict[str, Any]) -> str:
                     "paged ms",
                     "paged/dense",
                     "paged step meta %",
-                    "BlockMask build %",
+                    "BlockMask build % (eager)",
                     "kernel",
                 ],
                 [

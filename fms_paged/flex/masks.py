@@ -64,23 +64,23 @@ def logical_score_mod(score_mod: Callable, phys_to_logical: torch.Tensor, q_pos:
 
 def decode_meta(seq_ids: Sequence[int], q_pos: Sequence[int], slots: Sequence[int],
                 page_size: int) -> torch.Tensor:
-    """Host-known decode metadata, one column per row -> [5, B] int64 (host tensor): seq id, query
-    position, pool slot of the new token, pages seen whole ((q_pos + 1) // P), partial pages (1 if
-    the page holding q_pos is only partly visible). q_pos = -1 marks an inactive row: pass seq 0
-    (any valid table row) and slot 0 (the null page's, never readable); it sees no page."""
+    """Host-known decode metadata -> [6, B] int64 (host tensor), rows: seq id, query position,
+    pool slot of the new token, pages seen whole ((q_pos + 1) // P), partial pages (1 if the page
+    holding q_pos is only partly visible), RoPE position (q_pos, 0 for an inactive row).
+    q_pos = -1 marks an inactive row: pass seq 0 (any valid table row) and slot 0 (the null page's,
+    never readable); it sees no page."""
     P = page_size
-    cols = [
-        (s, q, slot, (q + 1) // P, int((q + 1) % P > 0)) if q >= 0 else (s, -1, slot, 0, 0)
-        for s, q, slot in zip(seq_ids, q_pos, slots)
-    ]
-    return torch.tensor(cols, dtype=torch.int64).T.contiguous()  # row-major: views stay plain
+    full = [(q + 1) // P for q in q_pos]
+    part = [int((q + 1) % P > 0) for q in q_pos]  # q = -1: 0 full, 0 partial
+    rope = [max(q, 0) for q in q_pos]
+    return torch.tensor([list(seq_ids), list(q_pos), list(slots), full, part, rope], dtype=torch.int64)
 
 
 def decode_block_mask(page_table: torch.Tensor, meta: torch.Tensor, num_pages: int, page_size: int,
                       mask_mod: Callable, q_len: int = 1) -> BlockMask:
     """BlockMask for decode (one query row per sequence), from the page table by device ops alone.
 
-    page_table: [max_seqs, C] int32; meta: [5, B] from `decode_meta`, on the table's device. Row b
+    page_table: [max_seqs, C] int32; meta: [6, B] from `decode_meta`, on the table's device. Row b
     sees its sequence's first `(q_pos + 1) // P` pages whole (listed straight from the table row)
     and, if the page holding q_pos (the new token's, slot // P) is only partly visible, that page
     as the one partial block (mask_mod applied). Shapes depend only on (B, num_pages), so a compiled

@@ -105,6 +105,8 @@ class PageManager:
         # device views
         self._page_table_d = torch.zeros((max_seqs, C), dtype=torch.int32, device=self.device)
         self._seq_lens_d = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
+        # on the CPU the device view is host memory: reserve_next writes it through numpy
+        self._seq_lens_np = self._seq_lens_d.numpy() if self.device.type == "cpu" else None
         self._p2l_d = torch.full((num_pages,), -1, dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ read-only views
@@ -282,10 +284,15 @@ class PageManager:
             self._check_ids(ids)  # raises, naming the duplicate
         if slow:
             self.reserve(ids, [n + 1 for n in lens])
-        elif ids:
-            held[ids] += 1
-            packed = ops.to_device(np.asarray(ids + [n + 1 for n in lens], dtype=np.int64), self.device)
-            ops.scatter_int32(self._seq_lens_d, packed[: len(ids)], packed[len(ids) :])
+        elif ids:  # each row's own entries only: safe alongside other threads' sequences
+            for s in ids:
+                held[s] += 1
+            if self._seq_lens_np is not None:  # CPU: write the device view's memory in place
+                for s, n in zip(ids, lens):
+                    self._seq_lens_np[s] = n + 1
+            else:
+                packed = ops.to_device(np.asarray(ids + [n + 1 for n in lens]), self.device)
+                ops.scatter_int32(self._seq_lens_d, packed[: len(ids)], packed[len(ids) :])
         return [int(table[s, n // P]) * P + n % P for s, n in zip(ids, lens)]
 
     def _plan_cow(self, ids: np.ndarray, have: np.ndarray, grows: np.ndarray) -> np.ndarray:

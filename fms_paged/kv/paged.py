@@ -253,8 +253,8 @@ class PagedBackend:
             [n if a else -1 for n, a in zip(lengths, active)],
             [next(new_slots) if a else 0 for a in active],
             P,
-        ).to(self.device)  # [5, B]: one host->device copy
-        positions = meta[1].clamp(min=0)[:, None]  # [B, 1] RoPE positions
+        ).to(self.device)  # [6, B]: one host->device copy
+        positions = meta[5].view(B, 1)  # [B, 1] RoPE positions
         if self.kernel == "gather":
             seqs = torch.tensor(list(seq_ids), device=self.device)
             step = GatherStep(self, meta[2], seqs, positions, max(lengths) + 1, meta[1])
@@ -266,7 +266,7 @@ class FlexStep:
     """One step over the pool with flex_attention: slots and BlockMask shared by all layers.
 
     Prefill: slots and BlockMask are built on the host by the backend (from the page lists).
-    Decode: `decode_meta` ([5, B] int64 on device, see `fms_paged.flex.masks.decode_meta`) holds
+    Decode: `decode_meta` ([6, B] int64 on device, see `fms_paged.flex.masks.decode_meta`) holds
     each row's sequence, query position and new slot; `prepare` builds the BlockMask from it and
     the device page table with device ops only.
     """
