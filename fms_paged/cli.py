@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--compile", action="store_true",
+                   help="run each decode step as one compiled graph (the first step compiles)")
 
     sub.add_parser("bench", help="run the inference benchmark (see `fms-paged bench --help`)",
                    add_help=False)
@@ -124,7 +126,7 @@ def cmd_generate(args) -> int:
 
     out = generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   on_token=on_token if args.stream else None)[0]
+                   on_token=on_token if args.stream else None, compile=args.compile)[0]
     if args.stream:
         print()
     elif tok is None:

@@ -35,6 +35,7 @@ from fms_paged.flex.masks import (
     paged_mask_mod,
     prefill_block_mask,
 )
+from fms_paged.kv._pool_ops import to_device
 from fms_paged.kv.page_manager import PageManager
 
 KERNELS = ("auto", "flex", "flex-eager", "gather")
@@ -248,12 +249,12 @@ class PagedBackend:
         held = [n for n, a in zip(lengths, active) if a]
         new_slots = iter(self.pm.reserve_next(ids, held))  # checks ids and that each holds `held`
         self._after_reserve([self.pm.pages_of(s)[n // P] for s, n in zip(ids, held) if n % P == 0])
-        meta = decode_meta(
+        meta = to_device(decode_meta(
             [s if a else 0 for s, a in zip(seq_ids, active)],
             [n if a else -1 for n, a in zip(lengths, active)],
             [next(new_slots) if a else 0 for a in active],
             P,
-        ).to(self.device)  # [6, B]: one host->device copy
+        ).numpy(), self.device)  # [6, B]: one host->device copy (pinned, asynchronous on CUDA)
         positions = meta[5].view(B, 1)  # [B, 1] RoPE positions
         if self.kernel == "gather":
             seqs = torch.tensor(list(seq_ids), device=self.device)

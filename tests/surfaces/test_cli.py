@@ -39,6 +39,10 @@ def test_generate_prompt_ids_on_variant():
     assert r.returncode == 0, r.stderr
     ref = generate(get_model(variant="micro", device="cpu"), [[1, 2, 3]], 4)[0]
     assert r.stdout.split() == [str(t) for t in ref]
+    compiled = run("generate", "--variant", "micro", "--prompt-ids", "1 2 3", "--max-new-tokens", "4",
+                   "--device", "cpu", "--compile")
+    assert compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == r.stdout  # the compiled decode step gives the same tokens
 
 
 def test_ppl_both_backends_agree():
