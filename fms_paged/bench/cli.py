@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per sequence/turn")
     p.add_argument("--warmup", type=int, default=2, help="decode steps left out of the statistics")
     p.add_argument("--decode-steps", type=int, default=20, help="timed steps per decode-benchmark case")
+    p.add_argument("--compile-step", action="store_true",
+                   help="scenarios: run each decode step as one compiled graph (both backends)")
     p.add_argument(
         "--decode-modes",
         default=",".join(latency.DECODE_MODES),
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             warm=True,
             bandwidth_gbs=results["bandwidth_gbs"],
+            compile_step=args.compile_step,
         )
         scen.setdefault(name, {})[impl] = r
         if args.memory:

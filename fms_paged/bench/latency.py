@@ -127,10 +127,12 @@ def stats_ms(samples: Sequence[float]) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- the timed loop
 @torch.inference_mode()
-def _turn(model, cache, seq_ids, prompts, starts, lengths, new_tokens, device, desc):
-    """Prefill `prompts` at `starts`, then greedily decode `new_tokens - 1` more tokens.
-    -> (outputs [B][new_tokens], ttft seconds, per-step seconds). `lengths` is updated in place."""
+def _turn(model, cache, seq_ids, prompts, starts, lengths, new_tokens, device, desc, compile_step=False):
+    """Prefill `prompts` at `starts`, then greedily decode `new_tokens - 1` more tokens (each step
+    one compiled graph if `compile_step`). -> (outputs [B][new_tokens], ttft seconds, per-step
+    seconds). `lengths` is updated in place."""
     B = len(seq_ids)
+    decode = decode_fn(cache, compile_step)
     sync(device)
     t0 = time.perf_counter()
     tokens, positions, step, last = cache.prefill(seq_ids, prompts, starts)
@@ -144,8 +146,7 @@ def _turn(model, cache, seq_ids, prompts, starts, lengths, new_tokens, device, d
     for _ in tqdm(range(new_tokens - 1), desc=desc, leave=False, disable=None):
         t = time.perf_counter()
         tokens, positions, step = cache.decode(seq_ids, next_tok, lengths, [True] * B)
-        logits = model(tokens, positions, step)  # [B, 1, V]
-        next_tok = logits[:, -1].argmax(-1)
+        next_tok = decode(model, tokens, positions, step).argmax(-1)  # logits: [B, V]
         for o, tok in zip(out, next_tok.tolist()):  # host sync ends the step
             o.append(tok)
         steps.append(time.perf_counter() - t)
@@ -166,6 +167,7 @@ def run_scenario(
     warm: bool = False,
     num_pages: int | None = None,
     max_seq_len: int | None = None,
+    compile_step: bool = False,
 ) -> dict[str, Any]:
     """Run one scenario on one backend; -> raw figures (JSON-ready) + "outputs" (token ids).
 
@@ -191,6 +193,7 @@ def run_scenario(
             seed=seed,
             num_pages=num_pages,
             max_seq_len=max(finals) + 1,
+            compile_step=compile_step,
         )
     cache = make_backend(model, impl, B, max_seq_len or max(finals) + 1, kernel=kernel, num_pages=num_pages)
     seq_ids, lengths = list(range(B)), [0] * B
@@ -202,7 +205,8 @@ def run_scenario(
             prompt = msg if t == 0 else [outs[0][-1]] + msg  # the last reply token enters the cache
             ctx_at_turn.append(lengths[0] + len(prompt))
             o, ttft, st = _turn(
-                model, cache, [0], [prompt], [lengths[0]], lengths, n, device, f"{desc} turn {t}"
+                model, cache, [0], [prompt], [lengths[0]], lengths, n, device, f"{desc} turn {t}",
+                compile_step,
             )
             outs[0] += o[0]
             kv_turn.append(kv_accounting(cache, lengths, model.config, model.dtype))
@@ -223,7 +227,8 @@ def run_scenario(
         decode_steps = sum(len(st) for st in steps)
     else:
         prompts = random_prompts(plan["prompt_lengths"], vocab, seed)
-        outs, ttft, st = _turn(model, cache, seq_ids, prompts, [0] * B, lengths, n, device, desc)
+        outs, ttft, st = _turn(model, cache, seq_ids, prompts, [0] * B, lengths, n, device, desc,
+                               compile_step)
         ttfts, steady, per_turn = [ttft], st[warmup:], []
         ttft_total, decode_total, decode_steps = ttft, sum(st), len(st)
     kv = kv_accounting(cache, lengths, model.config, model.dtype)
@@ -235,6 +240,7 @@ def run_scenario(
         "scenario": plan["name"],
         "attn_impl": impl,
         "kernel": getattr(cache, "kernel", "sdpa"),
+        "compile_step": compile_step,
         "batch": B,
         "prompt_lengths": plan["prompt_lengths"],
         "final_lengths": lengths,
@@ -284,7 +290,7 @@ def _time_mask_build(step) -> float | None:
     pure function of the step's metadata and the page table, so re-running it changes nothing."""
     if getattr(step, "decode_meta", None) is None:
         return None
-    device = step.q_pos.device
+    device = step.decode_meta.device
     sync(device)
     t0 = time.perf_counter()
     step.prepare()

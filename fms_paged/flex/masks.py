@@ -70,10 +70,10 @@ def decode_meta(seq_ids: Sequence[int], q_pos: Sequence[int], slots: Sequence[in
     q_pos = -1 marks an inactive row: pass seq 0 (any valid table row) and slot 0 (the null page's,
     never readable); it sees no page."""
     P = page_size
-    full = [(q + 1) // P for q in q_pos]
-    part = [int((q + 1) % P > 0) for q in q_pos]  # q = -1: 0 full, 0 partial
-    rope = [max(q, 0) for q in q_pos]
-    return torch.tensor([list(seq_ids), list(q_pos), list(slots), full, part, rope], dtype=torch.int64)
+    full = [(q + 1) // P for q in q_pos]  # q = -1: no page
+    part = [int((q + 1) % P > 0) for q in q_pos]
+    rope = [q if q > 0 else 0 for q in q_pos]
+    return torch.tensor([seq_ids, q_pos, slots, full, part, rope], dtype=torch.int64)
 
 
 def decode_block_mask(page_table: torch.Tensor, meta: torch.Tensor, num_pages: int, page_size: int,

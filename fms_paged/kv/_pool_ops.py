@@ -42,13 +42,14 @@ def as_int_list(values: Sequence[int] | np.ndarray | torch.Tensor, what: str) ->
         raise ValueError(f"{what} must be a 1-D sequence of ints, got {values!r}") from None
 
 
-def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host numpy array -> tensor on `device` in one copy, without waiting for the device.
+def to_device(arr: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host array (numpy, or a contiguous CPU tensor) -> tensor on `device` in one copy, without
+    waiting for the device.
 
     On CUDA the array is staged in pinned memory so the copy is asynchronous; the caching host
     allocator keeps the staging buffer alive until the copy has run.
     """
-    host = torch.from_numpy(np.ascontiguousarray(arr))
+    host = arr if isinstance(arr, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(arr))
     if device.type == "cpu":
         return host
     if device.type == "cuda":

@@ -249,18 +249,14 @@ class PagedBackend:
         held = [n for n, a in zip(lengths, active) if a]
         new_slots = iter(self.pm.reserve_next(ids, held))  # checks ids and that each holds `held`
         self._after_reserve([self.pm.pages_of(s)[n // P] for s, n in zip(ids, held) if n % P == 0])
-        meta = to_device(decode_meta(
-            [s if a else 0 for s, a in zip(seq_ids, active)],
-            [n if a else -1 for n, a in zip(lengths, active)],
-            [next(new_slots) if a else 0 for a in active],
-            P,
-        ).numpy(), self.device)  # [6, B]: one host->device copy (pinned, asynchronous on CUDA)
+        rows = [(s, n, next(new_slots)) if a else (0, -1, 0) for s, n, a in zip(seq_ids, lengths, active)]
+        meta = to_device(decode_meta(*zip(*rows), P), self.device)  # [6, B]: one host->device copy
         positions = meta[5].view(B, 1)  # [B, 1] RoPE positions
         if self.kernel == "gather":
             seqs = torch.tensor(list(seq_ids), device=self.device)
             step = GatherStep(self, meta[2], seqs, positions, max(lengths) + 1, meta[1])
             return tokens[:, None], positions, step
-        return tokens[:, None], positions, FlexStep(self, meta[1][:, None], decode_meta=meta)
+        return tokens.view(B, 1), positions, FlexStep(self, None, decode_meta=meta)
 
 
 class FlexStep:
@@ -275,20 +271,21 @@ class FlexStep:
     def __init__(
         self,
         backend: PagedBackend,
-        q_pos: torch.Tensor,
+        q_pos: torch.Tensor | None,
         *,
         slots: torch.Tensor | None = None,
         block_mask=None,
         decode_meta: torch.Tensor | None = None,
     ):
         self.b = backend
-        self.q_pos = q_pos  # [B', S'] logical position of each query (-1: none)
         self.slots = slots  # [B' * S'] pool slot of every new token
         self.block_mask = block_mask
         self.decode_meta = decode_meta
         self.gqa_group = backend.gqa_group if decode_meta is not None else 0  # decode: GQA in q
         self.score_mod = None
         if backend.score_mod is not None:
+            if q_pos is None:  # decode: [B, 1] query positions
+                q_pos = decode_meta[1][:, None]
             self.score_mod = logical_score_mod(
                 backend.score_mod, backend.pm.phys_to_logical, q_pos, backend.P, self.gqa_group
             )
