@@ -31,6 +31,7 @@ MIXED_RANGE, MIXED_N = (500, 8000), 16
 CHAT_TURNS, CHAT_MSG = 8, 1000
 DECODE_CONTEXTS, DECODE_BATCH = (512, 2048, 8192), 8
 DECODE_MODES = ("eager", "compiled")
+DECODE_ROUNDS = 4  # dense and paged timed in alternating rounds (see time_decode)
 
 
 # ---------------------------------------------------------------------------- models and backends
@@ -299,46 +300,67 @@ def _time_mask_build(step) -> float | None:
 
 
 @torch.inference_mode()
-def time_decode(model, cache, prompts, steps: int, warmup: int, chunk: int = 512,
-                compile: bool = False) -> dict[str, Any]:
-    """Prefill once, then time `steps` decode steps (after `warmup`). -> median ms of the whole step,
-    of `cache.decode` alone (host step metadata: page reservation) and of the slots + BlockMask
-    build alone. `compile`: the whole decode step as one compiled graph (`compiled_decode`)."""
+def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int, chunk: int = 512,
+                compile: bool = False, rounds: int = 4) -> dict[str, dict[str, Any]]:
+    """Prefill every cache once, then time `steps` decode steps on each (after `warmup` each),
+    interleaved: `rounds` rounds of steps / rounds steps per cache, the order alternating, so that
+    drift of a shared machine falls on every backend alike. -> per cache name: median ms of the
+    whole step, of `cache.decode` alone (host step metadata: page reservation) and of the slots +
+    BlockMask build alone. `compile`: each decode step one compiled graph (`compiled_decode`)."""
     device, B = model.device, len(prompts)
     seq_ids = list(range(B))
-    decode = decode_fn(cache, compile)
-    cache.reset()
-    _prefill_chunked(model, cache, prompts, chunk)
-    lengths = [len(p) for p in prompts]
-    tok = torch.zeros(B, dtype=torch.long, device=device)
-    whole, meta, mask = [], [], []
-    for i in range(warmup + steps):
-        sync(device)
-        t0 = time.perf_counter()
-        tokens, positions, step = cache.decode(seq_ids, tok, lengths, [True] * B)
-        sync(device)
-        t1 = time.perf_counter()
-        tok = decode(model, tokens, positions, step).argmax(-1)
-        sync(device)
-        t2 = time.perf_counter()
-        m = _time_mask_build(step)
-        lengths = [n + 1 for n in lengths]
-        if i >= warmup:
-            whole.append(t2 - t0)
-            meta.append(t1 - t0)
-            if m is not None:
-                mask.append(m)
-    cache.release(seq_ids)
+    state = {}
+    for name, cache in caches.items():
+        cache.reset()
+        _prefill_chunked(model, cache, prompts, chunk)
+        state[name] = {
+            "decode": decode_fn(cache, compile),
+            "lengths": [len(p) for p in prompts],
+            "tok": torch.zeros(B, dtype=torch.long, device=device),
+            "whole": [], "meta": [], "mask": [],
+        }
+
+    def run(name: str, n: int, record: bool) -> None:
+        cache, st = caches[name], state[name]
+        for _ in range(n):
+            sync(device)
+            t0 = time.perf_counter()
+            tokens, positions, step = cache.decode(seq_ids, st["tok"], st["lengths"], [True] * B)
+            sync(device)
+            t1 = time.perf_counter()
+            st["tok"] = st["decode"](model, tokens, positions, step).argmax(-1)
+            sync(device)
+            t2 = time.perf_counter()
+            m = _time_mask_build(step)
+            st["lengths"] = [n + 1 for n in st["lengths"]]
+            if record:
+                st["whole"].append(t2 - t0)
+                st["meta"].append(t1 - t0)
+                if m is not None:
+                    st["mask"].append(m)
+
+    names = list(caches)
+    for name in names:
+        run(name, warmup, record=False)
+    per_round = -(-steps // rounds)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            run(name, per_round, record=True)
     med = lambda xs: float(np.median(xs)) * 1e3 if xs else None
-    step_ms, meta_ms, mask_ms = med(whole), med(meta), med(mask)
-    return {
-        "ms_per_step": step_ms,
-        "meta_ms": meta_ms,
-        "meta_share": meta_ms / step_ms,
-        "mask_ms": mask_ms,
-        "mask_share": mask_ms / step_ms if mask_ms is not None else None,
-        "steps": steps,
-    }
+    out = {}
+    for name, cache in caches.items():
+        cache.release(seq_ids)
+        st = state[name]
+        step_ms, meta_ms, mask_ms = med(st["whole"]), med(st["meta"]), med(st["mask"])
+        out[name] = {
+            "ms_per_step": step_ms,
+            "meta_ms": meta_ms,
+            "meta_share": meta_ms / step_ms,
+            "mask_ms": mask_ms,
+            "mask_share": mask_ms / step_ms if mask_ms is not None else None,
+            "steps": len(st["whole"]),
+        }
+    return out
 
 
 def with_rope_len(model, max_len: int):
@@ -377,6 +399,7 @@ def decode_benchmark(
     if bad:
         raise ValueError(f"decode modes {sorted(bad)}; expected some of {DECODE_MODES}")
     contexts = sorted({max(16, round(c * scale)) for c in DECODE_CONTEXTS})
+    steps = -(-steps // DECODE_ROUNDS) * DECODE_ROUNDS  # whole rounds of interleaved timing
     span = max(contexts) + warmup + steps + 1
     model = with_rope_len(model, span)
     P, vocab = model.config.page_size, model.config.src_vocab_size
@@ -390,8 +413,9 @@ def decode_benchmark(
         prompts = random_prompts([int(n) for n in lengths], vocab, seed)
         dense = make_backend(model, "sdpa", len(prompts), span)
         compiled = mode == "compiled"
-        d = time_decode(model, dense, prompts, steps, warmup, compile=compiled)
-        p = time_decode(model, paged, prompts, steps, warmup, compile=compiled)
+        t = time_decode(model, {"dense": dense, "paged": paged}, prompts, steps, warmup,
+                        compile=compiled, rounds=DECODE_ROUNDS)
+        d, p = t["dense"], t["paged"]
         del dense
         rows.append(
             {
@@ -412,7 +436,7 @@ def decode_benchmark(
                 "dense_meta_share": d["meta_share"],
                 "kernel": paged.kernel,
                 "page_size": P,
-                "steps": steps,
+                "steps": p["steps"],
             }
         )
     return rows

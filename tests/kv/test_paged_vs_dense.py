@@ -196,13 +196,18 @@ def test_forked_sequences_diverge_correctly():
             assert (torch.stack(got[b]) - ref).abs().max().item() <= TOL
 
 
-def test_zero_recompiles_over_500_decode_steps():
+@pytest.mark.parametrize("whole_step", [False, True], ids=["flex-per-layer", "compiled-step"])
+def test_zero_recompiles_over_500_decode_steps(whole_step):
     """After warm-up, 500 decode steps with growing lengths and sequences leaving and joining (new
     prompts prefilled into freed rows) run without a single recompilation (Dynamo raises if one
-    happens) and without graph breaks (fullgraph=True)."""
+    happens) and without graph breaks (fullgraph=True): with the model run op by op (the flex
+    kernel compiled per layer), and with the whole decode step one compiled graph."""
     import torch._dynamo
 
+    from fms_paged.generation.generate import compiled_decode, decode_one_token
+
     _, paged = pair(page_size=16)
+    step_fn = compiled_decode(static_shapes=True) if whole_step else decode_one_token
     B, max_len = 4, 160
     pc = PagedBackend(paged, B, max_len, num_pages=NUM_PAGES, kernel="flex")
     rng = np.random.default_rng(0)
@@ -218,7 +223,7 @@ def test_zero_recompiles_over_500_decode_steps():
         for row in range(B):  # warm-up: compiles the decode shape and the 128-token prefill bucket
             join(row)
         t, p, s = pc.decode(list(range(B)), torch.ones(B, dtype=torch.long), lengths, [True] * B)
-        paged(t, p, s)
+        step_fn(paged, t, p, s)
         lengths = [n + 1 for n in lengths]
         leaves = joins = 0
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -231,7 +236,7 @@ def test_zero_recompiles_over_500_decode_steps():
                         joins += 1
                 tok = torch.randint(3, 256, (B,))
                 t, p, s = pc.decode(list(range(B)), tok, lengths, [True] * B)
-                paged(t, p, s)
+                step_fn(paged, t, p, s)
                 lengths = [n + 1 for n in lengths]
                 budget = [b - 1 for b in budget]
     assert leaves > 5 and joins > 5
