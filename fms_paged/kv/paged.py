@@ -237,9 +237,11 @@ class PagedBackend:
         """One token per row; `lengths[i]` tokens are cached already, the new one goes at that
         position. Inactive rows (finished sequences) are masked out and write to the null page.
 
-        Host work: RESERVE for the rows whose new token opens a page (all-or-nothing), plus one
-        host->device copy of (seq ids, query positions); slots and the BlockMask are derived from
-        them on the device in `FlexStep.prepare`."""
+        Host work: `reserve_next` (a Python pass over the rows; a full RESERVE, all-or-nothing,
+        only when a row opens a page or grows into a shared one) and one host->device copy of the
+        rows' metadata (sequence, position, new slot, page counts); the BlockMask is built from it
+        and the device page table in `FlexStep.prepare`. ValueError if a row's length is not what
+        its sequence holds; nothing changes then."""
         B, P = len(seq_ids), self.P
         if len(lengths) != B or len(active) != B:
             raise ValueError(
@@ -255,7 +257,7 @@ class PagedBackend:
         if self.kernel == "gather":
             seqs = torch.tensor(list(seq_ids), device=self.device)
             step = GatherStep(self, meta[2], seqs, positions, max(lengths) + 1, meta[1])
-            return tokens[:, None], positions, step
+            return tokens.view(B, 1), positions, step
         return tokens.view(B, 1), positions, FlexStep(self, None, decode_meta=meta)
 
 

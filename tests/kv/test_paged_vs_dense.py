@@ -242,6 +242,19 @@ def test_zero_recompiles_over_500_decode_steps(whole_step):
     assert leaves > 5 and joins > 5
 
 
+def test_decode_with_wrong_lengths_raises_and_changes_nothing():
+    """A decode step whose lengths disagree with what the sequences hold is refused with a typed
+    error naming the sequence, before any page or length changes (row 0 alone would be fine)."""
+    _, paged = pair(page_size=16)
+    pc = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="gather")
+    pc.prefill([0, 1], prompts_of([5, 16]))
+    free, lens, table = pc.pm.num_free_pages, pc.pm.seq_lens.clone(), pc.pm.page_table.clone()
+    with pytest.raises(ValueError, match="seq 1 holds 16 tokens"):
+        pc.decode([0, 1], torch.tensor([3, 4]), [5, 17], [True, True])
+    assert pc.pm.num_free_pages == free
+    assert torch.equal(pc.pm.seq_lens, lens) and torch.equal(pc.pm.page_table, table)
+
+
 def test_forced_fallback_is_announced_and_equal(monkeypatch):
     dense, paged = pair(page_size=16)
     monkeypatch.setenv("FMS_PAGED_FORCE_GATHER", "1")
