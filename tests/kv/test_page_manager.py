@@ -470,3 +470,51 @@ def test_benchmark_runs_tiny_and_writes_json(tmp_path, capsys):
     assert fp["page_table_bytes"] == 4 * 2048 and fp["kv_pool_bytes"] == 2 * 32 * 32 * 128 * 2 * 2049 * 16
     assert "pages/s" in capsys.readouterr().out
     assert np.isclose(fp["metadata_fraction"], fp["metadata_bytes"] / fp["kv_pool_bytes"])
+
+
+@pytest.mark.parametrize("P", [1, 4, 16])
+def test_reserve_next_equals_reserve_by_one(P):
+    """The decode fast path against `reserve(ids, lengths + 1)` on a twin manager: same state after
+    every step (host mirror, device views, pending copies) through page openings, a forked sequence
+    growing into its shared partial page (copy-on-write), a sequence joining from length 0 and
+    random subsets of rows; the returned slots follow the architecture's slot rule."""
+    rng = np.random.default_rng(P)
+    fast, ref = (PageManager(96, P, max_seqs=6, max_seq_len=20 * P) for _ in range(2))
+    for pm in (fast, ref):
+        pm.reserve([0, 1], [P + 1, 3])
+        pm.fork(0, 2)  # 2 shares 0's pages, the last one partly filled when P > 1
+    lens = {0: P + 1, 1: 3, 2: P + 1}
+    copies = 0
+    for step in range(3 * P + 8):
+        if step == 5:
+            lens[4] = 0  # joins: its first token opens its first page
+        ids = [s for s in lens if rng.random() < 0.8] or [1]
+        rng.shuffle(ids)
+        got = fast.reserve_next(ids, [lens[s] for s in ids])
+        ref.reserve(ids, [lens[s] + 1 for s in ids])
+        assert got == ref_slots(ref, ids, [lens[s] for s in ids]).tolist()
+        for s in ids:
+            lens[s] += 1
+        assert_same(snapshot(fast), snapshot(ref))
+        copies += len(ref.pending_copies)
+        for pm in (fast, ref):
+            pm.apply_copies()  # empty pools: only clears the queue (compared above)
+    assert copies == (1 if P > 1 else 0)  # the shared partial page was copied once
+
+
+def test_reserve_next_rejects_bad_rows_and_changes_nothing():
+    pm = PageManager(32, 4, max_seqs=4, max_seq_len=40)
+    pm.reserve([0, 1], [5, 2])
+    before = snapshot(pm)
+    for ids, lens, match in (
+        ([0, 1], [5, 3], "seq 1 holds 2 tokens, but the step says 3"),
+        ([0, 7], [5, 0], "seq id 7 out of range"),
+        ([1, 1], [2, 2], "duplicate seq id 1"),
+        ([0, 1], [5], "got 2 seq_ids but 1 lengths"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            pm.reserve_next(ids, lens)
+        assert_same(before, snapshot(pm))
+    pm.reserve([2], [40])
+    with pytest.raises(ValueError, match="length 41 for seq 2 out of range"):
+        pm.reserve_next([2], [40])  # past max_seq_len: the full reserve's error
