@@ -23,6 +23,7 @@ from fms_paged.bench.environment import decode_roofline_ms, sync
 from fms_paged.bench.memory import kv_accounting, min_pages
 from fms_paged.generation.generate import decode_fn
 from fms_paged.kv.cache import DenseBackend
+from fms_paged.modules import RotaryEmbedding
 
 SCENARIOS = ("single", "mixed", "chat")
 # lengths at scale 1.0
@@ -287,8 +288,8 @@ def _prefill_chunked(model, cache, prompts, chunk: int) -> None:
 
 
 def _time_mask_build(step) -> float | None:
-    """Seconds to build this step's slots and BlockMask alone (`FlexStep.prepare`, eager ops): a
-    pure function of the step's metadata and the page table, so re-running it changes nothing."""
+    """Seconds to build this step's BlockMask alone (`FlexStep.prepare`, eager ops): a pure
+    function of the step's metadata and the page table, so re-running it changes nothing."""
     if getattr(step, "decode_meta", None) is None:
         return None
     device = step.decode_meta.device
@@ -305,7 +306,7 @@ def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int,
     """Prefill every cache once, then time `steps` decode steps on each (after `warmup` each),
     interleaved: `rounds` rounds of steps / rounds steps per cache, the order alternating, so that
     drift of a shared machine falls on every backend alike. -> per cache name: median ms of the
-    whole step, of `cache.decode` alone (host step metadata: page reservation) and of the slots +
+    whole step, of `cache.decode` alone (host step metadata: page reservation, slots) and of the
     BlockMask build alone. `compile`: each decode step one compiled graph (`compiled_decode`)."""
     device, B = model.device, len(prompts)
     seq_ids = list(range(B))
@@ -368,8 +369,6 @@ def with_rope_len(model, max_len: int):
     timing at contexts past the model's trained length: the cost does not depend on the values)."""
     if max_len <= model.config.max_expected_seq_len:
         return model
-    from fms_paged.modules import RotaryEmbedding
-
     twin = copy.copy(model)
     twin._modules = dict(model._modules)  # don't touch the original's submodules
     twin.config = dataclasses.replace(model.config, max_expected_seq_len=max_len)

@@ -105,7 +105,7 @@ class PageManager:
         # device views
         self._page_table_d = torch.zeros((max_seqs, C), dtype=torch.int32, device=self.device)
         self._seq_lens_d = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
-        # on the CPU the device view is host memory: reserve_next writes it through numpy
+        # on the CPU the device view is host memory: _write_seq_lens writes it through numpy
         self._seq_lens_np = self._seq_lens_d.numpy() if self.device.type == "cpu" else None
         self._p2l_d = torch.full((num_pages,), -1, dtype=torch.int32, device=self.device)
 
@@ -250,8 +250,7 @@ class PageManager:
         if total == 0:  # no page changes hands (most decode steps): only the lengths move
             self._lens[ids] = lens
             self._live[ids] = True
-            packed = ops.to_device(np.concatenate([ids, lens]), self.device)
-            ops.scatter_int32(self._seq_lens_d, packed[: ids.size], packed[ids.size :])
+            self._write_seq_lens(ids.tolist(), lens.tolist())
             return
         pages = self._take(total, ids[need > 0]) if total else []
         if cow.any():
@@ -284,16 +283,20 @@ class PageManager:
             self._check_ids(ids)  # raises, naming the duplicate
         if slow:
             self.reserve(ids, [n + 1 for n in lens])
-        elif ids:  # each row's own entries only: safe alongside other threads' sequences
+        elif ids:
             for s in ids:
                 held[s] += 1
-            if self._seq_lens_np is not None:  # CPU: write the device view's memory in place
-                for s, n in zip(ids, lens):
-                    self._seq_lens_np[s] = n + 1
-            else:
-                packed = ops.to_device(np.asarray(ids + [n + 1 for n in lens]), self.device)
-                ops.scatter_int32(self._seq_lens_d, packed[: len(ids)], packed[len(ids) :])
+            self._write_seq_lens(ids, [n + 1 for n in lens])
         return [int(table[s, n // P]) * P + n % P for s, n in zip(ids, lens)]
+
+    def _write_seq_lens(self, ids: list[int], lens: list[int]) -> None:
+        """Device `seq_lens[ids] = lens`, entry by entry (safe alongside other threads' sequences):
+        on the CPU through the view's numpy memory, elsewhere one scatter."""
+        if self._seq_lens_np is not None:
+            self._seq_lens_np[ids] = lens
+        else:
+            packed = ops.to_device(np.asarray(ids + lens, dtype=np.int64), self.device)
+            ops.scatter_int32(self._seq_lens_d, packed[: len(ids)], packed[len(ids) :])
 
     def _plan_cow(self, ids: np.ndarray, have: np.ndarray, grows: np.ndarray) -> np.ndarray:
         """Which seqs need a private copy of their last page (loop over candidates only).

@@ -255,8 +255,7 @@ class PagedBackend:
         meta = to_device(decode_meta(*zip(*rows), P), self.device)  # [6, B]: one host->device copy
         positions = meta[5].view(B, 1)  # [B, 1] RoPE positions
         if self.kernel == "gather":
-            seqs = torch.tensor(list(seq_ids), device=self.device)
-            step = GatherStep(self, meta[2], seqs, positions, max(lengths) + 1, meta[1])
+            step = GatherStep(self, meta[2], meta[0], positions, max(lengths) + 1, meta[1])
             return tokens.view(B, 1), positions, step
         return tokens.view(B, 1), positions, FlexStep(self, None, decode_meta=meta)
 
@@ -306,9 +305,7 @@ class FlexStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B', H, S', D]; k, v: [B', Hkv, S', D]
-        kp, vp = self.b.k_pools[layer], self.b.v_pools[layer]  # [1, Hkv, NP, D]
-        kp.index_copy_(2, self.slots, _tokens_last(k))
-        vp.index_copy_(2, self.slots, _tokens_last(v))
+        kp, vp = _write_kv(self.b, layer, self.slots, k, v)  # [1, Hkv, NP, D]
         # inside a compiled forward flex_attention is traced with the rest of the step
         if self.b.kernel == "flex" and not torch.compiler.is_compiling():
             attn = compiled_flex(dynamic=False)
@@ -336,7 +333,7 @@ class GatherStep:
     ):
         self.b = backend
         self.slots = slots  # [B * S] pool slot of every new token
-        self.seqs = seqs  # [B] sequence of each row
+        self.seqs = seqs  # [B] sequence of each row (decode: 0 for inactive rows)
         self.positions = positions  # [B, S]
         self.span = span  # host-known: 1 + the largest position this step
         self.q_pos = q_pos  # decode: [B] query positions, -1 for inactive rows
@@ -356,14 +353,17 @@ class GatherStep:
         return self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kp, vp = self.b.k_pools[layer], self.b.v_pools[layer]
-        kp.index_copy_(2, self.slots, _tokens_last(k))
-        vp.index_copy_(2, self.slots, _tokens_last(v))
+        kp, vp = _write_kv(self.b, layer, self.slots, k, v)
         keys = kp[0][:, self.kv_slots].transpose(0, 1)  # [Hkv, B, L, D] -> [B, Hkv, L, D]
         values = vp[0][:, self.kv_slots].transpose(0, 1)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
 
 
-def _tokens_last(x: torch.Tensor) -> torch.Tensor:
-    """[B', Hkv, S', D] -> [1, Hkv, B' * S', D], the token order of the step's slots."""
-    return x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3])
+def _write_kv(backend: PagedBackend, layer: int, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ASSIGN a step's new k/v ([B', Hkv, S', D]) to their slots in the layer's pools, in place
+    (no checks: the step built the slots); -> the layer's pools [1, Hkv, NP, D]."""
+    kp, vp = backend.k_pools[layer], backend.v_pools[layer]
+    for pool, x in ((kp, k), (vp, v)):  # x -> [1, Hkv, B' * S', D], the token order of the slots
+        pool.index_copy_(2, slots, x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3]))
+    return kp, vp
