@@ -57,7 +57,7 @@ bench-peers: install
 
 # decode at the full 512 / 2k / 8k contexts, eager and compiled step (about 4 minutes on a 2-core CPU)
 bench-decode: install
-	$(PY) scripts/benchmark_inference.py --attn-impl both --scenario decode --scale 1 --decode-steps 40 --no-ppl --no-memory --out results/bench-decode $(BENCH_ARGS)
+	$(PY) scripts/benchmark_inference.py --attn-impl both --scenario decode --scale 1 --decode-steps 96 --no-ppl --no-memory --out results/bench-decode $(BENCH_ARGS)
 
 bench-pages: install
 	$(PY) -m fms_paged.bench.page_manager --out results/bench-pages

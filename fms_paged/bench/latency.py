@@ -32,7 +32,7 @@ MIXED_RANGE, MIXED_N = (500, 8000), 16
 CHAT_TURNS, CHAT_MSG = 8, 1000
 DECODE_CONTEXTS, DECODE_BATCH = (512, 2048, 8192), 8
 DECODE_MODES = ("eager", "compiled")
-DECODE_ROUNDS = 4  # dense and paged timed in alternating rounds (see time_decode)
+DECODE_ROUNDS = 8  # dense and paged timed in alternating rounds (see time_decode)
 
 
 # ---------------------------------------------------------------------------- models and backends
@@ -288,7 +288,7 @@ def _prefill_chunked(model, cache, prompts, chunk: int) -> None:
 
 
 def _time_mask_build(step) -> float | None:
-    """Seconds to build this step's BlockMask alone (`FlexStep.prepare`, eager ops): a pure
+    """Seconds to build this step's BlockMask alone (`FlexDecodeStep.prepare`, eager ops): a pure
     function of the step's metadata and the page table, so re-running it changes nothing."""
     if getattr(step, "decode_meta", None) is None:
         return None
@@ -307,7 +307,8 @@ def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int,
     interleaved: `rounds` rounds of steps / rounds steps per cache, the order alternating, so that
     drift of a shared machine falls on every backend alike. -> per cache name: median ms of the
     whole step, of `cache.decode` alone (host step metadata: page reservation, slots) and of the
-    BlockMask build alone. `compile`: each decode step one compiled graph (`compiled_decode`)."""
+    BlockMask build alone, and the median step ms of each round ("round_ms", for the spread of a
+    paired ratio). `compile`: each decode step one compiled graph (`compiled_decode`)."""
     device, B = model.device, len(prompts)
     seq_ids = list(range(B))
     state = {}
@@ -318,10 +319,10 @@ def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int,
             "decode": decode_fn(cache, compile),
             "lengths": [len(p) for p in prompts],
             "tok": torch.zeros(B, dtype=torch.long, device=device),
-            "whole": [], "meta": [], "mask": [],
+            "whole": [], "meta": [], "mask": [], "rounds": [],
         }
 
-    def run(name: str, n: int, record: bool) -> None:
+    def run(name: str, n: int, record: bool, time_mask: bool = False) -> None:
         cache, st = caches[name], state[name]
         for _ in range(n):
             sync(device)
@@ -332,13 +333,13 @@ def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int,
             st["tok"] = st["decode"](model, tokens, positions, step).argmax(-1)
             sync(device)
             t2 = time.perf_counter()
-            m = _time_mask_build(step)
             st["lengths"] = [n + 1 for n in st["lengths"]]
+            m = _time_mask_build(step) if time_mask else None
+            if m is not None:
+                st["mask"].append(m)
             if record:
                 st["whole"].append(t2 - t0)
                 st["meta"].append(t1 - t0)
-                if m is not None:
-                    st["mask"].append(m)
 
     names = list(caches)
     for name in names:
@@ -347,11 +348,15 @@ def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int,
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             run(name, per_round, record=True)
+            state[name]["rounds"].append(float(np.median(state[name]["whole"][-per_round:])) * 1e3)
     med = lambda xs: float(np.median(xs)) * 1e3 if xs else None
     out = {}
     for name, cache in caches.items():
-        cache.release(seq_ids)
         st = state[name]
+        # the BlockMask build alone (re-run after a step on its metadata), in steps of their own:
+        # in the timed ones its extra eager ops would cool the caches before the next step
+        run(name, per_round, record=False, time_mask=True)
+        cache.release(seq_ids)
         step_ms, meta_ms, mask_ms = med(st["whole"]), med(st["meta"]), med(st["mask"])
         out[name] = {
             "ms_per_step": step_ms,
@@ -360,6 +365,7 @@ def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int,
             "mask_ms": mask_ms,
             "mask_share": mask_ms / step_ms if mask_ms is not None else None,
             "steps": len(st["whole"]),
+            "round_ms": st["rounds"],
         }
     return out
 
@@ -399,7 +405,7 @@ def decode_benchmark(
         raise ValueError(f"decode modes {sorted(bad)}; expected some of {DECODE_MODES}")
     contexts = sorted({max(16, round(c * scale)) for c in DECODE_CONTEXTS})
     steps = -(-steps // DECODE_ROUNDS) * DECODE_ROUNDS  # whole rounds of interleaved timing
-    span = max(contexts) + warmup + steps + 1
+    span = max(contexts) + warmup + steps + steps // DECODE_ROUNDS + 1  # + the build-timing steps
     model = with_rope_len(model, span)
     P, vocab = model.config.page_size, model.config.src_vocab_size
     # one paged pool for the whole benchmark: decode shapes depend only on (pool, B)
@@ -426,6 +432,9 @@ def decode_benchmark(
                 "dense_ms": d["ms_per_step"],
                 "paged_ms": p["ms_per_step"],
                 "ratio_paged_dense": p["ms_per_step"] / d["ms_per_step"],
+                # the same ratio within each round (dense and paged timed back to back): its spread
+                # shows how much of a difference is the machine's noise
+                "ratio_rounds": [pr / dr for pr, dr in zip(p["round_ms"], d["round_ms"])],
                 "paged_meta_ms": p["meta_ms"],
                 "paged_meta_share": p["meta_share"],
                 # eager rows: the build's share of the step; compiled rows: the build is fused into

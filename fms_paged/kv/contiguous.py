@@ -47,20 +47,25 @@ class ContiguousKVCache:
 
 
 class DenseStep:
-    """One step of the dense backend; the mask is built once (`prepare`) and shared by all layers."""
+    """One step of the dense backend; the mask is built once (`prepare`, which returns a new step
+    holding it rather than writing to this one) and shared by all layers."""
 
-    def __init__(self, cache: ContiguousKVCache, positions: torch.Tensor, kv_len: int):
+    def __init__(self, cache: ContiguousKVCache, positions: torch.Tensor, kv_len: int,
+                 mask: torch.Tensor | None = None, rows: torch.Tensor | None = None):
         self.cache = cache
         self.positions = positions  # [B, S]
         self.kv_len = kv_len
+        self.mask = mask  # [B, 1, S, L]; True where the key's position is <= the query's position
+        self.rows = rows  # [B, 1] batch row indices
 
     def prepare(self) -> DenseStep:
+        if self.mask is not None:
+            return self
         B, dev = self.positions.shape[0], self.positions.device
-        self.rows = torch.arange(B, device=dev)[:, None]  # [B, 1]
         kv_pos = torch.arange(self.kv_len, device=dev)
-        # mask: [B, 1, S, L]; True where the key's position is <= the query's position
-        self.mask = (kv_pos[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
-        return self
+        mask = (kv_pos[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
+        rows = torch.arange(B, device=dev)[:, None]
+        return DenseStep(self.cache, self.positions, self.kv_len, mask, rows)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, H, S, D]; k, v: [B, Hkv, S, D]

@@ -60,11 +60,32 @@ def compiled_flex(dynamic: bool) -> Callable:
     return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
 
 
-def flex_unavailable_reason(device: torch.device) -> str | None:
-    """Why compiled flex_attention cannot run on `device` here (None if it can)."""
+# Triton's flex kernels tile the KV axis in BLOCK_N columns and need each KV block (one page) to be
+# a whole number of tiles; inductor's default BLOCK_N is 16..128 by GPU, dtype and head_dim, and
+# tl.dot needs tiles of at least 16 columns.
+TRITON_MIN_PAGE = 16
+
+
+def flex_kernel_options(device: torch.device, page_size: int) -> dict | None:
+    """`kernel_options` for flex_attention over pages of `page_size` tokens.
+
+    CUDA: unless the page is a multiple of 128 (every default tile divides it), BLOCK_N is set to
+    the largest power of two dividing the page, at most 64, so that compiling does not fail on a
+    default tile wider than the page. CPU: the inductor C++ kernel takes the KV block as its tile,
+    so nothing is set. (Not run on a GPU in this project's CI.)"""
+    if device.type != "cuda" or page_size % 128 == 0:
+        return None
+    return {"BLOCK_N": min(64, page_size & -page_size)}
+
+
+def flex_unavailable_reason(device: torch.device, page_size: int | None = None) -> str | None:
+    """Why compiled flex_attention cannot run on `device` (with pages of `page_size`) here (None if
+    it can)."""
     if os.environ.get("FMS_PAGED_FORCE_GATHER"):
         return "FMS_PAGED_FORCE_GATHER is set"
     if device.type == "cuda":
+        if page_size is not None and page_size % TRITON_MIN_PAGE:
+            return f"page_size={page_size} is not a multiple of {TRITON_MIN_PAGE} (Triton's smallest KV tile)"
         try:
             import triton  # noqa: F401
         except ImportError:
@@ -84,12 +105,12 @@ def flex_unavailable_reason(device: torch.device) -> str | None:
     return f"compiled flex_attention is not supported on {device.type} by this torch build"
 
 
-def choose_kernel(kernel: str, device: torch.device) -> str:
+def choose_kernel(kernel: str, device: torch.device, page_size: int | None = None) -> str:
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; expected one of {KERNELS}")
     if kernel != "auto":
         return kernel
-    reason = flex_unavailable_reason(device)
+    reason = flex_unavailable_reason(device, page_size)
     if reason is None:
         return "flex"
     warnings.warn(f"fms_paged: paged attention falls back to GATHER + SDPA: {reason}", stacklevel=3)
@@ -126,7 +147,8 @@ class PagedBackend:
         self.device = model.device
         self.max_batch = max_batch
         self.num_pages = num_pages or default_num_pages(max_batch, max_seq_len, P)
-        self.kernel = choose_kernel(kernel, self.device)
+        self.kernel = choose_kernel(kernel, self.device, P)
+        self.kernel_options = flex_kernel_options(self.device, P)
         self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
         shape = (1, c.kvheads, self.num_pages * P, c.head_dim)
         # one pool per layer: [1, Hkv, num_pages * P, D]
@@ -230,7 +252,7 @@ class PagedBackend:
             mask_mod,
             self.device,
         )
-        step = FlexStep(self, q_pos, slots=slots, block_mask=block_mask)
+        step = FlexStep(self, slots, block_mask, q_pos)
         return tokens.to(self.device), q_pos.long(), step, last
 
     def decode(self, seq_ids, tokens, lengths, active):
@@ -257,50 +279,29 @@ class PagedBackend:
         if self.kernel == "gather":
             step = GatherStep(self, meta[2], meta[0], positions, max(lengths) + 1, meta[1])
             return tokens.view(B, 1), positions, step
-        return tokens.view(B, 1), positions, FlexStep(self, None, decode_meta=meta)
+        return tokens.view(B, 1), positions, FlexDecodeStep(self, meta)
 
 
 class FlexStep:
     """One step over the pool with flex_attention: slots and BlockMask shared by all layers.
 
-    Prefill: slots and BlockMask are built on the host by the backend (from the page lists).
-    Decode: `decode_meta` ([6, B] int64 on device, see `fms_paged.flex.masks.decode_meta`) holds
-    each row's sequence, query position and new slot; `prepare` builds the BlockMask from it and
-    the device page table with device ops only.
+    Prefill: built ready by the backend (slots and BlockMask from the host's page lists).
+    Decode: the backend makes a `FlexDecodeStep` (metadata only) whose `prepare` builds this.
     """
 
-    def __init__(
-        self,
-        backend: PagedBackend,
-        q_pos: torch.Tensor | None,
-        *,
-        slots: torch.Tensor | None = None,
-        block_mask=None,
-        decode_meta: torch.Tensor | None = None,
-    ):
+    def __init__(self, backend: PagedBackend, slots: torch.Tensor, block_mask, q_pos: torch.Tensor,
+                 gqa_group: int = 0):
         self.b = backend
         self.slots = slots  # [B' * S'] pool slot of every new token
         self.block_mask = block_mask
-        self.decode_meta = decode_meta
-        self.gqa_group = backend.gqa_group if decode_meta is not None else 0  # decode: GQA in q
+        self.gqa_group = gqa_group  # decode: the G query heads of each kv head packed into q
         self.score_mod = None
-        if backend.score_mod is not None:
-            if q_pos is None:  # decode: [B, 1] query positions
-                q_pos = decode_meta[1][:, None]
+        if backend.score_mod is not None:  # q_pos: [B', S'] logical query positions
             self.score_mod = logical_score_mod(
-                backend.score_mod, backend.pm.phys_to_logical, q_pos, backend.P, self.gqa_group
+                backend.score_mod, backend.pm.phys_to_logical, q_pos, backend.P, gqa_group
             )
 
     def prepare(self) -> FlexStep:
-        """Decode: the BlockMask from the page table (device ops, no host sync)."""
-        if self.decode_meta is None:
-            return self
-        b, meta = self.b, self.decode_meta
-        self.slots = meta[2]
-        mask_mod = paged_mask_mod(b.pm.page_table, b.pm.phys_to_logical, meta[0][:, None],
-                                  meta[1][:, None], b.P, gqa_packed=True)
-        self.block_mask = decode_block_mask(b.pm.page_table, meta, b.num_pages, b.P, mask_mod,
-                                            b.gqa_group)
         return self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -311,16 +312,40 @@ class FlexStep:
             attn = compiled_flex(dynamic=False)
         else:  # "flex-eager": reference semantics, materializes scores over the whole pool
             attn = flex_attention
+        opts = self.b.kernel_options
         if not self.gqa_group:
-            return attn(q, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask, enable_gqa=True)
+            return attn(q, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask,
+                        enable_gqa=True, kernel_options=opts)
         B, H, _, D = q.shape  # decode: S' = 1; query head h reads kv head h // G
         qg = q.reshape(B, H // self.gqa_group, self.gqa_group, D)  # [B, Hkv, G, D]
-        out = attn(qg, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask)
+        out = attn(qg, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask, kernel_options=opts)
         return out.reshape(B, H, 1, D)
 
 
+class FlexDecodeStep:
+    """A decode step's metadata: `decode_meta` ([6, B] int64 on device, see
+    `fms_paged.flex.masks.decode_meta`) holds each row's sequence, query position and new slot.
+    `prepare` builds the ready `FlexStep` (BlockMask from the metadata and the device page table)
+    with device ops only, and returns a new object rather than writing attributes on this one: in
+    a compiled step, writes to an input object are replayed in Python after the graph (for a
+    BlockMask and its mask_mod closure, a measurable cost per step)."""
+
+    def __init__(self, backend: PagedBackend, decode_meta: torch.Tensor):
+        self.b = backend
+        self.decode_meta = decode_meta
+
+    def prepare(self) -> FlexStep:
+        b, meta = self.b, self.decode_meta
+        q_seq, q_pos = meta[0][:, None], meta[1][:, None]  # [B, 1]
+        mask_mod = paged_mask_mod(b.pm.page_table, b.pm.phys_to_logical, q_seq, q_pos, b.P,
+                                  gqa_packed=True)
+        block_mask = decode_block_mask(b.pm.page_table, meta, b.num_pages, b.P, mask_mod, b.gqa_group)
+        return FlexStep(b, meta[2], block_mask, q_pos, b.gqa_group)
+
+
 class GatherStep:
-    """Fallback: GATHER each row's logical K/V from its pages, then SDPA with a causal mask."""
+    """Fallback: GATHER each row's logical K/V from its pages, then SDPA with a causal mask.
+    `prepare` returns a `PreparedGatherStep` (the gather indices and the mask)."""
 
     def __init__(
         self,
@@ -338,18 +363,30 @@ class GatherStep:
         self.span = span  # host-known: 1 + the largest position this step
         self.q_pos = q_pos  # decode: [B] query positions, -1 for inactive rows
 
-    def prepare(self) -> GatherStep:
+    def prepare(self) -> PreparedGatherStep:
         P, dev = self.b.P, self.positions.device
         j = torch.arange(self.span, device=dev)
         pages = self.b.pm.page_table.index_select(0, self.seqs)  # [B, max_pages]
         col = (j // P).clamp(max=pages.shape[1] - 1)
-        self.kv_slots = pages[:, col].long() * P + j % P  # [B, L]
+        kv_slots = pages[:, col].long() * P + j % P  # [B, L]
         # mask: [B, 1, S, L]; key position <= query position
-        self.mask = (j[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
+        mask = (j[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
         if self.q_pos is not None:  # decode
             # inactive rows see only slot 0 of the null page (finite softmax; output discarded)
             inactive = (self.q_pos < 0)[:, None, None, None]
-            self.mask = self.mask & ~inactive | (j == 0)[None, None, None, :] & inactive
+            mask = mask & ~inactive | (j == 0)[None, None, None, :] & inactive
+        return PreparedGatherStep(self.b, self.slots, kv_slots, mask)
+
+
+class PreparedGatherStep:
+    def __init__(self, backend: PagedBackend, slots: torch.Tensor, kv_slots: torch.Tensor,
+                 mask: torch.Tensor):
+        self.b = backend
+        self.slots = slots  # [B * S] pool slot of every new token
+        self.kv_slots = kv_slots  # [B, L] pool slot of each row's logical positions 0..L-1
+        self.mask = mask  # [B, 1, S, L]
+
+    def prepare(self) -> PreparedGatherStep:
         return self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,9 @@ class AttentionStep(Protocol):
 
     def prepare(self) -> AttentionStep:
         """Device-side per-step metadata (slots, masks), run by the model once before its layers,
-        so that a compiled forward traces it with the rest of the step. Returns the step to use."""
+        so that a compiled forward traces it with the rest of the step. Returns the step to use,
+        a new object: writing attributes on `self` inside a compiled forward would be replayed in
+        Python after the graph on every call."""
         ...
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -70,3 +70,24 @@ def test_generate_compiled_equals_eager_dense():
     cache = make_cache(paged, B, MAX_LEN, num_pages=NUM_PAGES, kernel="flex")
     assert generate(paged, prompts, 24, eos_id=None, cache=cache, compile=True) == want
     assert generate(dense, prompts, 24, eos_id=None, compile=True) == want
+
+
+@torch.inference_mode()
+def test_prepare_returns_a_new_step_and_leaves_its_input_alone():
+    """`prepare` runs inside the compiled step: attribute writes on its input object would be
+    replayed in Python after the graph on every call (for the paged step, rebuilding a BlockMask
+    and its mask_mod closure). Every backend's steps must leave their input untouched; decode
+    steps return a new, ready step, whose own `prepare` is then a no-op."""
+    dense, paged = models()
+    caches = [make_cache(dense, 2, 64), make_cache(paged, 2, 64, kernel="flex-eager"),
+              make_cache(paged, 2, 64, kernel="gather")]
+    for cache in caches:
+        steps = [cache.prefill([0, 1], prompts_of([15, 3]))[2],
+                 cache.decode([0, 1], torch.tensor([5, 6]), [15, 3], [True, True])[2]]
+        for i, step in enumerate(steps):
+            before = {k: id(v) for k, v in vars(step).items()}
+            ready = step.prepare()
+            assert {k: id(v) for k, v in vars(step).items()} == before, (cache, i)
+            assert ready.prepare() is ready
+            if i == 1:
+                assert ready is not step

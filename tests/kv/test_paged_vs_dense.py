@@ -15,7 +15,7 @@ import torch
 
 from fms_paged import generate, get_model
 from fms_paged.kv.cache import make_cache
-from fms_paged.kv.paged import PagedBackend
+from fms_paged.kv.paged import PagedBackend, flex_kernel_options, flex_unavailable_reason
 
 TOL = 1e-5
 NUM_PAGES = 160  # compiled cases all use this pool so they share kernels
@@ -265,6 +265,28 @@ def test_forced_fallback_is_announced_and_equal(monkeypatch):
     assert generate(paged, prompts, 16, eos_id=None, cache=cache) == generate(
         dense, prompts, 16, eos_id=None
     )
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 48, 64, 96, 128, 256, 384])
+def test_cuda_flex_tile_divides_the_page(page_size):
+    """Triton's flex kernels need each KV block (one page) to be whole BLOCK_N tiles of >= 16
+    columns; inductor's default BLOCK_N (up to 128) is kept only where it divides every page.
+    (Checked on the options: this machine has no GPU.)"""
+    opts = flex_kernel_options(torch.device("cuda"), page_size)
+    if page_size % 128 == 0:
+        assert opts is None
+    else:
+        assert 16 <= opts["BLOCK_N"] <= 64 and page_size % opts["BLOCK_N"] == 0
+    assert flex_kernel_options(torch.device("cpu"), page_size) is None  # the C++ kernel's tile is the page
+    assert flex_unavailable_reason(torch.device("cuda"), page_size) != (
+        f"page_size={page_size} is not a multiple of 16 (Triton's smallest KV tile)"
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 8, 24])
+def test_cuda_pages_below_a_triton_tile_fall_back(page_size):
+    reason = flex_unavailable_reason(torch.device("cuda"), page_size)
+    assert reason == f"page_size={page_size} is not a multiple of 16 (Triton's smallest KV tile)"
 
 
 def test_generate_paged_equals_dense_and_hf(hf_checkpoint, hf_greedy):
