@@ -73,7 +73,8 @@ def decode_meta(seq_ids: Sequence[int], q_pos: Sequence[int], slots: Sequence[in
     full = [(q + 1) // P for q in q_pos]  # q = -1: no page
     part = [int((q + 1) % P > 0) for q in q_pos]
     rope = [q if q > 0 else 0 for q in q_pos]
-    return torch.tensor([seq_ids, q_pos, slots, full, part, rope], dtype=torch.int64)
+    # via numpy: about half the cost of torch.tensor on nested lists (a per-step host cost)
+    return torch.from_numpy(np.array([seq_ids, q_pos, slots, full, part, rope], dtype=np.int64))
 
 
 def decode_block_mask(page_table: torch.Tensor, meta: torch.Tensor, num_pages: int, page_size: int,
