@@ -32,7 +32,7 @@ MIXED_RANGE, MIXED_N = (500, 8000), 16
 CHAT_TURNS, CHAT_MSG = 8, 1000
 DECODE_CONTEXTS, DECODE_BATCH = (512, 2048, 8192), 8
 DECODE_MODES = ("eager", "compiled")
-DECODE_ROUNDS = 8  # dense and paged timed in alternating rounds (see time_decode)
+MASK_TIMING_STEPS = 16  # decode steps that time the BlockMask build (see time_decode)
 
 
 # ---------------------------------------------------------------------------- models and backends
@@ -302,13 +302,13 @@ def _time_mask_build(step) -> float | None:
 
 @torch.inference_mode()
 def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int, chunk: int = 512,
-                compile: bool = False, rounds: int = 4) -> dict[str, dict[str, Any]]:
+                compile: bool = False) -> dict[str, dict[str, Any]]:
     """Prefill every cache once, then time `steps` decode steps on each (after `warmup` each),
-    interleaved: `rounds` rounds of steps / rounds steps per cache, the order alternating, so that
-    drift of a shared machine falls on every backend alike. -> per cache name: median ms of the
-    whole step, of `cache.decode` alone (host step metadata: page reservation, slots) and of the
-    BlockMask build alone, and the median step ms of each round ("round_ms", for the spread of a
-    paired ratio). `compile`: each decode step one compiled graph (`compiled_decode`)."""
+    interleaved step by step (ABBA order), so that the drift of a shared machine falls on every
+    backend alike and step i of one cache can be paired with step i of another. -> per cache name:
+    median ms of the whole step, of `cache.decode` alone (host step metadata: page reservation,
+    slots) and of the BlockMask build alone, and every step's ms ("step_ms", for paired ratios).
+    `compile`: each decode step one compiled graph (`compiled_decode`)."""
     device, B = model.device, len(prompts)
     seq_ids = list(range(B))
     state = {}
@@ -319,7 +319,7 @@ def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int,
             "decode": decode_fn(cache, compile),
             "lengths": [len(p) for p in prompts],
             "tok": torch.zeros(B, dtype=torch.long, device=device),
-            "whole": [], "meta": [], "mask": [], "rounds": [],
+            "whole": [], "meta": [], "mask": [],
         }
 
     def run(name: str, n: int, record: bool, time_mask: bool = False) -> None:
@@ -344,18 +344,16 @@ def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int,
     names = list(caches)
     for name in names:
         run(name, warmup, record=False)
-    per_round = -(-steps // rounds)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            run(name, per_round, record=True)
-            state[name]["rounds"].append(float(np.median(state[name]["whole"][-per_round:])) * 1e3)
+    for i in range(steps):
+        for name in names if i % 2 == 0 else names[::-1]:
+            run(name, 1, record=True)
     med = lambda xs: float(np.median(xs)) * 1e3 if xs else None
     out = {}
     for name, cache in caches.items():
         st = state[name]
         # the BlockMask build alone (re-run after a step on its metadata), in steps of their own:
         # in the timed ones its extra eager ops would cool the caches before the next step
-        run(name, per_round, record=False, time_mask=True)
+        run(name, MASK_TIMING_STEPS, record=False, time_mask=True)
         cache.release(seq_ids)
         step_ms, meta_ms, mask_ms = med(st["whole"]), med(st["meta"]), med(st["mask"])
         out[name] = {
@@ -365,7 +363,7 @@ def time_decode(model, caches: dict[str, Any], prompts, steps: int, warmup: int,
             "mask_ms": mask_ms,
             "mask_share": mask_ms / step_ms if mask_ms is not None else None,
             "steps": len(st["whole"]),
-            "round_ms": st["rounds"],
+            "step_ms": [t * 1e3 for t in st["whole"]],
         }
     return out
 
@@ -404,22 +402,25 @@ def decode_benchmark(
     if bad:
         raise ValueError(f"decode modes {sorted(bad)}; expected some of {DECODE_MODES}")
     contexts = sorted({max(16, round(c * scale)) for c in DECODE_CONTEXTS})
-    steps = -(-steps // DECODE_ROUNDS) * DECODE_ROUNDS  # whole rounds of interleaved timing
-    span = max(contexts) + warmup + steps + steps // DECODE_ROUNDS + 1  # + the build-timing steps
+    span = max(contexts) + warmup + steps + MASK_TIMING_STEPS + 1
     model = with_rope_len(model, span)
     P, vocab = model.config.page_size, model.config.src_vocab_size
-    # one paged pool for the whole benchmark: decode shapes depend only on (pool, B)
-    num_pages = pool_pages([span] * batch, P)
-    paged = make_backend(model, "paged", batch, span, kernel=kernel, num_pages=num_pages)
+    # one paged backend per batch size for the whole benchmark (decode shapes depend only on the
+    # pool and B), each with the rows and pool that `generate` would give it: B rows, B sequences
+    pagers = {
+        n: make_backend(model, "paged", n, span, kernel=kernel, num_pages=pool_pages([span] * n, P))
+        for n in (1, batch)
+    }
     rows = []
     cases = [(m, c, k) for m in modes for c in contexts for k in ("single", "mixed")]
     for mode, ctx, kind in tqdm(cases, desc="decode benchmark", disable=None):
         lengths = [ctx] if kind == "single" else np.linspace(ctx / batch, ctx, batch).round().astype(int)
         prompts = random_prompts([int(n) for n in lengths], vocab, seed)
         dense = make_backend(model, "sdpa", len(prompts), span)
+        paged = pagers[len(prompts)]
         compiled = mode == "compiled"
         t = time_decode(model, {"dense": dense, "paged": paged}, prompts, steps, warmup,
-                        compile=compiled, rounds=DECODE_ROUNDS)
+                        compile=compiled)
         d, p = t["dense"], t["paged"]
         del dense
         rows.append(
@@ -432,9 +433,10 @@ def decode_benchmark(
                 "dense_ms": d["ms_per_step"],
                 "paged_ms": p["ms_per_step"],
                 "ratio_paged_dense": p["ms_per_step"] / d["ms_per_step"],
-                # the same ratio within each round (dense and paged timed back to back): its spread
-                # shows how much of a difference is the machine's noise
-                "ratio_rounds": [pr / dr for pr, dr in zip(p["round_ms"], d["round_ms"])],
+                # paired: step i of paged over step i of dense (timed back to back); the spread
+                # of these shows how much of a difference is the machine's noise
+                "ratio_quartiles": [float(x) for x in np.percentile(
+                    np.divide(p["step_ms"], d["step_ms"]), [25, 50, 75])],
                 "paged_meta_ms": p["meta_ms"],
                 "paged_meta_share": p["meta_share"],
                 # eager rows: the build's share of the step; compiled rows: the build is fused into

@@ -18,8 +18,8 @@ def _num(x: Any, fmt: str = ".2f") -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else str(x)
 
 
-def _spread(xs: list[float] | None) -> str:
-    return f"{min(xs):.2f}-{max(xs):.2f}" if xs else "-"
+def _quartiles(q: list[float] | None) -> str:
+    return f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})" if q else "-"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -154,7 +154,7 @@ def markdown(results: dict[str, Any]) -> str:
                     "dense ms",
                     "paged ms",
                     "paged/dense",
-                    "per round (min-max)",
+                    "paired step ratio: median (p25-p75)",
                     "paged step meta %",
                     "BlockMask build % (eager)",
                     "kernel",
@@ -168,7 +168,7 @@ def markdown(results: dict[str, Any]) -> str:
                         _num(d["dense_ms"]),
                         _num(d["paged_ms"]),
                         _num(d["ratio_paged_dense"]),
-                        _spread(d.get("ratio_rounds")),
+                        _quartiles(d.get("ratio_quartiles")),
                         _num(100 * d["paged_meta_share"], ".1f"),
                         _num(
                             100 * d["paged_mask_share"] if d["paged_mask_share"] is not None else None, ".1f"
