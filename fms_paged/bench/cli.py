@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=None,
                    help="tokens per KV page of the paged backend (default: the model config's, 16)")
+    p.add_argument("--nlayers", type=int, default=None,
+                   help="with --variant: only the first N layers (the variant's layer shapes at a "
+                   "fraction of the cost)")
     p.add_argument("--name", default=None, help="run name (default: the --out folder's name)")
     p.add_argument("--out", default="results/bench")
     return p
@@ -101,6 +104,9 @@ def model_spec(args, device: torch.device) -> tuple[dict[str, Any], str]:
     spec: dict[str, Any] = {"device": str(device), "dtype": args.dtype, "seed": args.seed,
                             "page_size": args.page_size}
     if args.variant:
+        if args.nlayers:
+            return ({**spec, "variant": args.variant, "nlayers": args.nlayers},
+                    f"variant {args.variant}, first {args.nlayers} layers (random weights)")
         return {**spec, "variant": args.variant}, f"variant {args.variant} (random weights)"
     if args.model_path:
         return {**spec, "model_path": str(args.model_path)}, f"checkpoint {args.model_path}"
@@ -188,6 +194,10 @@ def compare(res: dict[str, Any], mem: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.nlayers is not None and (not args.variant or args.nlayers < 1):
+        print(f"fms-paged bench: error: --nlayers {args.nlayers}: expected a positive int, with "
+              f"--variant", file=sys.stderr)
+        return 2
     if args.wandb:
         from fms_paged.bench.wandb_log import WandbUnavailable, require_wandb
 

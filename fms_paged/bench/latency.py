@@ -37,7 +37,8 @@ MASK_TIMING_STEPS = 16  # decode steps that time the BlockMask build (see time_d
 
 # ---------------------------------------------------------------------------- models and backends
 def load_model(spec: dict[str, Any], attn_impl: str = "sdpa") -> torch.nn.Module:
-    """spec: {"variant" | "model_path" | neither (default model), "device", "dtype", "seed"}."""
+    """spec: {"variant" | "model_path" | neither (default model), "device", "dtype", "seed",
+    optional "page_size", and "nlayers" (with a variant)}."""
     from fms_paged.models.registry import get_model
 
     return get_model(
@@ -48,6 +49,7 @@ def load_model(spec: dict[str, Any], attn_impl: str = "sdpa") -> torch.nn.Module
         dtype=spec.get("dtype"),
         seed=spec.get("seed", 0),
         **({"page_size": spec["page_size"]} if spec.get("page_size") else {}),
+        **({"nlayers": spec["nlayers"]} if spec.get("nlayers") else {}),
     )
 
 

@@ -78,6 +78,7 @@ def test_bench_help():
     (["ppl", "--window", "-3"], "--window"),
     (["generate", "--prompt", "x", "--device", "tpu"], "device"),
     (["teleport"], "teleport"),
+    (["bench", "--nlayers", "2"], "--nlayers"),  # only with --variant
 ])
 def test_bad_arguments_exit_2_with_one_line(args, name):
     r = run(*args)
