@@ -262,7 +262,7 @@ class PagedBackend:
         Host work: `reserve_next` (a Python pass over the rows; a full RESERVE, all-or-nothing,
         only when a row opens a page or grows into a shared one) and one host->device copy of the
         rows' metadata (sequence, position, new slot, page counts); the BlockMask is built from it
-        and the device page table in `FlexStep.prepare`. ValueError if a row's length is not what
+        and the device page table in `FlexDecodeStep.prepare`. ValueError if a row's length is not what
         its sequence holds; nothing changes then."""
         B, P = len(seq_ids), self.P
         if len(lengths) != B or len(active) != B:
