@@ -393,9 +393,18 @@ class PageManager:
         """Run the queued copy-on-write copies src->dst in every pool, then clear the queue.
 
         # each pool: [L, Hkv, num_pages*P, D] (e.g. k_pool, v_pool, or every layer's pools)
+
+        The queue is drained one atomic `popleft` at a time until it is empty, so concurrent
+        callers never fail and each queued copy is applied exactly once, by the caller that took
+        it (a caller may thus return before another caller has finished a copy it queued; the
+        backends call this from the thread that reserved).
         """
-        n = len(self._pending)
-        pairs = [self._pending.popleft() for _ in range(n)]
+        pairs: list[tuple[int, int]] = []
+        try:  # not len() then pop: another thread may drain the queue in between
+            while True:
+                pairs.append(self._pending.popleft())
+        except IndexError:
+            pass
         if not pairs:
             return
         src, dst = np.asarray(pairs, dtype=np.int64).T

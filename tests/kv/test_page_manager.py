@@ -6,6 +6,7 @@ from the device page table with torch ops, and the attention-mask rule from the 
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
 import math
@@ -261,6 +262,28 @@ def test_fork_on_page_boundary_needs_no_copy():
     pm.reserve([0, 1], [9, 12])
     assert pm.pending_copies == []
     assert pm.pages_of(0)[:2] == pm.pages_of(1)[:2] and pm.pages_of(0)[2] != pm.pages_of(1)[2]
+
+
+def test_apply_copies_tolerates_a_queue_drained_by_another_thread():
+    """Two threads calling apply_copies at once: the queue can shrink between reading its length
+    and popping (seen as a flaky IndexError in the threads test). Simulated deterministically: a
+    queue whose length still counts two copies that another caller has already taken."""
+
+    class Drained(collections.deque):
+        def __len__(self):
+            return super().__len__() + 2
+
+    pm = PageManager(20, 4, 4)
+    k_pool, v_pool = make_pools(pm)
+    pm.reserve([0], [6])
+    pm.fork(0, 1)
+    pm.reserve([1], [7])  # one copy-on-write copy queued
+    (src, dst), = pm.pending_copies  # fmt: skip
+    k_pool[:, :, src * 4 : src * 4 + 4] = 3.0
+    pm._pending = Drained(pm._pending)
+    pm.apply_copies(k_pool, v_pool)  # must not raise; applies the one copy left
+    assert list(pm._pending) == []
+    assert torch.equal(k_pool[:, :, dst * 4 : dst * 4 + 4], k_pool[:, :, src * 4 : src * 4 + 4])
 
 
 def test_apply_copies_out_of_pages_counts_copy():
