@@ -379,6 +379,8 @@ class GatherStep:
 
 
 class PreparedGatherStep:
+    """A `GatherStep` ready to attend: the gather indices and mask shared by all layers."""
+
     def __init__(self, backend: PagedBackend, slots: torch.Tensor, kv_slots: torch.Tensor,
                  mask: torch.Tensor):
         self.b = backend
