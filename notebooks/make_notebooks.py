@@ -74,8 +74,9 @@ PAGE_MANAGER = [
     new_code_cell(
         "pm.fork(0, 2)  # seq 2 shares seq 0's pages\n"
         "print(\"shared pages:\", sorted(set(pm.pages_of(0)) & set(pm.pages_of(2))))\n"
-        "pm.reserve([2], [11])  # grows into the shared partial page -> private copy\n"
-        "pm.apply_copies(k_pool, v_pool)\n"
+        "copies = pm.reserve([2], [11])  # grows into the shared partial page -> private copy\n"
+        "print(\"copy-on-write (src, dst):\", copies)\n"
+        "pm.apply_copies(copies, k_pool, v_pool)\n"
         "pm.assign([2], [10], torch.full((1, 1, 1), 3.0), torch.full((1, 1, 1), 3.0), k_pool, v_pool)\n"
         "print(\"seq 0 pages\", pm.pages_of(0), \"seq 2 pages\", pm.pages_of(2))\n"
         "k, v, lens = pm.gather([0, 2], k_pool, v_pool)\n"

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from fms_paged.bench.environment import decode_roofline_ms, sync
 from fms_paged.bench.memory import kv_accounting, min_pages
-from fms_paged.generation.generate import decode_fn
+from fms_paged.engine.model_step import decode_fn
 from fms_paged.kv.cache import DenseBackend
 from fms_paged.modules import RotaryEmbedding
 

@@ -1,46 +1,29 @@
-"""Batch generation: prefill once, then one token per step from the KV cache.
+"""Batch generation: `attn_impl="paged"` runs on the continuous-batching `Engine`; the dense
+backend (`attn_impl="sdpa"`) is the static-batch baseline (prefill once, then one token per step
+for the whole batch, finished rows kept in place).
 
-Works with either backend (`attn_impl="sdpa"` dense or `"paged"`); greedy decoding returns the same
-tokens for both. Finished sequences stay in their batch row (static shapes), but the paged backend
-erases their pages at once so the memory is reusable.
+Both give the same greedy tokens, and the same sampled tokens for a seed: every prompt samples from
+a generator of its own seeded with `seed`, so a prompt's tokens do not depend on the rest of the
+batch.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from fms_paged.generation.sampling import check_sampling_args, sample
+from fms_paged.engine import Engine, SamplingParams
+from fms_paged.engine.model_step import compiled_decode, decode_fn, decode_one_token
+from fms_paged.engine.sampling import check_sampling_args, sample_each
 from fms_paged.kv.cache import KVCacheBackend, make_cache
 
+__all__ = ["compiled_decode", "decode_fn", "decode_one_token", "generate", "validate_prompts"]
+
 _MODEL_EOS: Any = object()
-
-
-def decode_one_token(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
-                     step: object) -> torch.Tensor:
-    """One decode step: tokens, positions [B, 1] -> logits of the new position [B, V]."""
-    return model(tokens, positions, step)[:, -1]
-
-
-@functools.cache
-def compiled_decode(static_shapes: bool) -> Callable:
-    """`decode_one_token` under torch.compile (fullgraph): the whole decode step, from the step's
-    metadata (`prepare`) through every layer to the logits, is one compiled graph, so per-op
-    Python overhead goes away. `static_shapes=True` for the paged flex backend (its decode shapes
-    never change); the dense backend's attention span grows every step, so it is compiled with
-    automatic dynamic shapes (one recompilation on the second step, then none)."""
-    return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None)
-
-
-def decode_fn(cache: KVCacheBackend, compile: bool) -> Callable:
-    """The decode-step function for `cache`: eager, or the shared compiled one for its shapes."""
-    if not compile:
-        return decode_one_token
-    return compiled_decode(getattr(cache, "kernel", None) == "flex")
+MAX_PREFILL_TOKENS = 8192  # the engine's token budget per forward when generate() drives it
 
 
 def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_len: int,
@@ -91,10 +74,13 @@ def generate(
 ) -> list[list[int]]:
     """Generate up to `max_new_tokens` new tokens for each prompt; returns only the new tokens.
 
-    Greedy by default; `temperature > 0` samples (optionally top-k / top-p) from a generator seeded
-    with `seed`. A sequence stops after emitting an EOS token (`eos_id`; default: the model config's
-    `eos_token_id`; `None` disables). `on_token(prompt_index, token)` streams tokens as they come.
-    `cache` reuses a backend made by `fms_paged.kv.make_cache` (else one is made for this call).
+    Greedy by default; `temperature > 0` samples (optionally top-k / top-p), each prompt from a
+    generator of its own seeded with `seed` (the global RNG when `seed` is None). A sequence stops
+    after emitting an EOS token (`eos_id`; default: the model config's `eos_token_id`; `None`
+    disables). `on_token(prompt_index, token)` streams tokens as they come.
+    `attn_impl="paged"`: the prompts are requests of an `Engine` (continuous batching; its pool is
+    sized by memory, see `fms_paged.kv.budget.kv_cache_budget`, or is `cache`'s). Dense: one
+    static batch in `cache` (made by `fms_paged.kv.make_cache`) or in a cache made for this call.
     `compile=True` runs each decode step as one compiled graph (`compiled_decode`); the first call
     compiles it (tens of seconds on a CPU), later calls with the same shapes reuse it.
     """
@@ -108,21 +94,57 @@ def generate(
         eos_id = config.eos_token_id
     eos = set() if eos_id is None else ({eos_id} if isinstance(eos_id, int) else set(eos_id))
 
+    if config.attn_impl == "paged":
+        return _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, compile,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return _generate_static(model, prompts, max_new_tokens, eos, on_token, cache, compile,
+                            (temperature, top_k, top_p, seed))
+
+
+def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, compile,
+                        **sampling) -> list[list[int]]:
+    """Every prompt a request of an `Engine` (a pool sized by memory unless `cache` gives one)."""
+    n = len(prompts)
+    rows = n if cache is None else min(n, cache.max_batch)
+    budget = max(rows, min(sum(map(len, prompts)), MAX_PREFILL_TOKENS))
+    if cache is not None:
+        cache.reset()
+    engine = Engine(model, max_num_seqs=rows, max_num_batched_tokens=budget, compile=compile,
+                    backend=cache)
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos),
+                            ignore_eos=True, **sampling)
+    index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
+    out: list[list[int]] = [[] for _ in range(n)]
+    for o in engine.stream():
+        i = index[o.request_id]
+        out[i] += o.new_token_ids
+        if on_token is not None:
+            for t in o.new_token_ids:
+                on_token(i, t)
+    return out
+
+
+def _generate_static(model, prompts, max_new_tokens, eos, on_token, cache, compile,
+                     sampling) -> list[list[int]]:
+    """The dense baseline: one static batch, prefilled at once, decoded until every row is done."""
+    temperature, top_k, top_p, seed = sampling
     n = len(prompts)
     max_len = max(len(p) for p in prompts) + max_new_tokens
     if cache is None:
         cache = make_cache(model, max_batch=n, max_seq_len=max_len)
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=model.device)
-        generator.manual_seed(seed if seed is not None else torch.initial_seed())
+    settings = []
+    for _ in range(n):  # each row's own generator: its tokens do not depend on the other rows
+        generator = None
+        if temperature > 0 and seed is not None:
+            generator = torch.Generator(device=model.device).manual_seed(seed)
+        settings.append((temperature, top_k, top_p, generator))
 
     seq_ids = list(range(n))
     decode = decode_fn(cache, compile)
     cache.reset()
     tokens, positions, step, last = cache.prefill(seq_ids, prompts)
-    logits = model(tokens, positions, step)  # [B', S', V]
-    next_tok = sample(logits.flatten(0, 1)[last].float(), temperature, top_k, top_p, generator)
+    logits = model(tokens, positions, step, logits_at=last)  # [B, V]: last prompt tokens only
+    next_tok = sample_each(logits.float(), settings)
 
     out: list[list[int]] = [[] for _ in range(n)]
     lengths = [len(p) for p in prompts]  # tokens in the cache per sequence
@@ -144,6 +166,6 @@ def generate(
         for i in range(n):
             lengths[i] += active[i]
         logits = decode(model, tokens, positions, step)  # [B, V]
-        next_tok = sample(logits.float(), temperature, top_k, top_p, generator)
+        next_tok = sample_each(logits.float(), settings)
     cache.release([i for i in range(n) if active[i]])
     return out

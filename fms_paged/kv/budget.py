@@ -1,7 +1,14 @@
-"""How many KV pages fit on a device: free memory minus weights and headroom, per page bytes."""
+"""How many KV pages fit on a device: free memory minus weights and headroom, per page bytes.
+
+`memory_budget` is the quick estimate (`fms-paged info`); `kv_cache_budget` sizes the engine's pool
+the way vLLM does: a fraction of the device's free memory after the weights and a measured
+activation peak (CUDA, MPS), or on the CPU a KV space of its own.
+"""
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -66,3 +73,107 @@ def memory_budget(model: torch.nn.Module, fraction: float = 0.9, reserve_bytes: 
     per_page = page_bytes(c.nlayers, c.kvheads, c.head_dim, c.page_size, model.dtype)
     n = max(0, usable // per_page)
     return MemoryBudget(str(device), free, weights, reserve_bytes, per_page, n, n * c.page_size)
+
+
+CPU_KV_SPACE_ENV = "FMS_PAGED_CPU_KV_SPACE"  # GiB of host memory for the CPU page pool
+DEFAULT_CPU_KV_SPACE = 4 << 30  # as vLLM's CPU backend; at most half of the available RAM
+DEFAULT_KV_MEMORY_FRACTION = 0.9  # CUDA / MPS: of the free memory after weights and activations
+GiB = 1 << 30
+
+
+class KVBudgetError(ValueError):
+    """The KV budget cannot hold one sequence of the maximum length; the message says how much
+    memory there is, how much is needed, and which setting would work."""
+
+
+@dataclass
+class KVCacheBudget:
+    device: str
+    source: str  # where the KV figure came from (setting, fraction of what)
+    kv_bytes: int  # memory given to the page pool
+    activation_bytes: int  # measured peak of a forward at max_num_batched_tokens (0 on the CPU)
+    page_bytes: int
+    num_pages: int  # pages of the pool, the null page included
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.3g} GiB"
+
+
+@torch.inference_mode()
+def activation_peak_bytes(model: torch.nn.Module, num_tokens: int) -> int:
+    """Peak memory a forward over `num_tokens` tokens adds to the device (vLLM's profiling run):
+    CUDA from the allocator's peak, MPS from the driver's allocation after the run; 0 elsewhere."""
+    dev = model.device
+    tokens = torch.zeros(1, num_tokens, dtype=torch.long, device=dev)
+    last = torch.tensor([num_tokens - 1], device=dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        model(tokens, logits_at=last)
+        torch.cuda.synchronize(dev)
+        return int(torch.cuda.max_memory_allocated(dev) - before)
+    if dev.type == "mps":
+        before = torch.mps.driver_allocated_memory()
+        model(tokens, logits_at=last)
+        torch.mps.synchronize()
+        return max(0, int(torch.mps.driver_allocated_memory() - before))
+    return 0
+
+
+def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_model_len: int,
+                    kv_memory_fraction: float | None = None) -> KVCacheBudget:
+    """Pages for the engine's pool. CUDA / MPS: `kv_memory_fraction` (default 0.9) of the free
+    memory (weights already loaded) minus the activation peak of a forward at
+    `max_num_batched_tokens`. CPU: `$FMS_PAGED_CPU_KV_SPACE` GiB if set, else
+    `kv_memory_fraction` of the available RAM if given, else 4 GiB (at most half the available
+    RAM); the pool is allocated untouched, so RAM is used only as pages are.
+    Raises KVBudgetError if one sequence of `max_model_len` tokens does not fit."""
+    if kv_memory_fraction is not None and not (
+        isinstance(kv_memory_fraction, (int, float)) and 0 < kv_memory_fraction <= 1
+    ):
+        raise ValueError(f"kv_memory_fraction={kv_memory_fraction!r}; expected a float in (0, 1]")
+    c, dev = model.config, model.device
+    per_page = page_bytes(c.nlayers, c.kvheads, c.head_dim, c.page_size, model.dtype)
+    activation = 0
+    if dev.type == "cpu":
+        free = free_memory_bytes(dev)
+        env = os.environ.get(CPU_KV_SPACE_ENV)
+        if env:
+            try:
+                kv = int(float(env) * GiB)
+            except ValueError:
+                raise ValueError(f"{CPU_KV_SPACE_ENV}={env!r}; expected a number of GiB") from None
+            source = f"{CPU_KV_SPACE_ENV}={env}"
+        elif kv_memory_fraction is not None:
+            kv = int(free * kv_memory_fraction)
+            source = f"kv_memory_fraction={kv_memory_fraction} of {_gib(free)} available RAM"
+        else:
+            kv = min(DEFAULT_CPU_KV_SPACE, free // 2)
+            source = f"default CPU KV space (4 GiB, at most half of {_gib(free)} available RAM)"
+    else:
+        fraction = kv_memory_fraction or DEFAULT_KV_MEMORY_FRACTION
+        activation = activation_peak_bytes(model, max_num_batched_tokens)
+        free = free_memory_bytes(dev)
+        kv = int(free * fraction) - activation
+        source = (f"kv_memory_fraction={fraction} of {_gib(free)} free on {dev} after the weights, "
+                  f"less a {_gib(activation)} activation peak")
+    num_pages = max(0, kv // per_page)
+    need_pages = -(-max_model_len // c.page_size) + 1  # + the null page
+    if num_pages < need_pages:
+        need = need_pages * per_page
+        fix = (f"set {CPU_KV_SPACE_ENV}={math.ceil(need / GiB * 100) / 100} (GiB)" if dev.type == "cpu"
+               else f"raise kv_memory_fraction (now {kv_memory_fraction or DEFAULT_KV_MEMORY_FRACTION})")
+        fits = max(0, (num_pages - 1) * c.page_size)
+        raise KVBudgetError(
+            f"KV cache budget too small on {dev}: {_gib(max(kv, 0))} available for KV pages "
+            f"({source}), but one sequence of max_model_len={max_model_len} tokens needs "
+            f"{_gib(need)} ({need_pages} pages of {c.page_size} tokens x {per_page} bytes, the null "
+            f"page included). To fix: {fix}, or pass num_pages>={need_pages}, or "
+            f"max_model_len<={fits}."
+        )
+    return KVCacheBudget(str(dev), source, int(kv), activation, per_page, int(num_pages))

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from fms_paged.kv.contiguous import ContiguousKVCache, DenseStep
+from fms_paged.kv.paged import PagedBackend, check_chunks
 
 
 class KVCacheBackend(Protocol):
@@ -69,8 +70,9 @@ class DenseBackend:
 
     def prefill(self, seq_ids, prompts, starts=None):
         self._check_rows(seq_ids)
+        starts = [0] * len(prompts) if starts is None else list(starts)
+        check_chunks(seq_ids, [len(p) for p in prompts], starts)
         B, S = len(prompts), max(len(p) for p in prompts)
-        starts = [0] * B if starts is None else list(starts)
         tokens = torch.zeros(B, S, dtype=torch.long)
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = torch.tensor(p)
@@ -99,7 +101,5 @@ def make_cache(
     if impl == "sdpa":
         return DenseBackend(model, max_batch, max_seq_len, **kwargs)
     if impl == "paged":
-        from fms_paged.kv.paged import PagedBackend
-
         return PagedBackend(model, max_batch, max_seq_len, **kwargs)
     raise ValueError(f"attn_impl={impl!r}; expected 'sdpa' or 'paged'")

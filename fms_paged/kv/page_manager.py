@@ -55,22 +55,34 @@ class PageManager:
     that raises changes nothing.
 
     Copy-on-write: `fork` shares pages. When `reserve` grows a sequence into a partly-filled page
-    that is shared, the sequence gets a private page and (src, dst) is queued in `pending_copies`.
-    Call `apply_copies(*pools)` after `reserve` and before the next `assign`/`erase`/`reserve`
-    that involves those sequences, so the shared source page is still intact when copied.
+    that is shared, the sequence gets a private page and `reserve` returns the (src, dst) copy to
+    its caller, who runs it (`apply_copies(copies, *pools)`) before the next
+    `assign`/`erase`/`reserve` that involves those sequences, while the shared source is intact.
+    Each caller gets exactly its own copies (vLLM's `allocate_slots` hands back its blocks the same
+    way), so concurrent callers never apply, or wait on, each other's.
+
+    Free pool order: last freed, first reused (a stack). Pages freed a moment ago are still in the
+    CPU caches, and a pool sized by memory is only touched (faulted in) up to the most pages ever
+    used at once, not cycled through end to end.
 
     Concurrency contract (no locks anywhere):
-        Any number of threads may call reserve / erase / fork / slots / assign / gather concurrently
-        provided each sequence id, and every sequence forked from it (its "family": they share
-        pages and refcounts), is used by one thread at a time. The only shared structure is the
-        free pool, a `collections.deque` whose `popleft` / `extend` are atomic in CPython.
-        `reserve` checks the pool size, then takes pages one `popleft` at a time; on a shortage it
-        returns what it took and raises OutOfPages, so under contention a thread may see a spurious
-        OutOfPages, but a page is never lost or owned twice. `erase` updates host and device state
-        of a page (phys_to_logical = -1, table entry = 0) BEFORE pushing it onto the free pool, so
-        the next owner's writes are never overwritten. `apply_copies`, `reset`, and the host views
-        `utilization` / `live_seqs` / `refcounts` / `free_pages` are not meant to race with writers
-        (they are consistent snapshots only when no other thread is mutating).
+        Any number of threads may call reserve / erase / fork / slots / assign / gather /
+        apply_copies concurrently provided each sequence id, and every sequence forked from it (its
+        "family": they share pages and refcounts), is used by one thread at a time. This rests on
+        three things only:
+        - the free pool is a `collections.deque`, whose `pop` and `extend` are atomic in CPython
+          (each is one C call under the GIL). `reserve` checks the pool size, then takes pages one
+          `pop` at a time; on a shortage it returns what it took and raises OutOfPages, so under
+          contention a thread may see a spurious OutOfPages, but a page is never lost or owned
+          twice;
+        - every other host structure is a numpy array written only at the rows of the caller's
+          sequences and at the pages it owns (a page is owned by one family at a time), so
+          different families never write the same element;
+        - `erase` updates host and device state of a page (phys_to_logical = -1, table entry = 0)
+          BEFORE pushing it onto the free pool, so the next owner's writes are never overwritten.
+        `reset` and the host views `utilization` / `live_seqs` / `refcounts` / `free_pages` are not
+        meant to race with writers (they are consistent snapshots only when no other thread is
+        mutating).
     """
 
     def __init__(
@@ -100,8 +112,8 @@ class PageManager:
         self._table = np.zeros((max_seqs, C), dtype=np.int32)
         self._refcount = np.zeros(num_pages, dtype=np.int32)
         self._p2l = np.full(num_pages, -1, dtype=np.int32)
-        self._free: collections.deque[int] = collections.deque(range(1, num_pages))
-        self._pending: collections.deque[tuple[int, int]] = collections.deque()
+        # a stack: pop() takes the page freed last (see the class docstring); page 1 on top first
+        self._free: collections.deque[int] = collections.deque(range(num_pages - 1, 0, -1))
         # device views
         self._page_table_d = torch.zeros((max_seqs, C), dtype=torch.int32, device=self.device)
         self._seq_lens_d = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
@@ -135,11 +147,6 @@ class PageManager:
         return np.flatnonzero(self._live).tolist()
 
     @property
-    def pending_copies(self) -> list[tuple[int, int]]:
-        """Queued copy-on-write page copies (src_page, dst_page), applied by `apply_copies`."""
-        return list(self._pending)
-
-    @property
     def refcounts(self) -> np.ndarray:
         """[num_pages] host copy of the page refcounts (0 for free pages and the null page)."""
         return self._refcount.copy()
@@ -170,6 +177,18 @@ class PageManager:
         """Host list of the physical pages of a sequence, in logical order."""
         s = int(self._check_ids([seq_id], "seq_id")[0])
         return self._table[s, : self._num_pages_for(self._lens[s])].tolist()
+
+    def pages_needed(self, seq_id: int, new_length: int) -> int:
+        """Pages `reserve([seq_id], [new_length])` would take from the pool now: the new logical
+        pages plus a private copy of a shared, partly filled last page. Host ints only, no checks
+        (a scheduler's planning call; the reserve itself validates)."""
+        cur, P = int(self._lens[seq_id]), self.page_size
+        if new_length <= cur:
+            return 0
+        need = -(-new_length // P) - -(-cur // P)
+        if cur % P and self._refcount[self._table[seq_id, cur // P]] > 1:
+            need += 1
+        return need
 
     # ------------------------------------------------------------------ validation helpers
     def _num_pages_for(self, length: np.ndarray | int) -> np.ndarray | int:
@@ -213,29 +232,30 @@ class PageManager:
 
     # ------------------------------------------------------------------ free pool
     def _take(self, n: int, needers: np.ndarray) -> list[int]:
-        """Pop n pages one popleft at a time; on shortage return them and raise OutOfPages."""
+        """Pop n pages one atomic pop at a time; on shortage return them and raise OutOfPages."""
         free = self._free
         if len(free) < n:
             raise OutOfPages(n, len(free), needers.tolist())
         taken: list[int] = []
-        try:  # n separate atomic poplefts, driven from C; extend keeps what it got on error
-            taken.extend(itertools.starmap(free.popleft, itertools.repeat((), n)))
+        try:  # n separate atomic pops, driven from C; extend keeps what it got on error
+            taken.extend(itertools.starmap(free.pop, itertools.repeat((), n)))
         except IndexError:
             free.extend(taken)  # lost a race with another thread: give back, change nothing
             raise OutOfPages(n, len(free), needers.tolist()) from None
         return taken
 
     # ------------------------------------------------------------------ ops
-    def reserve(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> None:
+    def reserve(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> list[tuple[int, int]]:
         """Make each seq hold new_lengths[i] token slots (all-or-nothing); see class docstring.
 
         Takes only the missing pages (ceil(len / P) in all) plus one private page per seq whose
-        shared, partly-filled last page it grows into (copy-on-write, queued in pending_copies).
+        shared, partly-filled last page it grows into (copy-on-write). Returns those copies,
+        (src_page, dst_page) pairs, for the caller to run with `apply_copies` ([] almost always).
         Raises ValueError on bad input and OutOfPages when the pool is short; nothing changes then.
         """
         ids, lens = self._check_reserve(seq_ids, new_lengths)
         if ids.size == 0:
-            return
+            return []
         P = self.page_size
         cur = self._lens[ids]
         have = self._num_pages_for(cur)
@@ -251,20 +271,22 @@ class PageManager:
             self._lens[ids] = lens
             self._live[ids] = True
             self._write_seq_lens(ids.tolist(), lens.tolist())
-            return
-        pages = self._take(total, ids[need > 0]) if total else []
-        if cow.any():
-            self._copy_on_write(ids, have, cow, need, pages)
+            return []
+        pages = self._take(total, ids[need > 0])
+        copies = self._copy_on_write(ids, have, cow, need, pages) if cow.any() else []
         self._commit(ids, lens, have - cow, need, np.asarray(pages, dtype=np.int64))
+        return copies
 
-    def reserve_next(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> list[int]:
+    def reserve_next(self, seq_ids: Sequence[int],
+                     lengths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """RESERVE one more token slot for each sequence (a decode step).
 
         `lengths[i]` must be the tokens seq `seq_ids[i]` holds now (0 for a sequence that is not
         live). Same effect and errors as `reserve(seq_ids, [n + 1 for n in lengths])`, but the
         common case, where no sequence opens a page or grows into a shared one, is a plain Python
         pass over the batch (numpy calls cost more than the bookkeeping for a handful of rows).
-        Returns the pool slot of each sequence's new token (position `lengths[i]`), host ints.
+        Returns the pool slot of each sequence's new token (position `lengths[i]`, host ints) and
+        the copy-on-write copies to run, as `reserve` returns them.
         """
         ids = ops.as_int_list(seq_ids, "seq_ids")
         lens = ops.as_int_list(lengths, "lengths")
@@ -281,13 +303,14 @@ class PageManager:
                 slow = True  # opens a page, out of range (reserve raises), or copy-on-write
         if len(set(ids)) != len(ids):
             self._check_ids(ids)  # raises, naming the duplicate
+        copies: list[tuple[int, int]] = []
         if slow:
-            self.reserve(ids, [n + 1 for n in lens])
+            copies = self.reserve(ids, [n + 1 for n in lens])
         elif ids:
             for s in ids:
                 held[s] += 1
             self._write_seq_lens(ids, [n + 1 for n in lens])
-        return [int(table[s, n // P]) * P + n % P for s, n in zip(ids, lens)]
+        return [int(table[s, n // P]) * P + n % P for s, n in zip(ids, lens)], copies
 
     def _write_seq_lens(self, ids: list[int], lens: list[int]) -> None:
         """Device `seq_lens[ids] = lens`, entry by entry (safe alongside other threads' sequences):
@@ -313,13 +336,13 @@ class PageManager:
                 cow[i], left[page] = True, refs - 1
         return cow
 
-    def _copy_on_write(self, ids, have, cow, need, pages) -> None:
-        """Drop one reference to each shared last page; queue (src, dst) copies."""
+    def _copy_on_write(self, ids, have, cow, need, pages) -> list[tuple[int, int]]:
+        """Drop one reference to each shared last page; -> the (src, dst) copies to run."""
         src = self._table[ids[cow], have[cow] - 1].astype(np.int64)
         first = np.cumsum(need) - need  # index in `pages` of each seq's first new page
         dst = np.asarray(pages, dtype=np.int64)[first[cow]]
         np.subtract.at(self._refcount, src, 1)  # src stays >= 1 (see _plan_cow)
-        self._pending.extend(zip(src.tolist(), dst.tolist(), strict=True))
+        return list(zip(src.tolist(), dst.tolist(), strict=True))
 
     def _commit(self, ids, lens, start, need, pages: np.ndarray) -> None:
         """Write new pages (seq ids[i] gets need[i] pages from logical index start[i]) + lengths."""
@@ -389,30 +412,15 @@ class PageManager:
         ops.scatter_int32(self._page_table_d, packed[:n], packed[n : 2 * n])
         ops.scatter_int32(self._seq_lens_d, packed[2 * n : 2 * n + 1], packed[2 * n + 1 :])
 
-    def apply_copies(self, *pools: torch.Tensor) -> None:
-        """Run the queued copy-on-write copies src->dst in every pool, then clear the queue.
+    def apply_copies(self, copies: Sequence[tuple[int, int]], *pools: torch.Tensor) -> None:
+        """Run copy-on-write copies (src_page, dst_page), as returned by `reserve`, in every pool.
 
         # each pool: [L, Hkv, num_pages*P, D] (e.g. k_pool, v_pool, or every layer's pools)
-
-        The queue is drained one atomic `popleft` at a time until it is empty, so concurrent
-        callers never fail and each queued copy is applied exactly once, by the caller that took
-        it (a caller may thus return before another caller has finished a copy it queued; the
-        backends call this from the thread that reserved).
         """
-        pairs: list[tuple[int, int]] = []
-        try:  # not len() then pop: another thread may drain the queue in between
-            while True:
-                pairs.append(self._pending.popleft())
-        except IndexError:
-            pass
-        if not pairs:
+        if not copies or not pools:
             return
-        src, dst = np.asarray(pairs, dtype=np.int64).T
-        try:
-            ops.copy_pages(pools, src, dst, self.page_size)
-        except Exception:
-            self._pending.extendleft(reversed(pairs))  # keep the queue on error
-            raise
+        src, dst = np.asarray(copies, dtype=np.int64).reshape(-1, 2).T
+        ops.copy_pages(pools, src, dst, self.page_size)
 
     def reset(self) -> None:
         """Free everything (not thread-safe)."""
@@ -422,8 +430,7 @@ class PageManager:
         self._refcount[:] = 0
         self._p2l[:] = -1
         self._free.clear()  # same deque object: references to the pool stay valid
-        self._free.extend(range(1, self.num_pages))
-        self._pending.clear()
+        self._free.extend(range(self.num_pages - 1, 0, -1))
         self._page_table_d.zero_()
         self._seq_lens_d.zero_()
         self._p2l_d.fill_(-1)

@@ -124,6 +124,19 @@ def prefill_bucket(T: int) -> int:
     return -(-T // 1024) * 1024
 
 
+def check_chunks(seq_ids: Sequence[int], counts: Sequence[int], starts: Sequence[int]) -> None:
+    """Validate a prefill where data enters a backend: one non-empty chunk per sequence."""
+    if not len(seq_ids) == len(counts) == len(starts):
+        raise ValueError(
+            f"prefill got {len(seq_ids)} seq_ids, {len(counts)} prompts and {len(starts)} starts"
+        )
+    if not counts:
+        raise ValueError("prefill got no prompts")
+    for s, n in zip(seq_ids, counts):
+        if n == 0:
+            raise ValueError(f"prefill of seq {s} is empty: each prompt (chunk) needs >= 1 token")
+
+
 def default_num_pages(max_batch: int, max_seq_len: int, page_size: int) -> int:
     """Enough pages for every sequence at full length, plus the null page."""
     return max_batch * -(-max_seq_len // page_size) + 1
@@ -151,9 +164,16 @@ class PagedBackend:
         self.kernel_options = flex_kernel_options(self.device, P)
         self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
         shape = (1, c.kvheads, self.num_pages * P, c.head_dim)
-        # one pool per layer: [1, Hkv, num_pages * P, D]
-        self.k_pools = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(c.nlayers)]
-        self.v_pools = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(c.nlayers)]
+        # one pool per layer: [1, Hkv, num_pages * P, D]. Left uninitialised: a page is zeroed when
+        # a RESERVE hands it out (`_after_reserve`), so pool memory is touched (on the CPU: faulted
+        # in) only as pages are used. The null page is zeroed now: padding writes to it and the
+        # GATHER fallback reads it for rows that see nothing. The eager flex reference multiplies
+        # every slot of the pool (by a weight of 0 where masked): its pool is zeroed whole.
+        alloc = torch.zeros if self.kernel == "flex-eager" else torch.empty
+        self.k_pools = [alloc(shape, dtype=model.dtype, device=self.device) for _ in range(c.nlayers)]
+        self.v_pools = [alloc(shape, dtype=model.dtype, device=self.device) for _ in range(c.nlayers)]
+        for pool in self.k_pools + self.v_pools:
+            pool[:, :, :P].zero_()
         self.score_mod = score_mod
         # decode packs the G = nheads / kvheads query heads of each kv head into the query length:
         # the CPU flex kernel then reads each page once per kv head (measured ~5x faster at B=8)
@@ -176,16 +196,17 @@ class PagedBackend:
                  new_lengths: Sequence[int]) -> None:
         """RESERVE (prefill), then prepare the pages it opened (`_after_reserve`)."""
         P = self.P
-        self.pm.reserve(seq_ids, new_lengths)
+        copies = self.pm.reserve(seq_ids, new_lengths)
         opened = [  # logical pages ceil(old / P) .. ceil(new / P) - 1 of each seq
             p
             for s, o, n in zip(seq_ids, old_lengths, new_lengths)
             for p in self.pm.pages_of(s)[-(-o // P) : -(-n // P)]
         ]
-        self._after_reserve(opened)
+        self._after_reserve(opened, copies)
 
-    def _after_reserve(self, opened_pages: list[int]) -> None:
-        """Zero the pages a RESERVE just handed out and apply its copy-on-write copies.
+    def _after_reserve(self, opened_pages: list[int], copies: list[tuple[int, int]]) -> None:
+        """Zero the pages a RESERVE just handed out, then run its copy-on-write copies (a copy's
+        destination is one of the opened pages: it is overwritten whole).
 
         Zeroing matters: attention multiplies masked-out weights (exactly 0) by the values of the
         whole page, and 0 * NaN = NaN, so stale NaN/inf left by a page's previous owner in slots
@@ -196,12 +217,12 @@ class PagedBackend:
             idx = (torch.tensor(opened_pages)[:, None] * P + torch.arange(P)).flatten().to(self.device)
             for pool in self.k_pools + self.v_pools:
                 pool.index_fill_(2, idx, 0)
-        if self.pm.pending_copies:  # copy-on-write of pages shared by fork
-            self.pm.apply_copies(*self.k_pools, *self.v_pools)
+        self.pm.apply_copies(copies, *self.k_pools, *self.v_pools)  # pages shared by fork
 
     def prefill(self, seq_ids, prompts, starts=None):
         starts = [0] * len(prompts) if starts is None else list(starts)
         counts = [len(p) for p in prompts]
+        check_chunks(seq_ids, counts, starts)
         live = set(self.pm.live_seqs)
         for s, start in zip(seq_ids, starts):
             have = self.pm.length(s) if s in live else 0
@@ -271,8 +292,10 @@ class PagedBackend:
             )
         ids = [s for s, a in zip(seq_ids, active) if a]
         held = [n for n, a in zip(lengths, active) if a]
-        new_slots = iter(self.pm.reserve_next(ids, held))  # checks ids and that each holds `held`
-        self._after_reserve([self.pm.pages_of(s)[n // P] for s, n in zip(ids, held) if n % P == 0])
+        new_slots, copies = self.pm.reserve_next(ids, held)  # checks ids and that each holds `held`
+        opened = [self.pm.pages_of(s)[n // P] for s, n in zip(ids, held) if n % P == 0]
+        self._after_reserve(opened, copies)
+        new_slots = iter(new_slots)
         rows = [(s, n, next(new_slots)) if a else (0, -1, 0) for s, n, a in zip(seq_ids, lengths, active)]
         meta = to_device(decode_meta(*zip(*rows), P), self.device)  # [6, B]: one host->device copy
         positions = meta[5].view(B, 1)  # [B, 1] RoPE positions

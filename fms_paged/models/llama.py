@@ -119,8 +119,11 @@ class LLaMA(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         step: AttentionStep | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # tokens, positions: [B, S] int64 -> logits: [B, S, V]
+        # logits_at: [K] indices into the flattened [B * S] positions -> logits of those only: [K, V]
+        # (a prefill needs the logits of each sequence's last token, not of the whole prompt)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         cos, sin = self.rot_emb(positions)
@@ -129,6 +132,8 @@ class LLaMA(nn.Module):
         x = self.embedding(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, step)
+        if logits_at is not None:
+            x = x.flatten(0, 1).index_select(0, logits_at)  # [K, D]
         return self.head(self.dec_norm(x))
 
     @property

@@ -11,7 +11,7 @@ so the graph is compiled once per test process.
 import torch
 
 from fms_paged import generate, get_model
-from fms_paged.generation.generate import compiled_decode
+from fms_paged.engine.model_step import compiled_decode
 from fms_paged.kv.cache import make_cache
 from fms_paged.kv.paged import PagedBackend
 

@@ -6,7 +6,6 @@ from the device page table with torch ops, and the attention-mask rule from the 
 
 from __future__ import annotations
 
-import collections
 import inspect
 import json
 import math
@@ -37,7 +36,6 @@ def snapshot(pm: PageManager, *pools: torch.Tensor) -> dict:
         "live": pm.live_seqs,
         "lens": [pm.length(s) for s in range(pm.max_seqs)],
         "pages": [pm.pages_of(s) for s in range(pm.max_seqs)],
-        "pending": pm.pending_copies,
         "page_table": pm.page_table.clone(),
         "seq_lens": pm.seq_lens.clone(),
         "p2l": pm.phys_to_logical.clone(),
@@ -83,7 +81,7 @@ def test_fresh_manager_views():
     assert pm.seq_lens.shape == (3,) and pm.seq_lens.dtype == torch.int32
     assert pm.phys_to_logical.shape == (10,) and pm.phys_to_logical.dtype == torch.int32
     assert pm.num_free_pages == 9 and 0 not in pm.free_pages
-    assert pm.utilization == 0.0 and pm.live_seqs == [] and pm.pending_copies == []
+    assert pm.utilization == 0.0 and pm.live_seqs == []
     assert (pm.phys_to_logical == -1).all() and (pm.page_table == 0).all()
 
 
@@ -227,18 +225,17 @@ def test_fork_copy_on_write_diverges():
     assert pm.refcounts[parent_pages].tolist() == [2, 2]
     assert torch.equal(pm.page_table[1], pm.page_table[0])
     free_before = pm.num_free_pages
-    pm.reserve([1], [8])  # grows into the shared half page -> private copy
+    copies = pm.reserve([1], [8])  # grows into the shared half page -> private copy
     full, half = parent_pages
-    (src, dst), = pm.pending_copies  # fmt: skip
+    (src, dst), = copies  # fmt: skip
     assert src == half and pm.pages_of(1) == [full, dst] and pm.num_free_pages == free_before - 1
     assert pm.refcounts[[full, half, dst]].tolist() == [2, 1, 1]
     assert int(pm.phys_to_logical[dst]) == 1
-    pm.apply_copies(k_pool, v_pool)
-    assert pm.pending_copies == []
+    pm.apply_copies(copies, k_pool, v_pool)
     kc = torch.full((2, 2, H, D), 100.0)
     pm.assign([1, 1], [6, 7], kc, kc, k_pool, v_pool)  # child's new tokens
-    pm.reserve([0], [7])  # parent now holds its page alone: no copy
-    assert pm.pending_copies == [] and pm.pages_of(0) == parent_pages
+    assert pm.reserve([0], [7]) == []  # parent now holds its page alone: no copy
+    assert pm.pages_of(0) == parent_pages
     kp = torch.full((2, 1, H, D), -7.0)
     pm.assign([0], [6], kp, kp, k_pool, v_pool)
     for layer in range(2):
@@ -259,31 +256,50 @@ def test_fork_on_page_boundary_needs_no_copy():
     pm = PageManager(20, 4, 4)
     pm.reserve([0], [8])
     pm.fork(0, 1)
-    pm.reserve([0, 1], [9, 12])
-    assert pm.pending_copies == []
+    assert pm.reserve([0, 1], [9, 12]) == []
     assert pm.pages_of(0)[:2] == pm.pages_of(1)[:2] and pm.pages_of(0)[2] != pm.pages_of(1)[2]
 
 
-def test_apply_copies_tolerates_a_queue_drained_by_another_thread():
-    """Two threads calling apply_copies at once: the queue can shrink between reading its length
-    and popping (seen as a flaky IndexError in the threads test). Simulated deterministically: a
-    queue whose length still counts two copies that another caller has already taken."""
-
-    class Drained(collections.deque):
-        def __len__(self):
-            return super().__len__() + 2
-
+def test_each_reserve_hands_back_only_its_own_copies():
+    """Copy-on-write copies go to the caller whose reserve planned them (there is no shared queue
+    another caller could take them from): two families forked from two parents, each growing into
+    its shared partial page, get one copy each, of their own page, and applying one caller's
+    copies leaves the other's destination untouched."""
     pm = PageManager(20, 4, 4)
     k_pool, v_pool = make_pools(pm)
-    pm.reserve([0], [6])
+    pm.reserve([0, 2], [6, 5])
     pm.fork(0, 1)
-    pm.reserve([1], [7])  # one copy-on-write copy queued
-    (src, dst), = pm.pending_copies  # fmt: skip
-    k_pool[:, :, src * 4 : src * 4 + 4] = 3.0
-    pm._pending = Drained(pm._pending)
-    pm.apply_copies(k_pool, v_pool)  # must not raise; applies the one copy left
-    assert list(pm._pending) == []
-    assert torch.equal(k_pool[:, :, dst * 4 : dst * 4 + 4], k_pool[:, :, src * 4 : src * 4 + 4])
+    pm.fork(2, 3)
+    for s in (0, 2):
+        page = pm.pages_of(s)[1]
+        k_pool[:, :, page * 4 : page * 4 + 4] = 10.0 + s
+    mine = pm.reserve([1], [7])
+    theirs = pm.reserve([3], [6])
+    assert [src for src, _ in mine] == [pm.pages_of(0)[1]]
+    assert [src for src, _ in theirs] == [pm.pages_of(2)[1]]
+    (_, dst_mine), (_, dst_theirs) = mine[0], theirs[0]
+    pm.apply_copies(mine, k_pool, v_pool)
+    assert (k_pool[:, :, dst_mine * 4 : dst_mine * 4 + 4] == 10.0).all()
+    assert (k_pool[:, :, dst_theirs * 4 : dst_theirs * 4 + 4] == 0.0).all()
+    pm.apply_copies(theirs, k_pool, v_pool)
+    assert (k_pool[:, :, dst_theirs * 4 : dst_theirs * 4 + 4] == 12.0).all()
+
+
+def test_free_pool_reuses_the_page_freed_last():
+    """A stack, not a queue: a pool sized by memory is only touched up to the most pages ever in
+    use at once, and a freed page is reused while it is still in the caches."""
+    pm = PageManager(64, 4, 4)
+    pm.reserve([0], [8])
+    pm.reserve([1], [4])
+    freed = pm.pages_of(1)
+    pm.erase([1])
+    pm.reserve([2], [4])
+    assert pm.pages_of(2) == freed
+    pm.erase([0, 2])
+    for _ in range(20):  # churn: one sequence at a time never touches more than its own pages
+        pm.reserve([3], [8])
+        assert set(pm.pages_of(3)) <= {1, 2, 3}
+        pm.erase([3])
 
 
 def test_apply_copies_out_of_pages_counts_copy():
@@ -443,8 +459,8 @@ def decode_steps(pm: PageManager, k_pool, v_pool, lens: dict[int, int], steps: i
     L = k_pool.shape[0]
     for _ in range(steps):  # crosses page boundaries and forces a copy-on-write
         batch = list(lens)
-        pm.reserve(batch, [lens[s] + 1 for s in batch])
-        pm.apply_copies(k_pool, v_pool)
+        copies = pm.reserve(batch, [lens[s] + 1 for s in batch])
+        pm.apply_copies(copies, k_pool, v_pool)
         pos = [lens[s] for s in batch]
         slots = pm.slots(batch, pos)
         k = torch.randn(L, len(batch), H, D, device=k_pool.device)  # k: [L, T, Hkv, D]
@@ -498,7 +514,7 @@ def test_benchmark_runs_tiny_and_writes_json(tmp_path, capsys):
 @pytest.mark.parametrize("P", [1, 4, 16])
 def test_reserve_next_equals_reserve_by_one(P):
     """The decode fast path against `reserve(ids, lengths + 1)` on a twin manager: same state after
-    every step (host mirror, device views, pending copies) through page openings, a forked sequence
+    every step (host mirror, device views, copy-on-write copies) through page openings, a forked sequence
     growing into its shared partial page (copy-on-write), a sequence joining from length 0 and
     random subsets of rows; the returned slots follow the architecture's slot rule."""
     rng = np.random.default_rng(P)
@@ -513,15 +529,14 @@ def test_reserve_next_equals_reserve_by_one(P):
             lens[4] = 0  # joins: its first token opens its first page
         ids = [s for s in lens if rng.random() < 0.8] or [1]
         rng.shuffle(ids)
-        got = fast.reserve_next(ids, [lens[s] for s in ids])
-        ref.reserve(ids, [lens[s] + 1 for s in ids])
+        got, got_copies = fast.reserve_next(ids, [lens[s] for s in ids])
+        ref_copies = ref.reserve(ids, [lens[s] + 1 for s in ids])
         assert got == ref_slots(ref, ids, [lens[s] for s in ids]).tolist()
+        assert got_copies == ref_copies
         for s in ids:
             lens[s] += 1
         assert_same(snapshot(fast), snapshot(ref))
-        copies += len(ref.pending_copies)
-        for pm in (fast, ref):
-            pm.apply_copies()  # empty pools: only clears the queue (compared above)
+        copies += len(ref_copies)
     assert copies == (1 if P > 1 else 0)  # the shared partial page was copied once
 
 

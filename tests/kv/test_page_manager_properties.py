@@ -94,12 +94,11 @@ class PagedPoolMachine(RuleBasedStateMachine):
                 self.pm.reserve(ids, new_lens)
             self.assert_unchanged(before)
             return False
-        self.pm.reserve(ids, new_lens)
-        assert len(self.pm.pending_copies) == sum(cows)
+        copies = self.pm.reserve(ids, new_lens)
+        assert len(copies) == sum(cows)
         if any(cows):
             event("reserve: copy-on-write")
-        self.pm.apply_copies(self.k_pool, self.v_pool)  # protocol: right after reserve
-        assert self.pm.pending_copies == []
+        self.pm.apply_copies(copies, self.k_pool, self.v_pool)  # protocol: right after reserve
         for s, new, cow in zip(ids, new_lens, cows, strict=True):
             toks, pages = self.tokens.setdefault(s, []), self.mpages.setdefault(s, [])
             if cow:
@@ -114,7 +113,6 @@ class PagedPoolMachine(RuleBasedStateMachine):
             return
         values = [float(next(self.next_value)) for _ in pairs]
         k, v = kv_of(values)
-        self.pm.apply_copies(self.k_pool, self.v_pool)  # no-op here: reserve applied them
         self.pm.assign([s for s, _ in pairs], [p for _, p in pairs], k, v, self.k_pool, self.v_pool)
         for (s, p), x in zip(pairs, values, strict=True):
             self.tokens[s][p] = x

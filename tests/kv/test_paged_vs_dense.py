@@ -204,7 +204,7 @@ def test_zero_recompiles_over_500_decode_steps(whole_step):
     kernel compiled per layer), and with the whole decode step one compiled graph."""
     import torch._dynamo
 
-    from fms_paged.generation.generate import compiled_decode, decode_one_token
+    from fms_paged.engine.model_step import compiled_decode, decode_one_token
 
     _, paged = pair(page_size=16)
     step_fn = compiled_decode(static_shapes=True) if whole_step else decode_one_token

@@ -1,0 +1,299 @@
+"""The continuous-batching engine: requests arrive at any time, are admitted as pages free up, and
+are preempted (then recomputed) instead of failing when the pool runs dry.
+
+One loop owns the page pool: `step()` takes the requests submitted since the last step (from any
+thread), lets the `Scheduler` pick what runs, has the paged backend build the step (RESERVE,
+slots, BlockMask), runs the model once, samples each request with its own settings, and returns
+what each request produced. A step whose requests all decode runs as one decode batch (rows padded
+to a few bucket sizes; the compiled decode step where compilation works); a step with any prefill
+packs every request's new tokens, decodes included, into one row.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from fms_paged.engine.model_step import decode_fn
+from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status
+from fms_paged.engine.sampling import sample_each
+from fms_paged.engine.scheduler import Scheduler, SchedulerOutput
+from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
+from fms_paged.kv.paged import PagedBackend
+
+COMPILE_MODES = ("auto", True, False)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes compiled: 8, 16, 32, ... up to max_num_seqs (a decode step's weights
+    dominate its cost on a CPU, so fewer rows than 8 save little and would cost more compiles)."""
+    sizes = {min(max_num_seqs, 8 << i) for i in range(max(1, max_num_seqs.bit_length()))}
+    return sorted(sizes)
+
+
+class Engine:
+    """Continuous batching over a paged model (`attn_impl="paged"`).
+
+    max_num_seqs: requests running at once (rows of the page table).
+    max_num_batched_tokens: tokens in one forward (decodes + prefill chunks), >= max_num_seqs.
+    num_pages: pool size; None sizes it by memory (`fms_paged.kv.budget.kv_cache_budget`, with
+        `kv_memory_fraction`).
+    compile: True compiles the decode step (one graph per decode bucket), "auto" does where
+        compiled FlexAttention works here, False runs eagerly.
+    max_model_len: longest prompt + output (default: the model's `max_expected_seq_len`).
+    kernel: the paged attention kernel (`fms_paged.kv.paged.KERNELS`).
+    backend: an existing `PagedBackend` to run on (its pool and rows) instead of a new one.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 512,
+        num_pages: int | None = None,
+        kv_memory_fraction: float | None = None,
+        compile: bool | str = "auto",
+        *,
+        max_model_len: int | None = None,
+        kernel: str = "auto",
+        backend: PagedBackend | None = None,
+    ):
+        c = model.config
+        if c.attn_impl != "paged":
+            raise ValueError(
+                f"Engine needs a model built with attn_impl='paged', got attn_impl={c.attn_impl!r}: "
+                "load it with get_model(..., attn_impl='paged') (the dense backend keeps static "
+                "batches through generate())"
+            )
+        for name, val in (("max_num_seqs", max_num_seqs),
+                          ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name}={val!r}; expected an int >= 1")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} < max_num_seqs={max_num_seqs}: "
+                "every running request needs a token of the step's budget to decode"
+            )
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile={compile!r}; expected one of {COMPILE_MODES}")
+        max_model_len = c.max_expected_seq_len if max_model_len is None else max_model_len
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not (
+            1 <= max_model_len <= c.max_expected_seq_len
+        ):
+            raise ValueError(
+                f"max_model_len={max_model_len!r}; expected an int in [1, {c.max_expected_seq_len}] "
+                "(the model's max_expected_seq_len)"
+            )
+        self.model = model
+        self.budget = None
+        if backend is None:
+            if num_pages is None:
+                self.budget = kv_cache_budget(model, max_num_batched_tokens, max_model_len,
+                                              kv_memory_fraction)
+                num_pages = self.budget.num_pages
+            elif isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
+                raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
+            need = -(-max_model_len // c.page_size) + 1
+            if num_pages < need:
+                raise KVBudgetError(
+                    f"num_pages={num_pages} cannot hold one sequence of max_model_len={max_model_len} "
+                    f"tokens: that needs {need} pages of {c.page_size} tokens (the null page "
+                    f"included); pass num_pages>={need} or max_model_len<={(num_pages - 1) * c.page_size}"
+                )
+            backend = PagedBackend(model, max_num_seqs, max_model_len, num_pages=num_pages,
+                                   kernel=kernel)
+        elif backend.max_batch < max_num_seqs:
+            raise ValueError(f"backend has {backend.max_batch} rows, fewer than max_num_seqs={max_num_seqs}")
+        self.backend, self.pm = backend, backend.pm
+        self.max_model_len = min(max_model_len, self.pm.max_seq_len)
+        self.capacity = (self.pm.num_pages - 1) * self.pm.page_size  # tokens the pool can ever hold
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, backend.release)
+        self.compiled = backend.kernel == "flex" if compile == "auto" else bool(compile)
+        self._decode = decode_fn(backend, self.compiled)
+        self.buckets = decode_buckets(max_num_seqs)
+        self.vocab_size = c.src_vocab_size
+        self.eos = frozenset() if c.eos_token_id is None else frozenset([c.eos_token_id])
+        # submission: any thread appends (deque.append is atomic); the loop drains in step()
+        self._submitted: collections.deque[Request] = collections.deque()
+        self._aborted: collections.deque[int] = collections.deque()
+        self._live: dict[int, Request] = {}  # submitted and not finished, by id
+        self._ids = itertools.count()  # next() is atomic in CPython
+        self._finished_stats: dict[int, dict] = {}
+        self._steps = 0
+        self._tokens_out = 0
+
+    # ------------------------------------------------------------------ submission (any thread)
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Raises TypeError / ValueError naming a bad value (an
+        empty or out-of-vocabulary prompt, a request longer than the model or the pool can hold);
+        nothing is queued then. Safe to call from any thread while another steps the engine."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt = self._check_prompt(prompt_ids)
+        total = len(prompt) + params.max_new_tokens
+        limit = min(self.max_model_len, self.capacity)
+        if total > limit:
+            which = ("max_model_len" if limit == self.max_model_len
+                     else f"the page pool's capacity ({self.pm.num_pages - 1} pages of {self.pm.page_size})")
+            raise ValueError(
+                f"request too long: prompt of {len(prompt)} tokens + max_new_tokens="
+                f"{params.max_new_tokens} = {total} tokens > {limit}, {which}"
+            )
+        generator = None
+        if not params.greedy and params.seed is not None:
+            generator = torch.Generator(device=self.model.device)
+            generator.manual_seed(params.seed)
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
+        req = Request(next(self._ids), prompt, params, stop, generator=generator)
+        self._live[req.request_id] = req
+        self._submitted.append(req)
+        return req.request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request; its pages are freed at the next step, which reports it finished with
+        reason "abort". ValueError for an id that is not live (unknown, or already finished)."""
+        if request_id not in self._live:
+            raise ValueError(
+                f"abort: request id {request_id!r} is not live (never submitted here, or finished)"
+            )
+        self._aborted.append(request_id)
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.tolist()
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (Sequence, np.ndarray)):
+            raise TypeError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        out = []
+        for j, t in enumerate(prompt_ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"prompt token {j} is {t!r} ({type(t).__name__}); expected int")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token {j} = {t} is outside the vocabulary [0, {self.vocab_size})")
+            out.append(int(t))
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def has_unfinished(self) -> bool:
+        return bool(self._live or self._submitted or self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        """Admit submissions, apply aborts, schedule, run one forward, sample; -> the outputs of
+        the requests that produced a token or finished in this step."""
+        outputs = self._take_submissions()
+        plan = self.scheduler.schedule()
+        if plan.scheduled:
+            outputs += self._run(plan)
+            self._steps += 1
+        return outputs
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every submitted request has finished, yielding outputs as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def _take_submissions(self) -> list[RequestOutput]:
+        while self._submitted:
+            self.scheduler.add(self._submitted.popleft())
+        outputs = []
+        while self._aborted:
+            req = self._live.get(self._aborted.popleft())
+            if req is not None and req.status is not Status.FINISHED:
+                self._finish(req, "abort")
+                outputs.append(RequestOutput(req.request_id, [], True, "abort"))
+        return outputs
+
+    @torch.inference_mode()
+    def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        reqs = [r for r, _ in plan.scheduled]
+        counts = [n for _, n in plan.scheduled]
+        decode = all(n == 1 and r.num_computed == r.num_tokens - 1 for r, n in plan.scheduled)
+        if decode:
+            logits = self._forward_decode(reqs)  # [n, V]
+            sampled = reqs
+        else:
+            sampled = [r for r, n in plan.scheduled if r.num_computed + n == r.num_tokens]
+            logits = self._forward_packed(reqs, counts)  # [len(sampled), V]
+        settings = [(r.params.temperature, r.params.top_k, r.params.top_p, r.generator) for r in sampled]
+        tokens = sample_each(logits.float(), settings).tolist()  # the step's one host sync
+        now = time.perf_counter()
+        for r, n in plan.scheduled:
+            r.num_computed += n
+        outputs = []
+        for r, tok in zip(sampled, tokens):
+            r.output.append(tok)
+            r.token_times.append(now)
+            self._tokens_out += 1
+            reason = None
+            if tok in r.stop_ids:
+                reason = "stop"
+            elif len(r.output) >= r.params.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                self._finish(r, reason)
+            outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason))
+        return outputs
+
+    def _forward_decode(self, reqs: list[Request]) -> torch.Tensor:
+        n = len(reqs)
+        B = next(b for b in self.buckets if b >= n)
+        pad = B - n
+        seq_ids = [r.seq_id for r in reqs] + [0] * pad
+        lengths = [r.num_computed for r in reqs] + [0] * pad
+        active = [True] * n + [False] * pad
+        last = torch.tensor([r.output[-1] for r in reqs] + [0] * pad).to(self.model.device)
+        tokens, positions, step = self.backend.decode(seq_ids, last, lengths, active)
+        return self._decode(self.model, tokens, positions, step)[:n]
+
+    def _forward_packed(self, reqs: list[Request], counts: list[int]) -> torch.Tensor:
+        starts = [r.num_computed for r in reqs]
+        chunks = [r.token_slice(s, s + n) for r, s, n in zip(reqs, starts, counts)]
+        tokens, positions, step, last = self.backend.prefill([r.seq_id for r in reqs], chunks, starts)
+        done = [i for i, (r, s, n) in enumerate(zip(reqs, starts, counts)) if s + n == r.num_tokens]
+        at = last.index_select(0, torch.tensor(done, dtype=torch.long).to(last.device))
+        return self.model(tokens, positions, step, logits_at=at)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        self._live.pop(req.request_id, None)
+        stats = req.latencies()
+        stats.update(prompt_tokens=len(req.prompt), output_tokens=len(req.output),
+                     preemptions=req.num_preemptions, finish_reason=reason)
+        self._finished_stats[req.request_id] = stats
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict:
+        """Engine state and per-request latencies (seconds) of the finished requests."""
+        total = self.pm.num_pages - 1
+        free = self.pm.num_free_pages
+        done = list(self._finished_stats.values())
+
+        def mean(key: str) -> float | None:
+            vals = [d[key] for d in done if d[key] is not None]
+            return statistics.fmean(vals) if vals else None
+
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + len(self._submitted),
+            "kv_pages_total": total,
+            "kv_pages_used": total - free,
+            "kv_pages_free": free,
+            "kv_used_pct": 100.0 * (total - free) / total,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self._steps,
+            "output_tokens": self._tokens_out,
+            "finished_requests": len(done),
+            "mean_ttft_s": mean("ttft"),
+            "mean_tpot_s": mean("tpot"),
+            "mean_e2e_s": mean("e2e"),
+            "requests": dict(self._finished_stats),
+        }

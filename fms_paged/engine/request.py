@@ -1,0 +1,119 @@
+"""What a user submits (prompt + `SamplingParams`), what the engine tracks (`Request`) and what it
+streams back (`RequestOutput`). Plain data: no tensors but each sampled request's generator."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes. `temperature == 0` is greedy; `seed` makes sampling reproducible
+    whatever else is in the batch (the request draws from a generator of its own). A request stops
+    at `max_new_tokens`, at a token in `stop_token_ids`, or at the model's EOS unless
+    `ignore_eos`."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}; expected {expected}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "an int >= 1")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise bad("temperature", "a finite float >= 0 (0 is greedy)")
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
+            raise bad("top_k", "an int >= 1 or None")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise bad("top_p", "a float in (0, 1] or None")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "an int or None")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not all(is_int(t) and t >= 0 for t in stops):
+            raise bad("stop_token_ids", "a sequence of token ids (ints >= 0)")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the tokens new since its last output."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" (EOS / stop token), "length", "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request inside the engine. Its tokens are `prompt + output`; the first `num_computed` of
+    them have their K/V in the page pool (recompute after a preemption starts again from 0)."""
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    seq_id: int | None = None  # row of the page table while it holds pages
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)  # when each output token was sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output."""
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        return (self.prompt[start:] if start < n else []) + self.output[max(0, start - n) : stop - n]
+
+    def latencies(self) -> dict:
+        """Seconds, as vLLM's benchmarks define them: time to first token (from arrival), time per
+        output token after the first (mean), the inter-token latencies (each gap), end to end
+        (arrival to the last token)."""
+        t = self.token_times
+        if not t:
+            return {"ttft": None, "tpot": None, "itl": [], "e2e": None}
+        return {
+            "ttft": t[0] - self.arrival,
+            "tpot": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None,
+            "itl": [b - a for a, b in zip(t, t[1:])],
+            "e2e": t[-1] - self.arrival,
+        }

@@ -1,0 +1,53 @@
+"""Token selection: greedy, or temperature / top-k / top-p sampling from a seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """logits: [B, V] -> tokens: [B] int64. `temperature == 0` is greedy (argmax)."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already cover top_p (the first always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) > top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def sample_each(
+    logits: torch.Tensor,
+    settings: list[tuple[float, int | None, float | None, torch.Generator | None]],
+) -> torch.Tensor:
+    """logits: [K, V] -> tokens: [K] int64, row i drawn with its own (temperature, top_k, top_p,
+    generator): a row's token depends on its logits and its generator alone, not on the other rows
+    (a seeded request samples the same tokens alone or in any batch). Greedy rows share one argmax;
+    no host sync."""
+    tokens = logits.argmax(dim=-1)
+    for i, (temperature, top_k, top_p, generator) in enumerate(settings):
+        if temperature > 0:
+            tokens[i] = sample(logits[i : i + 1], temperature, top_k, top_p, generator)[0]
+    return tokens

@@ -1,0 +1,114 @@
+"""Which requests run in the next forward, and with how many tokens (vLLM v1's scheduler shape).
+
+Host only: no tensors. Each step gets a token budget (`max_num_batched_tokens`):
+1. Running requests first, oldest first: a decoding request takes 1 token, one still prefilling
+   (a long prompt, or a recompute after preemption) the next chunk that fits the budget. When the
+   pool cannot give a request the pages for its tokens, the newest running request is preempted:
+   its pages are freed and it goes back to the head of the waiting queue, to be recomputed later
+   from its prompt and the tokens it has generated so far (its output does not change).
+2. Then waiting requests, first come first served, while a row, the budget and the free pages
+   (keeping a small watermark of headroom for the running ones) allow; none after a preemption.
+Prompts longer than what is left of the budget are prefilled in chunks, in the same forward as the
+decodes of running requests, so a long prompt never stalls them.
+
+The scheduler decides from host counts alone (`PageManager.pages_needed`, `num_free_pages`); the
+backend then RESERVEs exactly what was planned, which cannot fail.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fms_paged.engine.request import Request, Status
+from fms_paged.kv.page_manager import PageManager
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, pm: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 release: Callable[[list[int]], None], watermark: float = 0.01):
+        self.pm = pm
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.release = release  # frees the pages of page-table rows (the backend's ERASE)
+        self.watermark_pages = max(1, int(watermark * (pm.num_pages - 1)))
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        planned = 0  # pages promised to requests scheduled so far this step
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self.pm.pages_needed(req.seq_id, req.num_computed + n)
+            while need > self.pm.num_free_pages - planned and self.running[-1] is not req:
+                out.preempted.append(self._preempt(self.running.pop()))
+            if need > self.pm.num_free_pages - planned:  # only req itself is left to free
+                out.preempted.append(self._preempt(self.running.pop()))
+                break
+            out.scheduled.append((req, n))
+            planned += need
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens, budget)
+            need = -(-n // self.pm.page_size)
+            headroom = self.watermark_pages if self.running else 0  # alone, it may use every page
+            if need > self.pm.num_free_pages - planned - headroom:
+                break
+            self.waiting.popleft()
+            req.seq_id, req.status = self.free_rows.pop(), Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            planned += need
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> Request:
+        self._free(req)
+        req.status, req.num_computed = Status.WAITING, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        return req
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Drop a request (finished or aborted) wherever it is; its pages go back at once."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._free(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+
+    def _free(self, req: Request) -> None:
+        if req.seq_id is not None:
+            self.release([req.seq_id])
+            self.free_rows.append(req.seq_id)
+            req.seq_id = None
