@@ -214,15 +214,17 @@ class Engine:
 
     @torch.inference_mode()
     def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        reqs = [r for r, _ in plan.scheduled]
-        counts = [n for _, n in plan.scheduled]
-        decode = all(n == 1 and r.num_computed == r.num_tokens - 1 for r, n in plan.scheduled)
-        if decode:
-            logits = self._forward_decode(reqs)  # [n, V]
-            sampled = reqs
-        else:
-            sampled = [r for r, n in plan.scheduled if r.num_computed + n == r.num_tokens]
-            logits = self._forward_packed(reqs, counts)  # [len(sampled), V]
+        dec = [r for r, n in plan.scheduled if n == 1 and r.num_computed == r.num_tokens - 1]
+        pre = [(r, n) for r, n in plan.scheduled if not (n == 1 and r.num_computed == r.num_tokens - 1)]
+        done = [r for r, n in pre if r.num_computed + n == r.num_tokens]  # sample after this step
+        if not pre:
+            logits = self._forward_decode(dec)  # [n, V]
+        elif dec and self.backend.kernel != "gather":
+            logits = self._forward_mixed(dec, pre)
+        else:  # every token in one packed row (decodes as chunks of one token)
+            dec, pre = [], plan.scheduled
+            logits = self._forward_mixed([], pre)
+        sampled = dec + done
         settings = [(r.params.temperature, r.params.top_k, r.params.top_p, r.generator) for r in sampled]
         tokens = sample_each(logits.float(), settings).tolist()  # the step's one host sync
         now = time.perf_counter()
@@ -243,23 +245,30 @@ class Engine:
             outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason))
         return outputs
 
-    def _forward_decode(self, reqs: list[Request]) -> torch.Tensor:
+    def _decode_rows(self, reqs: list[Request]) -> tuple[list, torch.Tensor, list, list]:
+        """A decode batch padded to its bucket: seq ids, last tokens [B] (device), lengths, active."""
         n = len(reqs)
-        B = next(b for b in self.buckets if b >= n)
-        pad = B - n
-        seq_ids = [r.seq_id for r in reqs] + [0] * pad
-        lengths = [r.num_computed for r in reqs] + [0] * pad
-        active = [True] * n + [False] * pad
-        last = torch.tensor([r.output[-1] for r in reqs] + [0] * pad).to(self.model.device)
-        tokens, positions, step = self.backend.decode(seq_ids, last, lengths, active)
-        return self._decode(self.model, tokens, positions, step)[:n]
+        pad = next(b for b in self.buckets if b >= n) - n
+        last = torch.tensor([(r.output or r.prompt)[-1] for r in reqs] + [0] * pad).to(self.model.device)
+        return ([r.seq_id for r in reqs] + [0] * pad, last,
+                [r.num_computed for r in reqs] + [0] * pad, [True] * n + [False] * pad)
 
-    def _forward_packed(self, reqs: list[Request], counts: list[int]) -> torch.Tensor:
-        starts = [r.num_computed for r in reqs]
-        chunks = [r.token_slice(s, s + n) for r, s, n in zip(reqs, starts, counts)]
-        tokens, positions, step, last = self.backend.prefill([r.seq_id for r in reqs], chunks, starts)
-        done = [i for i, (r, s, n) in enumerate(zip(reqs, starts, counts)) if s + n == r.num_tokens]
-        at = last.index_select(0, torch.tensor(done, dtype=torch.long).to(last.device))
+    def _forward_decode(self, reqs: list[Request]) -> torch.Tensor:
+        tokens, positions, step = self.backend.decode(*self._decode_rows(reqs))
+        return self._decode(self.model, tokens, positions, step)[: len(reqs)]
+
+    def _forward_mixed(self, dec: list[Request], pre: list[tuple[Request, int]]) -> torch.Tensor:
+        """Logits of the decode rows, then of the chunks that end their request's tokens."""
+        starts = [r.num_computed for r, _ in pre]
+        chunks = [r.token_slice(s, s + n) for (r, n), s in zip(pre, starts)]
+        ids = [r.seq_id for r, _ in pre]
+        if dec:
+            tokens, positions, step, last = self.backend.mixed(*self._decode_rows(dec), ids, chunks, starts)
+        else:
+            tokens, positions, step, last = self.backend.prefill(ids, chunks, starts)
+        done = [i for i, ((r, n), s) in enumerate(zip(pre, starts)) if s + n == r.num_tokens]
+        at = torch.cat([torch.arange(len(dec)), torch.tensor(done, dtype=torch.long)]).to(last.device)
+        at[len(dec):] = last.index_select(0, at[len(dec):])
         return self.model(tokens, positions, step, logits_at=at)
 
     def _finish(self, req: Request, reason: str) -> None:

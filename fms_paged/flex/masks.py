@@ -125,13 +125,16 @@ def decode_block_mask(page_table: torch.Tensor, meta: torch.Tensor, num_pages: i
 def prefill_block_mask(
     seq_pages: Sequence[Sequence[int]], starts: Sequence[int], counts: Sequence[int],
     num_pages: int, page_size: int, mask_mod: Callable, device: torch.device,
+    max_blocks: int | None = None,
 ) -> BlockMask:
     """BlockMask for packed prefill: sequence i contributes `counts[i]` query tokens at logical
     positions `starts[i] ..`, its pages are `seq_pages[i]` (host list, logical order).
 
     Built on the host from the page lists (prefill metadata is host-known): per query block, the
     union of pages its sequences can see; with a single sequence in the block, pages wholly before
-    its first query are full blocks.
+    its first query are full blocks. `max_blocks` bounds that union (the backend's rows x pages a
+    sequence can hold; default num_pages): a fixed width, so the index tensors' strides, which a
+    compiled kernel is specialised on, do not change from step to step.
     """
     P = page_size
     T = int(sum(counts))
@@ -166,7 +169,7 @@ def prefill_block_mask(
         lists.append((full, part))
     full_num = np.array([len(f) for f, _ in lists], dtype=np.int32)
     part_num = np.array([len(p) for _, p in lists], dtype=np.int32)
-    W = max(1, int(full_num.max()), int(part_num.max()))
+    W = min(num_pages, max_blocks or num_pages)
     full_idx = np.zeros((nqb, W), dtype=np.int32)
     part_idx = np.zeros((nqb, W), dtype=np.int32)
     for j, (full, part) in enumerate(lists):

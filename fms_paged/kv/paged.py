@@ -272,6 +272,7 @@ class PagedBackend:
             self.P,
             mask_mod,
             self.device,
+            max_blocks=self.max_batch * self.pm.max_pages_per_seq,
         )
         step = FlexStep(self, slots, block_mask, q_pos)
         return tokens.to(self.device), q_pos.long(), step, last
@@ -305,6 +306,22 @@ class PagedBackend:
         return tokens.view(B, 1), positions, FlexDecodeStep(self, meta)
 
 
+    def mixed(self, dec_ids, dec_tokens, dec_lengths, dec_active, pre_ids, chunks, starts):
+        """Decode rows and prefill chunks in one packed row (flex kernels; see `MixedStep`).
+
+        dec_*: a decode batch as `decode` takes it (rows padded with inactive ones; tokens [B] on
+        device); pre_ids / chunks / starts: as `prefill`. -> tokens [1, B + Tp], positions
+        [1, B + Tp], step, last [len(pre_ids)] (index of each chunk's last token in the row)."""
+        if self.kernel == "gather":
+            raise ValueError("mixed steps need a flex kernel; the gather kernel packs every token")
+        B = len(dec_ids)
+        tok_d, pos_d, dstep = self.decode(dec_ids, dec_tokens, dec_lengths, dec_active)
+        tok_p, pos_p, pstep, last = self.prefill(pre_ids, chunks, starts)
+        tokens = torch.cat([tok_d.view(1, B), tok_p], dim=1)
+        positions = torch.cat([pos_d.view(1, B), pos_p], dim=1)
+        return tokens, positions, MixedStep(dstep, pstep, B), last + B
+
+
 class FlexStep:
     """One step over the pool with flex_attention: slots and BlockMask shared by all layers.
 
@@ -329,7 +346,12 @@ class FlexStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B', H, S', D]; k, v: [B', Hkv, S', D]
-        kp, vp = _write_kv(self.b, layer, self.slots, k, v)  # [1, Hkv, NP, D]
+        _write_kv(self.b, layer, self.slots, k, v)
+        return self.attention(layer, q)
+
+    def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """flex_attention of q ([B', H, S', D]) over the layer's pools (already written)."""
+        kp, vp = self.b.k_pools[layer], self.b.v_pools[layer]  # [1, Hkv, NP, D]
         # inside a compiled forward flex_attention is traced with the rest of the step
         if self.b.kernel == "flex" and not torch.compiler.is_compiling():
             attn = compiled_flex(dynamic=False)
@@ -343,6 +365,32 @@ class FlexStep:
         qg = q.reshape(B, H // self.gqa_group, self.gqa_group, D)  # [B, Hkv, G, D]
         out = attn(qg, kp, vp, score_mod=self.score_mod, block_mask=self.block_mask, kernel_options=opts)
         return out.reshape(B, H, 1, D)
+
+
+class MixedStep:
+    """Decodes and prefill chunks in one forward: the packed row holds `B` decode tokens (one per
+    row of a decode batch, padded) and then the prefill tokens. Linear layers run on all of them
+    at once; attention runs each part with its own BlockMask (decode rows list their own pages,
+    the prefill part its query blocks' pages), so a decode token never scans the union of pages of
+    the sequences sharing its query block.
+    """
+
+    def __init__(self, decode: FlexDecodeStep | FlexStep, prefill: FlexStep, rows: int):
+        self.decode, self.prefill, self.rows = decode, prefill, rows
+
+    def prepare(self) -> MixedStep:
+        if isinstance(self.decode, FlexStep):
+            return self
+        return MixedStep(self.decode.prepare(), self.prefill, self.rows)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [1, H, B + Tp, D]; k, v: [1, Hkv, B + Tp, D]
+        B = self.rows
+        slots = torch.cat([self.decode.slots, self.prefill.slots])  # token order of the row
+        _write_kv(self.decode.b, layer, slots, k, v)
+        od = self.decode.attention(layer, q[0, :, :B].transpose(0, 1).unsqueeze(2))  # [B, H, 1, D]
+        op = self.prefill.attention(layer, q[:, :, B:])  # [1, H, Tp, D]
+        return torch.cat([od.squeeze(2).transpose(0, 1).unsqueeze(0), op], dim=2)
 
 
 class FlexDecodeStep:
