@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HF_CONFIGS = {
     # (a) plain multi-head attention
@@ -69,3 +70,38 @@ def hf_greedy():
         return out[:, width:].tolist()
 
     return run
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on every aten op that reads device memory back to the host.
+
+    On CPU, `.tolist()` / `.numpy()` and boolean-mask indexing do not dispatch a sync op, so the
+    hot path is also run on `device="meta"` (no data at all: any read-back raises there) and
+    boolean indices (a hidden `nonzero` on CUDA) are refused here.
+    """
+
+    BANNED = {"_local_scalar_dense", "nonzero", "item", "equal", "is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.seen.append(name)
+        if name in self.BANNED or "_local_scalar" in name:
+            raise AssertionError(f"host sync: aten.{name}")
+        if name.startswith("index") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for a in args
+            if isinstance(a, (list, tuple))
+            for i in a
+        ):
+            raise AssertionError(f"host sync: aten.{name} with a boolean mask")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def no_host_sync():
+    """The `NoHostSync` dispatch mode (a class: `with no_host_sync() as mode: ...`)."""
+    return NoHostSync

@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fms_paged.kv import OutOfPages, PageManager, _pool_ops
 from fms_paged.kv import page_manager as page_manager_mod
@@ -407,36 +406,7 @@ def test_out_of_pages_is_runtime_error_and_exported():
 
 
 # ---------------------------------------------------------------------------- no host sync
-class NoHostSync(TorchDispatchMode):
-    """Fails on every aten op that reads device memory back to the host.
-
-    On CPU, `.tolist()` / `.numpy()` and boolean-mask indexing do not dispatch a sync op, so the
-    hot path is also run on `device="meta"` (no data at all: any read-back raises there) and
-    boolean indices (a hidden `nonzero` on CUDA) are refused here.
-    """
-
-    BANNED = {"_local_scalar_dense", "nonzero", "item", "equal", "is_nonzero"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.seen.append(name)
-        if name in self.BANNED or "_local_scalar" in name:
-            raise AssertionError(f"host sync: aten.{name}")
-        if name.startswith("index") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool
-            for a in args
-            if isinstance(a, (list, tuple))
-            for i in a
-        ):
-            raise AssertionError(f"host sync: aten.{name} with a boolean mask")
-        return func(*args, **(kwargs or {}))
-
-
-def test_no_host_sync_mode_catches_syncs():
+def test_no_host_sync_mode_catches_syncs(no_host_sync):
     t = torch.tensor([1, 2])
     syncs = (
         lambda: t[0].item(),
@@ -446,7 +416,7 @@ def test_no_host_sync_mode_catches_syncs():
         lambda: t[t > 1],
     )
     for sync in syncs:
-        with pytest.raises(AssertionError, match="host sync"), NoHostSync():
+        with pytest.raises(AssertionError, match="host sync"), no_host_sync():
             sync()
     m = torch.zeros(2, device="meta")
     for read_back in (m.tolist, m.numpy, m.cpu):
@@ -473,7 +443,7 @@ def decode_steps(pm: PageManager, k_pool, v_pool, lens: dict[int, int], steps: i
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_hot_path_has_no_host_sync(device):
+def test_hot_path_has_no_host_sync(device, no_host_sync):
     pm = PageManager(64, 4, 8, device=device)
     k_pool, v_pool = (p.to(device) for p in make_pools(pm, 2))
     seqs = [0, 1, 2, 5]
@@ -481,7 +451,7 @@ def test_hot_path_has_no_host_sync(device):
     pm.fork(1, 6)
     pm.fork(0, 7)
     lens = {s: pm.length(s) for s in [*seqs, 6, 7]}
-    with NoHostSync() as mode:
+    with no_host_sync() as mode:
         lens = decode_steps(pm, k_pool, v_pool, lens, steps=6)
         pm.fork(2, 3)
         pm.erase([0, 3])

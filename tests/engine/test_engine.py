@@ -1,0 +1,374 @@
+"""The continuous-batching engine against the dense static-batch path (`attn_impl="sdpa"`).
+
+Every output is compared with dense `generate()` of that prompt alone on the same weights (an
+independent path: contiguous cache + SDPA, no pages, no scheduler). Wide cases use the eager flex
+kernel (same masks and block lists as the compiled one, no compile cost); the zero-recompile case
+uses the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from fms_paged import Engine, SamplingParams, generate, get_model
+
+MAX_LEN = 256  # max_model_len of the test engines
+
+
+@pytest.fixture(scope="module")
+def models():
+    dense = get_model(variant="micro", device="cpu", seed=0)
+    paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", page_size=16)
+    return dense, paged
+
+
+def engine(paged, **kw) -> Engine:
+    opts = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=24, compile=False,
+                max_model_len=MAX_LEN, kernel="flex-eager")
+    opts.update(kw)
+    return Engine(paged, **opts)
+
+
+def run(eng: Engine) -> dict[int, list[int]]:
+    got: dict[int, list[int]] = {}
+    for out in eng.stream():
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return got
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 256) for _ in range(n)]
+
+
+def test_200_requests_under_page_pressure_equal_dense_alone(models):
+    """A pool of 23 pages (368 tokens) for 8 rows: requests are preempted and recomputed, none is
+    lost, and each request's greedy tokens equal dense generate() of its prompt alone."""
+    dense, paged = models
+    rng = random.Random(0)
+    reqs = [(random_prompt(rng, rng.randint(1, 100)), rng.randint(1, 40)) for _ in range(200)]
+    eng = engine(paged)
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in reqs]
+    got = run(eng)
+    m = eng.metrics()
+    assert m["preemptions"] > 0, "the page budget never forced a preemption"
+    assert sorted(got) == sorted(ids) and m["finished_requests"] == 200
+    for rid, (prompt, n) in zip(ids, reqs):
+        assert got[rid] == generate(dense, [prompt], n, eos_id=None)[0], rid
+    assert m["running"] == m["waiting"] == 0 and m["kv_pages_used"] == 0  # every page came back
+    assert all(r["finish_reason"] == "length" for r in m["requests"].values())
+
+
+def test_seeded_sampling_alone_in_a_batch_after_preemption_and_dense(models):
+    dense, paged = models
+    rng = random.Random(1)
+    prompt = random_prompt(rng, 37)
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, top_k=50, top_p=0.9, seed=123,
+                            ignore_eos=True)
+    alone = engine(paged, num_pages=200)
+    rid = alone.add_request(prompt, params)
+    want = run(alone)[rid]
+    # in a mixed batch with greedy and other seeded requests, under page pressure
+    busy = engine(paged, num_pages=22)
+    for i in range(6):
+        busy.add_request(random_prompt(rng, 60), SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                                                temperature=0.7 * (i % 2), seed=i))
+    rid = busy.add_request(prompt, params)
+    got = run(busy)
+    assert busy.metrics()["requests"][rid]["preemptions"] > 0, "the seeded request was not preempted"
+    assert got[rid] == want
+    assert generate(dense, [prompt], 30, temperature=1.0, top_k=50, top_p=0.9, seed=123,
+                    eos_id=None)[0] == want
+    other = engine(paged, num_pages=200)
+    rid = other.add_request(prompt, SamplingParams(**{**params.__dict__, "seed": 124}))
+    assert run(other)[rid] != want
+
+
+def test_long_prompt_is_chunked_while_8_requests_keep_decoding(models):
+    """A prompt of 5x the token budget joins 8 decoding requests: it is prefilled over several
+    steps in the same forwards as their decodes, and each of them gets a token every step."""
+    dense, paged = models
+    rng = random.Random(2)
+    budget = 32
+    eng = engine(paged, max_num_seqs=9, max_num_batched_tokens=budget, num_pages=80)
+    short = [random_prompt(rng, rng.randint(5, 20)) for _ in range(8)]
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in short]
+    got = {i: [] for i in ids}
+    while eng.scheduler.waiting or eng._submitted or any(not got[i] for i in ids):
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+    long_prompt = random_prompt(rng, 5 * budget)
+    long_id = eng.add_request(long_prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    got[long_id] = []
+    steps_until_first = 0
+    while not got[long_id]:
+        before = {i: len(got[i]) for i in ids}
+        outs = eng.step()
+        steps_until_first += 1
+        for o in outs:
+            got[o.request_id] += o.new_token_ids
+        assert all(len(got[i]) == before[i] + 1 for i in ids)  # nobody stalled
+    assert steps_until_first >= 5  # 160 tokens at most 32 - 8 a step
+    for o in eng.stream():
+        got[o.request_id] += o.new_token_ids
+    for rid, p in zip(ids, short):
+        assert got[rid] == generate(dense, [p], 30, eos_id=None)[0]
+    assert got[long_id] == generate(dense, [long_prompt], 5, eos_id=None)[0]
+
+
+def test_threads_submit_400_requests_while_the_loop_runs(models):
+    _, paged = models
+    eng = engine(paged, num_pages=60)
+    submitted: list[int] = []
+    lock = threading.Lock()
+
+    def submit(tid: int) -> None:
+        rng = random.Random(tid)
+        for _ in range(50):
+            rid = eng.add_request(random_prompt(rng, rng.randint(1, 8)),
+                                  SamplingParams(max_new_tokens=rng.randint(1, 3), ignore_eos=True))
+            with lock:
+                submitted.append(rid)
+
+    threads = [threading.Thread(target=submit, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    finished: list[int] = []
+    while any(t.is_alive() for t in threads) or eng.has_unfinished():
+        finished += [o.request_id for o in eng.step() if o.finished]
+    for t in threads:
+        t.join()
+    assert len(submitted) == 400 and len(set(submitted)) == 400
+    assert sorted(finished) == sorted(submitted)  # each finished exactly once
+
+
+def test_stops_and_abort(models):
+    dense, paged = models
+    prompt = [5, 6, 7, 8]
+    free = generate(dense, [prompt], 12, eos_id=None)[0]
+    stop = free[4]
+    eng = engine(paged)
+    a = eng.add_request(prompt, SamplingParams(max_new_tokens=12, stop_token_ids=[stop]))
+    b = eng.add_request(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    c = eng.add_request(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    reasons, got = {}, {}
+    for o in eng.step() + eng.step():
+        got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    eng.abort(c)
+    for o in eng.stream():
+        got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if o.finished:
+            reasons[o.request_id] = o.finish_reason
+    assert got[a] == free[: free.index(stop) + 1] and reasons[a] == "stop"
+    assert got[b] == free[:3] and reasons[b] == "length"
+    assert reasons[c] == "abort" and got[c] == free[:2]
+    assert eng.metrics()["kv_pages_used"] == 0
+    with pytest.raises(ValueError, match=f"request id {c} is not live"):
+        eng.abort(c)
+
+
+def test_eos_stops_unless_ignored(models):
+    dense, paged = models
+    prompt = [9, 10, 11]
+    free = generate(dense, [prompt], 8, eos_id=None)[0]
+    eos = free[2]
+    model_eos = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", eos_token_id=eos)
+    eng = engine(model_eos)
+    a = eng.add_request(prompt, SamplingParams(max_new_tokens=8))
+    b = eng.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    got = run(eng)
+    assert got[a] == free[:3] and got[b] == free
+
+
+BAD_PARAMS = {
+    "max_new_tokens": (0, "max_new_tokens=0"),
+    "temperature": (-0.5, "temperature=-0.5"),
+    "top_k": (0, "top_k=0"),
+    "top_p": (1.5, "top_p=1.5"),
+    "seed": ("x", "seed='x'"),
+    "stop_token_ids": ("ab", "stop_token_ids='ab'"),
+    "ignore_eos": (1, "ignore_eos=1"),
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_PARAMS))
+def test_bad_sampling_params_name_the_value(field):
+    value, msg = BAD_PARAMS[field]
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        SamplingParams(**{field: value})
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(models):
+    from fms_paged.kv.paged import PagedBackend
+
+    dense, paged = models
+    small = PagedBackend(paged, 8, MAX_LEN, num_pages=10, kernel="flex-eager")  # 9 pages: 144 tokens
+    eng = engine(paged, backend=small)
+    ok = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    cases = [
+        ([], ValueError, "prompt_ids is empty"),
+        ([1, 256], ValueError, "prompt token 1 = 256 is outside the vocabulary [0, 256)"),
+        ([1, -1], ValueError, "prompt token 1 = -1"),
+        ([1, 2.5], TypeError, "prompt token 1 is 2.5"),
+        ("hello", TypeError, "prompt_ids must be a list of token ids, got str"),
+    ]
+    for prompt, exc, msg in cases:
+        with pytest.raises(exc) as err:
+            eng.add_request(prompt, SamplingParams(max_new_tokens=1))
+        assert msg in str(err.value)
+    with pytest.raises(ValueError) as err:
+        eng.add_request([1] * 140, SamplingParams(max_new_tokens=5))
+    assert "145 tokens > 144" in str(err.value) and "capacity (9 pages of 16)" in str(err.value)
+    wide = engine(paged, num_pages=100)
+    with pytest.raises(ValueError) as err:
+        wide.add_request([1] * 250, SamplingParams(max_new_tokens=7))
+    assert "257 tokens > 256, max_model_len" in str(err.value)
+    with pytest.raises(TypeError, match="SamplingParams, got dict"):
+        eng.add_request([1], {"max_new_tokens": 3})
+    with pytest.raises(ValueError, match="request id 12345 is not live"):
+        eng.abort(12345)
+    assert run(eng) == {ok: generate(dense, [[1, 2, 3]], 4, eos_id=None)[0]}
+
+
+def test_bad_engine_settings(models):
+    dense, paged = models
+    with pytest.raises(ValueError, match="attn_impl='paged', got attn_impl='sdpa'"):
+        Engine(dense, num_pages=100)
+    for kw, msg in (
+        (dict(max_num_seqs=0), "max_num_seqs=0"),
+        (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens=4 < max_num_seqs=8"),
+        (dict(compile="yes"), "compile='yes'"),
+        (dict(max_model_len=4096), r"max_model_len=4096; expected an int in \[1, 2048\]"),
+        (dict(num_pages=1), "num_pages=1"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            engine(paged, **kw)
+
+
+def test_budget_refusal_states_memory_and_the_setting_that_works(models, monkeypatch):
+    from fms_paged.kv.budget import CPU_KV_SPACE_ENV, KVBudgetError
+
+    _, paged = models
+    page = 2 * 2 * 2 * 16 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, 16 tokens, fp32
+    monkeypatch.setenv(CPU_KV_SPACE_ENV, str(50 * page / 2**30))  # 50 pages
+    with pytest.raises(KVBudgetError) as err:
+        Engine(paged, max_model_len=2048, compile=False)
+    msg = str(err.value)
+    assert f"{CPU_KV_SPACE_ENV}=" in msg and "max_model_len=2048" in msg
+    assert "129 pages of 16 tokens x 8192 bytes" in msg  # what one sequence of 2048 needs
+    assert "num_pages>=129" in msg and "max_model_len<=784" in msg  # (50 - 1) * 16
+    eng = Engine(paged, max_model_len=784, compile=False, kernel="flex-eager")  # what it said fits
+    assert eng.pm.num_pages == 50
+    with pytest.raises(KVBudgetError, match="num_pages=20 cannot hold one sequence of max_model_len=2048"):
+        Engine(paged, num_pages=20, compile=False)
+
+
+def test_cpu_pool_sized_by_memory_is_not_touched_until_used(models, monkeypatch):
+    """2 GiB of KV space: the engine starts and serves without its RSS growing by the pool."""
+    psutil = pytest.importorskip("psutil")
+    from fms_paged.kv.budget import CPU_KV_SPACE_ENV
+
+    dense, paged = models
+    monkeypatch.setenv(CPU_KV_SPACE_ENV, "2")
+    rss = psutil.Process().memory_info().rss
+    eng = Engine(paged, max_num_seqs=4, max_num_batched_tokens=64, compile=False, kernel="gather")
+    assert eng.budget.kv_bytes == 2 << 30 and eng.backend.kv_bytes > (2 << 30) - eng.budget.page_bytes
+    rid = eng.add_request([4, 5, 6], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert run(eng)[rid] == generate(dense, [[4, 5, 6]], 5, eos_id=None)[0]
+    assert psutil.Process().memory_info().rss - rss < 256 << 20
+
+
+def test_decode_step_has_no_host_sync(models, no_host_sync):
+    """Inside a decode step nothing reads device memory back but the sampled tokens (`tolist`,
+    which on the CPU dispatches no op: the mode sees every other read). The GATHER kernel: the
+    dispatch mode cannot run inside flex_attention's compiled wrapper; the host path (scheduler,
+    RESERVE, step metadata) is the same for every kernel."""
+    _, paged = models
+    eng = engine(paged, num_pages=60, kernel="gather")
+    for n in (5, 17, 30):
+        eng.add_request(list(range(3, 3 + n)), SamplingParams(max_new_tokens=20, ignore_eos=True))
+    eng.step()  # prefill
+    with no_host_sync() as mode:
+        for _ in range(18):  # crosses page boundaries (page openings on the host)
+            assert len(eng.step()) == 3
+    assert "index_copy_" in mode.seen
+
+
+def test_zero_recompiles_over_500_engine_steps_compiled(models):
+    """compile=True, the compiled flex kernel: after warm-up (one decode bucket, the 128-token
+    prefill bucket of mixed steps), 500 steps with requests joining and leaving recompile nothing."""
+    import torch._dynamo
+
+    dense, paged = models
+    rng = random.Random(3)
+    eng = Engine(paged, max_num_seqs=4, max_num_batched_tokens=64, num_pages=160, compile=True,
+                 max_model_len=160, kernel="flex")
+
+    def submit():
+        prompt = random_prompt(rng, rng.randint(1, 40))
+        n = rng.randint(2, 30)
+        return eng.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)), prompt, n
+
+    reqs = [submit() for _ in range(4)]
+    got: dict[int, list[int]] = {}
+    for _ in range(3):  # warm-up: a prefill step, then decode steps
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(500):
+            if rng.random() < 0.15:
+                reqs.append(submit())
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    finished = [r for r, _, _ in reqs if r not in eng._live]
+    assert len(finished) > 30
+    for rid, prompt, n in reqs[:10]:
+        assert got[rid] == generate(dense, [prompt], n, eos_id=None)[0]
+
+
+def test_metrics_report_state_and_latencies(models):
+    _, paged = models
+    eng = engine(paged, num_pages=60)
+    rids = [eng.add_request([3 + i] * (10 + i), SamplingParams(max_new_tokens=4, ignore_eos=True))
+            for i in range(3)]
+    eng.step()
+    m = eng.metrics()
+    assert m["running"] == 3 and m["waiting"] == 0 and m["kv_pages_used"] == 3
+    assert m["kv_pages_used"] + m["kv_pages_free"] == m["kv_pages_total"] == 59
+    run(eng)
+    m = eng.metrics()
+    assert m["finished_requests"] == 3 and m["output_tokens"] == 12 and m["steps"] == 4
+    for rid in rids:
+        r = m["requests"][rid]
+        assert r["output_tokens"] == 4 and len(r["itl"]) == 3
+        assert 0 < r["ttft"] <= r["e2e"] and r["tpot"] == pytest.approx(sum(r["itl"]) / 3)
+
+
+def test_generate_paged_runs_on_the_engine_and_equals_dense(models):
+    """generate() for attn_impl="paged" is the engine (a pool sized by memory): mixed lengths,
+    per-sequence EOS, streaming, seeded sampling all equal the dense static batch."""
+    dense, paged = models
+    prompts = [[5, 6, 7], list(range(10, 60)), [9]]
+    assert generate(paged, prompts, 12, eos_id=None) == generate(dense, prompts, 12, eos_id=None)
+    free = generate(dense, prompts, 10, eos_id=None)
+    eos = free[1][3]
+    assert generate(paged, prompts, 10, eos_id=eos) == generate(dense, prompts, 10, eos_id=eos)
+    kw = dict(temperature=0.9, top_p=0.95, seed=5, eos_id=None)
+    seen = []
+    out = generate(paged, prompts, 10, on_token=lambda i, t: seen.append((i, t)), **kw)
+    assert out == generate(dense, prompts, 10, **kw)
+    assert [[t for j, t in seen if j == i] for i in range(3)] == out
+    assert generate(paged, [prompts[1]], 10, **kw) == [out[1]]  # alone or in a batch
+
+
+def test_generate_through_a_small_cache_queues_the_rest(models):
+    """A backend with 2 rows serves 5 prompts: the engine queues what does not fit."""
+    from fms_paged.kv.paged import PagedBackend
+
+    dense, paged = models
+    prompts = [[3 + i] * (4 + 7 * i) for i in range(5)]
+    cache = PagedBackend(paged, 2, 128, num_pages=40, kernel="flex-eager")
+    assert generate(paged, prompts, 9, eos_id=None, cache=cache) == generate(dense, prompts, 9, eos_id=None)
+    assert cache.pm.live_seqs == []
