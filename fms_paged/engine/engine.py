@@ -203,7 +203,9 @@ class Engine:
 
     def _take_submissions(self) -> list[RequestOutput]:
         while self._submitted:
-            self.scheduler.add(self._submitted.popleft())
+            req = self._submitted.popleft()
+            if req.status is not Status.FINISHED:  # an abort can overtake its submission
+                self.scheduler.add(req)
         outputs = []
         while self._aborted:
             req = self._live.get(self._aborted.popleft())

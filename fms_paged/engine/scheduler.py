@@ -103,7 +103,7 @@ class Scheduler:
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self._free(req)
-        elif req.status is Status.WAITING:
+        elif req in self.waiting:  # (an aborted submission may not have reached the queue yet)
             self.waiting.remove(req)
         req.status, req.finish_reason = Status.FINISHED, reason
 

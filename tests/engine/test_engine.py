@@ -167,6 +167,10 @@ def test_stops_and_abort(models):
     assert eng.metrics()["kv_pages_used"] == 0
     with pytest.raises(ValueError, match=f"request id {c} is not live"):
         eng.abort(c)
+    d = eng.add_request(prompt, SamplingParams(max_new_tokens=5))
+    eng.abort(d)  # before it was ever scheduled
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in eng.stream()] == [(d, [], "abort")]
+    assert not eng.has_unfinished() and eng.metrics()["waiting"] == 0
 
 
 def test_eos_stops_unless_ignored(models):
