@@ -140,3 +140,33 @@ def test_logical_score_mod_sees_logical_positions():
                       torch.tensor(page * P + off))
             seen[lp * P + off] = float(out)
     assert all(seen[pos] == pos for pos in seen)
+
+
+def test_block_mask_indices_are_sized_by_a_sequence_not_the_pool():
+    """A pool of 20,000 pages: the decode BlockMask's index tensors span the pool (the kernels
+    require it) but store B * max_pages_per_seq entries plus one shared tail, not B * num_pages,
+    and list the same blocks as a small pool's would."""
+    P, N = 16, 20_000
+    pm = PageManager(N, P, max_seqs=8, max_seq_len=P * 48)
+    lengths = {0: 5, 3: 3 * P, 6: 40 * P + 7}
+    for s, n in lengths.items():
+        pm.reserve([s], [n])
+    seq_ids = [0, 3, 6]
+    q_pos = [lengths[s] - 1 for s in seq_ids]
+    slots = pm.slots(seq_ids, q_pos).tolist()
+    meta = decode_meta(seq_ids, q_pos, slots, P)
+    mm = paged_mask_mod(pm.page_table, pm.phys_to_logical, meta[0][:, None], meta[1][:, None], P)
+    bm = decode_block_mask(pm.page_table, meta, N, P, mm)
+    B, C = len(seq_ids), pm.max_pages_per_seq
+    for idx in (bm.full_kv_indices, bm.kv_indices):
+        assert idx.shape == (B, 1, 1, N)
+        assert idx.untyped_storage().nbytes() <= 4 * (B * C + N)  # not 4 * B * N
+    full = [bm.full_kv_indices[b, 0, 0, : bm.full_kv_num_blocks[b, 0, 0]].tolist() for b in range(B)]
+    assert full == [pm.pages_of(s)[: (q + 1) // P] for s, q in zip(seq_ids, q_pos)]
+    part = [bm.kv_indices[b, 0, 0, : bm.kv_num_blocks[b, 0, 0]].tolist() for b in range(B)]
+    assert part == [[pm.pages_of(s)[q // P]] if (q + 1) % P else [] for s, q in zip(seq_ids, q_pos)]
+    bm = prefill_block_mask([pm.pages_of(6)], [lengths[6] - 10], [10], N, P, mm, torch.device("cpu"),
+                            max_blocks=8 * C)
+    assert bm.full_kv_indices.untyped_storage().nbytes() <= 4 * (8 * C + N)
+    n_full = (lengths[6] - 10 + 1) // P  # pages wholly before the chunk's first query
+    assert bm.full_kv_indices[0, 0, 0, : bm.full_kv_num_blocks[0, 0, 0]].tolist() == pm.pages_of(6)[:n_full]
