@@ -1,29 +1,54 @@
-# CPU image by default. For CUDA:
+# CPU image by default. Build it with `make docker` (see the README's Docker section): online, from a
+# local wheelhouse (air-gapped), behind a TLS-inspecting proxy (EXTRA_CA_CERT), or on a CUDA base:
 #   docker build --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t fms-paged:cuda .
 # The install steps are the Makefile's own (`make install`), the same ones CI runs.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# TORCH_INDEX_URL: the index torch comes from; empty means docker/wheelhouse/ first, then PyPI (whose
+# default torch is the multi-GB CUDA build: a CPU image wants the wheelhouse or the CPU index).
+# EXTRA_CA_CERT: a PEM file in the build context that pip must trust too (a proxy that re-signs TLS).
+ARG TORCH_INDEX_URL=
+ARG EXTRA_CA_CERT=
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
-    TORCH_INDEX_URL=${TORCH_INDEX_URL}
+    PIP_NO_CACHE_DIR=1 \
+    PIP_FIND_LINKS=/app/docker/wheelhouse \
+    PATH=/app/.venv/bin:$PATH
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# make + a C++ compiler (inductor's CPU flex_attention kernels); a Python only when the base has none.
+# What the image needs at run time as well as to build: make (the benchmark targets), a C++ compiler
+# and the headers of the Python that runs (inductor compiles its CPU kernels, flex_attention among
+# them, when a process first runs them, and they include Python.h). A base whose python3 lacks
+# Python.h gets python3-dev; a base without python3 gets one; a base that has them is left alone.
 # DL3008: versions come from the base image's distribution, which the BASE_IMAGE argument changes, so
 # they cannot be pinned here. SC2086: $pkgs is a word list and must be split.
 # hadolint ignore=DL3008,SC2086
-RUN pkgs="make g++ git"; \
-    if ! command -v python3 >/dev/null; then pkgs="$pkgs python3 python3-venv python3-dev"; fi; \
+RUN pkgs="make g++"; \
+    if ! command -v python3 >/dev/null; then \
+        pkgs="$pkgs python3 python3-venv python3-dev"; \
+    else \
+        python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+            || pkgs="$pkgs python3-dev"; \
+        python3 -c 'import ensurepip' 2>/dev/null || pkgs="$pkgs python3-venv"; \
+    fi; \
+    echo "fms-paged image: installing $pkgs"; \
     apt-get update \
     && apt-get install -y --no-install-recommends $pkgs \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -c 'import os, sysconfig; h = os.path.join(sysconfig.get_paths()["include"], "Python.h"); assert os.path.exists(h), h'
 
+# Runs as a user of its own; the virtual environment belongs to it (no copy of it in another layer).
+RUN useradd --create-home --uid 1000 app && install -d -o app /app
+USER 1000:1000
 WORKDIR /app
-COPY . .
-RUN make install TORCH_INDEX_URL="${TORCH_INDEX_URL}"
+COPY --chown=1000:1000 . .
+RUN if [ -n "${EXTRA_CA_CERT}" ]; then \
+        cat /etc/ssl/certs/ca-certificates.crt "${EXTRA_CA_CERT}" > /home/app/ca-bundle.pem; \
+        export PIP_CERT=/home/app/ca-bundle.pem; \
+    fi; \
+    make install TORCH_INDEX_URL="${TORCH_INDEX_URL}"
 
 CMD ["make", "bench-llama-paged"]

@@ -61,3 +61,31 @@ bench-decode: install
 
 bench-pages: install
 	$(PY) -m fms_paged.bench.page_manager --out results/bench-pages
+
+# ---- Docker (see the README's Docker section) --------------------------------------------------
+# DOCKER_BASE: the base image (e.g. one made by `make docker-base`); DOCKER_CA_CERT: a CA bundle on
+# this machine that pip in the build must trust too (a proxy that re-signs TLS); DOCKER_BUILD_ARGS:
+# more `docker build` options.
+DOCKER       ?= docker
+DOCKER_IMAGE ?= fms-paged
+DOCKER_BASE  ?=
+DOCKER_CA_CERT ?=
+DOCKER_BUILD_ARGS ?=
+.PHONY: docker docker-wheelhouse docker-base docker-smoke
+
+# the torch wheel this machine's pip would install (a local CPU build where there is one) -> docker/wheelhouse
+docker-wheelhouse: install
+	$(PIP) download -q --no-deps -d docker/wheelhouse torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+
+docker: docker-wheelhouse
+	$(if $(DOCKER_CA_CERT),cp $(DOCKER_CA_CERT) docker/extra-ca.pem)
+	$(DOCKER) build $(if $(DOCKER_BASE),--build-arg BASE_IMAGE=$(DOCKER_BASE)) \
+		$(if $(DOCKER_CA_CERT),--build-arg EXTRA_CA_CERT=docker/extra-ca.pem) $(DOCKER_BUILD_ARGS) -t $(DOCKER_IMAGE) .
+
+# a Debian base image made from Debian's packages (no registry needed): debootstrap + docker import
+docker-base:
+	bash scripts/docker_base.sh $(or $(DOCKER_BASE),fms-paged-base:bookworm)
+
+# build the image, then run it offline: `fms-paged info`, `fms-paged generate`, the default command
+docker-smoke:
+	bash scripts/docker_smoke.sh

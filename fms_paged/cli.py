@@ -164,10 +164,10 @@ def machine_info(device: str = "auto") -> dict:
     import torch
 
     from fms_paged.device import resolve_device
-    from fms_paged.kv.paged import flex_unavailable_reason
+    from fms_paged.kv.paged import probe_compiled_flex
 
     dev = resolve_device(device)
-    reason = flex_unavailable_reason(dev)
+    reason = probe_compiled_flex(dev)  # compiles a tiny call: a compiler alone is not enough
     info = {
         "device": str(dev),
         "torch": torch.__version__,
@@ -178,7 +178,7 @@ def machine_info(device: str = "auto") -> dict:
     }
     try:
         from fms_paged import get_model
-        from fms_paged.kv.budget import memory_budget
+        from fms_paged.kv.budget import KVBudgetError, kv_cache_budget, memory_budget
 
         model = get_model(device=dev)
         budget = memory_budget(model)
@@ -188,6 +188,10 @@ def machine_info(device: str = "auto") -> dict:
             "page_size": model.config.page_size,
         }
         info["memory_budget"] = budget.as_dict()
+        try:  # the pool an Engine would get (max_num_batched_tokens=512)
+            info["engine_kv_pool"] = kv_cache_budget(model, 512, model.config.max_expected_seq_len).as_dict()
+        except KVBudgetError as e:
+            info["engine_kv_pool"] = f"refused: {e}"
     except FileNotFoundError as e:
         info["default_model"] = f"unavailable: {e}"
     return info

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sysconfig
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -94,6 +95,10 @@ def flex_unavailable_reason(device: torch.device, page_size: int | None = None) 
     if device.type == "cpu":
         if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
             return "no C++ compiler found for inductor's CPU flex_attention"
+        headers = sysconfig.get_paths()["include"]
+        if not os.path.exists(os.path.join(headers, "Python.h")):
+            return (f"no Python.h in {headers}: inductor's CPU kernels need this Python's headers "
+                    "(Debian/Ubuntu: apt-get install python3-dev)")
         try:
             from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -103,6 +108,23 @@ def flex_unavailable_reason(device: torch.device, page_size: int | None = None) 
             return f"inductor CPU support unavailable ({e})"
         return None
     return f"compiled flex_attention is not supported on {device.type} by this torch build"
+
+
+def probe_compiled_flex(device: torch.device, page_size: int = 16) -> str | None:
+    """Compile and run a tiny flex_attention call on `device` (seconds on a CPU): None if it
+    works, else why not. The static checks of `flex_unavailable_reason` first."""
+    reason = flex_unavailable_reason(device, page_size)
+    if reason is not None:
+        return reason
+    try:
+        q = torch.randn(1, 1, 16, 16, device=device)
+        compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        out = compiled(q, q, q, kernel_options=flex_kernel_options(device, page_size))
+        if not torch.allclose(out, flex_attention(q, q, q), atol=1e-5):
+            return "compiled flex_attention gave wrong numbers"
+    except Exception as e:  # noqa: BLE001 - the reason is the report
+        return f"compiling flex_attention failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return None
 
 
 def choose_kernel(kernel: str, device: torch.device, page_size: int | None = None) -> str:

@@ -267,6 +267,24 @@ def test_forced_fallback_is_announced_and_equal(monkeypatch):
     )
 
 
+def test_python_without_headers_falls_back_before_compiling(monkeypatch, tmp_path):
+    """Inductor's CPU kernels include Python.h: a Python without its headers (a distro base image
+    without python3-dev) must fall back, announced, instead of dying in the first compile; and the
+    probe `fms-paged info` runs compiles a real call where the headers are there."""
+    import sysconfig
+
+    from fms_paged.kv import paged as paged_mod
+
+    assert paged_mod.probe_compiled_flex(torch.device("cpu")) is None
+    real = sysconfig.get_paths
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**real(*a, **k), "include": str(tmp_path)})
+    reason = paged_mod.flex_unavailable_reason(torch.device("cpu"))
+    assert f"no Python.h in {tmp_path}" in reason and "python3-dev" in reason
+    assert paged_mod.probe_compiled_flex(torch.device("cpu")) == reason
+    with pytest.warns(UserWarning, match="falls back to GATHER \\+ SDPA: no Python.h"):
+        assert paged_mod.choose_kernel("auto", torch.device("cpu")) == "gather"
+
+
 @pytest.mark.parametrize("page_size", [16, 32, 48, 64, 96, 128, 256, 384])
 def test_cuda_flex_tile_divides_the_page(page_size):
     """Triton's flex kernels need each KV block (one page) to be whole BLOCK_N tiles of >= 16

@@ -40,3 +40,26 @@ def test_uses_makefile_install_and_runs_main_job():
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^install:", make, re.M) and re.search(r"^bench-llama-paged:", make, re.M)
     assert (ROOT / ".dockerignore").read_text().count(".venv")
+
+
+def test_runs_as_a_user_and_gives_python_its_headers():
+    text = (ROOT / "Dockerfile").read_text()
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    assert "Python.h" in text and "python3-dev" in text  # the header check of the first RUN
+
+
+def _docker_daemon() -> bool:
+    docker = shutil.which("docker")
+    return bool(docker) and subprocess.run([docker, "info"], capture_output=True).returncode == 0
+
+
+@pytest.mark.docker
+def test_docker_smoke():
+    """`make docker-smoke`: build the image, then run `fms-paged info`, `fms-paged generate` and the
+    default command with --network=none (DOCKER_BASE / DOCKER_BUILD_ARGS from the environment)."""
+    if not _docker_daemon():
+        pytest.skip("no Docker daemon answers `docker info`")
+    r = subprocess.run(["make", "docker-smoke"], cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "docker-smoke: PASSED" in r.stdout

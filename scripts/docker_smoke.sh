@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Build the image, then prove it works offline: with --network=none, run `fms-paged info` (its paged
+# kernel must really compile), `fms-paged generate` on the embedded default model, and the image's
+# default command (make bench-llama-paged, at a small scale through BENCH_ARGS), checking that each
+# succeeds and that the benchmark wrote its results. Where no Docker daemon answers, it says so and
+# exits 0 (skipped). DOCKER_IMAGE, DOCKER_BASE, DOCKER_CA_CERT and DOCKER_BUILD_ARGS pass through to
+# `make docker`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+docker=${DOCKER:-docker}
+image=${DOCKER_IMAGE:-fms-paged}
+smoke_args=${SMOKE_BENCH_ARGS:---scale 0.02 --new-tokens 8 --ppl-chars 2000}
+if ! "$docker" info >/dev/null 2>&1; then
+    echo "docker-smoke: SKIPPED: no Docker daemon answers ('$docker info' failed)"
+    exit 0
+fi
+timed() {  # timed LABEL CMD...: run, print how long it took
+    local label=$1 start=$SECONDS
+    shift
+    "$@"
+    echo "docker-smoke: $label took $((SECONDS - start)) s"
+}
+fail() { echo "docker-smoke: FAILED: $*" >&2; exit 1; }
+
+timed "make docker" make docker DOCKER="$docker" DOCKER_IMAGE="$image"
+echo "docker-smoke: image $image is $("$docker" image inspect -f '{{.Size}}' "$image" | awk '{printf "%.2f GB", $1 / 1e9}')"
+user=$("$docker" run --rm --network=none "$image" id -un)
+[ "$user" != root ] || fail "the image runs as root"
+
+info=$(timed "fms-paged info" "$docker" run --rm --network=none "$image" fms-paged info)
+echo "$info"
+grep -q "compiled_flex_available: True" <<<"$info" || fail "fms-paged info: the paged flex kernel does not compile"
+
+out=$(timed "fms-paged generate" "$docker" run --rm --network=none "$image" \
+      fms-paged generate --prompt "def fibonacci(n):" --max-new-tokens 24)
+echo "$out"
+grep -q "^def fibonacci(n):" <<<"$out" || fail "fms-paged generate printed no continuation"
+
+name="fms-paged-smoke-$$"
+trap '"$docker" rm -f "$name" >/dev/null 2>&1 || true' EXIT
+timed "default command (make bench-llama-paged, BENCH_ARGS=$smoke_args)" \
+    "$docker" run --name "$name" --network=none -e BENCH_ARGS="$smoke_args" "$image"
+results=$(mktemp -d)
+"$docker" cp "$name:/app/results/bench-llama-paged" "$results/"
+for f in results.json results.csv results.md; do
+    [ -s "$results/bench-llama-paged/$f" ] || fail "the benchmark wrote no $f"
+done
+ls "$results/bench-llama-paged"
+rm -rf "$results"
+echo "docker-smoke: PASSED"
