@@ -1,8 +1,8 @@
 """Which requests run in the next forward, and with how many tokens (vLLM v1's scheduler shape).
 
 Host only: no tensors. Each step gets a token budget (`max_num_batched_tokens`):
-1. Running requests first, oldest first: a decoding request takes 1 token, one still prefilling
-   (a long prompt, or a recompute after preemption) the next chunk that fits the budget. When the
+1. Running requests first: the decoding ones (1 token each), then those still prefilling (a long
+   prompt, or a recompute after preemption: the next chunk that fits the budget). When the
    pool cannot give a request the pages for its tokens, the newest running request is preempted:
    its pages are freed and it goes back to the head of the waiting queue, to be recomputed later
    from its prompt and the tokens it has generated so far (its output does not change).
@@ -58,21 +58,29 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        planned = 0  # pages promised to requests scheduled so far this step
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        planned: dict[Request, tuple[int, int]] = {}  # scheduled this step: (tokens, pages)
+        planned_pages = 0
+        # decodes first, then prompts still being prefilled: a chunk never takes a decode's token
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed > 1)
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.pm.pages_needed(req.seq_id, req.num_computed + n)
-            while need > self.pm.num_free_pages - planned and self.running[-1] is not req:
-                out.preempted.append(self._preempt(self.running.pop()))
-            if need > self.pm.num_free_pages - planned:  # only req itself is left to free
-                out.preempted.append(self._preempt(self.running.pop()))
-                break
-            out.scheduled.append((req, n))
-            planned += need
-            budget -= n
-            i += 1
+            while need > self.pm.num_free_pages - planned_pages:
+                victim = self.running.pop()  # the newest running request
+                if victim in planned:  # scheduled already this step: give its share back
+                    n_v, need_v = planned.pop(victim)
+                    budget, planned_pages = budget + n_v, planned_pages - need_v
+                out.preempted.append(self._preempt(victim))
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                planned[req] = (n, need)
+                budget, planned_pages = budget - n, planned_pages + need
+        out.scheduled = [(r, n) for r, (n, _) in planned.items()]
         if out.preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -80,13 +88,13 @@ class Scheduler:
             n = min(req.num_tokens, budget)
             need = -(-n // self.pm.page_size)
             headroom = self.watermark_pages if self.running else 0  # alone, it may use every page
-            if need > self.pm.num_free_pages - planned - headroom:
+            if need > self.pm.num_free_pages - planned_pages - headroom:
                 break
             self.waiting.popleft()
             req.seq_id, req.status = self.free_rows.pop(), Status.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
-            planned += need
+            planned_pages += need
             budget -= n
         return out
 
