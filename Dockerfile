@@ -9,8 +9,10 @@ FROM ${BASE_IMAGE}
 # TORCH_INDEX_URL: the index torch comes from; empty means docker/wheelhouse/ first, then PyPI (whose
 # default torch is the multi-GB CUDA build: a CPU image wants the wheelhouse or the CPU index).
 # EXTRA_CA_CERT: a PEM file in the build context that pip must trust too (a proxy that re-signs TLS).
+# PIP_NO_INDEX=1: an air-gapped build, every wheel from docker/wheelhouse (unset: indexes are asked).
 ARG TORCH_INDEX_URL=
 ARG EXTRA_CA_CERT=
+ARG PIP_NO_INDEX
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -26,7 +28,9 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # DL3008: versions come from the base image's distribution, which the BASE_IMAGE argument changes, so
 # they cannot be pinned here. SC2086: $pkgs is a word list and must be split.
 # hadolint ignore=DL3008,SC2086
-RUN pkgs="make g++"; \
+RUN pkgs=""; \
+    command -v make >/dev/null || pkgs="$pkgs make"; \
+    command -v g++ >/dev/null || pkgs="$pkgs g++"; \
     if ! command -v python3 >/dev/null; then \
         pkgs="$pkgs python3 python3-venv python3-dev"; \
     else \
@@ -34,11 +38,17 @@ RUN pkgs="make g++"; \
             || pkgs="$pkgs python3-dev"; \
         python3 -c 'import ensurepip' 2>/dev/null || pkgs="$pkgs python3-venv"; \
     fi; \
-    echo "fms-paged image: installing $pkgs"; \
-    apt-get update \
-    && apt-get install -y --no-install-recommends $pkgs \
-    && rm -rf /var/lib/apt/lists/* \
-    && python3 -c 'import os, sysconfig; h = os.path.join(sysconfig.get_paths()["include"], "Python.h"); assert os.path.exists(h), h'
+    if [ -z "$pkgs" ]; then \
+        echo "fms-paged image: the base has make, g++ and its Python's headers: nothing to install"; \
+    else \
+        echo "fms-paged image: installing$pkgs"; \
+        command -v apt-get >/dev/null \
+            || { echo "this base has no apt-get: give it make, g++ and its python3's headers" >&2; exit 1; }; \
+        apt-get update \
+        && apt-get install -y --no-install-recommends $pkgs \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    python3 -c 'import os, sysconfig; h = os.path.join(sysconfig.get_paths()["include"], "Python.h"); assert os.path.exists(h), h'
 
 # Runs as a user of its own; the virtual environment belongs to it (no copy of it in another layer).
 RUN useradd --create-home --uid 1000 app && install -d -o app /app

@@ -71,11 +71,16 @@ DOCKER_IMAGE ?= fms-paged
 DOCKER_BASE  ?=
 DOCKER_CA_CERT ?=
 DOCKER_BUILD_ARGS ?=
-.PHONY: docker docker-wheelhouse docker-base docker-smoke
+.PHONY: docker docker-wheelhouse docker-wheelhouse-all docker-base docker-smoke
 
 # the torch wheel this machine's pip would install (a local CPU build where there is one) -> docker/wheelhouse
 docker-wheelhouse: install
 	$(PIP) download -q --no-deps -d docker/wheelhouse torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+
+# every wheel the image installs (torch, the extras, the build backend) -> docker/wheelhouse, for a
+# build with no network: make docker DOCKER_BUILD_ARGS="--network=none --build-arg PIP_NO_INDEX=1"
+docker-wheelhouse-all: docker-wheelhouse
+	$(PIP) download -q -d docker/wheelhouse '.[bench,notebooks,dev]' 'setuptools>=64' wheel pip
 
 docker: docker-wheelhouse
 	$(if $(DOCKER_CA_CERT),cp $(DOCKER_CA_CERT) docker/extra-ca.pem)
