@@ -103,14 +103,20 @@ def generate(
 
 def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, compile,
                         **sampling) -> list[list[int]]:
-    """Every prompt a request of an `Engine` (a pool sized by memory unless `cache` gives one)."""
+    """Every prompt a request of an `Engine` (a pool sized by memory unless `cache` gives one).
+
+    The engine's max_model_len is what these prompts need, rounded up to a power of two (>= 1024,
+    at most the model's): a long-context model is not refused for a budget its prompts never use,
+    and few page-table widths (compiled shapes) come up from call to call."""
     n = len(prompts)
     rows = n if cache is None else min(n, cache.max_batch)
     budget = max(rows, min(sum(map(len, prompts)), MAX_PREFILL_TOKENS))
+    need = max(map(len, prompts)) + max_new_tokens
+    max_model_len = min(model.config.max_expected_seq_len, max(1024, 1 << (need - 1).bit_length()))
     if cache is not None:
         cache.reset()
     engine = Engine(model, max_num_seqs=rows, max_num_batched_tokens=budget, compile=compile,
-                    backend=cache)
+                    max_model_len=max_model_len, backend=cache)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos),
                             ignore_eos=True, **sampling)
     index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}

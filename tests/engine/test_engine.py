@@ -376,3 +376,19 @@ def test_generate_through_a_small_cache_queues_the_rest(models):
     cache = PagedBackend(paged, 2, 128, num_pages=40, kernel="flex-eager")
     assert generate(paged, prompts, 9, eos_id=None, cache=cache) == generate(dense, prompts, 9, eos_id=None)
     assert cache.pm.live_seqs == []
+
+
+def test_generate_sizes_max_model_len_by_its_prompts(models, monkeypatch):
+    """A long-context model whose full length does not fit the KV space: an Engine for the full
+    length is refused, but generate() asks only for what its prompts need (rounded up to a power of
+    two) and runs."""
+    from fms_paged.kv.budget import CPU_KV_SPACE_ENV, KVBudgetError
+
+    dense, _ = models
+    long_ctx = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged",
+                         max_expected_seq_len=131_072)
+    monkeypatch.setenv(CPU_KV_SPACE_ENV, "0.01")  # 1280 pages of 8 KiB: 20k tokens
+    with pytest.raises(KVBudgetError, match="max_model_len=131072"):
+        Engine(long_ctx, compile=False)
+    prompts = [[5, 6, 7], list(range(10, 60))]
+    assert generate(long_ctx, prompts, 8, eos_id=None) == generate(dense, prompts, 8, eos_id=None)
