@@ -392,3 +392,39 @@ def test_generate_sizes_max_model_len_by_its_prompts(models, monkeypatch):
         Engine(long_ctx, compile=False)
     prompts = [[5, 6, 7], list(range(10, 60))]
     assert generate(long_ctx, prompts, 8, eos_id=None) == generate(dense, prompts, 8, eos_id=None)
+
+
+def test_random_submissions_and_aborts_never_leak_a_page(models):
+    """Random arrivals, aborts (waiting or running requests) and preemptions: after every step the
+    pages in use are exactly those of the running requests, each owned once, and at the end the
+    pool is whole again."""
+    dense, paged = models
+    rng = random.Random(7)
+    eng = engine(paged, num_pages=26, max_num_seqs=6, max_num_batched_tokens=48)
+    live: list[int] = []
+    done: dict[int, list[int]] = {}
+    reqs: dict[int, tuple[list[int], int]] = {}
+    for step in range(300):
+        if step < 200 and rng.random() < 0.4:
+            prompt, n = random_prompt(rng, rng.randint(1, 70)), rng.randint(1, 30)
+            rid = eng.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            live.append(rid)
+            reqs[rid] = (prompt, n)
+        if live and rng.random() < 0.05:
+            eng.abort(live.pop(rng.randrange(len(live))))
+        for o in eng.step():
+            done.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished and o.request_id in live:
+                live.remove(o.request_id)
+        pm, running = eng.pm, eng.scheduler.running
+        pages = [p for r in running if r.seq_id is not None for p in pm.pages_of(r.seq_id)]
+        assert len(pages) == len(set(pages)) == pm.num_pages - 1 - pm.num_free_pages
+        assert sorted(pm.live_seqs) == sorted(r.seq_id for r in running if pm.length(r.seq_id))
+    for o in eng.stream():
+        done.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert eng.pm.num_free_pages == eng.pm.num_pages - 1 and eng.metrics()["preemptions"] > 0
+    finished = {rid for rid, r in eng.metrics()["requests"].items() if r["finish_reason"] == "length"}
+    assert len(finished) > 40
+    for rid in sorted(finished)[:15]:
+        prompt, n = reqs[rid]
+        assert done[rid] == generate(dense, [prompt], n, eos_id=None)[0]
