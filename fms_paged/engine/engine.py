@@ -218,15 +218,14 @@ class Engine:
     def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
         dec = [r for r, n in plan.scheduled if n == 1 and r.num_computed == r.num_tokens - 1]
         pre = [(r, n) for r, n in plan.scheduled if not (n == 1 and r.num_computed == r.num_tokens - 1)]
-        done = [r for r, n in pre if r.num_computed + n == r.num_tokens]  # sample after this step
-        if not pre:
-            logits = self._forward_decode(dec)  # [n, V]
-        elif dec and self.backend.kernel != "gather":
+        if pre and (not dec or self.backend.kernel == "gather"):
+            dec, pre = [], plan.scheduled  # every token in one packed row (decodes: 1-token chunks)
+        if pre:
             logits = self._forward_mixed(dec, pre)
-        else:  # every token in one packed row (decodes as chunks of one token)
-            dec, pre = [], plan.scheduled
-            logits = self._forward_mixed([], pre)
-        sampled = dec + done
+        else:
+            logits = self._forward_decode(dec)  # [n, V]
+        # logits rows: the decode rows, then the chunks that reach their request's last token
+        sampled = dec + [r for r, n in pre if r.num_computed + n == r.num_tokens]
         settings = [(r.params.temperature, r.params.top_k, r.params.top_p, r.generator) for r in sampled]
         tokens = sample_each(logits.float(), settings).tolist()  # the step's one host sync
         now = time.perf_counter()

@@ -61,6 +61,19 @@ def test_200_requests_under_page_pressure_equal_dense_alone(models):
     assert all(r["finish_reason"] == "length" for r in m["requests"].values())
 
 
+def test_gather_kernel_under_page_pressure_equals_dense_alone(models):
+    """The GATHER fallback packs decodes and prefill chunks into one padded batch: same tokens."""
+    dense, paged = models
+    rng = random.Random(5)
+    reqs = [(random_prompt(rng, rng.randint(1, 60)), rng.randint(1, 25)) for _ in range(40)]
+    eng = engine(paged, kernel="gather", num_pages=20)
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in reqs]
+    got = run(eng)
+    assert eng.metrics()["preemptions"] > 0
+    for rid, (prompt, n) in zip(ids, reqs):
+        assert got[rid] == generate(dense, [prompt], n, eos_id=None)[0], rid
+
+
 def test_seeded_sampling_alone_in_a_batch_after_preemption_and_dense(models):
     dense, paged = models
     rng = random.Random(1)
