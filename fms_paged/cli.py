@@ -178,20 +178,18 @@ def machine_info(device: str = "auto") -> dict:
     }
     try:
         from fms_paged import get_model
-        from fms_paged.kv.budget import KVBudgetError, kv_cache_budget, memory_budget
+        from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
 
         model = get_model(device=dev)
-        budget = memory_budget(model)
         info["default_model"] = {
             "params": sum(p.numel() for p in model.parameters()),
             "dtype": str(model.dtype).removeprefix("torch."),
             "page_size": model.config.page_size,
         }
-        info["memory_budget"] = budget.as_dict()
         try:  # the pool an Engine would get (max_num_batched_tokens=512)
-            info["engine_kv_pool"] = kv_cache_budget(model, 512, model.config.max_expected_seq_len).as_dict()
+            info["kv_pool"] = kv_cache_budget(model, 512, model.config.max_expected_seq_len).as_dict()
         except KVBudgetError as e:
-            info["engine_kv_pool"] = f"refused: {e}"
+            info["kv_pool"] = f"refused: {e}"
     except FileNotFoundError as e:
         info["default_model"] = f"unavailable: {e}"
     return info

@@ -5,8 +5,9 @@ One loop owns the page pool: `step()` takes the requests submitted since the las
 thread), lets the `Scheduler` pick what runs, has the paged backend build the step (RESERVE,
 slots, BlockMask), runs the model once, samples each request with its own settings, and returns
 what each request produced. A step whose requests all decode runs as one decode batch (rows padded
-to a few bucket sizes; the compiled decode step where compilation works); a step with any prefill
-packs every request's new tokens, decodes included, into one row.
+to a few bucket sizes; the compiled decode step where compilation works); a step with prefill
+chunks packs them into one row after the decode rows (`PagedBackend.mixed`: one forward, a
+BlockMask for each part; the GATHER kernel packs decodes as 1-token chunks instead).
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import statistics
 import time
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from fms_paged.engine.model_step import decode_fn
-from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status
+from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
 from fms_paged.engine.sampling import sample_each
 from fms_paged.engine.scheduler import Scheduler, SchedulerOutput
-from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
+from fms_paged.kv.budget import KVBudgetError, kv_cache_budget, sequence_pages
 from fms_paged.kv.paged import PagedBackend
 
 COMPILE_MODES = ("auto", True, False)
@@ -99,7 +99,7 @@ class Engine:
                 num_pages = self.budget.num_pages
             elif isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
                 raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
-            need = -(-max_model_len // c.page_size) + 1
+            need = sequence_pages(max_model_len, c.page_size)
             if num_pages < need:
                 raise KVBudgetError(
                     f"num_pages={num_pages} cannot hold one sequence of max_model_len={max_model_len} "
@@ -137,7 +137,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = self._check_prompt(prompt_ids)
+        prompt = check_prompt(prompt_ids, self.vocab_size)
         total = len(prompt) + params.max_new_tokens
         limit = min(self.max_model_len, self.capacity)
         if total > limit:
@@ -165,22 +165,6 @@ class Engine:
                 f"abort: request id {request_id!r} is not live (never submitted here, or finished)"
             )
         self._aborted.append(request_id)
-
-    def _check_prompt(self, prompt_ids) -> list[int]:
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.tolist()
-        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (Sequence, np.ndarray)):
-            raise TypeError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
-        out = []
-        for j, t in enumerate(prompt_ids):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"prompt token {j} is {t!r} ({type(t).__name__}); expected int")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token {j} = {t} is outside the vocabulary [0, {self.vocab_size})")
-            out.append(int(t))
-        return out
 
     # ------------------------------------------------------------------ the loop
     def has_unfinished(self) -> bool:
@@ -216,8 +200,12 @@ class Engine:
 
     @torch.inference_mode()
     def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        dec = [r for r, n in plan.scheduled if n == 1 and r.num_computed == r.num_tokens - 1]
-        pre = [(r, n) for r, n in plan.scheduled if not (n == 1 and r.num_computed == r.num_tokens - 1)]
+        dec, pre = [], []  # decodes (the one token left to compute), prefill chunks
+        for r, n in plan.scheduled:
+            if r.num_computed + 1 == r.num_tokens:
+                dec.append(r)
+            else:
+                pre.append((r, n))
         if pre and (not dec or self.backend.kernel == "gather"):
             dec, pre = [], plan.scheduled  # every token in one packed row (decodes: 1-token chunks)
         if pre:
@@ -273,7 +261,7 @@ class Engine:
         return self.model(tokens, positions, step, logits_at=at)
 
     def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.finish(req, reason)
+        self.scheduler.finish(req)
         self._live.pop(req.request_id, None)
         stats = req.latencies()
         stats.update(prompt_tokens=len(req.prompt), output_tokens=len(req.output),

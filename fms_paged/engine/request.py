@@ -9,7 +9,27 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+
+def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> list[int]:
+    """A prompt as a list of Python ints, or a typed error naming `name` and the offending value
+    (not a list of ints, empty, a token outside [0, vocab_size))."""
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
+        raise TypeError(f"{name} must be a list of token ids, got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise ValueError(f"{name} is empty: a request needs at least one prompt token")
+    ids = []
+    for j, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"{name} token {j} is {t!r} ({type(t).__name__}); expected int")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{name} token {j} = {t} is outside the vocabulary [0, {vocab_size})")
+        ids.append(int(t))
+    return ids
 
 
 @dataclass(frozen=True)
@@ -87,7 +107,6 @@ class Request:
     num_computed: int = 0
     seq_id: int | None = None  # row of the page table while it holds pages
     status: Status = Status.WAITING
-    finish_reason: str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)

@@ -29,25 +29,24 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-
-
 def sample_each(
     logits: torch.Tensor,
     settings: list[tuple[float, int | None, float | None, torch.Generator | None]],
 ) -> torch.Tensor:
     """logits: [K, V] -> tokens: [K] int64, row i drawn with its own (temperature, top_k, top_p,
-    generator): a row's token depends on its logits and its generator alone, not on the other rows
-    (a seeded request samples the same tokens alone or in any batch). Greedy rows share one argmax;
-    no host sync."""
+    generator): a seeded row's token depends on its logits and its generator alone, not on the
+    other rows (a seeded request samples the same tokens alone or in any batch). Greedy rows share
+    one argmax, unseeded rows with the same settings one draw from the global RNG; no host sync."""
     tokens = logits.argmax(dim=-1)
+    unseeded: dict[tuple, list[int]] = {}
     for i, (temperature, top_k, top_p, generator) in enumerate(settings):
-        if temperature > 0:
+        if temperature == 0:
+            continue
+        if generator is None:
+            unseeded.setdefault((temperature, top_k, top_p), []).append(i)
+        else:
             tokens[i] = sample(logits[i : i + 1], temperature, top_k, top_p, generator)[0]
+    for (temperature, top_k, top_p), rows in unseeded.items():
+        idx = torch.tensor(rows, device=logits.device)
+        tokens[idx] = sample(logits.index_select(0, idx), temperature, top_k, top_p)
     return tokens

@@ -30,10 +30,6 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, pm: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -50,10 +46,6 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
-
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -106,14 +98,14 @@ class Scheduler:
         self.waiting.appendleft(req)
         return req
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request) -> None:
         """Drop a request (finished or aborted) wherever it is; its pages go back at once."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self._free(req)
         elif req in self.waiting:  # (an aborted submission may not have reached the queue yet)
             self.waiting.remove(req)
-        req.status, req.finish_reason = Status.FINISHED, reason
+        req.status = Status.FINISHED
 
     def _free(self, req: Request) -> None:
         if req.seq_id is not None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from fms_paged.engine import Engine, SamplingParams
 from fms_paged.engine.model_step import compiled_decode, decode_fn, decode_one_token
-from fms_paged.engine.sampling import check_sampling_args, sample_each
+from fms_paged.engine.request import check_prompt
+from fms_paged.engine.sampling import sample_each
 from fms_paged.kv.cache import KVCacheBackend, make_cache
 
 __all__ = ["compiled_decode", "decode_fn", "decode_one_token", "generate", "validate_prompts"]
@@ -35,19 +35,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_len:
         raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
     out = []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
-            raise TypeError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        ids = []
-        for j, t in enumerate(prompt):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"prompt {i} token {j} is {t!r} ({type(t).__name__}); expected int")
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"prompt {i} token {j} = {t} is outside the vocabulary [0, {vocab_size})")
-            ids.append(int(t))
+        ids = check_prompt(prompt, vocab_size, f"prompt {i}")
         if len(ids) + max_new_tokens > max_len:
             raise ValueError(
                 f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
@@ -85,9 +73,9 @@ def generate(
     compiles it (tens of seconds on a CPU), later calls with the same shapes reuse it.
     """
     config = model.config
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    check_sampling_args(temperature, top_k, top_p)
+    # validates max_new_tokens and the sampling values, with the engine's messages
+    SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   seed=seed)
     prompts = validate_prompts(prompts, config.src_vocab_size, config.max_expected_seq_len,
                                max_new_tokens)
     if eos_id is _MODEL_EOS:

@@ -1,7 +1,5 @@
-"""How many KV pages fit on a device: free memory minus weights and headroom, per page bytes.
-
-`memory_budget` is the quick estimate (`fms-paged info`); `kv_cache_budget` sizes the engine's pool
-the way vLLM does: a fraction of the device's free memory after the weights and a measured
+"""How many KV pages fit on a device (`kv_cache_budget`, the engine's pool and `fms-paged info`),
+sized the way vLLM does: a fraction of the device's free memory after the weights and a measured
 activation peak (CUDA, MPS), or on the CPU a KV space of its own.
 """
 
@@ -12,20 +10,6 @@ import os
 from dataclasses import asdict, dataclass
 
 import torch
-
-
-@dataclass
-class MemoryBudget:
-    device: str
-    available_bytes: int  # free memory the budget starts from
-    weight_bytes: int
-    reserve_bytes: int  # headroom for activations, workspace, allocator slack
-    page_bytes: int  # K + V of one page across all layers
-    num_pages: int  # pages that fit (>= 0)
-    tokens: int  # num_pages * page_size
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def page_bytes(nlayers: int, kvheads: int, head_dim: int, page_size: int,
@@ -54,27 +38,6 @@ def free_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot determine free host memory (install psutil)")
 
 
-def memory_budget(model: torch.nn.Module, fraction: float = 0.9, reserve_bytes: int | None = None,
-                  weights_loaded: bool = True) -> MemoryBudget:
-    """Pages of `model.config.page_size` that fit in `fraction` of free memory after a reserve.
-
-    `weights_loaded=True` means the model already sits on the device (its bytes are already out
-    of the free figure); otherwise they are subtracted too.
-    """
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    c = model.config
-    device = model.device
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if reserve_bytes is None:  # activations of a large prefill: ~ a few hundred MB at most here
-        reserve_bytes = max(256 << 20, weights // 10)
-    free = free_memory_bytes(device)
-    usable = int(free * fraction) - reserve_bytes - (0 if weights_loaded else weights)
-    per_page = page_bytes(c.nlayers, c.kvheads, c.head_dim, c.page_size, model.dtype)
-    n = max(0, usable // per_page)
-    return MemoryBudget(str(device), free, weights, reserve_bytes, per_page, n, n * c.page_size)
-
-
 CPU_KV_SPACE_ENV = "FMS_PAGED_CPU_KV_SPACE"  # GiB of host memory for the CPU page pool
 DEFAULT_CPU_KV_SPACE = 4 << 30  # as vLLM's CPU backend; at most half of the available RAM
 DEFAULT_KV_MEMORY_FRACTION = 0.9  # CUDA / MPS: of the free memory after weights and activations
@@ -97,6 +60,12 @@ class KVCacheBudget:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def sequence_pages(max_model_len: int, page_size: int) -> int:
+    """The smallest pool that holds one sequence of `max_model_len` tokens: its pages + the null
+    page."""
+    return -(-max_model_len // page_size) + 1
 
 
 def _gib(n: float) -> str:
@@ -163,7 +132,7 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
         source = (f"kv_memory_fraction={fraction} of {_gib(free)} free on {dev} after the weights, "
                   f"less a {_gib(activation)} activation peak")
     num_pages = max(0, kv // per_page)
-    need_pages = -(-max_model_len // c.page_size) + 1  # + the null page
+    need_pages = sequence_pages(max_model_len, c.page_size)
     if num_pages < need_pages:
         need = need_pages * per_page
         fix = (f"set {CPU_KV_SPACE_ENV}={math.ceil(need / GiB * 100) / 100} (GiB)" if dev.type == "cpu"

@@ -397,19 +397,21 @@ class MixedStep:
     the sequences sharing its query block.
     """
 
-    def __init__(self, decode: FlexDecodeStep | FlexStep, prefill: FlexStep, rows: int):
+    def __init__(self, decode: FlexDecodeStep | FlexStep, prefill: FlexStep, rows: int,
+                 slots: torch.Tensor | None = None):
         self.decode, self.prefill, self.rows = decode, prefill, rows
+        self.slots = slots  # [B + Tp] pool slot of every token of the row (set by prepare)
 
     def prepare(self) -> MixedStep:
-        if isinstance(self.decode, FlexStep):
+        if self.slots is not None:
             return self
-        return MixedStep(self.decode.prepare(), self.prefill, self.rows)
+        decode = self.decode.prepare()
+        return MixedStep(decode, self.prefill, self.rows, torch.cat([decode.slots, self.prefill.slots]))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, H, B + Tp, D]; k, v: [1, Hkv, B + Tp, D]
         B = self.rows
-        slots = torch.cat([self.decode.slots, self.prefill.slots])  # token order of the row
-        _write_kv(self.decode.b, layer, slots, k, v)
+        _write_kv(self.prefill.b, layer, self.slots, k, v)
         od = self.decode.attention(layer, q[0, :, :B].transpose(0, 1).unsqueeze(2))  # [B, H, 1, D]
         op = self.prefill.attention(layer, q[:, :, B:])  # [1, H, Tp, D]
         return torch.cat([od.squeeze(2).transpose(0, 1).unsqueeze(0), op], dim=2)

@@ -225,11 +225,11 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(models):
     eng = engine(paged, backend=small)
     ok = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
     cases = [
-        ([], ValueError, "prompt_ids is empty"),
+        ([], ValueError, "prompt is empty"),
         ([1, 256], ValueError, "prompt token 1 = 256 is outside the vocabulary [0, 256)"),
         ([1, -1], ValueError, "prompt token 1 = -1"),
         ([1, 2.5], TypeError, "prompt token 1 is 2.5"),
-        ("hello", TypeError, "prompt_ids must be a list of token ids, got str"),
+        ("hello", TypeError, "prompt must be a list of token ids, got str"),
     ]
     for prompt, exc, msg in cases:
         with pytest.raises(exc) as err:

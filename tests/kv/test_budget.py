@@ -1,11 +1,12 @@
-"""Memory budget: pages that fit = (free * fraction - reserve) // page bytes, page bytes from shapes."""
+"""The engine's pool size: KV bytes // page bytes, page bytes from shapes, the KV bytes from the
+CPU KV space (env, fraction of RAM, default) with the host's free memory pinned by the test."""
 
 import pytest
 import torch
 
 from fms_paged import get_model
 from fms_paged.kv import budget as budget_mod
-from fms_paged.kv.budget import memory_budget, page_bytes
+from fms_paged.kv.budget import CPU_KV_SPACE_ENV, KVBudgetError, kv_cache_budget, page_bytes
 
 
 def test_page_bytes_7b_fp16():
@@ -13,20 +14,33 @@ def test_page_bytes_7b_fp16():
     assert page_bytes(32, 32, 128, 16, torch.float16) == 2 * 32 * 32 * 128 * 16 * 2 == 8 << 20
 
 
-def test_budget_counts_pages(monkeypatch):
+@pytest.fixture
+def micro(monkeypatch):
+    monkeypatch.delenv(CPU_KV_SPACE_ENV, raising=False)
+    monkeypatch.setattr(budget_mod, "free_memory_bytes", lambda device: 3 << 30)
     model = get_model(variant="micro", device="cpu")
-    monkeypatch.setattr(budget_mod, "free_memory_bytes", lambda device: 1 << 30)
-    b = memory_budget(model, fraction=0.5, reserve_bytes=1 << 20)
     c = model.config
-    per_page = 2 * c.nlayers * c.kvheads * c.head_dim * c.page_size * 4
-    assert b.page_bytes == per_page
-    assert b.num_pages == ((1 << 29) - (1 << 20)) // per_page
-    assert b.tokens == b.num_pages * c.page_size
+    return model, 2 * c.nlayers * c.kvheads * c.head_dim * c.page_size * 4
 
 
-def test_budget_never_negative(monkeypatch):
-    model = get_model(variant="micro", device="cpu")
-    monkeypatch.setattr(budget_mod, "free_memory_bytes", lambda device: 10)
-    assert memory_budget(model).num_pages == 0
-    with pytest.raises(ValueError, match="fraction"):
-        memory_budget(model, fraction=1.5)
+def test_cpu_kv_space_sources(micro, monkeypatch):
+    model, per_page = micro
+    b = kv_cache_budget(model, 64, 256)  # default: 4 GiB, at most half the free 3 GiB
+    assert b.page_bytes == per_page and b.num_pages == (3 << 29) // per_page
+    assert kv_cache_budget(model, 64, 256, kv_memory_fraction=0.25).num_pages == (3 << 28) // per_page
+    monkeypatch.setenv(CPU_KV_SPACE_ENV, "0.5")
+    b = kv_cache_budget(model, 64, 256, kv_memory_fraction=0.25)  # the environment wins
+    assert b.num_pages == (1 << 29) // per_page and CPU_KV_SPACE_ENV in b.source
+
+
+def test_bad_values_and_refusal(micro, monkeypatch):
+    model, per_page = micro
+    with pytest.raises(ValueError, match="kv_memory_fraction=1.5"):
+        kv_cache_budget(model, 64, 256, kv_memory_fraction=1.5)
+    monkeypatch.setenv(CPU_KV_SPACE_ENV, "lots")
+    with pytest.raises(ValueError, match="FMS_PAGED_CPU_KV_SPACE='lots'"):
+        kv_cache_budget(model, 64, 256)
+    monkeypatch.setenv(CPU_KV_SPACE_ENV, str(10 * per_page / 2**30))  # 10 pages: 144 tokens
+    with pytest.raises(KVBudgetError, match="max_model_len<=144"):
+        kv_cache_budget(model, 64, 256)
+    assert kv_cache_budget(model, 64, 144).num_pages == 10

@@ -171,6 +171,35 @@ def test_chunked_prefill_through_pages():
     assert (torch.cat(outs) - ref).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("kernel", ["flex-eager", "flex"])
+def test_mixed_step_decodes_and_chunks_match_dense(kernel):
+    """One forward holding 3 decode rows (padded to 4) and 2 prefill chunks (one of them the middle
+    of a prompt): every logit equals the dense model run without a cache over each whole sequence."""
+    dense, paged = pair(page_size=16)
+    prompts = prompts_of([20, 33, 16, 50, 70], seed=4)
+    pc = PagedBackend(paged, 8, 160, num_pages=NUM_PAGES, kernel=kernel)
+    with torch.inference_mode():
+        t, p, s, _ = pc.prefill([0, 1, 2], prompts[:3])  # the decoding sequences' prompts
+        paged(t, p, s)
+        t, p, s, _ = pc.prefill([4], [prompts[4][:30]])  # a prompt half prefilled
+        paged(t, p, s)
+        new_tok = [7, 8, 9]
+        dec_ids, lengths = [0, 1, 2, 0], [20, 33, 16, 0]
+        chunks, starts = [prompts[3], prompts[4][30:]], [0, 30]
+        t, p, s, last = pc.mixed(dec_ids, torch.tensor(new_tok + [0]), lengths, [True] * 3 + [False],
+                                 [3, 4], chunks, starts)
+        logits = paged(t, p, s)[0]  # [4 + Tp, V]
+        worst = 0.0
+        for row, prompt in enumerate(prompts[:3]):
+            ref = dense(torch.tensor([prompt + [new_tok[row]]]))[0, -1]
+            worst = max(worst, (logits[row] - ref).abs().max().item())
+        for i, (chunk, start) in enumerate(zip(chunks, starts)):
+            ref = dense(torch.tensor([prompts[3 + i]]))[0, start:]
+            got = logits[int(last[i]) - len(chunk) + 1 : int(last[i]) + 1]
+            worst = max(worst, (got - ref).abs().max().item())
+    assert worst <= TOL
+
+
 def test_forked_sequences_diverge_correctly():
     """FORK shares the prompt's pages; each branch then decodes its own tokens (copy-on-write of
     the partial last page) and matches a dense run of its own full sequence."""
