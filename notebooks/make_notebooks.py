@@ -68,6 +68,32 @@ QUICKSTART = [
         "ref = generate(dense, [tok.encode(t) for t in texts], 40, eos_id=None)\n"
         "assert [got[r] for r in rids] == ref"
     ),
+    new_markdown_cell(
+        "## Inside IBM Foundation Model Stack\n\nWith `ibm-fms` installed (`pip install "
+        "'fms_paged[fms]'`), FMS loads the same checkpoint as its own LLaMA, and our paged "
+        "FlexAttention runs inside it as the registered attention op `\"paged_flex\"`, driven by "
+        "FMS's own `generate`. The tokens equal FMS's default attention (`sdpa_causal`); the same "
+        "FMS model can also be served by the `Engine` (`Engine(fms_model, ...)`)."
+    ),
+    new_code_cell(
+        "from fms.models import get_model as fms_get_model\n"
+        "from fms.utils.generation import generate as fms_generate, pad_input_ids\n"
+        "from fms_paged.integrations.fms import PagedFMSCache\n\n"
+        "fms_model = fms_get_model(\"hf_pretrained\", model_path=str(default_model_path()),\n"
+        "                          device_type=\"cpu\", data_type=torch.float32).eval()\n"
+        "batch = [torch.tensor(i) for i in ids]\n"
+        "cache = PagedFMSCache(fms_model, max_batch=4, max_seq_len=256)\n"
+        "with torch.no_grad():\n"
+        "    x, extra = cache.pad_input_ids(batch)  # extra: attn_name=\"paged_flex\", position_ids\n"
+        "    paged_out = fms_generate(fms_model, x, max_new_tokens=32, use_cache=True, do_sample=False,\n"
+        "                             extra_kwargs=extra,\n"
+        "                             prepare_model_inputs_hook=cache.prepare_model_inputs_hook)\n"
+        "    x, extra = pad_input_ids(batch)  # FMS's default attention, for reference\n"
+        "    sdpa_out = fms_generate(fms_model, x, max_new_tokens=32, use_cache=True, do_sample=False,\n"
+        "                            extra_kwargs=extra)\n"
+        "assert torch.equal(paged_out, sdpa_out)\n"
+        "print(prompts[0] + tok.decode(paged_out[0, x.shape[1]:].tolist()))"
+    ),
 ]
 
 PAGE_MANAGER = [

@@ -38,7 +38,8 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 class Engine:
-    """Continuous batching over a paged model (`attn_impl="paged"`).
+    """Continuous batching over a paged model (`attn_impl="paged"`, or an IBM FMS model through
+    `fms_paged.integrations.fms.paged_model`, applied here to a model from the `fms` package).
 
     max_num_seqs: requests running at once (rows of the page table).
     max_num_batched_tokens: tokens in one forward (decodes + prefill chunks), >= max_num_seqs.
@@ -64,6 +65,10 @@ class Engine:
         kernel: str = "auto",
         backend: PagedBackend | None = None,
     ):
+        if type(model).__module__.startswith("fms."):  # an IBM FMS model: through our plugin
+            from fms_paged.integrations.fms import paged_model
+
+            model = paged_model(model)
         c = model.config
         if c.attn_impl != "paged":
             raise ValueError(

@@ -344,7 +344,35 @@ class PagedBackend:
         return tokens, positions, MixedStep(dstep, pstep, B), last + B
 
 
-class FlexStep:
+class PoolStep:
+    """A prepared step over a backend's per-layer pools. `store` and `attention` work on pools
+    handed in (FMS's attention op gets each layer's pools as its cache, see
+    `fms_paged.integrations.fms`); `attend` runs both on layer `layer`'s pools (our own model)."""
+
+    b: PagedBackend
+    slots: torch.Tensor  # [B' * S'] pool slot of every new token, in the step's token order
+
+    def prepare(self) -> PoolStep:
+        return self
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B', H, S', D]; k, v: [B', Hkv, S', D]
+        kp, vp = self.b.k_pools[layer], self.b.v_pools[layer]
+        self.store(kp, vp, k, v)
+        return self.attention(q, kp, vp)
+
+    def store(self, kp: torch.Tensor, vp: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """ASSIGN the step's new k/v ([B', Hkv, S', D]) to their slots of pools kp, vp
+        ([1, Hkv, NP, D]), in place (no checks: the step built the slots)."""
+        for pool, x in ((kp, k), (vp, v)):  # x -> [1, Hkv, B' * S', D], the token order of the slots
+            pool.index_copy_(2, self.slots, x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3]))
+
+    def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        """q: [B', H, S', D] over pools kp, vp (already written) -> [B', H, S', D]"""
+        raise NotImplementedError
+
+
+class FlexStep(PoolStep):
     """One step over the pool with flex_attention: slots and BlockMask shared by all layers.
 
     Prefill: built ready by the backend (slots and BlockMask from the host's page lists).
@@ -363,18 +391,8 @@ class FlexStep:
                 backend.score_mod, backend.pm.phys_to_logical, q_pos, backend.P, gqa_group
             )
 
-    def prepare(self) -> FlexStep:
-        return self
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [B', H, S', D]; k, v: [B', Hkv, S', D]
-        _write_kv(self.b, layer, self.slots, k, v)
-        return self.attention(layer, q)
-
-    def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """flex_attention of q ([B', H, S', D]) over the layer's pools (already written)."""
-        kp, vp = self.b.k_pools[layer], self.b.v_pools[layer]  # [1, Hkv, NP, D]
-        # inside a compiled forward flex_attention is traced with the rest of the step
+    def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        # kp, vp: [1, Hkv, NP, D]; inside a compiled forward flex_attention is traced with the step
         if self.b.kernel == "flex" and not torch.compiler.is_compiling():
             attn = compiled_flex(dynamic=False)
         else:  # "flex-eager": reference semantics, materializes scores over the whole pool
@@ -389,7 +407,7 @@ class FlexStep:
         return out.reshape(B, H, 1, D)
 
 
-class MixedStep:
+class MixedStep(PoolStep):
     """Decodes and prefill chunks in one forward: the packed row holds `B` decode tokens (one per
     row of a decode batch, padded) and then the prefill tokens. Linear layers run on all of them
     at once; attention runs each part with its own BlockMask (decode rows list their own pages,
@@ -400,6 +418,7 @@ class MixedStep:
     def __init__(self, decode: FlexDecodeStep | FlexStep, prefill: FlexStep, rows: int,
                  slots: torch.Tensor | None = None):
         self.decode, self.prefill, self.rows = decode, prefill, rows
+        self.b = prefill.b
         self.slots = slots  # [B + Tp] pool slot of every token of the row (set by prepare)
 
     def prepare(self) -> MixedStep:
@@ -408,12 +427,11 @@ class MixedStep:
         decode = self.decode.prepare()
         return MixedStep(decode, self.prefill, self.rows, torch.cat([decode.slots, self.prefill.slots]))
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [1, H, B + Tp, D]; k, v: [1, Hkv, B + Tp, D]
+    def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        # q: [1, H, B + Tp, D]
         B = self.rows
-        _write_kv(self.prefill.b, layer, self.slots, k, v)
-        od = self.decode.attention(layer, q[0, :, :B].transpose(0, 1).unsqueeze(2))  # [B, H, 1, D]
-        op = self.prefill.attention(layer, q[:, :, B:])  # [1, H, Tp, D]
+        od = self.decode.attention(q[0, :, :B].transpose(0, 1).unsqueeze(2), kp, vp)  # [B, H, 1, D]
+        op = self.prefill.attention(q[:, :, B:], kp, vp)  # [1, H, Tp, D]
         return torch.cat([od.squeeze(2).transpose(0, 1).unsqueeze(0), op], dim=2)
 
 
@@ -473,7 +491,7 @@ class GatherStep:
         return PreparedGatherStep(self.b, self.slots, kv_slots, mask)
 
 
-class PreparedGatherStep:
+class PreparedGatherStep(PoolStep):
     """A `GatherStep` ready to attend: the gather indices and mask shared by all layers."""
 
     def __init__(self, backend: PagedBackend, slots: torch.Tensor, kv_slots: torch.Tensor,
@@ -483,21 +501,7 @@ class PreparedGatherStep:
         self.kv_slots = kv_slots  # [B, L] pool slot of each row's logical positions 0..L-1
         self.mask = mask  # [B, 1, S, L]
 
-    def prepare(self) -> PreparedGatherStep:
-        return self
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kp, vp = _write_kv(self.b, layer, self.slots, k, v)
+    def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
         keys = kp[0][:, self.kv_slots].transpose(0, 1)  # [Hkv, B, L, D] -> [B, Hkv, L, D]
         values = vp[0][:, self.kv_slots].transpose(0, 1)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
-
-
-def _write_kv(backend: PagedBackend, layer: int, slots: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ASSIGN a step's new k/v ([B', Hkv, S', D]) to their slots in the layer's pools, in place
-    (no checks: the step built the slots); -> the layer's pools [1, Hkv, NP, D]."""
-    kp, vp = backend.k_pools[layer], backend.v_pools[layer]
-    for pool, x in ((kp, k), (vp, v)):  # x -> [1, Hkv, B' * S', D], the token order of the slots
-        pool.index_copy_(2, slots, x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3]))
-    return kp, vp

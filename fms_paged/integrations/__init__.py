@@ -1,0 +1,1 @@
+"""Optional integrations with other stacks (each imports its dependency lazily)."""

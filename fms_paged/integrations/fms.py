@@ -1,0 +1,326 @@
+"""Our paged KV cache as a registered attention op of IBM Foundation Model Stack (`ibm-fms`).
+
+`register()` adds the op `"paged_flex"` to FMS's attention registry (`fms.modules.attention`); an
+FMS model then runs it per forward call with `attn_name="paged_flex"`:
+- store op: ASSIGN the step's keys and values into the layer's page pools (the layer's
+  `past_key_value_state` is its pair of pools);
+- compute op: FlexAttention (or the GATHER + SDPA fallback) over those pools through the block
+  table, with the step's one BlockMask shared by every layer.
+The step itself (slots, BlockMask: `fms_paged.kv.paged.PoolStep`) travels in the attention kwargs
+as `paged_step`, built once per forward by our `PagedBackend` from its `PageManager`.
+
+Two ways to drive it:
+- `PagedFMSCache` with FMS's own `fms.utils.generation.generate` (a rectangular, left-padded batch);
+- `paged_model(model)`, an adapter with our model's interface, so `fms_paged.Engine` serves an FMS
+  LLaMA with continuous batching (`Engine(fms_model)` wraps it itself).
+
+With tensor parallelism (`distributed_strategy="tp"`), each rank's attention modules hold its
+share of the heads; the pools are sized from those modules, so each rank's pool holds its heads'
+slice of every page, and every rank runs the same page-manager calls, hence the same page table.
+
+ibm-fms is imported lazily: `pip install 'fms_paged[fms]'` (ImportError naming that otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import MutableMapping, Sequence
+
+import torch
+from torch import nn
+
+from fms_paged.kv.paged import PagedBackend, PoolStep
+
+ATTN_NAME = "paged_flex"
+STEP_KWARG = "paged_step"
+CACHE_KWARG = "paged_cache"
+
+
+def _fms_attention():
+    try:
+        import fms.modules.attention as fms_attention
+    except ImportError as e:
+        raise ImportError(
+            "fms_paged.integrations.fms needs IBM Foundation Model Stack: pip install 'fms_paged[fms]' "
+            f"(the ibm-fms package) ({e})"
+        ) from None
+    return fms_attention
+
+
+def register() -> str:
+    """Register the `"paged_flex"` attention op with FMS (idempotent) -> its name."""
+    fms_attention = _fms_attention()
+    try:
+        fms_attention.register_attention_op(
+            ATTN_NAME, _store_op, _compute_op,
+            update_attn_kwargs_op=_update_attn_kwargs_op,
+            validate_attn_kwargs_op=_validate_attn_kwargs_op,
+        )
+    except KeyError:  # registered already: by this module (maybe a reloaded copy of it), or not
+        store = fms_attention.get_attention_type(attn_name=ATTN_NAME)["store"]
+        if getattr(store, "__qualname__", None) != _store_op.__qualname__ or (
+            store.__module__ != _store_op.__module__
+        ):
+            raise KeyError(
+                f"an FMS attention op named {ATTN_NAME!r} is registered already, by "
+                f"{store.__module__}, not by fms_paged"
+            ) from None
+    return ATTN_NAME
+
+
+# ---------------------------------------------------------------------------------- the op
+def _step(kwargs: MutableMapping) -> PoolStep:
+    step = kwargs.get(STEP_KWARG)
+    if not isinstance(step, PoolStep):
+        raise ValueError(
+            f"attn_name={ATTN_NAME!r} needs the attention kwarg {STEP_KWARG!r} (a prepared "
+            f"fms_paged step), got {type(step).__name__}: drive the model through "
+            "fms_paged.integrations.fms.PagedFMSCache (with fms generate) or fms_paged.Engine"
+        )
+    return step
+
+
+@torch.no_grad()  # an inference cache: no autograd through the pools (nor flex on the CPU)
+def _store_op(keys, values, key_cache, value_cache, **kwargs):
+    # keys, values: [b, q, kvh, d]; key_cache, value_cache: this layer's pools [1, kvh, NP, d]
+    step = _step(kwargs)
+    if key_cache is None or value_cache is None:
+        raise ValueError(
+            f"attn_name={ATTN_NAME!r} needs past_key_value_states = the page pools (one (k, v) "
+            "pair per layer), got None"
+        )
+    step.store(key_cache, value_cache, keys.detach().transpose(1, 2), values.detach().transpose(1, 2))
+    # returned as views: FMS's generate marks the returned cache's dim 2 dynamic, which must not
+    # reach the pools themselves (our compiled kernels are specialised on the pool's size); the
+    # hook hands the pools in again each step
+    return key_cache, value_cache, key_cache.view(key_cache.shape), value_cache.view(value_cache.shape)
+
+
+@torch.no_grad()
+def _compute_op(query, key_cache, value_cache, nheads, kvheads, p_dropout, scale_factor, **kwargs):
+    # query: [b, q, h, d] -> [b, q, h, d]
+    step = _step(kwargs)
+    d = query.shape[-1]
+    if p_dropout:
+        raise ValueError(f"attn_name={ATTN_NAME!r} is for inference: p_dropout={p_dropout}, expected 0")
+    if scale_factor is not None and not math.isclose(scale_factor, d**-0.5, rel_tol=1e-6):
+        raise ValueError(
+            f"attn_name={ATTN_NAME!r} uses the default softmax scale 1/sqrt(head_dim)={d**-0.5:.6g}, "
+            f"the model asks for scale_factor={scale_factor}"
+        )
+    # a 4-D buffer of its own: under torch.compile, FMS's RoPE leaves q as a view of a 5-D buffer,
+    # which inductor's CPU flex_attention lowering rejects (it reads q's storage layout as 4-D);
+    # a plain clone is dropped as a no-op, a clone to another memory format is not
+    query = query.detach().clone(memory_format=torch.channels_last).contiguous()
+    return step.attention(query.transpose(1, 2), key_cache, value_cache).transpose(1, 2).contiguous()
+
+
+def _update_attn_kwargs_op(**kwargs):
+    """Between steps of FMS's generate: the decode step of the batch's next token."""
+    cache = kwargs.get(CACHE_KWARG)
+    if isinstance(cache, PagedFMSCache):
+        kwargs[STEP_KWARG] = cache.advance()
+    return kwargs
+
+
+def _validate_attn_kwargs_op(input_ids, position_ids, past_key_value_states=None, **kwargs):
+    _step(kwargs)
+    if position_ids is None:
+        raise ValueError(
+            f"attn_name={ATTN_NAME!r} needs position_ids (token positions cannot be inferred "
+            "from a page pool's shape)"
+        )
+
+
+class _Relayout(PoolStep):
+    """A backend step run on FMS's rectangular left-padded batch [B, S]: the real tokens (in
+    sequence order) move to the backend's layout [B', S'] and back; pad tokens are neither stored
+    nor attended, and their outputs are 0. src / dst: [T] flat indices of the real tokens in each."""
+
+    def __init__(self, step: PoolStep, src: torch.Tensor, dst: torch.Tensor, shape: tuple[int, int]):
+        self.step, self.src, self.dst, self.shape = step, src, dst, shape
+        self.b, self.slots = step.b, step.slots
+
+    def _to_backend(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, H, S, D] -> [B', H, S', D]
+        B, H, S, D = x.shape
+        flat = x.transpose(1, 2).reshape(B * S, H, D).index_select(0, self.src)
+        out = flat.new_zeros(self.shape[0] * self.shape[1], H, D).index_copy_(0, self.dst, flat)
+        return out.view(*self.shape, H, D).transpose(1, 2)
+
+    def store(self, kp, vp, k, v) -> None:
+        self.step.store(kp, vp, self._to_backend(k), self._to_backend(v))
+
+    def attention(self, q, kp, vp) -> torch.Tensor:
+        B, H, S, D = q.shape
+        out = self.step.attention(self._to_backend(q), kp, vp)  # [B', H, S', D]
+        flat = out.transpose(1, 2).reshape(-1, H, D).index_select(0, self.dst)
+        back = flat.new_zeros(B * S, H, D).index_copy_(0, self.src, flat)
+        return back.view(B, S, H, D).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------- the model
+@dataclasses.dataclass(frozen=True)
+class FMSPagedConfig:
+    """What our backend and engine read of a model's config, taken from an FMS model (heads per
+    rank under tensor parallelism)."""
+
+    nlayers: int
+    nheads: int
+    kvheads: int
+    head_dim: int
+    src_vocab_size: int
+    max_expected_seq_len: int
+    page_size: int = 16
+    eos_token_id: int | None = None
+    attn_impl: str = "paged"
+
+
+class PagedFMSModel(nn.Module):
+    """An FMS LLaMA behind our model's interface (`forward(tokens, positions, step, logits_at)`),
+    with its attention run by the `"paged_flex"` op, so that `PagedBackend` and `Engine` drive it.
+    The FMS model itself is unchanged (and still serves other attention ops)."""
+
+    def __init__(self, model: nn.Module, page_size: int = 16, eos_token_id: int | None = None):
+        super().__init__()
+        register()
+        mha = _fms_attention().MultiHeadAttention
+        attns = [m for m in model.modules() if isinstance(m, mha)]
+        if not attns or not hasattr(model, "base_model") or not hasattr(model, "head"):
+            raise TypeError(
+                f"expected an FMS decoder model (base_model + head, with fms MultiHeadAttention "
+                f"layers), got {type(model).__module__}.{type(model).__name__}"
+            )
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size={page_size!r}; expected an int >= 1")
+        a, c = attns[0], model.config
+        self.fms_model = model
+        self.config = FMSPagedConfig(
+            nlayers=len(attns), nheads=a.nheads, kvheads=a.kvheads, head_dim=a.emb_kq_per_head,
+            src_vocab_size=c.src_vocab_size, max_expected_seq_len=c.max_expected_seq_len,
+            page_size=page_size, eos_token_id=eos_token_id,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.fms_model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.fms_model.parameters()).dtype
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                step: PoolStep | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        # tokens, positions: [B, S] -> logits [B, S, V], or [K, V] at `logits_at` (flat indices)
+        m = self.fms_model
+        if step is None:  # no cache: FMS's own causal attention (a profiling forward, perplexity)
+            x, _ = m.base_model(tokens, positions, None, False)
+        else:
+            step = step.prepare()
+            pools = list(zip(step.b.k_pools, step.b.v_pools))
+            x, _ = m.base_model(tokens, positions, pools, True, attn_name=ATTN_NAME,
+                                **{STEP_KWARG: step})
+        if logits_at is not None:
+            x = x.flatten(0, 1).index_select(0, logits_at)  # [K, D]
+        return m.head(x)
+
+
+def paged_model(model: nn.Module, page_size: int = 16, eos_token_id: int | None = None) -> PagedFMSModel:
+    """An FMS model -> the adapter our `Engine` and backends drive (the model is shared, not
+    copied)."""
+    return model if isinstance(model, PagedFMSModel) else PagedFMSModel(model, page_size, eos_token_id)
+
+
+# ---------------------------------------------------------------------------------- FMS generate
+class PagedFMSCache:
+    """Our page pool and page manager, driven by FMS's own `generate`:
+
+        cache = PagedFMSCache(model, max_batch=4, max_seq_len=256)
+        input_ids, extra = cache.pad_input_ids([torch.tensor(p) for p in prompts])
+        out = fms.utils.generation.generate(
+            model, input_ids, max_new_tokens=32, use_cache=True, do_sample=False,
+            extra_kwargs=extra, prepare_model_inputs_hook=cache.prepare_model_inputs_hook)
+
+    Why a hook: FMS's generate starts every call with `past_key_value_states=None`, and its store
+    op gets a layer's cache but not the layer's index, so the hook installs the pools (one (k, v)
+    pair per layer) before every forward, and the prefill step at iteration 0. Between steps FMS
+    calls the op's `update_attn_kwargs`, which RESERVEs each row's next slot and builds the decode
+    step (one BlockMask for all layers). The batch stays FMS's rectangular left-padded one: pad tokens are
+    not stored (each sequence's pages hold only its own tokens, at positions 0..n-1) and attend
+    to nothing. Every row decodes until generate stops (FMS has no per-row finishing); for
+    per-request lengths, arrivals and preemption, serve the model with `fms_paged.Engine`.
+    """
+
+    def __init__(self, model: nn.Module, max_batch: int, max_seq_len: int, *, page_size: int = 16,
+                 num_pages: int | None = None, kernel: str = "auto"):
+        self.model = paged_model(model, page_size)
+        self.backend = PagedBackend(self.model, max_batch, max_seq_len, num_pages=num_pages,
+                                    kernel=kernel)
+        self.lengths: list[int] = []  # tokens cached per row of the current batch
+        self._pending: list[torch.Tensor] | None = None  # prompts of a batch not yet prefilled
+
+    @property
+    def pools(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """past_key_value_states for FMS: each layer's (k pool, v pool), [1, Hkv, NP * P, D]."""
+        return list(zip(self.backend.k_pools, self.backend.v_pools))
+
+    def pad_input_ids(self, prompts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """Start a batch: FMS's left-padded input_ids [B, S] and the extra kwargs for generate
+        (attn_name, position_ids, this cache). The previous batch's pages are freed."""
+        from fms.utils.generation import pad_input_ids
+
+        if not prompts or len(prompts) > self.backend.max_batch:
+            raise ValueError(f"got {len(prompts)} prompts; expected 1..{self.backend.max_batch} "
+                             "(the cache's max_batch)")
+        prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+        for i, p in enumerate(prompts):
+            if p.numel() == 0:
+                raise ValueError(f"prompt {i} is empty: each prompt needs >= 1 token")
+        self.backend.reset()
+        self.lengths, self._pending = [], prompts
+        input_ids, extra = pad_input_ids(prompts)
+        extra.pop("mask")  # ours is the BlockMask, built from the page table
+        extra.update(attn_name=register(), **{CACHE_KWARG: self})
+        return input_ids.to(self.model.device), extra
+
+    def prepare_model_inputs_hook(self, i: int, input_ids: torch.Tensor,
+                                  kwargs: MutableMapping) -> tuple[torch.Tensor, MutableMapping]:
+        """FMS generate's hook: the pools as the cache, and at iteration 0 the prefill step."""
+        kwargs["past_key_value_states"] = self.pools
+        if i == 0:
+            kwargs[STEP_KWARG] = self.prefill(input_ids.shape[1])
+        return input_ids, kwargs
+
+    def prefill(self, width: int) -> PoolStep:
+        """RESERVE the pending prompts' pages -> the step for their left-padded batch [B, width]."""
+        if self._pending is None:
+            raise ValueError("no batch to prefill: call pad_input_ids first")
+        prompts, self._pending = self._pending, None
+        B, counts = len(prompts), [len(p) for p in prompts]
+        if width < max(counts):
+            raise ValueError(f"input width {width} < the longest prompt ({max(counts)} tokens)")
+        _, _, step, last = self.backend.prefill(list(range(B)), [p.tolist() for p in prompts])
+        step = step.prepare()
+        dev = self.model.device
+        src = torch.cat([torch.arange(width - n, width) + b * width for b, n in enumerate(counts)])
+        dst = torch.cat([torch.arange(int(e) - n + 1, int(e) + 1) for e, n in zip(last.tolist(), counts)])
+        self.lengths = counts
+        return _Relayout(step, src.to(dev), dst.to(dev), tuple(self._backend_shape(step, counts)))
+
+    def _backend_shape(self, step: PoolStep, counts: list[int]) -> tuple[int, int]:
+        """[B', S'] of the backend's prefill layout: flex packs every token in one row (padded to
+        its bucket: the step's slots), GATHER keeps a right-padded row per sequence."""
+        if self.backend.kernel == "gather":
+            return len(counts), max(counts)
+        return 1, step.slots.numel()
+
+    def advance(self) -> PoolStep:
+        """RESERVE each row's next token -> the decode step for FMS's [B, 1] input."""
+        B = len(self.lengths)
+        if not B:
+            raise ValueError("no batch to decode: prefill one first")
+        _, _, step = self.backend.decode(list(range(B)), torch.zeros(B, dtype=torch.long),
+                                         self.lengths, [True] * B)
+        self.lengths = [n + 1 for n in self.lengths]
+        return step.prepare()
