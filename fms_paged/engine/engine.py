@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from fms_paged.engine.model_step import decode_fn
+from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
 from fms_paged.engine.sampling import sample_each
 from fms_paged.engine.scheduler import Scheduler, SchedulerOutput
@@ -50,6 +51,9 @@ class Engine:
     max_model_len: longest prompt + output (default: the model's `max_expected_seq_len`).
     kernel: the paged attention kernel (`fms_paged.kv.paged.KERNELS`).
     backend: an existing `PagedBackend` to run on (its pool and rows) instead of a new one.
+    enable_prefix_caching: share the KV of full pages whose tokens (and `cache_salt`) a request
+        starts with, computed once and kept after their requests finish until the pool needs the
+        pages (`fms_paged.engine.prefix_cache`); outputs do not change.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class Engine:
         max_model_len: int | None = None,
         kernel: str = "auto",
         backend: PagedBackend | None = None,
+        enable_prefix_caching: bool = True,
     ):
         if type(model).__module__.startswith("fms."):  # an IBM FMS model: through our plugin
             from fms_paged.integrations.fms import paged_model
@@ -119,7 +124,11 @@ class Engine:
         self.max_model_len = min(max_model_len, self.pm.max_seq_len)
         self.capacity = (self.pm.num_pages - 1) * self.pm.page_size  # tokens the pool can ever hold
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, backend.release)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}; expected a bool")
+        self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching else None
+        self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, backend.release,
+                                   cache=self.prefix_cache)
         self.compiled = backend.kernel == "flex" if compile == "auto" else bool(compile)
         self._decode = decode_fn(backend, self.compiled)
         self.buckets = decode_buckets(max_num_seqs)
@@ -128,17 +137,22 @@ class Engine:
         # submission: any thread appends (deque.append is atomic); the loop drains in step()
         self._submitted: collections.deque[Request] = collections.deque()
         self._aborted: collections.deque[int] = collections.deque()
-        self._live: dict[int, Request] = {}  # submitted and not finished, by id
+        self._live: dict[int, list[Request]] = {}  # completions submitted and not finished, by id
         self._ids = itertools.count()  # next() is atomic in CPython
         self._finished_stats: dict[int, dict] = {}
         self._steps = 0
         self._tokens_out = 0
+        self._prompt_computed = 0  # prompt tokens run through the model (not served by the cache)
 
     # ------------------------------------------------------------------ submission (any thread)
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+                    cache_salt: str | None = None) -> int:
         """Queue a request; returns its id. Raises TypeError / ValueError naming a bad value (an
         empty or out-of-vocabulary prompt, a request longer than the model or the pool can hold);
-        nothing is queued then. Safe to call from any thread while another steps the engine."""
+        nothing is queued then. Safe to call from any thread while another steps the engine.
+        `cache_salt`: only requests with the same salt share prefix-cache pages (e.g. per tenant)."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -152,19 +166,30 @@ class Engine:
                 f"request too long: prompt of {len(prompt)} tokens + max_new_tokens="
                 f"{params.max_new_tokens} = {total} tokens > {limit}, {which}"
             )
+        rid = next(self._ids)
+        completions = [self._request(rid, i, params.n, prompt,
+                                     params.completion(i) if params.n > 1 else params, cache_salt)
+                       for i in range(params.n)]
+        req = completions[0]
+        req.forks = completions[1:]  # FORKed from req once its prompt is prefilled
+        self._live[rid] = completions
+        self._submitted.append(req)
+        return rid
+
+    def _request(self, rid: int, index: int, n: int, prompt: list[int], params: SamplingParams,
+                 cache_salt: str | None) -> Request:
         generator = None
         if not params.greedy and params.seed is not None:
             generator = torch.Generator(device=self.model.device)
             generator.manual_seed(params.seed)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
-        req = Request(next(self._ids), prompt, params, stop, generator=generator)
-        self._live[req.request_id] = req
-        self._submitted.append(req)
-        return req.request_id
+        return Request(rid, prompt, params, stop, generator=generator, cache_salt=cache_salt,
+                       index=index, n=n)
 
     def abort(self, request_id: int) -> None:
-        """Stop a request; its pages are freed at the next step, which reports it finished with
-        reason "abort". ValueError for an id that is not live (unknown, or already finished)."""
+        """Stop a request (every completion of it); its pages are freed at the next step, which
+        reports it finished with reason "abort". ValueError for an id that is not live (unknown,
+        or already finished)."""
         if request_id not in self._live:
             raise ValueError(
                 f"abort: request id {request_id!r} is not live (never submitted here, or finished)"
@@ -197,10 +222,10 @@ class Engine:
                 self.scheduler.add(req)
         outputs = []
         while self._aborted:
-            req = self._live.get(self._aborted.popleft())
-            if req is not None and req.status is not Status.FINISHED:
-                self._finish(req, "abort")
-                outputs.append(RequestOutput(req.request_id, [], True, "abort"))
+            for req in list(self._live.get(self._aborted.popleft(), ())):
+                if req.status is not Status.FINISHED:
+                    self._finish(req, "abort")
+                    outputs.append(RequestOutput(req.request_id, [], True, "abort", req.index))
         return outputs
 
     @torch.inference_mode()
@@ -219,11 +244,24 @@ class Engine:
             logits = self._forward_decode(dec)  # [n, V]
         # logits rows: the decode rows, then the chunks that reach their request's last token
         sampled = dec + [r for r, n in pre if r.num_computed + n == r.num_tokens]
+        P, cache = self.pm.page_size, self.prefix_cache
+        for r, n in plan.scheduled:
+            self._prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
+            r.num_computed += n
+            if cache is not None and r.num_computed // P > len(r.cache_chain):  # a page filled up
+                cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed,
+                             r.cache_chain, r.cache_salt)
+        rows = list(range(len(sampled)))
+        for i, r in enumerate(list(sampled)):
+            if r.forks:  # its prompt is prefilled: the other completions share it from here
+                forked = self._fork(r)
+                sampled += forked
+                rows += [i] * len(forked)  # ... and sample their first token from its logits
+        if len(rows) > logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
         settings = [(r.params.temperature, r.params.top_k, r.params.top_p, r.generator) for r in sampled]
         tokens = sample_each(logits.float(), settings).tolist()  # the step's one host sync
         now = time.perf_counter()
-        for r, n in plan.scheduled:
-            r.num_computed += n
         outputs = []
         for r, tok in zip(sampled, tokens):
             r.output.append(tok)
@@ -236,8 +274,23 @@ class Engine:
                 reason = "length"
             if reason is not None:
                 self._finish(r, reason)
-            outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason))
+            outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason, r.index))
         return outputs
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Completions 1.. of `parent` (its prompt just prefilled) FORK its pages, while rows
+        are free -> those, running and computed as far as the parent; the others wait in the
+        queue, to be prefilled on their own (from the prefix cache where it is on)."""
+        forks, parent.forks = parent.forks, []
+        running = []
+        for child in forks:
+            if child.status is Status.FINISHED:  # aborted meanwhile
+                continue
+            if not self.scheduler.admit_fork(parent, child):
+                self.scheduler.waiting.appendleft(child)
+                continue
+            running.append(child)
+        return running
 
     def _decode_rows(self, reqs: list[Request]) -> tuple[list, torch.Tensor, list, list]:
         """A decode batch padded to its bucket: seq ids, last tokens [B] (device), lengths, active."""
@@ -267,17 +320,29 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req)
-        self._live.pop(req.request_id, None)
+        live = self._live.get(req.request_id, [])
+        if req in live:
+            live.remove(req)
+        if not live:
+            self._live.pop(req.request_id, None)
         stats = req.latencies()
         stats.update(prompt_tokens=len(req.prompt), output_tokens=len(req.output),
                      preemptions=req.num_preemptions, finish_reason=reason)
-        self._finished_stats[req.request_id] = stats
+        # keyed by request id; the completions of an n > 1 request by (request id, index)
+        key = req.request_id if req.n == 1 else (req.request_id, req.index)
+        self._finished_stats[key] = stats
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page: those no request holds return to the pool at once."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
-        """Engine state and per-request latencies (seconds) of the finished requests."""
+        """Engine state and per-request latencies (seconds) of the finished requests. Free pages
+        include cached pages no request holds (reusable at once, evicted on demand)."""
         total = self.pm.num_pages - 1
-        free = self.pm.num_free_pages
+        free = self.scheduler.available_pages()
         done = list(self._finished_stats.values())
 
         def mean(key: str) -> float | None:
@@ -294,9 +359,11 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self._steps,
             "output_tokens": self._tokens_out,
+            "prompt_tokens_computed": self._prompt_computed,
             "finished_requests": len(done),
             "mean_ttft_s": mean("ttft"),
             "mean_tpot_s": mean("tpot"),
             "mean_e2e_s": mean("e2e"),
+            **(self.prefix_cache.metrics() if self.prefix_cache else {}),
             "requests": dict(self._finished_stats),
         }

@@ -3,6 +3,7 @@ streams back (`RequestOutput`). Plain data: no tensors but each sampled request'
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -37,7 +38,8 @@ class SamplingParams:
     """How one request decodes. `temperature == 0` is greedy; `seed` makes sampling reproducible
     whatever else is in the batch (the request draws from a generator of its own). A request stops
     at `max_new_tokens`, at a token in `stop_token_ids`, or at the model's EOS unless
-    `ignore_eos`."""
+    `ignore_eos`. `n > 1` gives n completions of the prompt, which share its pages (FORK after one
+    prefill); completion i samples as the n = 1 request with seed `seed + i` (`completion(i)`)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -46,6 +48,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
@@ -72,6 +75,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(stops))
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "an int >= 1")
+
+    def completion(self, i: int) -> SamplingParams:
+        """The settings of completion `i` of an `n > 1` request: n = 1 and, for a seeded request,
+        seed + i, so completion i equals the n = 1 request with that seed."""
+        seed = None if self.seed is None else self.seed + i
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +103,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" (EOS / stop token), "length", "abort"
+    index: int = 0  # which completion of an n > 1 request
 
 
 @dataclass(eq=False)
@@ -110,6 +122,11 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)
+    cache_salt: str | None = None  # the prefix cache's extra key: only equal salts share pages
+    cache_chain: list[tuple[int, int]] = field(default_factory=list)  # its pages in the prefix cache
+    index: int = 0  # completion index (n > 1: completions 1.. wait in `forks` for the prefill)
+    n: int = 1  # completions of the request it belongs to
+    forks: list[Request] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled
 
     @property

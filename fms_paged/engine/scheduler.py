@@ -21,6 +21,7 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, Status
 from fms_paged.kv.page_manager import PageManager
 
@@ -33,8 +34,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pm: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 release: Callable[[list[int]], None], watermark: float = 0.01):
+                 release: Callable[[list[int]], None], watermark: float = 0.01,
+                 cache: PrefixCache | None = None):
         self.pm = pm
+        self.cache = cache  # prefix caching: admissions share cached pages; evictable pages count as free
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.release = release  # frees the pages of page-table rows (the backend's ERASE)
@@ -61,7 +64,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.pm.pages_needed(req.seq_id, req.num_computed + n)
-            while need > self.pm.num_free_pages - planned_pages:
+            while need > self.available_pages() - planned_pages:
                 victim = self.running.pop()  # the newest running request
                 if victim in planned:  # scheduled already this step: give its share back
                     n_v, need_v = planned.pop(victim)
@@ -73,22 +76,56 @@ class Scheduler:
                 planned[req] = (n, need)
                 budget, planned_pages = budget - n, planned_pages + need
         out.scheduled = [(r, n) for r, (n, _) in planned.items()]
-        if out.preempted:
-            return out
+        if not out.preempted:
+            planned_pages = self._admit(out, budget, planned_pages)
+        short = planned_pages - self.pm.num_free_pages
+        if short > 0:  # the backend's RESERVE takes free pages: evict cached ones to make them
+            self.cache.evict(short)
+        return out
+
+    def available_pages(self) -> int:
+        """Pages a RESERVE can get: free ones, and cached ones no sequence holds (evicted first)."""
+        return self.pm.num_free_pages + (self.cache.num_evictable if self.cache else 0)
+
+    def _admit(self, out: SchedulerOutput, budget: int, planned_pages: int) -> int:
+        """Waiting requests, first come first served, while a row, the budget and the pages allow
+        (a prefix cache hit is shared, not computed) -> pages planned now."""
+        P, cache = self.pm.page_size, self.cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget)
-            need = -(-n // self.pm.page_size)
+            chain = cache.match(req.token_slice(0, req.num_tokens), req.cache_salt) if cache else []
+            cached = len(chain) * P
+            n = min(req.num_tokens - cached, budget)
+            need = -(-(cached + n) // P) - len(chain)
+            # hit pages that were evictable are not available to others once shared
+            hit_evictable = sum(p in cache.evictable for _, p in chain) if chain else 0
             headroom = self.watermark_pages if self.running else 0  # alone, it may use every page
-            if need > self.pm.num_free_pages - planned_pages - headroom:
+            if need > self.available_pages() - hit_evictable - planned_pages - headroom:
                 break
             self.waiting.popleft()
             req.seq_id, req.status = self.free_rows.pop(), Status.RUNNING
+            if cache:
+                cache.record(req.num_tokens, cached)
+                cache.acquire(req.seq_id, chain)
+                req.cache_chain, req.num_computed = list(chain), cached
             self.running.append(req)
             out.scheduled.append((req, n))
             planned_pages += need
             budget -= n
-        return out
+        return planned_pages
+
+    def admit_fork(self, parent: Request, child: Request) -> bool:
+        """Run `child` (a completion of running `parent`, whose prompt is computed) on a free
+        row sharing all of parent's pages (FORK; copy-on-write of the partial last page at the
+        child's next RESERVE) -> False if no row is free."""
+        if not self.free_rows or len(self.running) >= self.max_num_seqs:
+            return False
+        child.seq_id, child.status = self.free_rows.pop(), Status.RUNNING
+        self.pm.fork(parent.seq_id, child.seq_id)
+        child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)
+        child.arrival = parent.arrival
+        self.running.append(child)
+        return True
 
     def _preempt(self, req: Request) -> Request:
         self._free(req)
@@ -109,6 +146,9 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         if req.seq_id is not None:
+            pages = self.pm.pages_of(req.seq_id) if self.cache else []
             self.release([req.seq_id])
+            if self.cache:
+                self.cache.release(pages)  # listed pages nobody holds now: evictable
             self.free_rows.append(req.seq_id)
-            req.seq_id = None
+            req.seq_id, req.cache_chain = None, []

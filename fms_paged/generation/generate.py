@@ -115,6 +115,7 @@ def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, co
         if on_token is not None:
             for t in o.new_token_ids:
                 on_token(i, t)
+    engine.reset_prefix_cache()  # a given cache's pages all go back to its pool
     return out
 
 

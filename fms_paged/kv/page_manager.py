@@ -111,6 +111,7 @@ class PageManager:
         self._live = np.zeros(max_seqs, dtype=bool)
         self._table = np.zeros((max_seqs, C), dtype=np.int32)
         self._refcount = np.zeros(num_pages, dtype=np.int32)
+        self._held = np.zeros(num_pages, dtype=bool)  # a reference held by no sequence (`hold`)
         self._p2l = np.full(num_pages, -1, dtype=np.int32)
         # a stack: pop() takes the page freed last (see the class docstring); page 1 on top first
         self._free: collections.deque[int] = collections.deque(range(num_pages - 1, 0, -1))
@@ -412,6 +413,67 @@ class PageManager:
         ops.scatter_int32(self._page_table_d, packed[:n], packed[n : 2 * n])
         ops.scatter_int32(self._seq_lens_d, packed[2 * n : 2 * n + 1], packed[2 * n + 1 :])
 
+    def share(self, seq_id: int, pages: Sequence[int]) -> None:
+        """Seq `seq_id` (not live) starts with the full pages `pages` as its logical pages
+        0..k-1 (length k * P), each refcount +1 (a prefix cache hit). Each page must be owned and
+        hold logical page j of its sequences (`phys_to_logical[pages[j]] == j`): a prefix page
+        sits at the same logical index in every sequence that shares it. No KV data moves."""
+        s = int(self._check_ids([seq_id], "seq_id")[0])
+        if self._live[s]:
+            raise ValueError(f"share: seq id {s} is already live (erase it first)")
+        pages = ops.as_int_array(pages, "pages")
+        n = pages.size
+        if n > self.max_pages_per_seq:
+            raise ValueError(f"share: {n} pages > max_pages_per_seq={self.max_pages_per_seq}")
+        if n and ((pages < 1) | (pages >= self.num_pages)).any():
+            raise ValueError(f"share: pages {pages.tolist()} must be in [1, {self.num_pages})")
+        if n and ((self._refcount[pages] < 1) | (self._p2l[pages] != np.arange(n))).any():
+            raise ValueError(
+                f"share: pages {pages.tolist()} must be owned pages holding logical pages 0..{n - 1} "
+                f"(phys_to_logical {self._p2l[pages].tolist()})"
+            )
+        if np.unique(pages).size != n:
+            raise ValueError(f"share: duplicate page in {pages.tolist()}")
+        self._refcount[pages] += 1
+        self._table[s, :n] = pages
+        self._lens[s] = n * self.page_size
+        self._live[s] = True
+        flat = s * self.max_pages_per_seq + np.arange(n, dtype=np.int64)
+        packed = ops.to_device(np.concatenate([flat, pages, [s, n * self.page_size]]), self.device)
+        ops.scatter_int32(self._page_table_d, packed[:n], packed[n : 2 * n])
+        ops.scatter_int32(self._seq_lens_d, packed[2 * n : 2 * n + 1], packed[2 * n + 1 :])
+
+    def hold(self, pages: Sequence[int]) -> None:
+        """Take one reference to each owned page that belongs to no sequence (a prefix cache's):
+        the page outlives its sequences until `unhold`. ValueError for a page not owned, or held
+        already."""
+        pages = ops.as_int_array(pages, "pages")
+        if pages.size and (((pages < 1) | (pages >= self.num_pages)).any()
+                           or (self._refcount[pages] < 1).any() or self._held[pages].any()
+                           or np.unique(pages).size != pages.size):
+            raise ValueError(f"hold: pages {pages.tolist()} must be distinct owned pages not held yet")
+        self._refcount[pages] += 1
+        self._held[pages] = True
+
+    def unhold(self, pages: Sequence[int]) -> None:
+        """Drop `hold`'s reference; a page no sequence holds either returns to the free pool."""
+        pages = ops.as_int_array(pages, "pages")
+        if pages.size and (((pages < 1) | (pages >= self.num_pages)).any() or not self._held[pages].all()
+                           or np.unique(pages).size != pages.size):
+            raise ValueError(f"unhold: pages {pages.tolist()} must be distinct held pages")
+        self._held[pages] = False
+        self._refcount[pages] -= 1
+        freed = pages[self._refcount[pages] == 0]
+        if freed.size:  # state first, THEN the free pool (concurrency contract)
+            self._p2l[freed] = -1
+            ops.fill_int32(self._p2l_d, ops.to_device(freed.astype(np.int64), self.device), -1)
+            self._free.extend(freed.tolist())
+
+    @property
+    def held_pages(self) -> list[int]:
+        """Pages referenced by `hold` (a prefix cache), whether or not a sequence shares them."""
+        return np.flatnonzero(self._held).tolist()
+
     def apply_copies(self, copies: Sequence[tuple[int, int]], *pools: torch.Tensor) -> None:
         """Run copy-on-write copies (src_page, dst_page), as returned by `reserve`, in every pool.
 
@@ -428,6 +490,7 @@ class PageManager:
         self._live[:] = False
         self._table[:] = NULL_PAGE
         self._refcount[:] = 0
+        self._held[:] = False
         self._p2l[:] = -1
         self._free.clear()  # same deque object: references to the pool stay valid
         self._free.extend(range(self.num_pages - 1, 0, -1))

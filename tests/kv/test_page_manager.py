@@ -32,6 +32,7 @@ def snapshot(pm: PageManager, *pools: torch.Tensor) -> dict:
     return {
         "free": pm.free_pages,
         "refcounts": pm.refcounts.tolist(),
+        "held": pm.held_pages,
         "live": pm.live_seqs,
         "lens": [pm.length(s) for s in range(pm.max_seqs)],
         "pages": [pm.pages_of(s) for s in range(pm.max_seqs)],
@@ -381,6 +382,13 @@ BAD_CALLS = {
         TypeError,
         "v device meta",
     ),
+    "share live": (lambda pm, kp, vp: pm.share(0, pm.pages_of(1)), ValueError, "seq id 0 is already live"),
+    "share wrong position": (
+        lambda pm, kp, vp: pm.share(2, pm.pages_of(0)[1:]), ValueError, "holding logical pages 0..0"),
+    "share free page": (lambda pm, kp, vp: pm.share(2, pm.free_pages[:1]), ValueError, "must be owned"),
+    "hold free page": (lambda pm, kp, vp: pm.hold(pm.free_pages[:1]), ValueError, "distinct owned pages"),
+    "hold twice": (lambda pm, kp, vp: pm.hold(pm.pages_of(1) * 2), ValueError, "distinct owned pages"),
+    "unhold not held": (lambda pm, kp, vp: pm.unhold(pm.pages_of(0)), ValueError, "distinct held pages"),
     "gather unknown": (lambda pm, kp, vp: pm.gather([0, 3], kp, vp), ValueError, "seq id 3"),
     "gather layer": (lambda pm, kp, vp: pm.gather([0], kp, vp, layer=1), ValueError, "layer 1"),
 }
@@ -526,3 +534,28 @@ def test_reserve_next_rejects_bad_rows_and_changes_nothing():
     pm.reserve([2], [40])
     with pytest.raises(ValueError, match="length 41 for seq 2 out of range"):
         pm.reserve_next([2], [40])  # past max_seq_len: the full reserve's error
+
+
+def test_share_and_hold_keep_pages_past_their_sequence():
+    """A prefix cache's life cycle: HOLD a sequence's full pages, ERASE it (held pages stay, the
+    rest return), SHARE them into a new sequence at the same logical positions, UNHOLD them (still
+    referenced: not freed), ERASE the sharer (now freed)."""
+    P = 4
+    pm = PageManager(10, P, 3, max_seq_len=16)
+    pm.reserve([0], [10])  # pages for positions 0..9: two full, one partial
+    full = pm.pages_of(0)[:2]
+    partial = pm.pages_of(0)[2]
+    pm.hold(full)
+    pm.erase([0])
+    assert partial in pm.free_pages and not set(full) & set(pm.free_pages)
+    assert pm.refcounts[full].tolist() == [1, 1] and pm.held_pages == sorted(full)
+    assert pm.phys_to_logical[full].tolist() == [0, 1]  # still where a prefix hit expects them
+    pm.share(1, full)
+    assert pm.length(1) == 2 * P and pm.pages_of(1) == full and pm.seq_lens[1] == 2 * P
+    assert pm.page_table[1, :2].tolist() == full and pm.refcounts[full].tolist() == [2, 2]
+    assert pm.reserve([1], [2 * P + 1]) == []  # grows into a new page: nothing to copy
+    pm.unhold(full)
+    assert pm.held_pages == [] and not set(full) & set(pm.free_pages)
+    pm.erase([1])
+    assert set(full) <= set(pm.free_pages) and len(pm.free_pages) == pm.num_pages - 1
+    assert pm.phys_to_logical.tolist() == [-1] * pm.num_pages and pm.refcounts.sum() == 0
