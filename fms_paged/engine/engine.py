@@ -146,11 +146,13 @@ class Engine:
 
     # ------------------------------------------------------------------ submission (any thread)
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None) -> int:
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> int:
         """Queue a request; returns its id. Raises TypeError / ValueError naming a bad value (an
         empty or out-of-vocabulary prompt, a request longer than the model or the pool can hold);
         nothing is queued then. Safe to call from any thread while another steps the engine.
-        `cache_salt`: only requests with the same salt share prefix-cache pages (e.g. per tenant)."""
+        `cache_salt`: only requests with the same salt share prefix-cache pages (e.g. per tenant).
+        `arrival_time`: when the request arrived (`time.perf_counter()` clock; default now), the
+        start of its TTFT and end-to-end latency."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         params = SamplingParams() if params is None else params
@@ -172,6 +174,9 @@ class Engine:
                        for i in range(params.n)]
         req = completions[0]
         req.forks = completions[1:]  # FORKed from req once its prompt is prefilled
+        if arrival_time is not None:
+            for r in completions:
+                r.arrival = float(arrival_time)
         self._live[rid] = completions
         self._submitted.append(req)
         return rid

@@ -141,6 +141,8 @@ def test_engine_serves_fms_model(hf_dir, compile):
     for o in engine.stream():
         got[o.request_id] += o.new_token_ids
     assert [got[i] for i in ids] == ref
+    assert engine.metrics()["kv_pages_used"] == 0  # no request holds a page (some stay cached)
+    engine.reset_prefix_cache()
     assert engine.pm.num_free_pages == engine.pm.num_pages - 1  # every page returned
 
 

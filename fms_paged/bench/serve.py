@@ -1,0 +1,489 @@
+"""`make bench-serve`: the engine under serving traffic, measured the way vLLM's `bench serve`
+measures a server: requests arrive all at once (offline) or by a Poisson process (online, a rate
+sweep), and each request's TTFT / TPOT / ITL / E2EL, the throughput and the KV pages in use over
+time are recorded. Workloads:
+
+- `mix`: prompts of 500..8000 tokens and 16..256 new tokens (the paper's spread, times `scale`),
+  offline and at each request rate of the sweep;
+- `shared_prefix`: every request starts with the same system prompt (~1k tokens, times `scale`),
+  prefix cache on vs off: TTFT, tokens/s and the KV pages that hold the shared part;
+- `multi_turn`: conversations whose every turn resends the history: prompt tokens computed, cache
+  on vs off, against the tokens that are new;
+- `parallel`: one request with `n` completions (FORK) vs `n` separate requests.
+
+Greedy tokens are compared between the runs of a workload (cache on vs off, n vs separate).
+Results: JSON, a markdown table and PNG plots in `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fms_paged.bench.peers import hf_checkpoint_dir
+from fms_paged.engine import Engine, SamplingParams
+
+PERCENTILES = (50, 99)
+
+
+@dataclass
+class Spec:
+    """One request to send: its prompt, when (seconds after the start), and for a conversation
+    the user tokens of its next turns (each sent when the previous turn finishes)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: float = 0.0
+    n: int = 1
+    next_turns: list[list[int]] = field(default_factory=list)
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(max(1, n))]
+
+
+def workload(name: str, scale: float, vocab: int, seed: int = 0, num: int | None = None) -> list[Spec]:
+    rng = random.Random(seed)
+
+    def s(x: int) -> int:
+        return max(1, round(x * scale))
+
+    if name == "mix":  # the paper's 500..8000-token prompts, log-uniform
+        return [Spec(_tokens(rng, s(round(math.exp(rng.uniform(math.log(500), math.log(8000))))), vocab),
+                     rng.randint(s(16), s(256))) for _ in range(num or 64)]
+    if name == "shared_prefix":
+        system = _tokens(rng, s(1024), vocab)
+        return [Spec(system + _tokens(rng, rng.randint(s(16), s(64)), vocab), s(64))
+                for _ in range(num or 64)]
+    if name == "multi_turn":  # 8 conversations of 6 turns
+        return [Spec(_tokens(rng, rng.randint(s(128), s(512)), vocab), s(64),
+                     next_turns=[_tokens(rng, rng.randint(s(32), s(128)), vocab) for _ in range(5)])
+                for _ in range(num or 8)]
+    raise ValueError(f"workload {name!r}; expected mix, shared_prefix or multi_turn")
+
+
+def _pct(xs: list[float]) -> dict[str, float | None]:
+    if not xs:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    return {"mean": statistics.fmean(xs), **{f"p{p}": float(np.percentile(xs, p)) for p in PERCENTILES}}
+
+
+def serve(model: torch.nn.Module, specs: list[Spec], engine_kw: dict[str, Any],
+          rate: float | None = None, seed: int = 0, prefix_pages: int = 0,
+          desc: str | None = None) -> dict[str, Any]:
+    """Run `specs` through a fresh Engine: all at t=0 (rate None) or Poisson arrivals at `rate`
+    requests/s. `prefix_pages`: also track the distinct pages held in the first that many logical
+    pages of the running sequences (the KV of a shared prefix). -> the figures and each request's
+    tokens (completion 0), in submission order of the first turns. `desc`: show a progress bar
+    (finished requests) on stderr."""
+    eng = Engine(model, **engine_kw)
+    total = sum((1 + len(s.next_turns)) * s.n for s in specs)
+    bar = _progress(total, desc)
+    rng = random.Random(seed)
+    t, arrivals = 0.0, []
+    for _ in specs:
+        arrivals.append(t)
+        if rate:
+            t += rng.expovariate(rate)
+    pending = sorted(zip(arrivals, range(len(specs))), reverse=True)
+    owner: dict[int, tuple[int, int]] = {}  # engine request id -> (spec index, turn)
+    tokens: dict[tuple[int, int], list[int]] = {}
+    history: dict[int, list[int]] = {}
+    timeline: list[tuple[float, int, int, int, int]] = []
+    t0 = time.perf_counter()
+
+    def submit(i: int, turn: int, prompt: list[int], arrival: float | None = None) -> None:
+        sp = SamplingParams(max_new_tokens=specs[i].max_new_tokens, ignore_eos=True, n=specs[i].n)
+        # latencies count from the scheduled arrival, even if a step was running at that moment
+        rid = eng.add_request(prompt, sp, arrival_time=None if arrival is None else t0 + arrival)
+        owner[rid] = (i, turn)
+        history[i] = prompt
+
+    while pending or eng.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[-1][0] <= now:
+            at, i = pending.pop()
+            submit(i, 0, specs[i].prompt, at)
+        if not eng.has_unfinished():
+            time.sleep(max(0.0, pending[-1][0] - now))
+            continue
+        for out in eng.step():
+            i, turn = owner[out.request_id]
+            bar.update(out.finished)
+            if out.index == 0:
+                tokens.setdefault((i, turn), []).extend(out.new_token_ids)
+            if out.finished and out.index == 0 and turn < len(specs[i].next_turns):
+                submit(i, turn + 1, history[i] + tokens[(i, turn)] + specs[i].next_turns[turn])
+        sched = eng.scheduler
+        shared = 0
+        if prefix_pages:  # distinct pages holding the first `prefix_pages` pages of live sequences
+            shared = len({p for s in eng.pm.live_seqs for p in eng.pm.pages_of(s)[:prefix_pages]})
+        used = eng.pm.num_pages - 1 - sched.available_pages()
+        timeline.append((time.perf_counter() - t0, used, len(sched.running), len(sched.waiting), shared))
+    duration = time.perf_counter() - t0
+    bar.close()
+    m = eng.metrics()
+    reqs = list(m.pop("requests").values())
+    out_tokens = sum(r["output_tokens"] for r in reqs)
+    in_tokens = sum(r["prompt_tokens"] for r in reqs)
+    res = {
+        "rate": rate, "completed": len(reqs), "failed": 0, "duration_s": duration,
+        "request_throughput": len(reqs) / duration,
+        "output_tokens": out_tokens, "output_tok_s": out_tokens / duration,
+        "total_tok_s": (out_tokens + in_tokens) / duration,
+        "ttft_s": _pct([r["ttft"] for r in reqs if r["ttft"] is not None]),
+        "tpot_s": _pct([r["tpot"] for r in reqs if r["tpot"] is not None]),
+        "itl_s": _pct([x for r in reqs for x in r["itl"]]),
+        "e2el_s": _pct([r["e2e"] for r in reqs if r["e2e"] is not None]),
+        "peak_kv_pages": max((x[1] for x in timeline), default=0),
+        "peak_prefix_pages": max((x[4] for x in timeline), default=0),
+        "timeline": timeline,
+        "tokens": [tokens[k] for k in sorted(tokens)],
+        **{k: v for k, v in m.items() if not k.startswith("mean_")},
+    }
+    return res
+
+
+def _progress(total: int, desc: str | None):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bench extra is not installed: no bar
+        desc = None
+    if desc is None:
+        return type("NoBar", (), {"update": lambda self, n=1: None, "close": lambda self: None})()
+    return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr)
+
+
+def _engine_kw(args, model, **over) -> dict[str, Any]:
+    kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              num_pages=args.num_pages, compile=args.compile, max_model_len=args.max_model_len)
+    kw.update(over)
+    return kw
+
+
+def run_all(args, model) -> dict[str, Any]:
+    vocab = model.config.src_vocab_size
+    P = model.config.page_size
+    res: dict[str, Any] = {"workloads": {}, "warmup_s": warmup(model, _engine_kw(args, model), vocab)}
+    todo = args.workloads.split(",")
+    if "mix" in todo:
+        specs = workload("mix", args.scale, vocab, args.seed, args.num_requests)
+        runs = {"offline": serve(model, specs, _engine_kw(args, model), desc="mix offline")}
+        # online: Poisson arrivals at fractions of the offline request throughput
+        for f in args.rate_fractions:
+            rate = f * runs["offline"]["request_throughput"]
+            runs[f"{f:g}x offline rate"] = serve(model, specs, _engine_kw(args, model), rate=rate,
+                                                 seed=args.seed, desc=f"mix at {rate:.2f} req/s")
+        # each of a few requests alone: the TTFT an idle engine gives it
+        alone = [serve(model, [sp], _engine_kw(args, model))["ttft_s"]["mean"] for sp in specs[:8]]
+        runs["alone"] = {"ttft_s": _pct(alone), "count": len(alone)}
+        res["workloads"]["mix"] = runs
+    if "shared_prefix" in todo:  # 64 requests (default), all running at once, ~1k shared tokens
+        specs = workload("shared_prefix", args.prefix_scale, vocab, args.seed, args.prefix_requests)
+        k = max(1, round(1024 * args.prefix_scale)) // P
+        kw = _engine_kw(args, model, max_num_seqs=len(specs))
+        res["warmup_s"] += warmup(model, kw, vocab)
+        res["workloads"]["shared_prefix"] = {
+            f"cache {c}": serve(model, specs, dict(kw, enable_prefix_caching=c == "on"), prefix_pages=k,
+                                desc=f"shared prefix, cache {c}")
+            for c in ("off", "on")}
+    if "multi_turn" in todo:
+        specs = workload("multi_turn", args.scale, vocab, args.seed)
+        new = sum(len(s.prompt) + sum(len(t) for t in s.next_turns) for s in specs)
+        res["workloads"]["multi_turn"] = {
+            f"cache {c}": serve(model, specs, _engine_kw(args, model, enable_prefix_caching=c == "on"),
+                                desc=f"multi-turn, cache {c}")
+            for c in ("off", "on")}
+        res["workloads"]["multi_turn"]["new_prompt_tokens"] = new
+    if "parallel" in todo:
+        rng = random.Random(args.seed)
+        prompt, n = _tokens(rng, max(1, round(512 * args.scale)), vocab), 8
+        new = max(1, round(128 * args.scale))
+        kw = _engine_kw(args, model, enable_prefix_caching=False)  # sharing by FORK alone
+        res["workloads"]["parallel"] = {
+            "n=8": serve(model, [Spec(prompt, new, n=n)], kw),
+            "8 separate": serve(model, [Spec(prompt, new) for _ in range(n)], kw),
+        }
+    for name, runs in res["workloads"].items():  # greedy tokens across the runs of a workload
+        toks = [r["tokens"] for r in runs.values() if isinstance(r, dict) and "tokens" in r]
+        if name == "parallel":
+            toks = [[t[0]] for t in toks]  # greedy: every completion equals the first
+        res["workloads"][name]["tokens_equal"] = all(t == toks[0] for t in toks)
+    return res
+
+
+def warmup(model, engine_kw: dict[str, Any], vocab: int) -> float:
+    """Compile what the runs will use, untimed: prefill chunks of every bucket up to the token
+    budget beside decodes, and decode batches of every size (requests finish one by one). -> s"""
+    t0 = time.perf_counter()
+    rng = random.Random(1)
+    budget, rows = engine_kw["max_num_batched_tokens"], engine_kw["max_num_seqs"]
+    lengths = [min(budget, 128 << i) for i in range(max(1, budget.bit_length() - 7))]
+    specs = [Spec(_tokens(rng, lengths[i % len(lengths)], vocab), 2 + i) for i in range(rows)]
+    serve(model, specs, engine_kw)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------- peers (own processes)
+PEERS = ("dense", "hf", "vllm")
+VLLM_PYTHON = Path(".venv-vllm/bin/python")
+VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "peer_vllm.py"
+
+
+def run_peers(model, model_path: str | None, specs: list[Spec], args, out: Path) -> dict[str, Any]:
+    """The mix, offline, through each peer in a process of its own (a peer's threads in ours
+    slowed our decode tenfold once): dense `generate` in static waves of max_num_seqs, Hugging Face
+    `generate_batch` (its paged continuous batching), vLLM's CPU build (when `make peer-vllm` made
+    its venv). -> each peer's output tokens/s and tokens, or why it did not run."""
+    res: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = hf_checkpoint_dir(model, model_path, tmp)
+        job = {"model_path": str(ckpt), "dtype": str(model.dtype).removeprefix("torch."),
+               "requests": [{"prompt": s.prompt, "max_new_tokens": s.max_new_tokens} for s in specs],
+               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "block_size": 128, "kv_space_gib": 4, "compile": args.compile}
+        src = Path(tmp) / "job.json"
+        src.write_text(json.dumps(job))
+        for peer in args.peers:
+            dst = Path(tmp) / f"{peer}.json"
+            if peer == "vllm":
+                if not VLLM_PYTHON.exists():
+                    res[peer] = {"error": f"{VLLM_PYTHON} not found: `make peer-vllm` creates it"}
+                    continue
+                cmd = [str(VLLM_PYTHON), str(VLLM_SCRIPT), str(src), str(dst)]
+            else:
+                cmd = [sys.executable, "-m", "fms_paged.bench.serve", "--peer", peer, str(src), str(dst)]
+            print(f"bench-serve: peer {peer} ...", file=sys.stderr, flush=True)
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            if run.returncode or not dst.exists():
+                res[peer] = {"error": (run.stderr or run.stdout)[-1500:]}
+                continue
+            res[peer] = json.loads(dst.read_text())
+            (out / f"peer_{peer}.log").write_text(run.stdout[-20000:] + run.stderr[-20000:])
+    return res
+
+
+def peer_main(peer: str, src: str, dst: str) -> int:
+    """One peer of `run_peers`, in this (fresh) process."""
+    job = json.loads(Path(src).read_text())
+    prompts = [r["prompt"] for r in job["requests"]]
+    news = [r["max_new_tokens"] for r in job["requests"]]
+    if peer == "dense":  # static waves: a wave runs until its longest request is done
+        from fms_paged.generation import generate
+        from fms_paged.models import get_model
+
+        model = get_model(model_path=job["model_path"], attn_impl="sdpa", device="cpu",
+                          dtype=job["dtype"])
+        B, compile = job["max_num_seqs"], job["compile"] in ("auto", True)
+        waves = [range(i, min(i + B, len(prompts))) for i in range(0, len(prompts), B)]
+        generate(model, [prompts[i] for i in waves[0]], 2, eos_id=None, compile=compile)  # warm-up
+
+        def run() -> list[list[int]]:
+            toks = []
+            for w in waves:
+                out = generate(model, [prompts[i] for i in w], max(news[i] for i in w), eos_id=None,
+                               compile=compile)
+                toks += [o[: news[i]] for o, i in zip(out, w)]
+            return toks
+    elif peer == "hf":
+        from transformers import GenerationConfig, LlamaForCausalLM
+
+        hf = LlamaForCausalLM.from_pretrained(job["model_path"], dtype=getattr(torch, job["dtype"])).eval()
+        cfg = GenerationConfig(max_new_tokens=max(news), min_new_tokens=max(news), do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            hf.generate_batch(inputs=prompts[:2], generation_config=cfg, progress_bar=False)  # warm-up
+
+        @torch.no_grad()
+        def run() -> list[list[int]]:  # one max_new_tokens for all: each is cut to its own
+            res = hf.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+            outs = [list(r.generated_tokens) for r in res.values()]
+            return [o[:n] for o, n in zip(outs, news)]
+    else:
+        raise ValueError(f"peer {peer!r}; expected dense or hf (vllm runs scripts/peer_vllm.py)")
+    t0 = time.perf_counter()
+    tokens = run()
+    duration = time.perf_counter() - t0
+    out_tokens = sum(map(len, tokens))
+    Path(dst).write_text(json.dumps({"tokens": tokens, "duration_s": duration, "output_tokens": out_tokens,
+                                     "output_tok_s": out_tokens / duration}))
+    return 0
+
+
+def _f(x: Any, fmt: str = ".3g") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    env = res["environment"]
+    lines = [f"## fms_paged `bench-serve` — {env.get('device_name', env.get('device'))}, "
+             f"torch {env.get('torch')}, scale {res['scale']}", "",
+             "| workload | run | done | req/s | out tok/s | TTFT mean / p99 s | TPOT mean ms | "
+             "E2EL p50 s | peak KV pages | preempt | prompt tokens computed | cache hit rate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, runs in res["workloads"].items():
+        for run, r in runs.items():
+            if not isinstance(r, dict) or "completed" not in r:
+                continue
+            hit = r.get("prefix_cache_hit_rate")
+            lines.append(
+                f"| {name} | {run} | {r['completed']} | {_f(r['request_throughput'])} | "
+                f"{_f(r['output_tok_s'], '.1f')} | {_f(r['ttft_s']['mean'])} / {_f(r['ttft_s']['p99'])} | "
+                f"{_f(r['tpot_s']['mean'] and r['tpot_s']['mean'] * 1e3)} | {_f(r['e2el_s']['p50'])} | "
+                f"{r['peak_kv_pages']} | {r['preemptions']} | {r['prompt_tokens_computed']} | "
+                f"{'-' if hit is None else f'{100 * hit:.0f}%'} |")
+    w = res["workloads"]
+    lines.append("")
+    if "mix" in w:
+        lines.append(f"- mix, each of {w['mix']['alone']['count']} requests alone: TTFT mean "
+                     f"{_f(w['mix']['alone']['ttft_s']['mean'])} s")
+    if "shared_prefix" in w:
+        off, on = w["shared_prefix"]["cache off"], w["shared_prefix"]["cache on"]
+        ratio = off["ttft_s"]["mean"] / on["ttft_s"]["mean"]
+        lines.append(f"- shared prefix: TTFT mean {_f(off['ttft_s']['mean'])} s off -> "
+                     f"{_f(on['ttft_s']['mean'])} s on ({_f(ratio)}x lower); "
+                     f"peak pages holding the shared prompt {off['peak_prefix_pages']} -> "
+                     f"{on['peak_prefix_pages']}; output tok/s {_f(off['output_tok_s'], '.1f')} -> "
+                     f"{_f(on['output_tok_s'], '.1f')}")
+    if "multi_turn" in w:
+        mt = w["multi_turn"]
+        lines.append(f"- multi-turn: prompt tokens computed {mt['cache off']['prompt_tokens_computed']} off, "
+                     f"{mt['cache on']['prompt_tokens_computed']} on; new prompt tokens "
+                     f"{mt['new_prompt_tokens']} (+ the last output token of each turn)")
+    if "parallel" in w:
+        a, b = w["parallel"]["n=8"], w["parallel"]["8 separate"]
+        lines.append(f"- n=8 vs 8 separate requests: peak KV pages {a['peak_kv_pages']} vs "
+                     f"{b['peak_kv_pages']}; output tok/s {_f(a['output_tok_s'], '.1f')} vs "
+                     f"{_f(b['output_tok_s'], '.1f')}")
+    for peer, r in res.get("peers", {}).items():
+        if "error" in r:
+            lines.append(f"- peer {peer}: did not run ({r['error'].strip().splitlines()[-1][:200]})")
+        else:
+            lines.append(f"- peer {peer}, offline mix: {_f(r['output_tok_s'], '.1f')} output tok/s; "
+                         f"engine / {peer} = {_f(r['engine_speedup'])}x; greedy tokens "
+                         f"{'equal' if r['tokens_equal_engine'] else 'DIFFER'}")
+    lines.append("- greedy tokens equal across the runs of each workload: " + ", ".join(
+        f"{k} {'yes' if v.get('tokens_equal') else 'NO'}" for k, v in w.items()))
+    return "\n".join(lines) + "\n"
+
+
+def plots(res: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    w = res["workloads"]
+    timed = [(f"{name}: {run}", r) for name, runs in w.items() for run, r in runs.items()
+             if isinstance(r, dict) and r.get("timeline")]
+    if timed:
+        fig, ax = plt.subplots(1, 2, figsize=(12, 4))
+        for label, r in timed:
+            t = [x[0] for x in r["timeline"]]
+            ax[0].plot(t, [x[1] for x in r["timeline"]], label=label)
+            ax[1].plot(t, [x[2] for x in r["timeline"]], label=label)
+        ax[0].set(xlabel="s", ylabel="KV pages in use", title="KV pages in use over time")
+        ax[1].set(xlabel="s", ylabel="running requests", title="running requests over time")
+        ax[0].legend(fontsize=6)
+        fig.tight_layout()
+        paths.append(out / "serve_timeline.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    if "mix" in w:
+        runs = [r for r in w["mix"].values() if isinstance(r, dict) and r.get("rate")]
+        if runs:
+            fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+            rates = [r["rate"] for r in runs]
+            ax[0].plot(rates, [r["output_tok_s"] for r in runs], "o-")
+            ax[0].set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="throughput")
+            ax[1].plot(rates, [r["ttft_s"]["mean"] for r in runs], "o-", label="mean")
+            ax[1].plot(rates, [r["ttft_s"]["p99"] for r in runs], "s--", label="p99")
+            ax[1].set(xlabel="request rate (req/s)", ylabel="TTFT (s)", title="TTFT")
+            ax[1].legend()
+            fig.tight_layout()
+            paths.append(out / "serve_rate.png")
+            fig.savefig(paths[-1], dpi=110)
+            plt.close(fig)
+    return paths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fms-paged bench --scenario serve",
+                                description=__doc__.split("\n\n")[0])
+    m = p.add_mutually_exclusive_group()
+    m.add_argument("--variant", help="a registered variant (random weights)")
+    m.add_argument("--model-path", help="a Hugging Face LLaMA checkpoint (default: the embedded model)")
+    p.add_argument("--workloads", default="mix,shared_prefix,multi_turn,parallel")
+    p.add_argument("--num-requests", type=int, default=None, help="requests of the mix (default 64)")
+    p.add_argument("--rate-fractions", type=lambda x: [float(v) for v in x.split(",")],
+                   default=[0.25, 0.5, 1.0], help="online request rates, as fractions of the offline "
+                   "request throughput")
+    p.add_argument("--scale", type=float, default=None, help="multiply every length (default auto)")
+    p.add_argument("--prefix-requests", type=int, default=64, help="requests of the shared-prefix workload")
+    p.add_argument("--prefix-scale", type=float, default=1.0,
+                   help="multiply the shared-prefix workload's lengths (default 1: a 1024-token prompt)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--num-pages", type=int, default=None, help="default: sized by memory")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--compile", default="auto", type=lambda x: {"true": True, "false": False}.get(x, x),
+                   help="the engine's compile mode: auto | true | false")
+    p.add_argument("--peers", type=lambda x: [v for v in x.split(",") if v], default=list(PEERS),
+                   help="peers run on the offline mix, each in its own process: dense, hf, vllm "
+                   "(vllm needs `make peer-vllm`); '' for none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/bench-serve")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fms_paged.bench.environment import auto_scale, environment_info
+    from fms_paged.device import resolve_device
+    from fms_paged.models import get_model
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--peer"]:  # a peer's own process (see run_peers)
+        return peer_main(*argv[1:4])
+    args = build_parser().parse_args(argv)
+    device = resolve_device(args.device)
+    args.scale, why = auto_scale(device, args.scale)
+    kw = dict(variant=args.variant) if args.variant else dict(model_path=args.model_path)
+    model = get_model(**kw, attn_impl="paged", device=device).eval()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"environment": environment_info(device), "scale": args.scale,
+                           "scale_why": why, "args": {k: v for k, v in vars(args).items()}}
+    res.update(run_all(args, model))
+    if args.peers and "mix" in res["workloads"]:
+        specs = workload("mix", args.scale, model.config.src_vocab_size, args.seed, args.num_requests)
+        res["peers"] = run_peers(model, args.model_path, specs, args, out)
+        ours = res["workloads"]["mix"]["offline"]
+        for r in res["peers"].values():
+            if "tokens" in r:
+                r["tokens_equal_engine"] = r["tokens"] == ours["tokens"]
+                r["engine_speedup"] = ours["output_tok_s"] / r["output_tok_s"]
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    md = markdown(res)
+    (out / "results.md").write_text(md)
+    plots(res, out)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""`make bench-serve` on a tiny run: every figure is written and consistent with the requests sent,
+and a peer in its own process (dense static waves) gives the engine's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+
+from fms_paged.bench import serve
+
+
+def test_tiny_serve_run_is_consistent(tmp_path):
+    out = tmp_path / "serve"
+    rc = serve.main(["--variant", "micro", "--scale", "0.03", "--prefix-scale", "0.05",
+                     "--prefix-requests", "8", "--num-requests", "6", "--rate-fractions", "0.5",
+                     "--max-num-seqs", "4",
+                     "--max-num-batched-tokens", "128", "--max-model-len", "512",
+                     "--compile", "false", "--device", "cpu", "--peers", "dense", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "results.md").read_text().count("| mix |") == 2
+    assert (out / "serve_timeline.png").stat().st_size > 0 and (out / "serve_rate.png").exists()
+    vocab = 256
+    w = res["workloads"]
+    sent = {  # requests (completions) and output tokens each run must account for
+        "mix": serve.workload("mix", 0.03, vocab, 0, 6),
+        "shared_prefix": serve.workload("shared_prefix", 0.05, vocab, 0, 8),
+        "multi_turn": serve.workload("multi_turn", 0.03, vocab, 0),
+    }
+    for name, specs in sent.items():
+        turns = [1 + len(s.next_turns) for s in specs]
+        for run, r in w[name].items():
+            if not isinstance(r, dict) or "completed" not in r:
+                continue
+            assert r["completed"] == sum(turns) and r["failed"] == 0, (name, run)
+            expect = sum(s.max_new_tokens * t for s, t in zip(specs, turns))
+            assert r["output_tokens"] == expect == sum(map(len, r["tokens"])), (name, run)
+            for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
+                assert 0 <= r[key]["p50"] <= r[key]["p99"], (name, run, key)
+            assert r["ttft_s"]["p99"] <= r["e2el_s"]["p99"]
+            assert r["output_tok_s"] <= r["total_tok_s"]
+            assert 0 < r["peak_kv_pages"] <= r["kv_pages_total"]
+        assert w[name]["tokens_equal"], name
+    assert w["mix"]["alone"]["count"] == 6
+    assert [r["rate"] for r in w["mix"].values() if isinstance(r, dict) and "rate" in r] == [
+        None, 0.5 * w["mix"]["offline"]["request_throughput"]]
+    mt, sp, par = w["multi_turn"], w["shared_prefix"], w["parallel"]
+    assert mt["cache on"]["prompt_tokens_computed"] < mt["cache off"]["prompt_tokens_computed"]
+    assert mt["cache off"]["prompt_tokens_computed"] >= mt["new_prompt_tokens"]
+    assert sp["cache on"]["prefix_cache_hits"] > 0 and "prefix_cache_hits" not in sp["cache off"]
+    assert sp["cache on"]["peak_prefix_pages"] < sp["cache off"]["peak_prefix_pages"]
+    assert par["n=8"]["completed"] == par["8 separate"]["completed"] == 8
+    assert par["n=8"]["prompt_tokens_computed"] < par["8 separate"]["prompt_tokens_computed"]
+    assert par["tokens_equal"]
+    dense = res["peers"]["dense"]  # static waves, in a process of its own: the same greedy tokens
+    assert dense["tokens_equal_engine"] and dense["output_tokens"] == w["mix"]["offline"]["output_tokens"]
