@@ -177,7 +177,7 @@ def _engine_kw(args, model, **over) -> dict[str, Any]:
 def run_all(args, model) -> dict[str, Any]:
     vocab = model.config.src_vocab_size
     P = model.config.page_size
-    res: dict[str, Any] = {"workloads": {}, "warmup_s": warmup(model, _engine_kw(args, model), vocab)}
+    res: dict[str, Any] = {"workloads": {}, "warmup_s": warmup(model, _engine_kw(args, model))}
     todo = args.workloads.split(",")
     if "mix" in todo:
         specs = workload("mix", args.scale, vocab, args.seed, args.num_requests)
@@ -195,7 +195,7 @@ def run_all(args, model) -> dict[str, Any]:
         specs = workload("shared_prefix", args.prefix_scale, vocab, args.seed, args.prefix_requests)
         k = max(1, round(1024 * args.prefix_scale)) // P
         kw = _engine_kw(args, model, max_num_seqs=len(specs))
-        res["warmup_s"] += warmup(model, kw, vocab)
+        res["warmup_s"] += warmup(model, kw)
         res["workloads"]["shared_prefix"] = {
             f"cache {c}": serve(model, specs, dict(kw, enable_prefix_caching=c == "on"), prefix_pages=k,
                                 desc=f"shared prefix, cache {c}")
@@ -225,16 +225,9 @@ def run_all(args, model) -> dict[str, Any]:
     return res
 
 
-def warmup(model, engine_kw: dict[str, Any], vocab: int) -> float:
-    """Compile what the runs will use, untimed: prefill chunks of every bucket up to the token
-    budget beside decodes, and decode batches of every size (requests finish one by one). -> s"""
-    t0 = time.perf_counter()
-    rng = random.Random(1)
-    budget, rows = engine_kw["max_num_batched_tokens"], engine_kw["max_num_seqs"]
-    lengths = [min(budget, 128 << i) for i in range(max(1, budget.bit_length() - 7))]
-    specs = [Spec(_tokens(rng, lengths[i % len(lengths)], vocab), 2 + i) for i in range(rows)]
-    serve(model, specs, engine_kw)
-    return time.perf_counter() - t0
+def warmup(model, engine_kw: dict[str, Any]) -> float:
+    """Compile what the runs will use, untimed (`Engine.warmup`) -> seconds."""
+    return Engine(model, **engine_kw).warmup()
 
 
 # ---------------------------------------------------------------------------- peers (own processes)

@@ -337,6 +337,49 @@ class Engine:
         key = req.request_id if req.n == 1 else (req.request_id, req.index)
         self._finished_stats[key] = stats
 
+    def warmup(self, progress: bool = True) -> float:
+        """Compile the shapes serving will meet before the first request does, -> seconds: prefill
+        chunks of every packed-length bucket up to the token budget beside running decodes, and
+        decode batches of every bucket size (synthetic requests finish one by one). Their
+        statistics and cached pages are then dropped. Compiled code lands in torch's on-disk
+        caches, so a second process on the same machine warms up in seconds. No-op (0.0) when
+        nothing here compiles (eager model, GATHER kernel or flex-eager)."""
+        if not (self.compiled or self.backend.kernel == "flex"):
+            return 0.0
+        if self.has_unfinished():
+            raise RuntimeError("warmup() needs an idle engine: call it before submitting requests")
+        t0 = time.perf_counter()
+        budget, rows = self.max_num_batched_tokens, self.max_num_seqs
+        top = min(budget, self.max_model_len - rows - 1, self.capacity // rows - rows - 1)
+        lengths = [min(top, 128 << i) for i in range(max(1, top.bit_length() - 6))]
+        rng = torch.Generator().manual_seed(0)
+        ids = set()
+        for i in range(rows):  # request i makes 2 + i tokens: the decode batch shrinks one by one
+            prompt = torch.randint(0, self.vocab_size, (max(1, lengths[i % len(lengths)]),), generator=rng)
+            ids.add(self.add_request(prompt.tolist(), SamplingParams(max_new_tokens=2 + i, ignore_eos=True)))
+        bar = None
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=rows, desc="fms_paged engine: compiling its shapes", unit="req", leave=False)
+            except ImportError:
+                print("fms_paged engine: compiling its shapes ...", flush=True)
+        for out in self.stream():
+            if bar is not None and out.finished:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        for rid in ids:  # forget the synthetic requests
+            self._finished_stats.pop(rid, None)
+        self._steps = self._tokens_out = self._prompt_computed = 0
+        self.scheduler.num_preemptions = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            self.prefix_cache.queries = self.prefix_cache.hits = 0
+            self.prefix_cache.evictions = self.prefix_cache.collisions = 0
+        return time.perf_counter() - t0
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached page: those no request holds return to the pool at once."""
         if self.prefix_cache is not None:

@@ -443,3 +443,22 @@ def test_random_submissions_and_aborts_never_leak_a_page(models):
     for rid in sorted(finished)[:15]:
         prompt, n = reqs[rid]
         assert done[rid] == generate(dense, [prompt], n, eos_id=None)[0]
+
+
+def test_warmup_compiles_then_leaves_an_idle_engine(models):
+    """warmup() runs synthetic requests through the compiled kernels, then forgets them: no stats,
+    no pages held, no cached prefix; a real request then gives dense's tokens. Nothing to warm
+    with the eager flex reference kernel."""
+    dense, paged = models
+    assert engine(paged).warmup() == 0.0
+    eng = engine(paged, kernel="flex", max_num_seqs=3)
+    assert eng.warmup(progress=False) > 0
+    m = eng.metrics()
+    assert m["steps"] == m["output_tokens"] == m["finished_requests"] == m["prompt_tokens_computed"] == 0
+    assert m["kv_pages_used"] == 0 and eng.pm.num_free_pages == eng.pm.num_pages - 1
+    assert m["prefix_cache_pages"] == m["prefix_cache_queries"] == 0
+    rid = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert run(eng)[rid] == generate(dense, [[5, 6, 7]], 6, eos_id=None)[0]
+    with pytest.raises(RuntimeError, match="idle engine"):
+        eng.add_request([1, 2], SamplingParams(max_new_tokens=2))
+        eng.warmup()
