@@ -353,21 +353,29 @@ class Engine:
         top = min(budget, self.max_model_len - rows - 1, self.capacity // rows - rows - 1)
         lengths = [min(top, 128 << i) for i in range(max(1, top.bit_length() - 6))]
         rng = torch.Generator().manual_seed(0)
-        ids = set()
-        for i in range(rows):  # request i makes 2 + i tokens: the decode batch shrinks one by one
-            prompt = torch.randint(0, self.vocab_size, (max(1, lengths[i % len(lengths)]),), generator=rng)
-            ids.add(self.add_request(prompt.tolist(), SamplingParams(max_new_tokens=2 + i, ignore_eos=True)))
+
+        def prompt(n: int) -> list[int]:
+            return torch.randint(0, self.vocab_size, (max(1, n),), generator=rng).tolist()
+
+        # each prefill bucket alone, then every row at once: request i makes 2 + i tokens, so the
+        # decode batch shrinks through every bucket while prefill chunks run beside decodes
+        waves = [[(prompt(n), 2)] for n in dict.fromkeys(lengths)]
+        waves.append([(prompt(lengths[i % len(lengths)]), 2 + i) for i in range(rows)])
         bar = None
         if progress:
             try:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(total=rows, desc="fms_paged engine: compiling its shapes", unit="req", leave=False)
+                bar = tqdm(total=sum(map(len, waves)), desc="fms_paged engine: compiling its shapes",
+                           unit="req", leave=False)
             except ImportError:
                 print("fms_paged engine: compiling its shapes ...", flush=True)
-        for out in self.stream():
-            if bar is not None and out.finished:
-                bar.update(1)
+        ids = set()
+        for wave in waves:
+            ids |= {self.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in wave}
+            for out in self.stream():
+                if bar is not None and out.finished:
+                    bar.update(1)
         if bar is not None:
             bar.close()
         for rid in ids:  # forget the synthetic requests
