@@ -217,12 +217,43 @@ def run_all(args, model) -> dict[str, Any]:
             "n=8": serve(model, [Spec(prompt, new, n=n)], kw),
             "8 separate": serve(model, [Spec(prompt, new) for _ in range(n)], kw),
         }
+    if "capacity" in todo:
+        res["capacity"] = [capacity(model, args, n) for n in args.capacity_lens]
     for name, runs in res["workloads"].items():  # greedy tokens across the runs of a workload
         toks = [r["tokens"] for r in runs.values() if isinstance(r, dict) and "tokens" in r]
         if name == "parallel":
             toks = [[t[0]] for t in toks]  # greedy: every completion equals the first
         res["workloads"][name]["tokens_equal"] = all(t == toks[0] for t in toks)
     return res
+
+
+def capacity(model, args, max_len: int) -> dict[str, Any]:
+    """Concurrency under one KV byte budget: the budget of a dense cache with max(1, 8192 //
+    max_len) rows of `max_len` tokens, given to the engine as its pool; mix requests (their
+    outputs made long enough to overlap) are sent at once, and the most that run at the same time
+    is counted.
+    Past the model's trained length a twin with a longer RoPE table stands in (memory only: the
+    tokens are not meaningful there). The GATHER kernel: this measures memory, not speed, and it
+    compiles nothing for the hundreds of decode rows."""
+    from fms_paged.bench.environment import kv_bytes_per_token
+    from fms_paged.bench.latency import with_rope_len
+
+    twin = with_rope_len(model, max_len)
+    P, per_token = twin.config.page_size, kv_bytes_per_token(twin.config, twin.dtype)
+    dense_rows = max(1, 8192 // max_len)
+    budget = dense_rows * max_len * per_token
+    mean = 0.5 * (500 + 8000) * args.scale  # rough tokens per request, to send enough of them
+    n = max(16, round(1.5 * dense_rows * max_len / mean))
+    specs = [Spec(sp.prompt, max(64, sp.max_new_tokens)) for sp in
+             workload("mix", args.scale, twin.config.src_vocab_size, args.seed, n)]
+    kw = dict(max_num_seqs=n, max_num_batched_tokens=args.max_num_batched_tokens, compile=False,
+              num_pages=budget // (P * per_token) + 1, max_model_len=max_len, kernel="gather",
+              enable_prefix_caching=False)
+    r = serve(twin, specs, kw, desc=f"capacity at {max_len}")
+    peak = max(x[2] for x in r["timeline"])
+    return {"max_len": max_len, "kv_budget_bytes": budget, "dense_concurrency": dense_rows,
+            "engine_peak_running": peak, "ratio": peak / dense_rows, "requests": n,
+            "preemptions": r["preemptions"], "completed": r["completed"]}
 
 
 def warmup(model, engine_kw: dict[str, Any]) -> float:
@@ -368,6 +399,10 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"- peer {peer}, offline mix: {_f(r['output_tok_s'], '.1f')} output tok/s; "
                          f"engine / {peer} = {_f(r['engine_speedup'])}x; greedy tokens "
                          f"{'equal' if r['tokens_equal_engine'] else 'DIFFER'}")
+    for c in res.get("capacity", []):
+        lines.append(f"- capacity, KV budget of a dense cache of {c['dense_concurrency']} x {c['max_len']} "
+                     f"tokens ({c['kv_budget_bytes'] / 2**20:.0f} MiB): the engine ran up to "
+                     f"{c['engine_peak_running']} mix requests at once ({_f(c['ratio'])}x dense)")
     lines.append("- greedy tokens equal across the runs of each workload: " + ", ".join(
         f"{k} {'yes' if v.get('tokens_equal') else 'NO'}" for k, v in w.items()))
     return "\n".join(lines) + "\n"
@@ -420,7 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_mutually_exclusive_group()
     m.add_argument("--variant", help="a registered variant (random weights)")
     m.add_argument("--model-path", help="a Hugging Face LLaMA checkpoint (default: the embedded model)")
-    p.add_argument("--workloads", default="mix,shared_prefix,multi_turn,parallel")
+    p.add_argument("--workloads", default="mix,shared_prefix,multi_turn,parallel,capacity")
+    p.add_argument("--capacity-lens", type=lambda x: [int(v) for v in x.split(",")],
+                   default=[2048, 32768], help="max_seq_len of the capacity comparison")
     p.add_argument("--num-requests", type=int, default=None, help="requests of the mix (default 64)")
     p.add_argument("--rate-fractions", type=lambda x: [float(v) for v in x.split(",")],
                    default=[0.25, 0.5, 1.0], help="online request rates, as fractions of the offline "
