@@ -246,7 +246,7 @@ def capacity(model, args, max_len: int) -> dict[str, Any]:
     n = max(16, round(1.5 * dense_rows * max_len / mean))
     specs = [Spec(sp.prompt, max(64, sp.max_new_tokens)) for sp in
              workload("mix", args.scale, twin.config.src_vocab_size, args.seed, n)]
-    kw = dict(max_num_seqs=n, max_num_batched_tokens=args.max_num_batched_tokens, compile=False,
+    kw = dict(max_num_seqs=n, max_num_batched_tokens=max(n, args.max_num_batched_tokens), compile=False,
               num_pages=budget // (P * per_token) + 1, max_model_len=max_len, kernel="gather",
               enable_prefix_caching=False)
     r = serve(twin, specs, kw, desc=f"capacity at {max_len}")

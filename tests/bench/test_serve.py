@@ -10,7 +10,8 @@ from fms_paged.bench import serve
 
 def test_tiny_serve_run_is_consistent(tmp_path):
     out = tmp_path / "serve"
-    rc = serve.main(["--variant", "micro", "--scale", "0.03", "--prefix-scale", "0.05",
+    rc = serve.main(["--variant", "micro", "--workloads", "mix,shared_prefix,multi_turn,parallel",
+                     "--scale", "0.03", "--prefix-scale", "0.05",
                      "--prefix-requests", "8", "--num-requests", "6", "--rate-fractions", "0.5",
                      "--max-num-seqs", "4",
                      "--max-num-batched-tokens", "128", "--max-model-len", "512",
@@ -53,3 +54,18 @@ def test_tiny_serve_run_is_consistent(tmp_path):
     assert par["tokens_equal"]
     dense = res["peers"]["dense"]  # static waves, in a process of its own: the same greedy tokens
     assert dense["tokens_equal_engine"] and dense["output_tokens"] == w["mix"]["offline"]["output_tokens"]
+
+
+def test_capacity_counts_requests_running_at_once():
+    """The engine under a dense cache's KV budget runs more requests at once than the dense cache
+    has rows (these requests are far shorter than max_len), and finishes all of them."""
+    from types import SimpleNamespace
+
+    from fms_paged import get_model
+
+    model = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged")
+    args = SimpleNamespace(scale=0.05, seed=0, max_num_batched_tokens=256)
+    c = serve.capacity(model, args, 2048)
+    assert c["dense_concurrency"] == 4 and c["kv_budget_bytes"] == 4 * 2048 * 2 * 2 * 2 * 16 * 4
+    assert c["completed"] == c["requests"] and 4 < c["engine_peak_running"] <= c["requests"]
+    assert c["ratio"] == c["engine_peak_running"] / 4
