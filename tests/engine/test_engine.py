@@ -18,13 +18,6 @@ from fms_paged import Engine, SamplingParams, generate, get_model
 MAX_LEN = 256  # max_model_len of the test engines
 
 
-@pytest.fixture(scope="module")
-def models():
-    dense = get_model(variant="micro", device="cpu", seed=0)
-    paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", page_size=16)
-    return dense, paged
-
-
 def engine(paged, **kw) -> Engine:
     opts = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=24, compile=False,
                 max_model_len=MAX_LEN, kernel="flex-eager")

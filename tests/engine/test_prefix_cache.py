@@ -14,17 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from fms_paged import Engine, SamplingParams, generate, get_model
+from fms_paged import Engine, SamplingParams, generate
 
 P = 16
 MAX_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def models():
-    dense = get_model(variant="micro", device="cpu", seed=0)
-    paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", page_size=P)
-    return dense, paged
 
 
 def engine(paged, **kw) -> Engine:
