@@ -428,10 +428,16 @@ class MixedStep(PoolStep):
         return MixedStep(decode, self.prefill, self.rows, torch.cat([decode.slots, self.prefill.slots]))
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
-        # q: [1, H, B + Tp, D]
+        # q: [1, H, B + Tp, D], a view of [1, B + Tp, H, D]. The compiled flex kernels are
+        # specialised on strides: each part gets the strides a pure decode / pure prefill step
+        # gives it, so mixed steps reuse their kernels (a plain slice's strides would depend on
+        # the other part's length: one recompilation per new (B, Tp) pair)
         B = self.rows
-        od = self.decode.attention(q[0, :, :B].transpose(0, 1).unsqueeze(2), kp, vp)  # [B, H, 1, D]
-        op = self.prefill.attention(q[:, :, B:], kp, vp)  # [1, H, Tp, D]
+        rows = q.transpose(1, 2)  # [1, B + Tp, H, D]
+        qd = rows[0, :B].unsqueeze(1).transpose(1, 2)  # [B, H, 1, D], no copy
+        od = self.decode.attention(qd, kp, vp)
+        qp = rows[:, B:].clone(memory_format=torch.contiguous_format).transpose(1, 2)  # [1, H, Tp, D]
+        op = self.prefill.attention(qp, kp, vp)
         return torch.cat([od.squeeze(2).transpose(0, 1).unsqueeze(0), op], dim=2)
 
 
