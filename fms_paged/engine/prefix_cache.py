@@ -77,7 +77,8 @@ class PrefixCache:
         """Seq `seq_id` (not live) starts with the pages of `chain` (from `match`); they stop
         being evictable."""
         pages = [p for _, p in chain]
-        self.pm.share(seq_id, pages)
+        if pages:  # (a miss: the sequence starts empty at its first RESERVE)
+            self.pm.share(seq_id, pages)
         for p in pages:
             self.evictable.pop(p, None)
 
@@ -114,9 +115,8 @@ class PrefixCache:
         """After a sequence holding `pages` (logical order) was erased: those of them that no
         sequence holds now become evictable, the deepest first (a shared first page is more
         likely to be asked for again than the tail of one conversation)."""
-        refs, held = self.pm.refcounts, 1  # the cache's own reference
         for p in reversed(pages):
-            if p in self.pages and refs[p] == held:
+            if p in self.pages and self.pm.refcount(p) == 1:  # the cache's own reference only
                 self.evictable[p] = None
                 self.evictable.move_to_end(p)
 

@@ -300,20 +300,15 @@ class PagedFMSCache:
         B, counts = len(prompts), [len(p) for p in prompts]
         if width < max(counts):
             raise ValueError(f"input width {width} < the longest prompt ({max(counts)} tokens)")
-        _, _, step, last = self.backend.prefill(list(range(B)), [p.tolist() for p in prompts])
+        # the backend's layout [B', S'] (flex: one packed row; GATHER: a right-padded row per
+        # sequence); `last`: each sequence's last token in it, its tokens being contiguous
+        tokens, _, step, last = self.backend.prefill(list(range(B)), [p.tolist() for p in prompts])
         step = step.prepare()
         dev = self.model.device
         src = torch.cat([torch.arange(width - n, width) + b * width for b, n in enumerate(counts)])
         dst = torch.cat([torch.arange(int(e) - n + 1, int(e) + 1) for e, n in zip(last.tolist(), counts)])
         self.lengths = counts
-        return _Relayout(step, src.to(dev), dst.to(dev), tuple(self._backend_shape(step, counts)))
-
-    def _backend_shape(self, step: PoolStep, counts: list[int]) -> tuple[int, int]:
-        """[B', S'] of the backend's prefill layout: flex packs every token in one row (padded to
-        its bucket: the step's slots), GATHER keeps a right-padded row per sequence."""
-        if self.backend.kernel == "gather":
-            return len(counts), max(counts)
-        return 1, step.slots.numel()
+        return _Relayout(step, src.to(dev), dst.to(dev), tuple(tokens.shape))
 
     def advance(self) -> PoolStep:
         """RESERVE each row's next token -> the decode step for FMS's [B, 1] input."""

@@ -147,6 +147,10 @@ class PageManager:
         """Sorted ids of live sequences (host)."""
         return np.flatnonzero(self._live).tolist()
 
+    def refcount(self, page: int) -> int:
+        """References to one page (sequences sharing it, plus `hold`)."""
+        return int(self._refcount[page])
+
     @property
     def refcounts(self) -> np.ndarray:
         """[num_pages] host copy of the page refcounts (0 for free pages and the null page)."""
@@ -403,13 +407,18 @@ class PageManager:
             raise ValueError(f"fork child seq id {c} is already live (erase it first)")
         length = int(self._lens[p])
         n = self._num_pages_for(length)
-        pages = self._table[p, :n]
+        self._adopt(c, self._table[p, :n].astype(np.int64), length)
+
+    def _adopt(self, s: int, pages: np.ndarray, length: int) -> None:
+        """Seq `s` (checked: not live) takes `pages` (checked: owned) as its logical pages
+        0..k-1 and holds `length` tokens: refcount +1 each, host and device tables."""
+        n = pages.size
         self._refcount[pages] += 1
-        self._table[c, :n] = pages
-        self._lens[c] = length
-        self._live[c] = True
-        flat = c * self.max_pages_per_seq + np.arange(n, dtype=np.int64)
-        packed = ops.to_device(np.concatenate([flat, pages, [c, length]]), self.device)
+        self._table[s, :n] = pages
+        self._lens[s] = length
+        self._live[s] = True
+        flat = s * self.max_pages_per_seq + np.arange(n, dtype=np.int64)
+        packed = ops.to_device(np.concatenate([flat, pages, [s, length]]), self.device)
         ops.scatter_int32(self._page_table_d, packed[:n], packed[n : 2 * n])
         ops.scatter_int32(self._seq_lens_d, packed[2 * n : 2 * n + 1], packed[2 * n + 1 :])
 
@@ -434,14 +443,7 @@ class PageManager:
             )
         if np.unique(pages).size != n:
             raise ValueError(f"share: duplicate page in {pages.tolist()}")
-        self._refcount[pages] += 1
-        self._table[s, :n] = pages
-        self._lens[s] = n * self.page_size
-        self._live[s] = True
-        flat = s * self.max_pages_per_seq + np.arange(n, dtype=np.int64)
-        packed = ops.to_device(np.concatenate([flat, pages, [s, n * self.page_size]]), self.device)
-        ops.scatter_int32(self._page_table_d, packed[:n], packed[n : 2 * n])
-        ops.scatter_int32(self._seq_lens_d, packed[2 * n : 2 * n + 1], packed[2 * n + 1 :])
+        self._adopt(s, pages, n * self.page_size)
 
     def hold(self, pages: Sequence[int]) -> None:
         """Take one reference to each owned page that belongs to no sequence (a prefix cache's):

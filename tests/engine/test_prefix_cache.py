@@ -98,11 +98,15 @@ def test_100_requests_cache_on_equals_off_and_dense(models):
     assert m["kv_pages_used"] == 0 and m["running"] == m["waiting"] == 0
 
 
-def test_seeded_sampling_cache_on_equals_off(models):
-    _, paged = models
+def test_seeded_sampling_cache_on_equals_off_and_dense(models):
+    dense, paged = models
     reqs = shared_prefix_requests(random.Random(1), 40, sampled=True)
     on = engine(paged)
-    assert run(on, reqs, after_step=check_pool) == run(engine(paged, enable_prefix_caching=False), reqs)
+    got = run(on, reqs, after_step=check_pool)
+    assert got == run(engine(paged, enable_prefix_caching=False), reqs)
+    for (prompt, sp), toks in zip(reqs, got):  # each request's own generator: dense alone agrees
+        assert toks == generate(dense, [prompt], sp.max_new_tokens, temperature=sp.temperature,
+                                top_k=sp.top_k, seed=sp.seed, eos_id=None)[0]
     assert on.metrics()["prefix_cache_hits"] > 0
 
 
@@ -251,7 +255,7 @@ def test_n_completions_each_equal_the_single_request_with_its_seed(models, cache
     """SamplingParams(n=5, seed=s): completion i equals the n=1 request with seed s + i, with
     fewer rows than completions (some wait, then run on their own); the prompt's pages are held
     once by the forked completions."""
-    _, paged = models
+    dense, paged = models
     rng = random.Random(8)
     prompt = [rng.randrange(3, 256) for _ in range(2 * P + 5)]
     sp = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, ignore_eos=True)
@@ -269,8 +273,8 @@ def test_n_completions_each_equal_the_single_request_with_its_seed(models, cache
         check_pool(eng)
     assert shared_refs == 4  # one page, held by the 4 running completions
     assert sorted(got) == list(range(5))
-    alone = [run(engine(paged, enable_prefix_caching=False), [(prompt, SamplingParams(seed=11 + i, **sp))])[0]
-             for i in range(5)]
+    alone = [generate(dense, [prompt], 10, temperature=1.0, top_p=0.9, seed=11 + i, eos_id=None)[0]
+             for i in range(5)]  # the n = 1 request with seed 11 + i, on the dense path
     assert [got[i] for i in range(5)] == alone
     assert len({tuple(t) for t in alone}) > 1  # the seeds differ, so do the completions
     stats = eng.metrics()["requests"]
