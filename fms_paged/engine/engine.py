@@ -28,7 +28,7 @@ from fms_paged.engine.scheduler import Scheduler, SchedulerOutput
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget, sequence_pages
 from fms_paged.kv.paged import PagedBackend
 
-COMPILE_MODES = ("auto", True, False)
+COMPILE_MODES = ("auto", True, False, "tuned")
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -47,7 +47,11 @@ class Engine:
     num_pages: pool size; None sizes it by memory (`fms_paged.kv.budget.kv_cache_budget`, with
         `kv_memory_fraction`).
     compile: True compiles the decode step (one graph per decode bucket), "auto" does where
-        compiled FlexAttention works here, False runs eagerly.
+        compiled FlexAttention works here, False runs eagerly. "tuned" (flex kernel) also freezes
+        the weights into the decode graphs and autotunes their GEMMs (inductor's C++ GEMM
+        template; `fms_paged.engine.model_step.TUNED_OPTIONS`): faster decode on a CPU, but every
+        process compiles it again (minutes for a 100M-parameter model) and the model's weights must
+        not change afterwards.
     max_model_len: longest prompt + output (default: the model's `max_expected_seq_len`).
     kernel: the paged attention kernel (`fms_paged.kv.paged.KERNELS`).
     backend: an existing `PagedBackend` to run on (its pool and rows) instead of a new one.
@@ -90,7 +94,7 @@ class Engine:
                 f"max_num_batched_tokens={max_num_batched_tokens} < max_num_seqs={max_num_seqs}: "
                 "every running request needs a token of the step's budget to decode"
             )
-        if compile not in COMPILE_MODES:
+        if compile not in COMPILE_MODES or isinstance(compile, int) and not isinstance(compile, bool):
             raise ValueError(f"compile={compile!r}; expected one of {COMPILE_MODES}")
         max_model_len = c.max_expected_seq_len if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not (
@@ -129,8 +133,10 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, backend.release,
                                    cache=self.prefix_cache)
+        if compile == "tuned" and backend.kernel != "flex":
+            raise ValueError(f"compile='tuned' needs the flex kernel; this backend runs {backend.kernel!r}")
         self.compiled = backend.kernel == "flex" if compile == "auto" else bool(compile)
-        self._decode = decode_fn(backend, self.compiled)
+        self._decode = decode_fn(backend, "tuned" if compile == "tuned" else self.compiled, model)
         self.buckets = decode_buckets(max_num_seqs)
         self.vocab_size = c.src_vocab_size
         self.eos = frozenset() if c.eos_token_id is None else frozenset([c.eos_token_id])

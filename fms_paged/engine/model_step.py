@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 import torch
+import torch._inductor.config
+
+# inductor options of the "tuned" decode step (CPU): weights frozen into the graph as constants and
+# each GEMM autotuned between ATen (MKL) and inductor's C++ GEMM template, which prepacks the frozen
+# weight into its own blocked layout. Measured on a 2-vCPU AMD EPYC with a SmolLM2-135M-shaped model:
+# the projections' GEMVs at ~21 GB/s against ~10 GB/s through MKL, decode 1.5-1.7x faster.
+TUNED_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def decode_one_token(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
@@ -24,9 +32,36 @@ def compiled_decode(static_shapes: bool) -> Callable:
     return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None)
 
 
-def decode_fn(cache: object, compile: bool) -> Callable:
-    """The decode-step function for a KV-cache backend: eager, or the shared compiled one for its
-    shapes."""
+def compiled_decode_tuned(model: torch.nn.Module) -> Callable:
+    """The decode step compiled with `TUNED_OPTIONS` for `model` alone (static shapes).
+
+    Freezing bakes the weights into the graph, so the step is bound to this model object (another
+    model raises ValueError) and must not be used after its weights change. It runs on a code
+    object of its own, so Dynamo never hands its graphs to another model's step. Inductor reads
+    `freezing` from its global config (not from `torch.compile(options=...)`), so the options are
+    patched in around each call. It cannot store graphs holding MKL-packed weights in its on-disk
+    graph cache ("mkldnn tensors unpickleable"): each process compiles these graphs again, while
+    the GEMM autotuning choices are cached on disk and not measured again."""
+    code = decode_one_token.__code__.replace(co_name=f"decode_one_token_tuned_{id(model):x}")
+    fn = torch.compile(types.FunctionType(code, decode_one_token.__globals__), fullgraph=True,
+                       dynamic=False)
+
+    def step(m: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, s: object) -> torch.Tensor:
+        if m is not model:
+            raise ValueError("this tuned decode step was compiled for another model (weights frozen in)")
+        with torch._inductor.config.patch(TUNED_OPTIONS):
+            return fn(m, tokens, positions, s)
+
+    return step
+
+
+def decode_fn(cache: object, compile: bool | str, model: torch.nn.Module | None = None) -> Callable:
+    """The decode-step function for a KV-cache backend: eager, the shared compiled one for its
+    shapes, or (`compile="tuned"`, paged flex backend, `model` given) the tuned one."""
     if not compile:
         return decode_one_token
+    if compile == "tuned":
+        if model is None or getattr(cache, "kernel", None) != "flex":
+            raise ValueError("compile='tuned' needs the paged flex backend and its model")
+        return compiled_decode_tuned(model)
     return compiled_decode(getattr(cache, "kernel", None) == "flex")

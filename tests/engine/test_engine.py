@@ -250,6 +250,8 @@ def test_bad_engine_settings(models):
         (dict(max_num_seqs=0), "max_num_seqs=0"),
         (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens=4 < max_num_seqs=8"),
         (dict(compile="yes"), "compile='yes'"),
+        (dict(compile=2), "compile=2"),
+        (dict(compile="tuned", kernel="gather"), "compile='tuned' needs the flex kernel"),
         (dict(max_model_len=4096), r"max_model_len=4096; expected an int in \[1, 2048\]"),
         (dict(num_pages=1), "num_pages=1"),
     ):
@@ -455,3 +457,22 @@ def test_warmup_compiles_then_leaves_an_idle_engine(models):
     with pytest.raises(RuntimeError, match="idle engine"):
         eng.add_request([1, 2], SamplingParams(max_new_tokens=2))
         eng.warmup()
+
+
+def test_tuned_decode_step_equals_dense_and_stays_with_its_model(models):
+    """compile="tuned" (weights frozen into the decode graph, GEMMs autotuned): the same greedy
+    tokens as dense generate(); a second model with other weights gets a graph of its own (its
+    tokens are its own dense tokens, not the first model's), and a step refuses a foreign model."""
+    dense, paged = models
+    other_dense = get_model(variant="micro", device="cpu", seed=1)
+    other = get_model(variant="micro", device="cpu", seed=1, attn_impl="paged", page_size=16)
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, n) for n in (3, 40, 17, 70)]
+    for d, p in ((dense, paged), (other_dense, other)):
+        eng = engine(p, compile="tuned", kernel="flex", num_pages=64)
+        ids = [eng.add_request(x, SamplingParams(max_new_tokens=12, ignore_eos=True)) for x in prompts]
+        got = run(eng)
+        for rid, x in zip(ids, prompts):
+            assert got[rid] == generate(d, [x], 12, eos_id=None)[0]
+    with pytest.raises(ValueError, match="another model"):
+        eng._decode(paged, None, None, None)

@@ -47,13 +47,15 @@ def lockstep(
     seq_ids=None,
     max_batch=None,
     before=None,
+    prefill_kernel="auto",
 ):
     """Max |logit difference| over all prompt positions and `steps` decode steps."""
     B = len(prompts)
     seq_ids = seq_ids or list(range(B))
     max_len = max(map(len, prompts)) + steps + 1
     dc = make_cache(dense, B, max_len)
-    pc = PagedBackend(paged, max_batch or B, max_len, num_pages=num_pages, kernel=kernel)
+    pc = PagedBackend(paged, max_batch or B, max_len, num_pages=num_pages, kernel=kernel,
+                      prefill_kernel=prefill_kernel)
     if before is not None:
         before(pc)
     t, p, s, _ = dc.prefill(list(range(B)), prompts)
@@ -90,8 +92,8 @@ def test_eager_flex_matches_dense_all_page_sizes(P):
     assert lockstep(dense, paged, prompts_of(LENGTHS), steps=P + 2, kernel="flex-eager") <= TOL
 
 
-@pytest.mark.parametrize("kernel", ["flex", "gather"])
-def test_kernels_match_dense(kernel):
+@pytest.mark.parametrize("kernel,prefill_kernel", [("flex", "flex"), ("flex", "sdpa"), ("gather", "auto")])
+def test_kernels_match_dense(kernel, prefill_kernel):
     dense, paged = pair(page_size=16)
     worst = lockstep(
         dense,
@@ -101,6 +103,7 @@ def test_kernels_match_dense(kernel):
         kernel=kernel,
         num_pages=NUM_PAGES,
         max_batch=8,
+        prefill_kernel=prefill_kernel,
     )
     assert worst <= TOL
 
@@ -157,11 +160,12 @@ def test_nan_filled_pages_are_reused_safely(kernel):
     assert worst <= TOL
 
 
-def test_chunked_prefill_through_pages():
+@pytest.mark.parametrize("prefill_kernel", ["flex", "sdpa"])
+def test_chunked_prefill_through_pages(prefill_kernel):
     """A prompt fed in chunks (each chunk reads the earlier ones from the pool) equals dense."""
     dense, paged = pair(page_size=16)
     x = prompts_of([150])[0]
-    pc = PagedBackend(paged, 1, 160, num_pages=NUM_PAGES, kernel="flex")
+    pc = PagedBackend(paged, 1, 160, num_pages=NUM_PAGES, kernel="flex", prefill_kernel=prefill_kernel)
     outs = []
     with torch.inference_mode():
         for start in range(0, 150, 37):
@@ -171,13 +175,14 @@ def test_chunked_prefill_through_pages():
     assert (torch.cat(outs) - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("kernel", ["flex-eager", "flex"])
-def test_mixed_step_decodes_and_chunks_match_dense(kernel):
+@pytest.mark.parametrize("kernel,prefill_kernel",
+                         [("flex-eager", "auto"), ("flex", "flex"), ("flex", "sdpa")])
+def test_mixed_step_decodes_and_chunks_match_dense(kernel, prefill_kernel):
     """One forward holding 3 decode rows (padded to 4) and 2 prefill chunks (one of them the middle
     of a prompt): every logit equals the dense model run without a cache over each whole sequence."""
     dense, paged = pair(page_size=16)
     prompts = prompts_of([20, 33, 16, 50, 70], seed=4)
-    pc = PagedBackend(paged, 8, 160, num_pages=NUM_PAGES, kernel=kernel)
+    pc = PagedBackend(paged, 8, 160, num_pages=NUM_PAGES, kernel=kernel, prefill_kernel=prefill_kernel)
     with torch.inference_mode():
         t, p, s, _ = pc.prefill([0, 1, 2], prompts[:3])  # the decoding sequences' prompts
         paged(t, p, s)
@@ -414,3 +419,18 @@ def test_user_score_mod_same_in_packed_decode_and_prefill():
         unbiased = paged(t, p, s)[0, len(x) - 1]
     assert (got - ref).abs().max().item() <= TOL
     assert (ref - unbiased).abs().max().item() > 1e-2  # the score_mod really changed the result
+
+
+def test_prefill_kernel_choice_and_errors():
+    """CPU: prefill chunks go through SDPA unless a score_mod needs the flex path; a bad choice is
+    refused by name."""
+    _, paged = pair(page_size=16)
+    assert PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex").prefill_kernel == "sdpa"
+    with_mod = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex",
+                            score_mod=lambda score, b, h, q, kv: score)
+    assert with_mod.prefill_kernel == "flex"
+    with pytest.raises(ValueError, match="prefill_kernel='bogus'"):
+        PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", prefill_kernel="bogus")
+    with pytest.raises(ValueError, match="score_mod"):
+        PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", prefill_kernel="sdpa",
+                     score_mod=lambda score, b, h, q, kv: score)
