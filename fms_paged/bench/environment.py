@@ -111,6 +111,22 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: 
     return 2 * nbytes / best / 1e9
 
 
+def measure_read_bandwidth(device: torch.device, nbytes: int = 2**30, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s: the best of `repeats` `sum`s over a tensor of `nbytes` (larger
+    than the caches), after one warm-up."""
+    x = torch.ones(nbytes // 4, device=device)
+    x.sum()
+    sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return nbytes / best / 1e9
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of distinct parameters (tied weights counted once)."""
     seen, total = set(), 0

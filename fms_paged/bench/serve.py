@@ -219,6 +219,8 @@ def run_all(args, model) -> dict[str, Any]:
         }
     if "capacity" in todo:
         res["capacity"] = [capacity(model, args, n) for n in args.capacity_lens]
+    if "vs_vllm" in todo:
+        res["vs_vllm"] = vs_vllm(args, model, Path(args.out))
     for name, runs in res["workloads"].items():  # greedy tokens across the runs of a workload
         toks = [r["tokens"] for r in runs.values() if isinstance(r, dict) and "tokens" in r]
         if name == "parallel":
@@ -261,6 +263,112 @@ def warmup(model, engine_kw: dict[str, Any]) -> float:
     return Engine(model, **engine_kw).warmup()
 
 
+# ---------------------------------------------------------------------------- engine vs vLLM
+# The three workloads vLLM's CPU build was first measured on, side by side: (model, prompt
+# lengths, new tokens per request, max_num_seqs, max_num_batched_tokens). "smollm2" is a random
+# model of SmolLM2-135M's shape (its weights are not shipped or downloaded; the speed of a step
+# does not depend on their values), "default" the embedded default model.
+VS_VLLM = {
+    "SmolLM2-135M shape, 4 prompts 32..128, 64 new": ("smollm2", [32, 64, 96, 128], 64, 8, 512),
+    "SmolLM2-135M shape, 1 prompt of 64, 64 new": ("smollm2", [64], 64, 8, 512),
+    "default model, 16 prompts 62..1000, 16 new": (
+        "default", [round(62 + i * (1000 - 62) / 15) for i in range(16)], 16, 16, 1024),
+}
+SMOLLM2_135M = dict(src_vocab_size=49152, emb_dim=576, nheads=9, kvheads=3, nlayers=30,
+                    hidden_grow_factor=1536 / 576, multiple_of=1, rope_theta=100000.0,
+                    max_expected_seq_len=8192, tie_heads=True)
+
+
+def smollm2_shaped(out: Path) -> Path:
+    """A seeded random LLaMA of SmolLM2-135M's shape written as a Hugging Face checkpoint."""
+    from fms_paged.models.hf import save_hf_llama
+    from fms_paged.models.llama import LLaMA, LLaMAConfig
+
+    torch.manual_seed(0)
+    model = LLaMA(LLaMAConfig(**SMOLLM2_135M))
+    model.reset_parameters()
+    save_hf_llama(model, out)
+    return out
+
+
+def engine_offline(model, prompts: list[list[int]], new: int, seqs: int, budget: int, compile,
+                   repeats: int = 3) -> dict[str, Any]:
+    """`repeats` offline runs of `prompts` through one warmed-up engine (prefix cache off, as for
+    vLLM) -> the median run's output tok/s, its decode steps/s (one request: 1 / mean TPOT), the
+    warm-up seconds and the tokens."""
+    eng = Engine(model, max_num_seqs=seqs, max_num_batched_tokens=budget, compile=compile,
+                 max_model_len=max(map(len, prompts)) + new, enable_prefix_caching=False)
+    warm = eng.warmup(progress=True)
+    runs = []
+    for _ in range(repeats):
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True)) for p in prompts]
+        got: dict[int, list[int]] = {}
+        t0 = time.perf_counter()
+        for out in eng.stream():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        dt = time.perf_counter() - t0
+        stats = eng.metrics()["requests"]
+        tpot = statistics.fmean(stats[i]["tpot"] for i in ids)
+        runs.append((dt, 1 / tpot, [got[i] for i in ids]))
+    runs.sort(key=lambda r: r[0])
+    dt, steps, tokens = runs[len(runs) // 2]
+    return {"compile": compile, "output_tok_s": len(prompts) * new / dt, "durations_s": [r[0] for r in runs],
+            "decode_steps_s": steps, "warmup_s": warm, "tokens": tokens}
+
+
+def vs_vllm(args, model, out: Path) -> dict[str, Any]:
+    """Each `VS_VLLM` workload through the engine (each compile mode of `args.vs_vllm_compile`)
+    and through vLLM (its own process, same settings, median of 3), with the decode roofline:
+    read bandwidth measured here / bytes a decode step reads (weights + live K/V)."""
+    from fms_paged.bench.environment import decode_roofline_ms, measure_read_bandwidth
+    from fms_paged.models import get_model
+
+    res: dict[str, Any] = {"read_bandwidth_gbs": measure_read_bandwidth(model.device), "workloads": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        smol = None
+        for name, (which, lens, new, seqs, budget) in VS_VLLM.items():
+            if which == "smollm2":
+                smol = smol or get_model(model_path=smollm2_shaped(Path(tmp) / "smollm2"),
+                                         attn_impl="paged", device=model.device)
+            m = smol if which == "smollm2" else model
+            rng = torch.Generator().manual_seed(args.seed)
+            prompts = [torch.randint(3, m.config.src_vocab_size, (n,), generator=rng).tolist() for n in lens]
+            kv_read = max(lens) + new  # the last step of the one-request workload
+            roof = 1e3 / decode_roofline_ms(m, kv_read, res["read_bandwidth_gbs"])
+            r: dict[str, Any] = {"roofline_steps_s": roof, "engine": {}}
+            for mode in args.vs_vllm_compile:
+                print(f"bench-serve: {name}, engine compile={mode} ...", file=sys.stderr, flush=True)
+                r["engine"][str(mode)] = engine_offline(m, prompts, new, seqs, budget, mode)
+            ckpt = Path(tmp) / "smollm2" if which == "smollm2" else hf_checkpoint_dir(m, args.model_path, tmp)
+            job = {"model_path": str(ckpt), "dtype": str(m.dtype).removeprefix("torch."), "repeats": 3,
+                   "requests": [{"prompt": p, "max_new_tokens": new} for p in prompts],
+                   "max_num_seqs": seqs, "max_num_batched_tokens": budget, "block_size": 128,
+                   "kv_space_gib": 1}
+            v = _run_vllm(job, Path(tmp), out, f"vllm_{which}_{len(lens)}")
+            if "tokens" in v:
+                v["tokens_equal_engine"] = all(e["tokens"] == v["tokens"] for e in r["engine"].values())
+                if len(lens) == 1 and v.get("ttft_s"):
+                    v["decode_steps_s"] = (new - 1) / (v["duration_s"] - v["ttft_s"][0])
+            r["vllm"] = v
+            res["workloads"][name] = r
+    return res
+
+
+def _run_vllm(job: dict[str, Any], tmp: Path, out: Path, tag: str) -> dict[str, Any]:
+    """scripts/peer_vllm.py in `.venv-vllm` on `job` -> its JSON, or why it did not run."""
+    if not VLLM_PYTHON.exists():
+        return {"error": f"{VLLM_PYTHON} not found: `make peer-vllm` creates it"}
+    src, dst = tmp / f"{tag}.in.json", tmp / f"{tag}.out.json"
+    src.write_text(json.dumps(job))
+    print(f"bench-serve: vLLM peer ({tag}) ...", file=sys.stderr, flush=True)
+    run = subprocess.run([str(VLLM_PYTHON), str(VLLM_SCRIPT), str(src), str(dst)],
+                         capture_output=True, text=True)
+    (out / f"peer_{tag}.log").write_text(run.stdout[-20000:] + run.stderr[-20000:])
+    if run.returncode or not dst.exists():
+        return {"error": (run.stderr or run.stdout)[-1500:]}
+    return json.loads(dst.read_text())
+
+
 # ---------------------------------------------------------------------------- peers (own processes)
 PEERS = ("dense", "hf", "vllm")
 VLLM_PYTHON = Path(".venv-vllm/bin/python")
@@ -284,12 +392,9 @@ def run_peers(model, model_path: str | None, specs: list[Spec], args, out: Path)
         for peer in args.peers:
             dst = Path(tmp) / f"{peer}.json"
             if peer == "vllm":
-                if not VLLM_PYTHON.exists():
-                    res[peer] = {"error": f"{VLLM_PYTHON} not found: `make peer-vllm` creates it"}
-                    continue
-                cmd = [str(VLLM_PYTHON), str(VLLM_SCRIPT), str(src), str(dst)]
-            else:
-                cmd = [sys.executable, "-m", "fms_paged.bench.serve", "--peer", peer, str(src), str(dst)]
+                res[peer] = _run_vllm(job, Path(tmp), out, "vllm")
+                continue
+            cmd = [sys.executable, "-m", "fms_paged.bench.serve", "--peer", peer, str(src), str(dst)]
             print(f"bench-serve: peer {peer} ...", file=sys.stderr, flush=True)
             run = subprocess.run(cmd, capture_output=True, text=True)
             if run.returncode or not dst.exists():
@@ -405,7 +510,31 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{c['engine_peak_running']} mix requests at once ({_f(c['ratio'])}x dense)")
     lines.append("- greedy tokens equal across the runs of each workload: " + ", ".join(
         f"{k} {'yes' if v.get('tokens_equal') else 'NO'}" for k, v in w.items()))
+    if "vs_vllm" in res:
+        lines += vs_vllm_markdown(res["vs_vllm"])
     return "\n".join(lines) + "\n"
+
+
+def vs_vllm_markdown(vs: dict[str, Any]) -> list[str]:
+    lines = ["", f"### Engine vs vLLM (read bandwidth {vs['read_bandwidth_gbs']:.1f} GB/s, median of 3)", "",
+             "| workload | system | output tok/s | engine / vLLM | decode steps/s (% of roofline) | "
+             "start-up s (engine warm-up; vLLM init) | greedy tokens |", "|---|---|---|---|---|---|---|"]
+    for name, r in vs["workloads"].items():
+        v = r["vllm"]
+        rows = [(f"engine compile={mode}", e) for mode, e in r["engine"].items()] + [("vLLM CPU", v)]
+        for system, x in rows:
+            if "error" in x:
+                why = x["error"].strip().splitlines()[-1][:120]
+                lines.append(f"| {name} | {system} | did not run: {why} | | | | |")
+                continue
+            ratio = x["output_tok_s"] / v["output_tok_s"] if x is not v and "output_tok_s" in v else None
+            steps = x.get("decode_steps_s") if len(x["tokens"]) == 1 else None
+            roof = "-" if steps is None else f"{steps:.1f} ({100 * steps / r['roofline_steps_s']:.0f}%)"
+            same = "-" if x is v else ("equal" if v.get("tokens") == x["tokens"] else
+                                       "DIFFER" if "tokens" in v else "-")
+            lines.append(f"| {name} | {system} | {x['output_tok_s']:.1f} | {_f(ratio, '.2f')} | {roof} | "
+                         f"{_f(x['warmup_s'] if x is not v else x.get('init_s'), '.1f')} | {same} |")
+    return lines
 
 
 def plots(res: dict[str, Any], out: Path) -> list[Path]:
@@ -455,7 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_mutually_exclusive_group()
     m.add_argument("--variant", help="a registered variant (random weights)")
     m.add_argument("--model-path", help="a Hugging Face LLaMA checkpoint (default: the embedded model)")
-    p.add_argument("--workloads", default="mix,shared_prefix,multi_turn,parallel,capacity")
+    p.add_argument("--workloads", default="mix,shared_prefix,multi_turn,parallel,capacity,vs_vllm")
+    p.add_argument("--vs-vllm-compile", type=lambda x: [{"true": True, "false": False}.get(v, v)
+                                                         for v in x.split(",")],
+                   default=["auto", "tuned"], help="engine compile modes of the vs_vllm runs")
     p.add_argument("--capacity-lens", type=lambda x: [int(v) for v in x.split(",")],
                    default=[2048, 32768], help="max_seq_len of the capacity comparison")
     p.add_argument("--num-requests", type=int, default=None, help="requests of the mix (default 64)")

@@ -69,3 +69,22 @@ def test_capacity_counts_requests_running_at_once():
     assert c["dense_concurrency"] == 4 and c["kv_budget_bytes"] == 4 * 2048 * 2 * 2 * 2 * 16 * 4
     assert c["completed"] == c["requests"] and 4 < c["engine_peak_running"] <= c["requests"]
     assert c["ratio"] == c["engine_peak_running"] / 4
+
+
+def test_engine_offline_runs_account_for_every_token():
+    """The engine side of the vLLM comparison (`engine_offline`, 3 timed runs): every request
+    makes its tokens (dense generate()'s greedy tokens), the median run is reported, and the
+    one-request decode rate is a rate; the table says when vLLM did not run."""
+    from fms_paged import generate, get_model
+
+    dense = get_model(variant="micro", device="cpu", seed=0)
+    paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged")
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    e = serve.engine_offline(paged, prompts, 6, 4, 64, False)
+    assert e["tokens"] == [generate(dense, [p], 6, eos_id=None)[0] for p in prompts]
+    assert len(e["durations_s"]) == 3 and e["durations_s"] == sorted(e["durations_s"])
+    assert e["output_tok_s"] == 2 * 6 / e["durations_s"][1] and e["decode_steps_s"] > 0
+    vs = {"read_bandwidth_gbs": 20.0, "workloads": {"w": {
+        "roofline_steps_s": 100.0, "engine": {"False": e}, "vllm": {"error": "no venv\nnot found"}}}}
+    table = "\n".join(serve.vs_vllm_markdown(vs))
+    assert "| w | engine compile=False | " in table and "| w | vLLM CPU | did not run: not found" in table

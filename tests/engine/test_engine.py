@@ -309,8 +309,8 @@ def test_decode_step_has_no_host_sync(models, no_host_sync):
 
 
 def test_zero_recompiles_over_500_engine_steps_compiled(models):
-    """compile=True, the compiled flex kernel: after warm-up (one decode bucket, the 128-token
-    prefill bucket of mixed steps), 500 steps with requests joining and leaving recompile nothing."""
+    """compile=True, the compiled flex kernel: after `warmup()` (decode buckets 1 and 4), 500
+    steps with requests joining and leaving recompile nothing."""
     import torch._dynamo
 
     dense, paged = models
@@ -323,11 +323,10 @@ def test_zero_recompiles_over_500_engine_steps_compiled(models):
         n = rng.randint(2, 30)
         return eng.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)), prompt, n
 
+    assert eng.buckets == [1, 4]
+    eng.warmup(progress=False)
     reqs = [submit() for _ in range(4)]
     got: dict[int, list[int]] = {}
-    for _ in range(3):  # warm-up: a prefill step, then decode steps
-        for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(500):
             if rng.random() < 0.15:
@@ -469,7 +468,7 @@ def test_tuned_decode_step_equals_dense_and_stays_with_its_model(models):
     rng = random.Random(5)
     prompts = [random_prompt(rng, n) for n in (3, 40, 17, 70)]
     for d, p in ((dense, paged), (other_dense, other)):
-        eng = engine(p, compile="tuned", kernel="flex", num_pages=64)
+        eng = engine(p, compile="tuned", kernel="flex", num_pages=64, max_num_seqs=4)
         ids = [eng.add_request(x, SamplingParams(max_new_tokens=12, ignore_eos=True)) for x in prompts]
         got = run(eng)
         for rid, x in zip(ids, prompts):
