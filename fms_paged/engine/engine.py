@@ -346,8 +346,8 @@ class Engine:
 
     def warmup(self, progress: bool = True) -> float:
         """Compile the shapes serving will meet before the first request does, -> seconds: prefill
-        chunks of every packed-length bucket up to the token budget beside running decodes, and
-        decode batches of every bucket size (synthetic requests finish one by one). Their
+        chunks of every packed-length bucket up to the token budget, decode batches of every
+        bucket size, and a prefill beside the decodes of every bucket size (synthetic requests). Their
         statistics and cached pages are then dropped. Compiled code lands in torch's on-disk
         caches, so a second process on the same machine warms up in seconds. No-op (0.0) when
         nothing here compiles (eager model, GATHER kernel or flex-eager)."""
@@ -365,22 +365,35 @@ class Engine:
             return torch.randint(0, self.vocab_size, (max(1, n),), generator=rng).tolist()
 
         # each prefill bucket alone, then every row at once: request i makes 2 + i tokens, so the
-        # decode batch shrinks through every bucket while prefill chunks run beside decodes
+        # decode batch shrinks through every bucket while prefill chunks run beside decodes; then
+        # for each decode bucket b, b one-token prompts decode while one more request is prefilled
+        # beside them (the all-rows wave reaches the small buckets only after every prompt is in)
         waves = [[(prompt(n), 2)] for n in dict.fromkeys(lengths)]
         waves.append([(prompt(lengths[i % len(lengths)]), 2 + i) for i in range(rows)])
+        joins = [None] * len(waves) + [(prompt(16), 2)] * len(self.buckets)
+        waves += [[(prompt(1), 3)] * b for b in self.buckets]
         bar = None
         if progress:
             try:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(total=sum(map(len, waves)), desc="fms_paged engine: compiling its shapes",
-                           unit="req", leave=False)
+                bar = tqdm(total=sum(map(len, waves)) + len(self.buckets),
+                           desc="fms_paged engine: compiling its shapes", unit="req", leave=False)
             except ImportError:
                 print("fms_paged engine: compiling its shapes ...", flush=True)
         ids = set()
-        for wave in waves:
-            ids |= {self.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in wave}
-            for out in self.stream():
+
+        def add(p: list[int], n: int) -> None:
+            ids.add(self.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+
+        for wave, join in zip(waves, joins):
+            for p, n in wave:
+                add(p, n)
+            outs = []
+            if join is not None:
+                outs = self.step()  # the wave is prefilled; `join` is prefilled beside its decodes
+                add(*join)
+            for out in itertools.chain(outs, self.stream()):
                 if bar is not None and out.finished:
                     bar.update(1)
         if bar is not None:
