@@ -140,8 +140,7 @@ def choose_kernel(kernel: str, device: torch.device, page_size: int | None = Non
     return "gather"
 
 
-def choose_prefill_kernel(prefill_kernel: str, kernel: str, device: torch.device,
-                          score_mod: Callable | None) -> str:
+def choose_prefill_kernel(prefill_kernel: str, device: torch.device, score_mod: Callable | None) -> str:
     """How the flex kernel attends prefill chunks: "flex" (the paged BlockMask over the pool) or
     "sdpa" (GATHER each chunk's sequence into logical order, then SDPA per chunk: one kernel call
     per chunk and layer, no mask_mod per element, the CPU's flash kernel). "auto": "sdpa" on the
@@ -215,7 +214,7 @@ class PagedBackend:
         for pool in self.k_pools + self.v_pools:
             pool[:, :, :P].zero_()
         self.score_mod = score_mod
-        self.prefill_kernel = choose_prefill_kernel(prefill_kernel, self.kernel, self.device, score_mod)
+        self.prefill_kernel = choose_prefill_kernel(prefill_kernel, self.device, score_mod)
         # decode packs the G = nheads / kvheads query heads of each kv head into the query length:
         # the CPU flex kernel then reads each page once per kv head (measured ~5x faster at B=8)
         self.gqa_group = c.nheads // c.kvheads
