@@ -53,11 +53,17 @@ def load_model(spec: dict[str, Any], attn_impl: str = "sdpa") -> torch.nn.Module
     )
 
 
+def with_config(model: torch.nn.Module, **changes: Any) -> torch.nn.Module:
+    """A shallow twin sharing every weight, whose config differs by `changes` (another backend,
+    another page size)."""
+    twin = copy.copy(model)
+    twin.config = dataclasses.replace(model.config, **changes)
+    return twin
+
+
 def with_attn_impl(model: torch.nn.Module, attn_impl: str) -> torch.nn.Module:
     """A shallow twin sharing every weight, whose config names another backend (for `make_cache`)."""
-    twin = copy.copy(model)
-    twin.config = dataclasses.replace(model.config, attn_impl=attn_impl)
-    return twin
+    return with_config(model, attn_impl=attn_impl)
 
 
 def make_backend(

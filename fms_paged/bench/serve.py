@@ -83,12 +83,13 @@ def _pct(xs: list[float]) -> dict[str, float | None]:
 
 def serve(model: torch.nn.Module, specs: list[Spec], engine_kw: dict[str, Any],
           rate: float | None = None, seed: int = 0, prefix_pages: int = 0,
-          desc: str | None = None) -> dict[str, Any]:
+          desc: str | None = None, track_fill: bool = False) -> dict[str, Any]:
     """Run `specs` through a fresh Engine: all at t=0 (rate None) or Poisson arrivals at `rate`
     requests/s. `prefix_pages`: also track the distinct pages held in the first that many logical
     pages of the running sequences (the KV of a shared prefix). -> the figures and each request's
     tokens (completion 0), in submission order of the first turns. `desc`: show a progress bar
-    (finished requests) on stderr."""
+    (finished requests) on stderr. `track_fill`: also the mean fill of the pages in use after each
+    step (tokens held / their slots; 1 - fill is the KV lost to partly filled last pages)."""
     eng = Engine(model, **engine_kw)
     total = sum((1 + len(s.next_turns)) * s.n for s in specs)
     bar = _progress(total, desc)
@@ -103,6 +104,7 @@ def serve(model: torch.nn.Module, specs: list[Spec], engine_kw: dict[str, Any],
     tokens: dict[tuple[int, int], list[int]] = {}
     history: dict[int, list[int]] = {}
     timeline: list[tuple[float, int, int, int, int]] = []
+    fill: list[float] = []
     t0 = time.perf_counter()
 
     def submit(i: int, turn: int, prompt: list[int], arrival: float | None = None) -> None:
@@ -132,6 +134,8 @@ def serve(model: torch.nn.Module, specs: list[Spec], engine_kw: dict[str, Any],
         if prefix_pages:  # distinct pages holding the first `prefix_pages` pages of live sequences
             shared = len({p for s in eng.pm.live_seqs for p in eng.pm.pages_of(s)[:prefix_pages]})
         used = eng.pm.num_pages - 1 - sched.available_pages()
+        if track_fill and eng.pm.live_seqs:
+            fill.append(eng.pm.utilization)
         timeline.append((time.perf_counter() - t0, used, len(sched.running), len(sched.waiting), shared))
     duration = time.perf_counter() - t0
     bar.close()
@@ -151,6 +155,7 @@ def serve(model: torch.nn.Module, specs: list[Spec], engine_kw: dict[str, Any],
         "peak_kv_pages": max((x[1] for x in timeline), default=0),
         "peak_prefix_pages": max((x[4] for x in timeline), default=0),
         "timeline": timeline,
+        "kv_fill_mean": statistics.fmean(fill) if fill else None,
         "tokens": [tokens[k] for k in sorted(tokens)],
         **{k: v for k, v in m.items() if not k.startswith("mean_")},
     }
@@ -217,6 +222,10 @@ def run_all(args, model) -> dict[str, Any]:
             "n=8": serve(model, [Spec(prompt, new, n=n)], kw),
             "8 separate": serve(model, [Spec(prompt, new) for _ in range(n)], kw),
         }
+    if "page_sizes" in todo:
+        res["page_sweep"] = page_sweep(args, model)
+    if "split_kv" in todo:
+        res["split_kv"] = split_kv(args, model)
     if "capacity" in todo:
         res["capacity"] = [capacity(model, args, n) for n in args.capacity_lens]
     if "vs_vllm" in todo:
@@ -227,6 +236,91 @@ def run_all(args, model) -> dict[str, Any]:
             toks = [[t[0]] for t in toks]  # greedy: every completion equals the first
         res["workloads"][name]["tokens_equal"] = all(t == toks[0] for t in toks)
     return res
+
+
+def page_sweep(args, model, repeats: int = 3) -> list[dict[str, Any]]:
+    """The evidence for the default page size. For each of `args.page_sizes`, a twin of the model
+    sharing its weights (`with_config`), warmed up: the offline mix with the prefix cache off
+    (throughput, TTFT, TPOT, the fill of the pages in use; `repeats` runs, the page sizes in turn
+    and in a rotated order each round so that the machine's drift falls on all alike; the median
+    run's figures), the multi-turn conversations with the cache on (hit rate, prompt tokens
+    computed), and the compiled decode step of 8 sequences of `args.sweep_context` / 8 ..
+    `args.sweep_context` tokens (the mix at full scale is longer than the scaled one), timed
+    step by step in turn (`time_decode`). Greedy tokens must not depend on the page size."""
+    from fms_paged.bench.latency import (
+        make_backend,
+        pool_pages,
+        random_prompts,
+        time_decode,
+        with_config,
+        with_rope_len,
+    )
+
+    vocab, sizes = model.config.src_vocab_size, args.page_sizes
+    mix = workload("mix", args.scale, vocab, args.seed, args.num_requests)
+    turns = workload("multi_turn", args.scale, vocab, args.seed)
+    twins = {P: with_config(model, page_size=P) for P in sizes}
+    kws = {P: _engine_kw(args, twins[P]) for P in sizes}
+    rows = {P: {"page_size": P, "warmup_s": warmup(twins[P], kws[P])} for P in sizes}
+    runs: dict[int, list[dict[str, Any]]] = {P: [] for P in sizes}
+    for i in range(repeats):
+        for P in sizes[i % len(sizes):] + sizes[: i % len(sizes)]:
+            runs[P].append(serve(twins[P], mix, dict(kws[P], enable_prefix_caching=False), track_fill=True,
+                                 desc=f"mix, page {P}"))
+    ctx = args.sweep_context
+    span = ctx + 32  # room for time_decode's warm-up, timed and BlockMask-timing steps
+    long = with_rope_len(model, span)  # the forward does not read the page size; the backends do
+    pools = {P: make_backend(with_config(long, page_size=P), "paged", 8, span,
+                             num_pages=pool_pages([span] * 8, P)) for P in sizes}
+    prompts = random_prompts(np.linspace(ctx / 8, ctx, 8).round().astype(int).tolist(), vocab, args.seed)
+    decode = time_decode(long, pools, prompts, steps=8, warmup=2, compile=True)
+    for P, r in rows.items():
+        off = sorted(runs[P], key=lambda x: x["output_tok_s"])[len(runs[P]) // 2]
+        on = serve(twins[P], turns, dict(kws[P], enable_prefix_caching=True), desc=f"multi-turn, page {P}")
+        r.update({"output_tok_s": off["output_tok_s"],
+                  "output_tok_s_runs": [x["output_tok_s"] for x in runs[P]],
+                  "long_decode_ms": decode[P]["ms_per_step"],
+                  "ttft_mean_s": off["ttft_s"]["mean"], "tpot_mean_s": off["tpot_s"]["mean"],
+                  "kv_fill_mean": off["kv_fill_mean"], "peak_kv_pages": off["peak_kv_pages"],
+                  "peak_kv_tokens": off["peak_kv_pages"] * P,
+                  "multi_turn_hit_rate": on.get("prefix_cache_hit_rate"),
+                  "multi_turn_prompt_tokens_computed": on["prompt_tokens_computed"],
+                  "tokens": off["tokens"], "multi_turn_tokens": on["tokens"]})
+    first = rows[sizes[0]]
+    for r in rows.values():
+        r["tokens_equal_first"] = (r["tokens"], r["multi_turn_tokens"]) == (
+            first["tokens"], first["multi_turn_tokens"])
+    return list(rows.values())
+
+
+def split_kv(args, model) -> list[dict[str, Any]]:
+    """CPU flex decoding's split-KV path (kernel option `PARTITION_SIZE`, KV tokens per partition):
+    inductor takes it only when each kv head has one query row, that is for MHA. The engine's GQA
+    decode packs the G query heads of a kv head into G rows and runs the flash kernel, where the
+    option does nothing. So: a random MHA model of the model's shape; the compiled decode step at
+    each of `args.split_kv_contexts`, for one sequence and for 8 (lengths spread up to the context),
+    per partition size, the partition sizes timed step by step in turn (`time_decode`)."""
+    from fms_paged.bench.latency import make_backend, pool_pages, random_prompts, time_decode
+    from fms_paged.models.llama import LLaMA
+
+    c = model.config
+    span = max(args.split_kv_contexts) + 32  # room for time_decode's extra steps
+    mha = LLaMA(c.updated(kvheads=c.nheads, max_expected_seq_len=span)).to(model.device, model.dtype)
+    mha.reset_parameters()
+    rows = []
+    for ctx in args.split_kv_contexts:
+        for B in (1, 8):
+            lens = [ctx] if B == 1 else np.linspace(ctx / B, ctx, B).round().astype(int).tolist()
+            pools = {}
+            for part in args.partition_sizes:
+                b = make_backend(mha, "paged", B, span, num_pages=pool_pages([span] * B, c.page_size))
+                b.kernel_options = dict(b.kernel_options or {}, PARTITION_SIZE=part)
+                pools[part] = b
+            t = time_decode(mha, pools, random_prompts(lens, c.src_vocab_size, args.seed), steps=8, warmup=2,
+                            compile=True)
+            rows.append({"context": ctx, "batch": B, "page_size": c.page_size,
+                         "ms_per_step": {part: t[part]["ms_per_step"] for part in args.partition_sizes}})
+    return rows
 
 
 def capacity(model, args, max_len: int) -> dict[str, Any]:
@@ -292,12 +386,12 @@ def smollm2_shaped(out: Path) -> Path:
 
 
 def engine_offline(model, prompts: list[list[int]], new: int, seqs: int, budget: int, compile,
-                   repeats: int = 3) -> dict[str, Any]:
+                   repeats: int = 3, max_model_len: int | None = None) -> dict[str, Any]:
     """`repeats` offline runs of `prompts` through one warmed-up engine (prefix cache off, as for
     vLLM) -> the median run's output tok/s, its decode steps/s (one request: 1 / mean TPOT), the
-    warm-up seconds and the tokens."""
+    warm-up seconds and the tokens. `max_model_len`: default, the longest prompt + `new`."""
     eng = Engine(model, max_num_seqs=seqs, max_num_batched_tokens=budget, compile=compile,
-                 max_model_len=max(map(len, prompts)) + new, enable_prefix_caching=False)
+                 max_model_len=max_model_len or max(map(len, prompts)) + new, enable_prefix_caching=False)
     warm = eng.warmup(progress=True)
     runs = []
     for _ in range(repeats):
@@ -336,10 +430,13 @@ def vs_vllm(args, model, out: Path) -> dict[str, Any]:
             kv_read = max(lens) + new  # the last step of the one-request workload
             roof = 1e3 / decode_roofline_ms(m, kv_read, res["read_bandwidth_gbs"])
             r: dict[str, Any] = {"roofline_steps_s": roof, "engine": {}}
+            # one max_model_len for all workloads of a model: the same step shapes, so a later
+            # workload's engine reuses the compiled (and the tuned) decode graphs of an earlier one
+            span = max(max(w[1]) + w[2] for w in VS_VLLM.values() if w[0] == which)
             # "tuned" pays off where decode GEMMs dominate; on the tiny default model it did not
             for mode in args.vs_vllm_compile if which == "smollm2" else [args.compile]:
                 print(f"bench-serve: {name}, engine compile={mode} ...", file=sys.stderr, flush=True)
-                r["engine"][str(mode)] = engine_offline(m, prompts, new, seqs, budget, mode)
+                r["engine"][str(mode)] = engine_offline(m, prompts, new, seqs, budget, mode, 3, span)
             ckpt = Path(tmp) / "smollm2" if which == "smollm2" else hf_checkpoint_dir(m, args.model_path, tmp)
             job = {"model_path": str(ckpt), "dtype": str(m.dtype).removeprefix("torch."), "repeats": 3,
                    "requests": [{"prompt": p, "max_new_tokens": new} for p in prompts],
@@ -511,6 +608,29 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{c['engine_peak_running']} mix requests at once ({_f(c['ratio'])}x dense)")
     lines.append("- greedy tokens equal across the runs of each workload: " + ", ".join(
         f"{k} {'yes' if v.get('tokens_equal') else 'NO'}" for k, v in w.items()))
+    if res.get("page_sweep"):
+        first = res["page_sweep"][0]["page_size"]
+        lines += ["", "### Page size sweep (offline mix, prefix cache off; multi-turn, cache on)", "",
+                  f"| page size | out tok/s | TTFT mean s | TPOT mean ms | decode ms/step, 8 rows up to "
+                  f"{res['args']['sweep_context']} | KV fill of pages in use | "
+                  "peak KV tokens | multi-turn hit rate | multi-turn prompt tokens computed | "
+                  f"tokens = page {first}'s | warm-up s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in res["page_sweep"]:
+            hit = r["multi_turn_hit_rate"]
+            lines.append(
+                f"| {r['page_size']} | {_f(r['output_tok_s'], '.1f')} | {_f(r['ttft_mean_s'])} | "
+                f"{_f(r['tpot_mean_s'] and r['tpot_mean_s'] * 1e3)} | {_f(r['long_decode_ms'])} | "
+                f"{_f(r['kv_fill_mean'] and 100 * r['kv_fill_mean'], '.1f')}% | {r['peak_kv_tokens']} | "
+                f"{'-' if hit is None else f'{100 * hit:.0f}%'} | {r['multi_turn_prompt_tokens_computed']} | "
+                f"{'yes' if r['tokens_equal_first'] else 'NO'} | {_f(r['warmup_s'], '.0f')} |")
+    if res.get("split_kv"):
+        parts = list(res["split_kv"][0]["ms_per_step"])
+        lines += ["", "### Split-KV decoding (`PARTITION_SIZE`), MHA twin, compiled decode step ms", "",
+                  "| context | sequences | " + " | ".join(f"PARTITION_SIZE {p}" for p in parts) + " |",
+                  "|---|---|" + "---|" * len(parts)]
+        for r in res["split_kv"]:
+            lines.append(f"| {r['context']} | {r['batch']} | "
+                         + " | ".join(_f(r["ms_per_step"][p]) for p in parts) + " |")
     if "vs_vllm" in res:
         lines += vs_vllm_markdown(res["vs_vllm"])
     return "\n".join(lines) + "\n"
@@ -579,19 +699,32 @@ def plots(res: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fms-paged bench --scenario serve",
                                 description=__doc__.split("\n\n")[0])
     m = p.add_mutually_exclusive_group()
     m.add_argument("--variant", help="a registered variant (random weights)")
     m.add_argument("--model-path", help="a Hugging Face LLaMA checkpoint (default: the embedded model)")
-    p.add_argument("--workloads", default="mix,shared_prefix,multi_turn,parallel,capacity,vs_vllm")
+    p.add_argument("--workloads",
+                   default="mix,shared_prefix,multi_turn,parallel,page_sizes,capacity,vs_vllm")
+    p.add_argument("--page-sizes", type=_ints, default=[16, 32, 64, 128],
+                   help="page sizes of the page_sizes sweep")
+    p.add_argument("--split-kv-contexts", type=_ints, default=[2048, 8192],
+                   help="contexts of the split_kv workload (not in the default --workloads)")
+    p.add_argument("--partition-sizes", type=_ints, default=[128, 512, 2048],
+                   help="PARTITION_SIZE values of the split_kv workload (inductor's default: 128)")
+    p.add_argument("--sweep-context", type=int, default=8192,
+                   help="the page sweep's decode batch: 8 sequences of this / 8 .. this many tokens")
     p.add_argument("--vs-vllm-compile", type=lambda x: [{"true": True, "false": False}.get(v, v)
                                                          for v in x.split(",")],
                    default=["auto", "tuned"],
                    help="engine compile modes of the SmolLM2-shaped vs_vllm runs (the default-model "
                    "one uses --compile)")
-    p.add_argument("--capacity-lens", type=lambda x: [int(v) for v in x.split(",")],
+    p.add_argument("--capacity-lens", type=_ints,
                    default=[2048, 32768], help="max_seq_len of the capacity comparison")
     p.add_argument("--num-requests", type=int, default=None, help="requests of the mix (default 64)")
     p.add_argument("--rate-fractions", type=lambda x: [float(v) for v in x.split(",")],
@@ -606,6 +739,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--num-pages", type=int, default=None, help="default: sized by memory")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (default: the device's, fms_paged.device.DEFAULT_PAGE_SIZE)")
     p.add_argument("--compile", default="auto", type=lambda x: {"true": True, "false": False}.get(x, x),
                    help="the engine's compile mode: auto | true | false")
     p.add_argument("--peers", type=lambda x: [v for v in x.split(",") if v], default=list(PEERS),
@@ -628,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     args.scale, why = auto_scale(device, args.scale)
     kw = dict(variant=args.variant) if args.variant else dict(model_path=args.model_path)
+    if args.page_size is not None:
+        kw["page_size"] = args.page_size
     model = get_model(**kw, attn_impl="paged", device=device).eval()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -32,26 +33,44 @@ def compiled_decode(static_shapes: bool) -> Callable:
     return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None)
 
 
+# model -> (its weights' identity and versions when compiled, its tuned step); weak keys, so a
+# model's compiled step goes with it
+_TUNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weights_key(model: torch.nn.Module) -> tuple:
+    # storage and in-place version counter of every weight: any change to the weights changes it
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
 def compiled_decode_tuned(model: torch.nn.Module) -> Callable:
     """The decode step compiled with `TUNED_OPTIONS` for `model` alone (static shapes).
 
     Freezing bakes the weights into the graph, so the step is bound to this model object (another
-    model raises ValueError) and must not be used after its weights change. It runs on a code
-    object of its own, so Dynamo never hands its graphs to another model's step. Inductor reads
-    `freezing` from its global config (not from `torch.compile(options=...)`), so the options are
-    patched in around each call. It cannot store graphs holding MKL-packed weights in its on-disk
-    graph cache ("mkldnn tensors unpickleable"): each process compiles these graphs again, while
-    the GEMM autotuning choices are cached on disk and not measured again."""
+    model raises ValueError). It runs on a code object of its own, so Dynamo never hands its graphs
+    to another model's step. The step is kept per model and handed to every later engine of the
+    same model (its graphs are not compiled twice in a process) until the weights change (another
+    tensor or an in-place write: a new step is compiled). Inductor reads `freezing` from its global
+    config (not from `torch.compile(options=...)`), so the options are patched in around each
+    call. It cannot store graphs holding MKL-packed weights in its on-disk graph cache ("mkldnn
+    tensors unpickleable"): each process compiles these graphs again, while the GEMM autotuning
+    choices are cached on disk and not measured again."""
+    key = _weights_key(model)
+    known = _TUNED.get(model)
+    if known is not None and known[0] == key:
+        return known[1]
     code = decode_one_token.__code__.replace(co_name=f"decode_one_token_tuned_{id(model):x}")
     fn = torch.compile(types.FunctionType(code, decode_one_token.__globals__), fullgraph=True,
                        dynamic=False)
+    owner = weakref.ref(model)
 
     def step(m: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, s: object) -> torch.Tensor:
-        if m is not model:
+        if m is not owner():
             raise ValueError("this tuned decode step was compiled for another model (weights frozen in)")
         with torch._inductor.config.patch(TUNED_OPTIONS):
             return fn(m, tokens, positions, s)
 
+    _TUNED[model] = (key, step)
     return step
 
 

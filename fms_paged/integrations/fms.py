@@ -30,6 +30,7 @@ from collections.abc import MutableMapping, Sequence
 import torch
 from torch import nn
 
+from fms_paged.device import default_page_size
 from fms_paged.kv.paged import PagedBackend, PoolStep
 
 ATTN_NAME = "paged_flex"
@@ -182,7 +183,7 @@ class PagedFMSModel(nn.Module):
     with its attention run by the `"paged_flex"` op, so that `PagedBackend` and `Engine` drive it.
     The FMS model itself is unchanged (and still serves other attention ops)."""
 
-    def __init__(self, model: nn.Module, page_size: int = 16, eos_token_id: int | None = None):
+    def __init__(self, model: nn.Module, page_size: int | None = None, eos_token_id: int | None = None):
         super().__init__()
         register()
         mha = _fms_attention().MultiHeadAttention
@@ -192,8 +193,10 @@ class PagedFMSModel(nn.Module):
                 f"expected an FMS decoder model (base_model + head, with fms MultiHeadAttention "
                 f"layers), got {type(model).__module__}.{type(model).__name__}"
             )
+        if page_size is None:
+            page_size = default_page_size(next(model.parameters()).device)
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size={page_size!r}; expected an int >= 1")
+            raise ValueError(f"page_size={page_size!r}; expected an int >= 1 or None (the device's default)")
         a, c = attns[0], model.config
         self.fms_model = model
         self.config = FMSPagedConfig(
@@ -226,7 +229,8 @@ class PagedFMSModel(nn.Module):
         return m.head(x)
 
 
-def paged_model(model: nn.Module, page_size: int = 16, eos_token_id: int | None = None) -> PagedFMSModel:
+def paged_model(model: nn.Module, page_size: int | None = None,
+                eos_token_id: int | None = None) -> PagedFMSModel:
     """An FMS model -> the adapter our `Engine` and backends drive (the model is shared, not
     copied)."""
     return model if isinstance(model, PagedFMSModel) else PagedFMSModel(model, page_size, eos_token_id)
@@ -252,7 +256,7 @@ class PagedFMSCache:
     per-request lengths, arrivals and preemption, serve the model with `fms_paged.Engine`.
     """
 
-    def __init__(self, model: nn.Module, max_batch: int, max_seq_len: int, *, page_size: int = 16,
+    def __init__(self, model: nn.Module, max_batch: int, max_seq_len: int, *, page_size: int | None = None,
                  num_pages: int | None = None, kernel: str = "auto"):
         self.model = paged_model(model, page_size)
         self.backend = PagedBackend(self.model, max_batch, max_seq_len, num_pages=num_pages,

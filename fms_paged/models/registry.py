@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fms_paged.device import resolve_device, resolve_dtype
+from fms_paged.device import default_page_size, resolve_device, resolve_dtype
 
 # architecture -> variant -> factory(**config_overrides) -> nn.Module (on the meta device is fine)
 _REGISTRY: dict[str, dict[str, Callable[..., nn.Module]]] = {}
@@ -53,10 +53,12 @@ def get_model(
     """Build a registered variant with random weights, or load a Hugging Face checkpoint directory.
 
     With neither `variant` nor `model_path`, loads the project's embedded default model.
-    The weights do not depend on `attn_impl`; only the attention backend does.
+    The weights do not depend on `attn_impl`; only the attention backend does. The KV page size
+    is the device's default (`fms_paged.device.DEFAULT_PAGE_SIZE`) unless `page_size=` is given.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
+    config_overrides.setdefault("page_size", default_page_size(dev))
     if variant is not None and model_path is not None:
         raise ValueError("pass either variant= or model_path=, not both")
     if variant is None and model_path is None:

@@ -156,7 +156,7 @@ def test_decode_rows_and_report_files(run):
 def test_peak_memory_subprocess_reports_rss_and_kv():
     plan = {"name": "single", "scale": 1.0, "new_tokens": 3, "prompt_lengths": [40]}
     cfg = {
-        "model": {"variant": "micro", "device": "cpu"},
+        "model": {"variant": "micro", "device": "cpu", "page_size": 16},
         "attn_impl": "paged",
         "kernel": "gather",
         "plan": plan,

@@ -13,7 +13,7 @@ def test_tiny_serve_run_is_consistent(tmp_path):
     rc = serve.main(["--variant", "micro", "--workloads", "mix,shared_prefix,multi_turn,parallel",
                      "--scale", "0.03", "--prefix-scale", "0.05",
                      "--prefix-requests", "8", "--num-requests", "6", "--rate-fractions", "0.5",
-                     "--max-num-seqs", "4",
+                     "--max-num-seqs", "4", "--page-size", "16",
                      "--max-num-batched-tokens", "128", "--max-model-len", "512",
                      "--compile", "false", "--device", "cpu", "--peers", "dense", "--out", str(out)])
     assert rc == 0
@@ -88,3 +88,38 @@ def test_engine_offline_runs_account_for_every_token():
         "roofline_steps_s": 100.0, "engine": {"False": e}, "vllm": {"error": "no venv\nnot found"}}}}
     table = "\n".join(serve.vs_vllm_markdown(vs))
     assert "| w | engine compile=False | " in table and "| w | vLLM CPU | did not run: not found" in table
+
+
+def test_page_sweep_keeps_greedy_tokens_and_accounts_for_pages():
+    """Every page size of the sweep gives the same greedy tokens (a page size is a memory layout,
+    not a numerical choice); larger pages fill less of the KV they hold and share less of the
+    multi-turn history, never more."""
+    from types import SimpleNamespace
+
+    from fms_paged import get_model
+
+    model = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged")
+    args = SimpleNamespace(scale=0.03, seed=0, num_requests=4, page_sizes=[16, 64], max_num_seqs=4,
+                           max_num_batched_tokens=128, num_pages=None, compile=False, max_model_len=512,
+                           sweep_context=256)
+    small, large = serve.page_sweep(args, model)
+    assert (small["page_size"], large["page_size"]) == (16, 64)
+    assert small["tokens_equal_first"] and large["tokens_equal_first"]
+    sent = serve.workload("mix", 0.03, 256, 0, 4)
+    assert sum(map(len, large["tokens"])) == sum(s.max_new_tokens for s in sent)
+    assert 0 < large["kv_fill_mean"] <= small["kv_fill_mean"] <= 1
+    for r in (small, large):
+        assert r["peak_kv_tokens"] == r["peak_kv_pages"] * r["page_size"] and r["long_decode_ms"] > 0
+    turns = serve.workload("multi_turn", 0.03, 256, 0)
+    new = sum(len(s.prompt) + sum(map(len, s.next_turns)) for s in turns)
+    assert new <= small["multi_turn_prompt_tokens_computed"] <= large["multi_turn_prompt_tokens_computed"]
+    assert 0 <= large["multi_turn_hit_rate"] <= small["multi_turn_hit_rate"] < 1
+    args.split_kv_contexts, args.partition_sizes = [48], [128]
+    kv = serve.split_kv(args, model)  # the MHA twin's decode step per PARTITION_SIZE
+    assert [(r["context"], r["batch"]) for r in kv] == [(48, 1), (48, 8)]
+    assert all(r["ms_per_step"][128] > 0 and r["page_size"] == model.config.page_size for r in kv)
+    res = {"environment": {}, "scale": 0.03, "workloads": {}, "args": {"sweep_context": 256},
+           "page_sweep": [small, large], "split_kv": kv}
+    md = serve.markdown(res)
+    assert "\n| 16 | " in md and "\n| 64 | " in md
+    assert "| PARTITION_SIZE 128 |" in md and "\n| 48 | 8 | " in md

@@ -487,17 +487,29 @@ def test_warmup_covers_a_prefill_beside_every_decode_bucket(models):
 def test_tuned_decode_step_equals_dense_and_stays_with_its_model(models):
     """compile="tuned" (weights frozen into the decode graph, GEMMs autotuned): the same greedy
     tokens as dense generate(); a second model with other weights gets a graph of its own (its
-    tokens are its own dense tokens, not the first model's), and a step refuses a foreign model."""
+    tokens are its own dense tokens, not the first model's), and a step refuses a foreign model.
+    A later engine of the same model reuses its step; once the weights are written in place, a new
+    step is compiled and follows the new weights."""
     dense, paged = models
     other_dense = get_model(variant="micro", device="cpu", seed=1)
     other = get_model(variant="micro", device="cpu", seed=1, attn_impl="paged", page_size=16)
     rng = random.Random(5)
     prompts = [random_prompt(rng, n) for n in (3, 40, 17, 70)]
-    for d, p in ((dense, paged), (other_dense, other)):
+
+    def check(d, p):
         eng = engine(p, compile="tuned", kernel="flex", num_pages=64, max_num_seqs=4)
         ids = [eng.add_request(x, SamplingParams(max_new_tokens=12, ignore_eos=True)) for x in prompts]
         got = run(eng)
         for rid, x in zip(ids, prompts):
             assert got[rid] == generate(d, [x], 12, eos_id=None)[0]
+        return eng
+
+    first = check(dense, paged)
+    second = check(other_dense, other)
     with pytest.raises(ValueError, match="another model"):
-        eng._decode(paged, None, None, None)
+        second._decode(paged, None, None, None)
+    again = engine(other, compile="tuned", kernel="flex", num_pages=64, max_num_seqs=4)
+    assert again._decode is second._decode
+    other.load_state_dict(paged.state_dict())  # in place: now the first model's weights
+    third = check(dense, other)
+    assert third._decode is not second._decode and first._decode is not second._decode

@@ -18,7 +18,7 @@ def test_page_bytes_7b_fp16():
 def micro(monkeypatch):
     monkeypatch.delenv(CPU_KV_SPACE_ENV, raising=False)
     monkeypatch.setattr(budget_mod, "free_memory_bytes", lambda device: 3 << 30)
-    model = get_model(variant="micro", device="cpu")
+    model = get_model(variant="micro", device="cpu", page_size=16)
     c = model.config
     return model, 2 * c.nlayers * c.kvheads * c.head_dim * c.page_size * 4
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from fms_paged import generate, get_model, load_tokenizer
+from fms_paged.device import default_page_size
 from fms_paged.models import default_model_path
 
 
@@ -62,7 +63,9 @@ def test_info_json():
     assert info["device"] == "cpu" and "torch" in info
     pool = info["kv_pool"]  # the engine's pool: its KV space over K+V bytes of one page
     assert pool["num_pages"] == pool["kv_bytes"] // pool["page_bytes"]
-    assert pool["page_bytes"] == 2 * 4 * 2 * 32 * 16 * 4  # 4 layers, 2 kv heads, head_dim 32, fp32
+    P = info["default_model"]["page_size"]
+    assert P == default_page_size("cpu")
+    assert pool["page_bytes"] == 2 * 4 * 2 * 32 * P * 4  # 4 layers, 2 kv heads, head_dim 32, fp32
 
 
 def test_bench_help():
