@@ -31,11 +31,12 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 # Tokens per KV page when none is asked for, by device type. CPU: from the page-size sweep of
-# `make bench-serve` (README, "Page size"): on a 2-vCPU AMD EPYC with the default model, pages of 64
-# gave the offline mix 1.3x the output tokens/s of pages of 16 (the inductor C++ flex kernel pays a
-# fixed cost per KV block) and as much as 128, while their partly filled last pages lost 8.5% of the
-# KV in use (128: 15%) and the prefix cache still served 55% of the multi-turn prompts (128: 15%).
-# Elsewhere 16, vLLM's GPU default (not measured in this project).
+# `make bench-serve` (README, "Page size"; 2-vCPU AMD EPYC, the default model). In three runs, 8k
+# decode steps of 8 rows were 6-11% faster with pages of 64 than with 16 (the inductor C++ flex
+# kernel pays a fixed cost per KV block), and the offline mix's throughput differences stayed within
+# the machine's noise. Against pages of 128, pages of 64 lose far less KV to partly filled last
+# pages (8.5% against 15%) and far fewer prefix-cache hits (55% of the multi-turn prompt tokens
+# served against 15%; 16: 75%). Elsewhere 16, vLLM's GPU default (not measured in this project).
 DEFAULT_PAGE_SIZE = {"cpu": 64}
 
 

@@ -9,7 +9,11 @@ time are recorded. Workloads:
   prefix cache on vs off: TTFT, tokens/s and the KV pages that hold the shared part;
 - `multi_turn`: conversations whose every turn resends the history: prompt tokens computed, cache
   on vs off, against the tokens that are new;
-- `parallel`: one request with `n` completions (FORK) vs `n` separate requests.
+- `parallel`: one request with `n` completions (FORK) vs `n` separate requests;
+- `page_sizes`: the sweep behind the default page size (throughput, KV fill, prefix-cache hits,
+  long-context decode per page size);
+- `capacity`, `vs_vllm`: concurrency under one KV budget, and the engine beside vLLM's CPU build;
+- `split_kv` (not in the default list): CPU flex decoding's `PARTITION_SIZE` at 2k and 8k.
 
 Greedy tokens are compared between the runs of a workload (cache on vs off, n vs separate).
 Results: JSON, a markdown table and PNG plots in `--out`.
@@ -378,9 +382,10 @@ def smollm2_shaped(out: Path) -> Path:
     from fms_paged.models.hf import save_hf_llama
     from fms_paged.models.llama import LLaMA, LLaMAConfig
 
-    torch.manual_seed(0)
-    model = LLaMA(LLaMAConfig(**SMOLLM2_135M))
-    model.reset_parameters()
+    with torch.random.fork_rng(devices=[]):  # seeded without touching the caller's RNG state
+        torch.manual_seed(0)
+        model = LLaMA(LLaMAConfig(**SMOLLM2_135M))
+        model.reset_parameters()
     save_hf_llama(model, out)
     return out
 
@@ -696,6 +701,21 @@ def plots(res: dict[str, Any], out: Path) -> list[Path]:
             paths.append(out / "serve_rate.png")
             fig.savefig(paths[-1], dpi=110)
             plt.close(fig)
+    if res.get("page_sweep"):
+        rows = res["page_sweep"]
+        sizes = [r["page_size"] for r in rows]
+        fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+        for a, key, label in ((ax[0], "output_tok_s", "mix output tokens/s"),
+                              (ax[1], "kv_fill_mean", "KV fill of the pages in use"),
+                              (ax[2], "multi_turn_hit_rate", "multi-turn prefix cache hit rate")):
+            a.plot(sizes, [r[key] for r in rows], "o-")
+            a.set(xscale="log", xlabel="page size (tokens)", title=label, ylim=(0, None))
+            a.minorticks_off()
+            a.set_xticks(sizes, [str(x) for x in sizes])
+        fig.tight_layout()
+        paths.append(out / "serve_page_sizes.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
     return paths
 
 
