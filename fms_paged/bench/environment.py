@@ -11,6 +11,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,38 +94,32 @@ def auto_scale(device: torch.device, scale: float | None) -> tuple[float, str]:
     return 0.125, f"auto: CPU with {os.cpu_count()} cores"
 
 
-def measure_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Device memory bandwidth in GB/s from a large tensor copy (read + write = 2 * nbytes moved);
-    the best of `repeats` after one warm-up copy."""
-    n = nbytes // 4
-    src = torch.randn(n, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `fn` (device-synchronized), after one warm-up call."""
+    fn()
     sync(device)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        dst.copy_(src)
+        fn()
         sync(device)
         best = min(best, time.perf_counter() - t0)
-    del src, dst
-    return 2 * nbytes / best / 1e9
+    return best
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Device memory bandwidth in GB/s from a large tensor copy (read + write = 2 * nbytes moved);
+    the best of `repeats` after one warm-up copy."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, repeats) / 1e9
 
 
 def measure_read_bandwidth(device: torch.device, nbytes: int = 2**30, repeats: int = 5) -> float:
     """Read bandwidth in GB/s: the best of `repeats` `sum`s over a tensor of `nbytes` (larger
     than the caches), after one warm-up."""
     x = torch.ones(nbytes // 4, device=device)
-    x.sum()
-    sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    del x
-    return nbytes / best / 1e9
+    return nbytes / _best_seconds(x.sum, device, repeats) / 1e9
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

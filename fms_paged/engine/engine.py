@@ -134,8 +134,6 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, backend.release,
                                    cache=self.prefix_cache)
-        if compile == "tuned" and backend.kernel != "flex":
-            raise ValueError(f"compile='tuned' needs the flex kernel; this backend runs {backend.kernel!r}")
         self.compiled = backend.kernel == "flex" if compile == "auto" else bool(compile)
         self._decode = decode_fn(backend, "tuned" if compile == "tuned" else self.compiled, model)
         self.buckets = decode_buckets(max_num_seqs)
@@ -368,16 +366,16 @@ class Engine:
         # decode batch shrinks through every bucket while prefill chunks run beside decodes; then
         # for each decode bucket b, b one-token prompts decode while one more request is prefilled
         # beside them (the all-rows wave reaches the small buckets only after every prompt is in)
-        waves = [[(prompt(n), 2)] for n in dict.fromkeys(lengths)]
-        waves.append([(prompt(lengths[i % len(lengths)]), 2 + i) for i in range(rows)])
-        joins = [None] * len(waves) + [(prompt(16), 2)] * len(self.buckets)
-        waves += [[(prompt(1), 3)] * b for b in self.buckets]
+        # (wave, request joining it after its first step or None)
+        waves = [([(prompt(n), 2)], None) for n in dict.fromkeys(lengths)]
+        waves.append(([(prompt(lengths[i % len(lengths)]), 2 + i) for i in range(rows)], None))
+        waves += [([(prompt(1), 3)] * b, (prompt(16), 2)) for b in self.buckets]
         bar = None
         if progress:
             try:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(total=sum(map(len, waves)) + len(self.buckets),
+                bar = tqdm(total=sum(len(w) + (j is not None) for w, j in waves),
                            desc="fms_paged engine: compiling its shapes", unit="req", leave=False)
             except ImportError:
                 print("fms_paged engine: compiling its shapes ...", flush=True)
@@ -386,7 +384,7 @@ class Engine:
         def add(p: list[int], n: int) -> None:
             ids.add(self.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)))
 
-        for wave, join in zip(waves, joins):
+        for wave, join in waves:
             for p, n in wave:
                 add(p, n)
             outs = []

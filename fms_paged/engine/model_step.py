@@ -80,7 +80,9 @@ def decode_fn(cache: object, compile: bool | str, model: torch.nn.Module | None 
     if not compile:
         return decode_one_token
     if compile == "tuned":
-        if model is None or getattr(cache, "kernel", None) != "flex":
-            raise ValueError("compile='tuned' needs the paged flex backend and its model")
+        kernel = getattr(cache, "kernel", None)
+        if model is None or kernel != "flex":
+            raise ValueError(
+                f"compile='tuned' needs the flex kernel and its model; this backend runs {kernel!r}")
         return compiled_decode_tuned(model)
     return compiled_decode(getattr(cache, "kernel", None) == "flex")
