@@ -9,7 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fms_paged.modules import GatedLinearUnit, MultiHeadAttention, RMSNorm, RotaryEmbedding
+from fms_paged.modules import (
+    LINEAR_IMPLS,
+    GatedLinearUnit,
+    Linear,
+    MultiHeadAttention,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from fms_paged.modules.attention import AttentionStep
 from fms_paged.modules.feedforward import swiglu_hidden_dim
 
@@ -31,6 +38,9 @@ class LLaMAConfig:
     max_expected_seq_len: int = 4096
     tie_heads: bool = False
     attn_impl: str = "sdpa"
+    # "auto": CPU fp32 projections through oneDNN-packed weights (`fms_paged.modules.linear`);
+    # "torch": F.linear everywhere (no packed copy of the weights)
+    linear_impl: str = "auto"
     page_size: int = 16
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
@@ -52,6 +62,8 @@ class LLaMAConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={self.attn_impl!r}; expected one of {ATTN_IMPLS}")
+        if self.linear_impl not in LINEAR_IMPLS:
+            raise ValueError(f"linear_impl={self.linear_impl!r}; expected one of {LINEAR_IMPLS}")
 
     @property
     def head_dim(self) -> int:
@@ -95,9 +107,12 @@ class LLaMA(nn.Module):
         self.embedding = nn.Embedding(config.src_vocab_size, config.emb_dim)
         self.layers = nn.ModuleList(LLaMABlock(config, i) for i in range(config.nlayers))
         self.dec_norm = RMSNorm(config.emb_dim, config.norm_eps)
-        self.head = nn.Linear(config.emb_dim, config.src_vocab_size, bias=False)
+        self.head = Linear(config.emb_dim, config.src_vocab_size, bias=False)
         if config.tie_heads:
             self.head.weight = self.embedding.weight
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack = config.linear_impl == "auto"
         self.rot_emb = RotaryEmbedding(
             config.head_dim, config.max_expected_seq_len, config.rope_theta, config.rope_scaling
         )

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fms_paged.modules.linear import Linear
 from fms_paged.modules.positions import apply_rope
 
 
@@ -41,9 +42,9 @@ class QKV(nn.Module):
 
     def __init__(self, emb_dim: int, nheads: int, kvheads: int, head_dim: int):
         super().__init__()
-        self.query = nn.Linear(emb_dim, nheads * head_dim, bias=False)
-        self.key = nn.Linear(emb_dim, kvheads * head_dim, bias=False)
-        self.value = nn.Linear(emb_dim, kvheads * head_dim, bias=False)
+        self.query = Linear(emb_dim, nheads * head_dim, bias=False)
+        self.key = Linear(emb_dim, kvheads * head_dim, bias=False)
+        self.value = Linear(emb_dim, kvheads * head_dim, bias=False)
 
 
 class MultiHeadAttention(nn.Module):
@@ -56,7 +57,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = emb_dim // nheads
         self.layer_idx = layer_idx
         self.in_proj = QKV(emb_dim, nheads, kvheads, self.head_dim)
-        self.dense = nn.Linear(nheads * self.head_dim, emb_dim, bias=False)
+        self.dense = Linear(nheads * self.head_dim, emb_dim, bias=False)
 
     def forward(
         self,

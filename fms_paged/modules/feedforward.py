@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fms_paged.modules.linear import Linear
+
 
 def swiglu_hidden_dim(emb_dim: int, hidden_grow_factor: float, multiple_of: int) -> int:
     """FMS/Meta sizing: int(emb_dim * grow), rounded up to a multiple of `multiple_of`.
@@ -20,9 +22,9 @@ def swiglu_hidden_dim(emb_dim: int, hidden_grow_factor: float, multiple_of: int)
 class GatedLinearUnit(nn.Module):
     def __init__(self, emb_dim: int, hidden_dim: int):
         super().__init__()
-        self.wg = nn.Linear(emb_dim, hidden_dim, bias=False)
-        self.w1 = nn.Linear(emb_dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, emb_dim, bias=False)
+        self.wg = Linear(emb_dim, hidden_dim, bias=False)
+        self.w1 = Linear(emb_dim, hidden_dim, bias=False)
+        self.w2 = Linear(hidden_dim, emb_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, S, C] -> [B, S, C]

@@ -1,0 +1,90 @@
+"""`nn.Linear` whose CPU fp32 GEMMs run through oneDNN with a prepacked weight (vLLM's CPU path).
+
+MKL's GEMV reads a plain row-major weight at a fraction of the memory bandwidth, and its GEMMs at
+these widths leave FLOPs unused; oneDNN's blocked weight layout does better at both ends. The
+packed copy is made on first use, kept per weight tensor (weak keys: it goes with the weight) and
+made again when the weight changes (another storage or an in-place write such as
+`load_state_dict`). It costs one more copy of each packed weight in memory;
+`LLaMAConfig(linear_impl="torch")` turns it off.
+
+Which calls pack: CPU, fp32, no gradient wanted, and either a large weight (decode: reading the
+weight dominates) or many rows (prefill: the GEMM is compute-bound), so small GEMMs keep MKL's
+lower per-call cost. Inside a compiled graph the packed GEMM is the opaque op
+`fms_paged::packed_linear`, except when inductor freezes the weights into the graph: it then packs
+and tunes the GEMM itself, so the plain `F.linear` is traced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._inductor.config
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+LINEAR_IMPLS = ("auto", "torch")
+
+# a call packs when its weight has this many elements (1 MiB of fp32) ...
+PACK_MIN_WEIGHT = 1 << 18
+# ... or when it has this many rows
+PACK_MIN_ROWS = 256
+
+# whether this torch build has oneDNN (read once: Dynamo cannot trace the query)
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+# weight -> ((data_ptr, version) when packed, oneDNN-packed copy)
+_PACKED = WeakIdKeyDictionary()
+
+_LIB = torch.library.Library("fms_paged", "DEF")
+_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The oneDNN-packed copy of `weight` [N, K], packed again if the weight changed since."""
+    key = (weight.data_ptr(), weight._version)
+    known = _PACKED.get(weight)
+    if known is None or known[0] != key:
+        known = _PACKED[weight] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+    return known[1]
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T + bias -> [..., N], through the packed weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+
+
+_LIB.impl("packed_linear", packed_linear, "CPU")
+
+
+@torch.library.register_fake("fms_paged::packed_linear")
+def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `x @ weight.T` takes the packed path (see the module docstring)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and _ONEDNN
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+        and (weight.numel() >= PACK_MIN_WEIGHT or x.numel() >= PACK_MIN_ROWS * x.shape[-1])
+    )
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and state dict) with the packed CPU path; `pack=False` keeps
+    `F.linear` everywhere."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, pack: bool = True):
+        super().__init__(in_features, out_features, bias=bias)
+        self.pack = pack
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]
+        if self.pack and packs(x, self.weight):
+            if not torch.compiler.is_compiling():
+                return packed_linear(x, self.weight, self.bias)
+            if not torch._inductor.config.freezing:
+                return torch.ops.fms_paged.packed_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,140 @@
+"""The packed CPU linear (`fms_paged.modules.linear`) against `F.linear` on the same weights.
+
+Tolerance: oneDNN and MKL sum the K products in different orders; fp32 round-off over K <= 1024
+terms of unit-scale values stays far below rtol 1e-5 / atol 1e-4.
+"""
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fms_paged import get_model
+from fms_paged.models.llama import LLaMA, LLaMAConfig
+from fms_paged.modules import linear as L
+
+TOL = dict(rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "out_f, in_f, lead",
+    [
+        (1024, 256, (1,)),  # a large weight: packs at any row count (decode)
+        (1024, 256, (2, 3)),
+        (48, 40, (1, 300)),  # a small weight: packs from PACK_MIN_ROWS rows (prefill)
+        (48, 40, (L.PACK_MIN_ROWS,)),
+    ],
+)
+def test_packed_path_matches_f_linear(out_f, in_f, lead, bias):
+    torch.manual_seed(0)
+    lin = L.Linear(in_f, out_f, bias=bias).requires_grad_(False)
+    x = torch.randn(*lead, in_f)
+    assert L.packs(x, lin.weight)
+    got = lin(x)
+    assert lin.weight in L._PACKED
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), **TOL)
+
+
+def test_small_calls_and_other_dtypes_keep_f_linear():
+    lin = L.Linear(40, 48, bias=False).requires_grad_(False)
+    assert not L.packs(torch.randn(L.PACK_MIN_ROWS - 1, 40), lin.weight)
+    lin(torch.randn(L.PACK_MIN_ROWS - 1, 40))
+    assert lin.weight not in L._PACKED
+    big = L.Linear(256, 1024, bias=False).to(torch.float64).requires_grad_(False)
+    x = torch.randn(3, 256, dtype=torch.float64)
+    assert not L.packs(x, big.weight)
+    assert torch.equal(big(x), F.linear(x, big.weight))
+
+
+def test_packed_copy_follows_weight_changes():
+    """A stale packed copy would give the old weights' outputs: in-place writes (`load_state_dict`)
+    and a new storage must both repack."""
+    torch.manual_seed(0)
+    lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
+    x = torch.randn(2, 256)
+    first = lin(x)
+    lin.load_state_dict({"weight": torch.randn(1024, 256)})
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
+    assert not torch.allclose(lin(x), first)
+    lin.weight.data = torch.randn(1024, 256)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
+
+
+def test_packed_copy_goes_with_its_weight():
+    lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
+    lin(torch.randn(1, 256))
+    gc.collect()
+    before = len(L._PACKED)
+    del lin
+    gc.collect()
+    assert len(L._PACKED) == before - 1
+
+
+def test_gradients_take_f_linear():
+    torch.manual_seed(0)
+    lin = L.Linear(256, 1024, bias=True)
+    x = torch.randn(300, 256, requires_grad=True)
+    assert not L.packs(x, lin.weight)
+    lin(x).square().sum().backward()
+    w, b, xr = (lin.weight.detach().requires_grad_(), lin.bias.detach().requires_grad_(),
+                x.detach().requires_grad_())
+    F.linear(xr, w, b).square().sum().backward()
+    torch.testing.assert_close(lin.weight.grad, w.grad)
+    torch.testing.assert_close(x.grad, xr.grad)
+
+
+def _recording_backend(graphs):
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    return backend
+
+
+def test_compiled_graphs_call_the_packed_op_unless_inductor_freezes():
+    """Traced code holds the opaque packed op, except under inductor freezing, which packs and
+    tunes the frozen weight's GEMM itself and so must see a plain linear."""
+    torch.manual_seed(0)
+    lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
+    x = torch.randn(4, 256)
+    graphs: list[set] = []
+    fn = torch.compile(lin, backend=_recording_backend(graphs), fullgraph=True)
+    torch.testing.assert_close(fn(x), F.linear(x, lin.weight), **TOL)
+    with torch._inductor.config.patch(freezing=True):
+        torch.testing.assert_close(fn(x), F.linear(x, lin.weight), **TOL)
+    assert len(graphs) == 2
+    assert "fms_paged.packed_linear" in graphs[0]
+    assert not any("packed_linear" in t for t in graphs[1])
+    assert any("linear" in t for t in graphs[1])
+    # through inductor: the op runs as an extern call on the live (repacked) weight
+    mod = L.Linear(256, 1024, bias=False).requires_grad_(False)
+    ind = torch.compile(mod, fullgraph=True)
+    torch.testing.assert_close(ind(x), F.linear(x, mod.weight), **TOL)
+    mod.load_state_dict({"weight": torch.randn(1024, 256)})
+    torch.testing.assert_close(ind(x), F.linear(x, mod.weight), **TOL)
+
+
+def test_linear_impl_torch_keeps_every_weight_unpacked():
+    cfg = LLaMAConfig(src_vocab_size=4096, emb_dim=64, nheads=4, kvheads=2, nlayers=2,
+                      max_expected_seq_len=512)
+    torch.manual_seed(0)
+    auto = LLaMA(cfg).eval().requires_grad_(False)
+    auto.reset_parameters()
+    plain = LLaMA(cfg.updated(linear_impl="torch")).eval().requires_grad_(False)
+    plain.load_state_dict(auto.state_dict())
+    plain.reset_buffers()
+    x = torch.randint(0, 4096, (1, 300))
+    torch.testing.assert_close(auto(x), plain(x), **TOL)
+    assert auto.head.weight in L._PACKED and auto.layers[0].attn.in_proj.query.weight in L._PACKED
+    assert not any(p in L._PACKED for p in plain.parameters())
+    with pytest.raises(ValueError, match="linear_impl='onednn'"):
+        LLaMAConfig(linear_impl="onednn")
+
+
+def test_get_model_passes_linear_impl():
+    assert all(not m.pack for m in get_model(linear_impl="torch").modules() if isinstance(m, L.Linear))
