@@ -367,8 +367,8 @@ def warmup(model, engine_kw: dict[str, Any]) -> float:
 # model of SmolLM2-135M's shape (its weights are not shipped or downloaded; the speed of a step
 # does not depend on their values), "default" the embedded default model.
 VS_VLLM = {
-    "SmolLM2-135M shape, 4 prompts 32..128, 64 new": ("smollm2", [32, 64, 96, 128], 64, 8, 512),
-    "SmolLM2-135M shape, 1 prompt of 64, 64 new": ("smollm2", [64], 64, 8, 512),
+    "SmolLM2-135M shape, 4 prompts 32..128, 64 new": ("smollm2", [32, 64, 96, 128], 64, 4, 512),
+    "SmolLM2-135M shape, 1 prompt of 64, 64 new": ("smollm2", [64], 64, 4, 512),
     "default model, 16 prompts 62..1000, 16 new": (
         "default", [round(62 + i * (1000 - 62) / 15) for i in range(16)], 16, 16, 1024),
 }
