@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fms_paged.modules.linear import unpacked_bytes
+
 
 def page_bytes(nlayers: int, kvheads: int, head_dim: int, page_size: int,
                dtype: torch.dtype) -> int:
@@ -100,7 +102,8 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
     memory (weights already loaded) minus the activation peak of a forward at
     `max_num_batched_tokens`. CPU: `$FMS_PAGED_CPU_KV_SPACE` GiB if set, else
     `kv_memory_fraction` of the available RAM if given, else 4 GiB (at most half the available
-    RAM); the pool is allocated untouched, so RAM is used only as pages are.
+    RAM), the available RAM counted less the packed weight copies still to be made; the pool is
+    allocated untouched, so RAM is used only as pages are.
     Raises KVBudgetError if one sequence of `max_model_len` tokens does not fit."""
     if kv_memory_fraction is not None and not (
         isinstance(kv_memory_fraction, (int, float)) and 0 < kv_memory_fraction <= 1
@@ -110,7 +113,8 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
     per_page = page_bytes(c.nlayers, c.kvheads, c.head_dim, c.page_size, model.dtype)
     activation = 0
     if dev.type == "cpu":
-        free = free_memory_bytes(dev)
+        # less the packed copies of the projection weights still to be made (`modules.linear`)
+        free = free_memory_bytes(dev) - unpacked_bytes(model)
         env = os.environ.get(CPU_KV_SPACE_ENV)
         if env:
             try:

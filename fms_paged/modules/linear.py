@@ -61,6 +61,14 @@ def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def unpacked_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s weights that `Linear` may still pack on the CPU (each packed copy is
+    about its weight's size): memory the KV budget leaves free for them."""
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear) and m.pack}
+    return sum(w.nbytes for w in weights.values()
+               if w.device.type == "cpu" and w.dtype == torch.float32 and _ONEDNN and w not in _PACKED)
+
+
 def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `x @ weight.T` takes the packed path (see the module docstring)."""
     return (

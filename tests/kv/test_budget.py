@@ -18,7 +18,8 @@ def test_page_bytes_7b_fp16():
 def micro(monkeypatch):
     monkeypatch.delenv(CPU_KV_SPACE_ENV, raising=False)
     monkeypatch.setattr(budget_mod, "free_memory_bytes", lambda device: 3 << 30)
-    model = get_model(variant="micro", device="cpu", page_size=16)
+    # linear_impl="torch": no packed weight copies to leave room for (tested below)
+    model = get_model(variant="micro", device="cpu", page_size=16, linear_impl="torch")
     c = model.config
     return model, 2 * c.nlayers * c.kvheads * c.head_dim * c.page_size * 4
 
@@ -28,6 +29,23 @@ def test_cpu_kv_space_sources(micro, monkeypatch):
     b = kv_cache_budget(model, 64, 256)  # default: 4 GiB, at most half the free 3 GiB
     assert b.page_bytes == per_page and b.num_pages == (3 << 29) // per_page
     assert kv_cache_budget(model, 64, 256, kv_memory_fraction=0.25).num_pages == (3 << 28) // per_page
+
+
+def test_cpu_budget_leaves_room_for_packed_weights(monkeypatch):
+    """Packed CPU weight copies (`fms_paged.modules.linear`) are made on first use, after the pool
+    is sized: the budget counts the RAM they will take as used until they exist."""
+    monkeypatch.delenv(CPU_KV_SPACE_ENV, raising=False)
+    free = 1 << 30
+    monkeypatch.setattr(budget_mod, "free_memory_bytes", lambda device: free)
+    model = get_model(variant="micro", device="cpu", page_size=16)
+    c = model.config
+    per_page = 2 * c.nlayers * c.kvheads * c.head_dim * c.page_size * 4
+    # every projection and the LM head (the embedding is not a Linear), fp32
+    proj = sum(p.numel() * 4 for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
+    assert kv_cache_budget(model, 64, 256, kv_memory_fraction=0.5).num_pages == (free - proj) // 2 // per_page
+    with torch.no_grad():
+        model(torch.randint(0, c.src_vocab_size, (1, 300)))  # 300 rows: every projection packs
+    assert kv_cache_budget(model, 64, 256, kv_memory_fraction=0.5).num_pages == free // 2 // per_page
     monkeypatch.setenv(CPU_KV_SPACE_ENV, "0.5")
     b = kv_cache_budget(model, 64, 256, kv_memory_fraction=0.25)  # the environment wins
     assert b.num_pages == (1 << 29) // per_page and CPU_KV_SPACE_ENV in b.source
