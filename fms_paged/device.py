@@ -30,13 +30,11 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     return dev
 
 
-# Tokens per KV page when none is asked for, by device type. CPU: from the page-size sweep of
-# `make bench-serve` (README, "Page size"; 2-vCPU AMD EPYC, the default model). In three runs, 8k
-# decode steps of 8 rows were 6-11% faster with pages of 64 than with 16 (the inductor C++ flex
-# kernel pays a fixed cost per KV block), and the offline mix's throughput differences stayed within
-# the machine's noise. Against pages of 128, pages of 64 lose far less KV to partly filled last
-# pages (8.5% against 15%) and far fewer prefix-cache hits (55% of the multi-turn prompt tokens
-# served against 15%; 16: 75%). Elsewhere 16, vLLM's GPU default (not measured in this project).
+# Tokens per KV page when none is asked for, by device type. CPU: chosen from the page-size sweep
+# of `make bench-serve` (README, "Page size", with the runs' figures): long-context decode steps were
+# faster with pages of 64 than of 16 in every run (the inductor C++ flex kernel pays a fixed cost
+# per KV block), while pages of 128 lose more KV to partly filled last pages and most of the
+# prefix-cache hits. Elsewhere 16, vLLM's GPU default (not measured in this project).
 DEFAULT_PAGE_SIZE = {"cpu": 64}
 
 

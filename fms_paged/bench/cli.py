@@ -167,7 +167,7 @@ def perplexity_all(model, impls, ids, window: int, kernel: str) -> dict[str, Any
     by = {"no-cache": dict(ref)}
     for impl in tqdm(impls, desc="perplexity", disable=None):
         with _force_gather(impl == "paged" and kernel == "gather"):
-            r = perplexity(latency.with_attn_impl(model, impl), ids, window=window, use_cache=True)
+            r = perplexity(latency.with_config(model, attn_impl=impl), ids, window=window, use_cache=True)
         r["rel_diff_vs_reference"] = abs(r["ppl"] - ref["ppl"]) / ref["ppl"]
         by[impl] = r
     out: dict[str, Any] = {"by_backend": by, "tokens": ref["tokens"], "window": window}

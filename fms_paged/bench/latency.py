@@ -61,11 +61,6 @@ def with_config(model: torch.nn.Module, **changes: Any) -> torch.nn.Module:
     return twin
 
 
-def with_attn_impl(model: torch.nn.Module, attn_impl: str) -> torch.nn.Module:
-    """A shallow twin sharing every weight, whose config names another backend (for `make_cache`)."""
-    return with_config(model, attn_impl=attn_impl)
-
-
 def make_backend(
     model, impl: str, max_batch: int, max_seq_len: int, *, kernel: str = "auto", num_pages: int | None = None
 ):
