@@ -20,13 +20,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from fms_paged.engine.model_step import decode_fn
+from fms_paged.engine.model_step import compiled_prefill, decode_fn, prefill_hidden
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
 from fms_paged.engine.sampling import sample_each
 from fms_paged.engine.scheduler import Scheduler, SchedulerOutput
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget, sequence_pages
 from fms_paged.kv.paged import PagedBackend
+from fms_paged.models.llama import LLaMA
 
 COMPILE_MODES = ("auto", True, False, "tuned")
 
@@ -47,8 +48,10 @@ class Engine:
     max_num_batched_tokens: tokens in one forward (decodes + prefill chunks), >= max_num_seqs.
     num_pages: pool size; None sizes it by memory (`fms_paged.kv.budget.kv_cache_budget`, with
         `kv_memory_fraction`).
-    compile: True compiles the decode step (one graph per decode bucket), "auto" does where
-        compiled FlexAttention works here, False runs eagerly. "tuned" (flex kernel) also freezes
+    compile: True compiles the decode step (one graph per decode bucket) and, for our LLaMA, the
+        prefill and mixed steps around their attention (`model_step.compiled_prefill`: one graph
+        for every token count); "auto" does where compiled FlexAttention works here, False runs
+        eagerly. "tuned" (flex kernel) also freezes
         the weights into the decode graphs and autotunes their GEMMs (inductor's C++ GEMM
         template; `fms_paged.engine.model_step.TUNED_OPTIONS`): faster decode on a CPU, but every
         process compiles it again (minutes for a 100M-parameter model) and the model's weights must
@@ -136,6 +139,8 @@ class Engine:
                                    cache=self.prefix_cache)
         self.compiled = backend.kernel == "flex" if compile == "auto" else bool(compile)
         self._decode = decode_fn(backend, "tuned" if compile == "tuned" else self.compiled, model)
+        # prefill and mixed steps: our LLaMA compiled around its attention (`compiled_prefill`)
+        self._prefill = compiled_prefill() if self.compiled and isinstance(model, LLaMA) else None
         self.buckets = decode_buckets(max_num_seqs)
         self.vocab_size = c.src_vocab_size
         self.eos = frozenset() if c.eos_token_id is None else frozenset([c.eos_token_id])
@@ -326,7 +331,9 @@ class Engine:
         done = [i for i, ((r, n), s) in enumerate(zip(pre, starts)) if s + n == r.num_tokens]
         at = torch.cat([torch.arange(len(dec)), torch.tensor(done, dtype=torch.long)]).to(last.device)
         at[len(dec):] = last.index_select(0, at[len(dec):])
-        return self.model(tokens, positions, step, logits_at=at)
+        if self._prefill is None or tokens.shape[1] < 2:  # 1 token: a shape of its own, run eagerly
+            return self.model(tokens, positions, step, logits_at=at)
+        return self.model.logits(prefill_hidden(self._prefill, self.model, tokens, positions, step), at)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req)

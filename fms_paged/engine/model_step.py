@@ -1,11 +1,13 @@
-"""One decode step of the model, eager or compiled whole (gpt-fast's `decode_one_token`)."""
+"""The model's steps: a decode step eager or compiled whole (gpt-fast's `decode_one_token`), and a
+prefill step compiled piecewise around its attention (vLLM's way on the CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch._inductor.config
@@ -86,3 +88,73 @@ def decode_fn(cache: object, compile: bool | str, model: torch.nn.Module | None 
                 f"compile='tuned' needs the flex kernel and its model; this backend runs {kernel!r}")
         return compiled_decode_tuned(model)
     return compiled_decode(getattr(cache, "kernel", None) == "flex")
+
+
+# ---------------------------------------------------------------------------- compiled prefill
+# A prefill (or mixed) step's attention depends on its chunks: their number, lengths and masks
+# change every step. In the compiled prefill it is one opaque op per layer, which runs the step
+# in effect (eager: SDPA per chunk, the decode rows' flex kernel); everything around it (RoPE,
+# norms, SwiGLU, residuals, the projections) is one graph with the token count dynamic, so the
+# pointwise work fuses and the Python cost of the layers goes away.
+_LIB = torch.library.Library("fms_paged", "FRAGMENT")
+_LIB.define("step_attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+_ACTIVE: list = []  # the step the op attends through, set by `prefill_hidden`
+
+
+def _step_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    # q: [B, H, S, D]; k, v: [B, Hkv, S, D] -> [B, S, H, D] contiguous (the layout the output
+    # projection reads; the fake below promises it)
+    return _ACTIVE[-1].attend(layer, q, k, v).transpose(1, 2).contiguous()
+
+
+_LIB.impl("step_attend", _step_attend, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fms_paged::step_attend")
+def _step_attend_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    B, H, S, D = q.shape
+    return q.new_empty(B, S, H, D)
+
+
+class DeferredStep:
+    """The `AttentionStep` a compiled prefill graph is traced with: each layer's attention is the
+    op `fms_paged::step_attend`, run by the step `prefill_hidden` puts in effect."""
+
+    def prepare(self) -> DeferredStep:
+        return self
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.fms_paged.step_attend(q, k, v, layer).transpose(1, 2)
+
+
+DEFERRED = DeferredStep()
+
+
+def prefill_layers(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The layers of a prefill step around deferred attention -> hidden states [B, S, D]."""
+    return model.hidden(tokens, positions, DEFERRED)
+
+
+@functools.cache
+def compiled_prefill() -> Callable:
+    """`prefill_layers` under torch.compile with dynamic shapes (the token count): one graph for
+    every step length, two where `Linear` switches to its packed path at `PACK_MIN_ROWS` rows.
+    Its weights stay graph inputs, so the graph is shared by models of one shape and lands in
+    inductor's on-disk cache."""
+    return torch.compile(prefill_layers, fullgraph=True, dynamic=True)
+
+
+@contextlib.contextmanager
+def _in_effect(step: object) -> Iterator[None]:
+    _ACTIVE.append(step)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def prefill_hidden(fn: Callable, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                   step: object) -> torch.Tensor:
+    """`fn` (`compiled_prefill()` or `prefill_layers`) on a prefill step -> hidden states."""
+    with _in_effect(step.prepare()):
+        return fn(model, tokens, positions)

@@ -139,6 +139,11 @@ class LLaMA(nn.Module):
         # tokens, positions: [B, S] int64 -> logits: [B, S, V]
         # logits_at: [K] indices into the flattened [B * S] positions -> logits of those only: [K, V]
         # (a prefill needs the logits of each sequence's last token, not of the whole prompt)
+        return self.logits(self.hidden(tokens, positions, step), logits_at)
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+               step: AttentionStep | None = None) -> torch.Tensor:
+        """The layers' output before the final norm: tokens, positions [B, S] -> [B, S, D]."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         cos, sin = self.rot_emb(positions)
@@ -147,6 +152,10 @@ class LLaMA(nn.Module):
         x = self.embedding(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, step)
+        return x
+
+    def logits(self, x: torch.Tensor, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """`hidden`'s output [B, S, D] -> logits [B, S, V], or [K, V] at `logits_at`."""
         if logits_at is not None:
             x = x.flatten(0, 1).index_select(0, logits_at)  # [K, D]
         return self.head(self.dec_norm(x))

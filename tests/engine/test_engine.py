@@ -513,3 +513,53 @@ def test_tuned_decode_step_equals_dense_and_stays_with_its_model(models):
     other.load_state_dict(paged.state_dict())  # in place: now the first model's weights
     third = check(dense, other)
     assert third._decode is not second._decode and first._decode is not second._decode
+
+
+def test_compiled_prefill_equals_the_eager_forward_and_dense(models):
+    """compile=True runs prefill and mixed steps through one graph with the token count dynamic,
+    attention an opaque op (`fms_paged::step_attend`) that runs the step in effect. On the same
+    steps its logits equal the eager forward's, below and above `PACK_MIN_ROWS` tokens (where
+    `Linear` switches to its packed path: a graph each), a mixed step and a continuation chunk
+    included; after warmup() a served run compiles nothing new and gives dense's tokens."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fms_paged.engine.model_step import compiled_prefill, prefill_hidden
+    from fms_paged.modules.linear import PACK_MIN_ROWS
+
+    dense, paged = models
+    rng = random.Random(11)
+    eng = engine(paged, kernel="flex", compile=True, max_num_seqs=4, max_num_batched_tokens=512,
+                 num_pages=120, max_model_len=600)
+    assert eng._prefill is compiled_prefill()
+    b = eng.backend
+
+    def same_logits(tokens, positions, step, at):
+        want = paged(tokens, positions, step, logits_at=at)  # eager; writes the step's K/V
+        got = paged.logits(prefill_hidden(compiled_prefill(), paged, tokens, positions, step), at)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # same K/V written again
+        return want
+
+    long, short = random_prompt(rng, PACK_MIN_ROWS + 44), random_prompt(rng, 40)
+    with torch.inference_mode():
+        tokens, positions, step, last = b.prefill([1, 2], [long[:200], short], [0, 0])
+        same_logits(tokens, positions, step, last)  # 240 tokens
+        tokens, positions, step, last = b.prefill([1], [long[200:]], [200])  # continuation
+        same_logits(tokens, positions, step, last)
+        more = random_prompt(rng, 300)  # a prefill beside the decodes of seqs 1 and 2
+        tokens, positions, step, last = b.mixed([1, 2], torch.tensor([5, 6]), [len(long), len(short)],
+                                                [True, True], [3], [more], [0])
+        assert tokens.shape[1] >= PACK_MIN_ROWS
+        same_logits(tokens, positions, step, torch.cat([torch.arange(2), last]))
+    b.release([1, 2, 3])
+
+    eng.warmup(progress=False)
+    graphs = counters["stats"]["unique_graphs"]
+    reqs = [(random_prompt(rng, n), k) for n, k in ((450, 5), (30, 9), (300, 4), (3, 12), (120, 6))]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=k, ignore_eos=True)) for p, k in reqs]
+        got = run(eng)
+    assert counters["stats"]["unique_graphs"] == graphs
+    for rid, (prompt, k) in zip(ids, reqs):
+        assert got[rid] == generate(dense, [prompt], k, eos_id=None)[0]
