@@ -30,6 +30,8 @@ from fms_paged.kv.paged import PagedBackend
 from fms_paged.models.llama import LLaMA
 
 COMPILE_MODES = ("auto", True, False, "tuned")
+# kernels whose steps compile with fixed decode shapes ("auto" compiles where one runs)
+COMPILED_KERNELS = ("cpp", "flex")
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -137,7 +139,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, backend.release,
                                    cache=self.prefix_cache)
-        self.compiled = backend.kernel == "flex" if compile == "auto" else bool(compile)
+        self.compiled = backend.kernel in COMPILED_KERNELS if compile == "auto" else bool(compile)
         self._decode = decode_fn(backend, "tuned" if compile == "tuned" else self.compiled, model)
         # prefill and mixed steps: our LLaMA compiled around its attention (`compiled_prefill`)
         self._prefill = compiled_prefill() if self.compiled and isinstance(model, LLaMA) else None
@@ -356,7 +358,7 @@ class Engine:
         statistics and cached pages are then dropped. Compiled code lands in torch's on-disk
         caches, so a second process on the same machine warms up in seconds. No-op (0.0) when
         nothing here compiles (eager model, GATHER kernel or flex-eager)."""
-        if not (self.compiled or self.backend.kernel == "flex"):
+        if not (self.compiled or self.backend.kernel in COMPILED_KERNELS):
             return 0.0
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an idle engine: call it before submitting requests")

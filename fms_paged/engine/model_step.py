@@ -29,8 +29,8 @@ def decode_one_token(model: torch.nn.Module, tokens: torch.Tensor, positions: to
 def compiled_decode(static_shapes: bool) -> Callable:
     """`decode_one_token` under torch.compile (fullgraph): the whole decode step, from the step's
     metadata (`prepare`) through every layer to the logits, is one compiled graph, so per-op
-    Python overhead goes away. `static_shapes=True` for the paged flex backend (its decode shapes
-    never change); the dense backend's attention span grows every step, so it is compiled with
+    Python overhead goes away. `static_shapes=True` for the paged cpp and flex backends (their
+    decode shapes never change); the dense backend's attention span grows every step, so it is compiled with
     automatic dynamic shapes (one recompilation on the second step, then none)."""
     return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None)
 
@@ -78,16 +78,16 @@ def compiled_decode_tuned(model: torch.nn.Module) -> Callable:
 
 def decode_fn(cache: object, compile: bool | str, model: torch.nn.Module | None = None) -> Callable:
     """The decode-step function for a KV-cache backend: eager, the shared compiled one for its
-    shapes, or (`compile="tuned"`, paged flex backend, `model` given) the tuned one."""
+    shapes, or (`compile="tuned"`, paged cpp or flex backend, `model` given) the tuned one."""
     if not compile:
         return decode_one_token
     if compile == "tuned":
         kernel = getattr(cache, "kernel", None)
-        if model is None or kernel != "flex":
+        if model is None or kernel not in ("cpp", "flex"):
             raise ValueError(
-                f"compile='tuned' needs the flex kernel and its model; this backend runs {kernel!r}")
+                f"compile='tuned' needs the cpp or flex kernel and its model; this backend runs {kernel!r}")
         return compiled_decode_tuned(model)
-    return compiled_decode(getattr(cache, "kernel", None) == "flex")
+    return compiled_decode(getattr(cache, "kernel", None) in ("cpp", "flex"))
 
 
 # ---------------------------------------------------------------------------- compiled prefill

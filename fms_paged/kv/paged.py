@@ -10,9 +10,11 @@ those slots and runs flex_attention over the whole pool (only the listed pages a
 Layouts: decode runs one row per sequence ([B, 1], B fixed = max_batch, so shapes never change);
 prefill packs all prompts into one row ([1, T], no padding to the longest prompt).
 
-Kernels: "flex" (compiled flex_attention: Triton on CUDA, inductor C++ on CPU), or "gather"
-(GATHER each sequence's pages + SDPA; the fallback where compiled flex is unavailable, e.g. MPS or a
-CPU without a C++ compiler). "auto" picks flex when available and announces a fallback once.
+Kernels: "cpp" (the CPU kernel of `fms_paged.kv.cpu_kernel`: prefill chunks and decode rows in one
+call per layer, K/V read in place through the page table), "flex" (compiled flex_attention: Triton
+on CUDA, inductor C++ on CPU), or "gather" (GATHER each sequence's pages + SDPA; the fallback where
+neither compiles, e.g. MPS or a CPU without a C++ compiler). "auto" picks cpp where it serves the
+model (CPU, fp32, no score_mod), else flex when available, and announces a fallback to gather once.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from fms_paged.flex.masks import (
     paged_mask_mod,
     prefill_block_mask,
 )
+from fms_paged.kv import cpu_kernel
 from fms_paged.kv._pool_ops import to_device
 from fms_paged.kv.page_manager import PageManager
 
-KERNELS = ("auto", "flex", "flex-eager", "gather")
+KERNELS = ("auto", "cpp", "flex", "flex-eager", "gather")
 PREFILL_KERNELS = ("auto", "flex", "sdpa")
 
 
@@ -128,11 +131,24 @@ def probe_compiled_flex(device: torch.device, page_size: int = 16) -> str | None
     return None
 
 
-def choose_kernel(kernel: str, device: torch.device, page_size: int | None = None) -> str:
+def choose_kernel(kernel: str, device: torch.device, page_size: int | None = None, *,
+                  head_dim: int | None = None, dtype: torch.dtype | None = None,
+                  score_mod: Callable | None = None) -> str:
+    """The kernel to run: `kernel` itself (checked), or for "auto" the first that serves the model
+    here: cpp (needs `head_dim` and `dtype`; no score_mod), flex, gather (announced)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; expected one of {KERNELS}")
+    cpp_reason = None
+    if kernel in ("auto", "cpp"):
+        cpp_reason = "it cannot apply a score_mod" if score_mod is not None else (
+            cpu_kernel.unavailable_reason(device, dtype, head_dim, page_size or 16)
+            if head_dim is not None and dtype is not None else "no head_dim / dtype given")
+    if kernel == "cpp" and cpp_reason is not None:
+        raise ValueError(f"kernel='cpp' cannot serve this model: {cpp_reason}")
     if kernel != "auto":
         return kernel
+    if cpp_reason is None:
+        return "cpp"
     reason = flex_unavailable_reason(device, page_size)
     if reason is None:
         return "flex"
@@ -199,7 +215,8 @@ class PagedBackend:
         self.device = model.device
         self.max_batch = max_batch
         self.num_pages = num_pages or default_num_pages(max_batch, max_seq_len, P)
-        self.kernel = choose_kernel(kernel, self.device, P)
+        self.kernel = choose_kernel(kernel, self.device, P, head_dim=c.head_dim, dtype=model.dtype,
+                                    score_mod=score_mod)
         self.kernel_options = flex_kernel_options(self.device, P)
         self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
         shape = (1, c.kvheads, self.num_pages * P, c.head_dim)
@@ -218,6 +235,7 @@ class PagedBackend:
         # decode packs the G = nheads / kvheads query heads of each kv head into the query length:
         # the CPU flex kernel then reads each page once per kv head (measured ~5x faster at B=8)
         self.gqa_group = c.nheads // c.kvheads
+        self.head_dim = c.head_dim
 
     @property
     def kv_bytes(self) -> int:
@@ -250,9 +268,10 @@ class PagedBackend:
 
         Zeroing matters: attention multiplies masked-out weights (exactly 0) by the values of the
         whole page, and 0 * NaN = NaN, so stale NaN/inf left by a page's previous owner in slots
-        not yet written would leak into the output.
+        not yet written would leak into the output. The cpp kernel reads no slot past a row's
+        position, so its pages are left as they are.
         """
-        if opened_pages:
+        if opened_pages and self.kernel != "cpp":
             P = self.P
             idx = (torch.tensor(opened_pages)[:, None] * P + torch.arange(P)).flatten().to(self.device)
             for pool in self.k_pools + self.v_pools:
@@ -288,6 +307,11 @@ class PagedBackend:
             seqs = torch.tensor(list(seq_ids), device=self.device)
             step = GatherStep(self, pad_slots, seqs, pos, max(starts) + S)
             return tokens.to(self.device), pos, step, last
+        if self.kernel == "cpp":
+            chunks = torch.tensor([(s, st, n, o) for s, st, n, o in
+                                   zip(seq_ids, starts, counts, np.cumsum([0, *counts]).tolist())])
+            tokens = torch.tensor([t for p in prompts for t in p])[None]
+            return tokens, torch.from_numpy(tok_pos)[None], CppStep(self, slots, chunks), last
         if self.kernel == "flex" and self.prefill_kernel == "sdpa":
             step = SdpaPrefillStep(self, slots, seq_ids, counts, starts)
             pos = torch.from_numpy(tok_pos)[None].to(self.device)
@@ -340,6 +364,12 @@ class PagedBackend:
         new_slots, copies = self.pm.reserve_next(ids, held)  # checks ids and that each holds `held`
         opened = [self.pm.pages_of(s)[n // P] for s, n in zip(ids, held) if n % P == 0]
         self._after_reserve(opened, copies)
+        if self.kernel == "cpp":  # inactive rows: no sequence (zero output), write to the null page
+            slots = iter(new_slots)
+            chunks = torch.tensor([(s, n, 1, i) if a else (-1, 0, 1, i)
+                                   for i, (s, n, a) in enumerate(zip(seq_ids, lengths, active))])
+            slots = torch.tensor([next(slots) if a else 0 for a in active])
+            return tokens.view(B, 1), chunks[:, 1:2], CppStep(self, slots, chunks)
         new_slots = iter(new_slots)
         rows = [(s, n, next(new_slots)) if a else (0, -1, 0) for s, n, a in zip(seq_ids, lengths, active)]
         meta = to_device(decode_meta(*zip(*rows), P), self.device)  # [6, B]: one host->device copy
@@ -363,6 +393,9 @@ class PagedBackend:
         tok_p, pos_p, pstep, last = self.prefill(pre_ids, chunks, starts)
         tokens = torch.cat([tok_d.view(1, B), tok_p], dim=1)
         positions = torch.cat([pos_d.view(1, B), pos_p], dim=1)
+        if self.kernel == "cpp":  # one chunk list: the decode rows, then the prefill chunks after them
+            chunks = torch.cat([dstep.chunks, pstep.chunks + torch.tensor([0, 0, 0, B])])
+            return tokens, positions, CppStep(self, torch.cat([dstep.slots, pstep.slots]), chunks), last + B
         return tokens, positions, MixedStep(dstep, pstep, B), last + B
 
 
@@ -392,6 +425,22 @@ class PoolStep:
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
         """q: [B', H, S', D] over pools kp, vp (already written) -> [B', H, S', D]"""
         raise NotImplementedError
+
+
+class CppStep(PoolStep):
+    """A step of the cpp kernel: the slots of its new tokens and its chunk list ([n, 4] int64:
+    seq, first position, tokens, offset in the step's token order; a decode row is a chunk of one
+    token, an inactive row has seq -1). One kernel call per layer attends every chunk."""
+
+    def __init__(self, backend: PagedBackend, slots: torch.Tensor, chunks: torch.Tensor):
+        self.b, self.slots, self.chunks = backend, slots, chunks
+        self.scale = backend.head_dim**-0.5
+
+    def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        # q: [B', H, S', D]; kp, vp: [1, Hkv, NP, D] -> [B', H, S', D] (a view of [B', S', H, D])
+        out = torch.ops.fms_paged.paged_attention(q, kp, vp, self.b.pm.page_table, self.chunks,
+                                                  self.b.P, self.scale)
+        return out.transpose(1, 2)
 
 
 class FlexStep(PoolStep):

@@ -251,7 +251,7 @@ def test_bad_engine_settings(models):
         (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens=4 < max_num_seqs=8"),
         (dict(compile="yes"), "compile='yes'"),
         (dict(compile=2), "compile=2"),
-        (dict(compile="tuned", kernel="gather"), "compile='tuned' needs the flex kernel"),
+        (dict(compile="tuned", kernel="gather"), "compile='tuned' needs the cpp or flex kernel"),
         (dict(max_model_len=4096), r"max_model_len=4096; expected an int in \[1, 2048\]"),
         (dict(num_pages=1), "num_pages=1"),
     ):

@@ -92,7 +92,8 @@ def test_eager_flex_matches_dense_all_page_sizes(P):
     assert lockstep(dense, paged, prompts_of(LENGTHS), steps=P + 2, kernel="flex-eager") <= TOL
 
 
-@pytest.mark.parametrize("kernel,prefill_kernel", [("flex", "flex"), ("flex", "sdpa"), ("gather", "auto")])
+@pytest.mark.parametrize("kernel,prefill_kernel",
+                         [("cpp", "auto"), ("flex", "flex"), ("flex", "sdpa"), ("gather", "auto")])
 def test_kernels_match_dense(kernel, prefill_kernel):
     dense, paged = pair(page_size=16)
     worst = lockstep(
@@ -113,7 +114,8 @@ def test_gqa_4_to_1():
     assert lockstep(dense, paged, prompts_of([17, 40, 3]), steps=10, kernel="flex-eager") <= TOL
 
 
-def test_shuffled_pages_and_noncontiguous_rows():
+@pytest.mark.parametrize("kernel", ["cpp", "flex"])
+def test_shuffled_pages_and_noncontiguous_rows(kernel):
     """Scattered physical pages, and sequences held in rows 5, 2, 7 of an 8-row backend."""
     dense, paged = pair(page_size=16)
 
@@ -125,7 +127,7 @@ def test_shuffled_pages_and_noncontiguous_rows():
         paged,
         prompts_of([40, 9, 70]),
         steps=20,
-        kernel="flex",
+        kernel=kernel,
         num_pages=NUM_PAGES,
         seq_ids=[5, 2, 7],
         max_batch=8,
@@ -134,10 +136,11 @@ def test_shuffled_pages_and_noncontiguous_rows():
     assert worst <= TOL
 
 
-@pytest.mark.parametrize("kernel", ["flex", "gather"])
+@pytest.mark.parametrize("kernel", ["cpp", "flex", "gather"])
 def test_nan_filled_pages_are_reused_safely(kernel):
     """Pages of an erased sequence, filled with NaN, are handed to new sequences: the output stays
-    finite and equal to dense (new pages are zeroed on RESERVE; freed pages are never listed)."""
+    finite and equal to dense (flex and gather zero new pages on RESERVE; the cpp kernel reads no
+    slot past a row's position; freed pages are never listed)."""
     dense, paged = pair(page_size=16)
 
     def poison(pc):
@@ -160,12 +163,12 @@ def test_nan_filled_pages_are_reused_safely(kernel):
     assert worst <= TOL
 
 
-@pytest.mark.parametrize("prefill_kernel", ["flex", "sdpa"])
-def test_chunked_prefill_through_pages(prefill_kernel):
+@pytest.mark.parametrize("kernel,prefill_kernel", [("cpp", "auto"), ("flex", "flex"), ("flex", "sdpa")])
+def test_chunked_prefill_through_pages(kernel, prefill_kernel):
     """A prompt fed in chunks (each chunk reads the earlier ones from the pool) equals dense."""
     dense, paged = pair(page_size=16)
     x = prompts_of([150])[0]
-    pc = PagedBackend(paged, 1, 160, num_pages=NUM_PAGES, kernel="flex", prefill_kernel=prefill_kernel)
+    pc = PagedBackend(paged, 1, 160, num_pages=NUM_PAGES, kernel=kernel, prefill_kernel=prefill_kernel)
     outs = []
     with torch.inference_mode():
         for start in range(0, 150, 37):
@@ -176,7 +179,7 @@ def test_chunked_prefill_through_pages(prefill_kernel):
 
 
 @pytest.mark.parametrize("kernel,prefill_kernel",
-                         [("flex-eager", "auto"), ("flex", "flex"), ("flex", "sdpa")])
+                         [("cpp", "auto"), ("flex-eager", "auto"), ("flex", "flex"), ("flex", "sdpa")])
 def test_mixed_step_decodes_and_chunks_match_dense(kernel, prefill_kernel):
     """One forward holding 3 decode rows (padded to 4) and 2 prefill chunks (one of them the middle
     of a prompt): every logit equals the dense model run without a cache over each whole sequence."""
@@ -205,12 +208,13 @@ def test_mixed_step_decodes_and_chunks_match_dense(kernel, prefill_kernel):
     assert worst <= TOL
 
 
-def test_forked_sequences_diverge_correctly():
+@pytest.mark.parametrize("kernel", ["cpp", "flex"])
+def test_forked_sequences_diverge_correctly(kernel):
     """FORK shares the prompt's pages; each branch then decodes its own tokens (copy-on-write of
     the partial last page) and matches a dense run of its own full sequence."""
     dense, paged = pair(page_size=16)
     prompt = prompts_of([21])[0]
-    pc = PagedBackend(paged, 8, 64, num_pages=NUM_PAGES, kernel="flex")
+    pc = PagedBackend(paged, 8, 64, num_pages=NUM_PAGES, kernel=kernel)
     with torch.inference_mode():
         t, p, s, _ = pc.prefill([0], [prompt])
         paged(t, p, s)
@@ -230,12 +234,14 @@ def test_forked_sequences_diverge_correctly():
             assert (torch.stack(got[b]) - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("whole_step", [False, True], ids=["flex-per-layer", "compiled-step"])
-def test_zero_recompiles_over_500_decode_steps(whole_step):
+@pytest.mark.parametrize("kernel,whole_step", [("flex", False), ("flex", True), ("cpp", True)],
+                         ids=["flex-per-layer", "flex-compiled-step", "cpp-compiled-step"])
+def test_zero_recompiles_over_500_decode_steps(kernel, whole_step):
     """After warm-up, 500 decode steps with growing lengths and sequences leaving and joining (new
     prompts prefilled into freed rows) run without a single recompilation (Dynamo raises if one
     happens) and without graph breaks (fullgraph=True): with the model run op by op (the flex
-    kernel compiled per layer), and with the whole decode step one compiled graph."""
+    kernel compiled per layer), and with the whole decode step one compiled graph (flex, and the
+    cpp kernel as an opaque op)."""
     import torch._dynamo
 
     from fms_paged.engine.model_step import compiled_decode, decode_one_token
@@ -243,7 +249,7 @@ def test_zero_recompiles_over_500_decode_steps(whole_step):
     _, paged = pair(page_size=16)
     step_fn = compiled_decode(static_shapes=True) if whole_step else decode_one_token
     B, max_len = 4, 160
-    pc = PagedBackend(paged, B, max_len, num_pages=NUM_PAGES, kernel="flex")
+    pc = PagedBackend(paged, B, max_len, num_pages=NUM_PAGES, kernel=kernel)
     rng = np.random.default_rng(0)
     lengths, budget = [0] * B, [0] * B
 

@@ -1,0 +1,169 @@
+"""The CPU paged-attention kernel (`cpu_attention.cpp`): built on first use, called as a torch op.
+
+The kernel attends prefill chunks and decode rows of one step in a single call, reading K and V in
+place through the page table (no GATHER into logical order, no BlockMask), with the step's rows
+spread over the intra-op threads. It is the paged backend's `kernel="cpp"`, chosen by `"auto"` on
+the CPU for fp32 models whose head dim is a multiple of 16 and whose pages hold a multiple of 8
+tokens, when no `score_mod` is asked for.
+
+Building: the source is compiled once per head dim with the machine's C++ compiler (`$CXX`, else
+g++ / c++; the same one inductor needs for compiled FlexAttention) into a shared library kept in
+`$FMS_PAGED_CACHE_DIR` (default `~/.cache/fms_paged/kernels`), keyed by the source, the flags, the
+compiler and the CPU, so later processes load it at once. It uses OpenMP from the runtime torch
+has loaded already, with torch's intra-op thread count, and includes no torch headers (a build
+takes about a second). Called through ctypes, which releases the GIL.
+
+In a compiled graph the kernel is the opaque op `fms_paged::paged_attention`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+# the kernel's tile sizes: 16 query rows per vector, 8 keys (of one page) per score tile
+HEAD_DIM_MULTIPLE = 16
+PAGE_MULTIPLE = 8
+
+_LIB = torch.library.Library("fms_paged", "FRAGMENT")
+_LIB.define(
+    "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor chunks, "
+    "int page_size, float scale) -> Tensor"
+)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _flags() -> list[str]:
+    arch = "-mcpu=native" if platform.machine().lower() in ("aarch64", "arm64") else "-march=native"
+    return ["-O3", arch, "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (Linux), else the machine."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(dict.fromkeys(ln for ln in lines if ln.split(":")[0].strip() in keep))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FMS_PAGED_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fms_paged" / "kernels"
+
+
+@functools.cache
+def _build(head_dim: int) -> tuple[ctypes.CDLL | None, str | None]:
+    """The kernel library for `head_dim`, built (or found built) -> (library, None) or (None, why not)."""
+    cxx = _compiler()
+    if cxx is None:
+        return None, "no C++ compiler found ($CXX, g++ or c++)"
+    flags = _flags() + [f"-DHEAD_DIM={head_dim}"]
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cxx} --version failed: {e}"
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_id()]).encode())
+    path = cache_dir() / f"cpu_attention_d{head_dim}_{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: atomic
+                out = Path(tmp) / path.name
+                run = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True,
+                                     text=True, timeout=600)
+                if run.returncode:
+                    return None, f"building {SOURCE.name} failed: {(run.stderr or run.stdout)[-600:]}"
+                os.replace(out, path)
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"building {SOURCE.name} failed: {e}"
+    try:
+        lib = ctypes.CDLL(str(path))  # after torch: OpenMP resolves to the runtime torch loaded
+    except OSError as e:
+        return None, f"loading {path} failed: {e}"
+    fn = lib.fms_paged_attention
+    fn.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    return lib, None
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> str | None:
+    """Why the kernel cannot serve this model here (None if it can; builds it if need be)."""
+    if device.type != "cpu":
+        return f"it runs on the CPU, the model is on {device.type}"
+    if dtype != torch.float32:
+        return f"it computes in float32, the model is {dtype}"
+    if head_dim % HEAD_DIM_MULTIPLE:
+        return f"head_dim={head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
+    if page_size % PAGE_MULTIPLE:
+        return f"page_size={page_size} is not a multiple of {PAGE_MULTIPLE}"
+    if os.environ.get("FMS_PAGED_FORCE_GATHER"):
+        return "FMS_PAGED_FORCE_GATHER is set"
+    return _build(head_dim)[1]
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                    chunks: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+    """Causal attention of a step's query tokens over their sequences' pages.
+
+    q: [B, H, S, D] (its B * S tokens in the chunks' offsets; D contiguous); k_pool, v_pool:
+    [1, Hkv, NP, D] contiguous; page_table: [seqs, max_pages] int32; chunks: [n, 4] int64 rows
+    (seq, first position, tokens, offset of the first token), seq -1 for rows to leave at zero
+    -> [B, S, H, D] contiguous.
+    """
+    B, H, S, D = q.shape
+    rows = q.transpose(1, 2)  # [B, S, H, D]
+    if not (B == 1 or S == 1 or rows.stride(0) == S * rows.stride(1)) or rows.stride(3) != 1:
+        rows = rows.contiguous()
+    t_stride = rows.stride(0) if S == 1 else rows.stride(1)
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(
+                f"paged_attention: {name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    out = torch.empty(B, S, H, D, dtype=q.dtype)
+    lib, why = _build(D)
+    if lib is None:
+        raise RuntimeError(f"fms_paged CPU attention kernel unavailable: {why}")
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table), ("chunks", chunks)):
+        if not t.is_contiguous():
+            raise ValueError(f"paged_attention: {name} must be contiguous")
+    err = lib.fms_paged_attention(
+        rows.data_ptr(), t_stride, rows.stride(2), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[2],
+        page_table.data_ptr(), page_table.shape[1], chunks.data_ptr(), chunks.shape[0], out.data_ptr(),
+        H, k_pool.shape[1], page_size, scale, torch.get_num_threads(),
+    )
+    if err:
+        raise ValueError(
+            f"paged_attention: nheads={H} over kvheads={k_pool.shape[1]} with page_size={page_size}: "
+            f"heads must divide evenly and pages hold a multiple of {PAGE_MULTIPLE}")
+    return out
+
+
+_LIB.impl("paged_attention", paged_attention, "CPU")
+
+
+@torch.library.register_fake("fms_paged::paged_attention")
+def _paged_attention_fake(q, k_pool, v_pool, page_table, chunks, page_size, scale):
+    B, H, S, D = q.shape
+    return q.new_empty(B, S, H, D)

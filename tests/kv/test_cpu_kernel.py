@@ -1,0 +1,158 @@
+"""The CPU paged-attention kernel (`fms_paged.kv.cpu_kernel`) against SDPA over each sequence's
+keys gathered into logical order, computed in float64 (an independent reference: the kernel reads
+pages in place, sums in another order and has its own exp).
+
+Tolerance 1e-5 absolute on outputs of magnitude ~1: fp32 round-off of softmax-weighted sums of up
+to a few hundred terms, and the kernel's exp (Cephes' polynomial, ~1 ulp).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fms_paged import get_model
+from fms_paged.kv import cpu_kernel
+from fms_paged.kv.paged import PagedBackend, choose_kernel
+
+# a machine with a C++ compiler must build the kernel: a failed build fails these tests
+pytestmark = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C++ compiler")
+
+TOL = 1e-5
+
+
+def make_pool(lengths, H, Hkv, D, P, seed=0):
+    """Pools [1, Hkv, NP * P, D] whose every slot is NaN except the sequences' own tokens (stale
+    data the kernel must never read), pages handed out in a shuffled order, and a page table."""
+    g = torch.Generator().manual_seed(seed)
+    n_pages = [-(-n // P) for n in lengths]
+    NP = sum(n_pages) + 3  # + the null page and two never listed
+    perm = torch.randperm(NP - 1, generator=g) + 1
+    table = torch.zeros(len(lengths), max(n_pages), dtype=torch.int32)
+    k = torch.full((1, Hkv, NP * P, D), float("nan"))
+    v = torch.full((1, Hkv, NP * P, D), float("nan"))
+    slots, used = [], 0
+    for s, (n, npg) in enumerate(zip(lengths, n_pages)):
+        table[s, :npg] = perm[used : used + npg].int()
+        used += npg
+        pos = torch.arange(n)
+        sl = table[s, pos // P].long() * P + pos % P
+        k[0, :, sl] = torch.randn(Hkv, n, D, generator=g)
+        v[0, :, sl] = torch.randn(Hkv, n, D, generator=g)
+        slots.append(sl)
+    return k, v, table, slots
+
+
+def reference(q, k, v, slots, chunks, H):
+    """float64 SDPA per chunk over its sequence's keys 0 .. q0 + n - 1 in logical order."""
+    B, _, S, D = q.shape
+    rows = q.transpose(1, 2).reshape(B * S, H, D).double()
+    out = torch.zeros_like(rows)
+    for seq, q0, n, off in chunks.tolist():
+        if seq < 0:
+            continue
+        sl = slots[seq][: q0 + n]
+        kk, vv = k[0, :, sl].double(), v[0, :, sl].double()  # [Hkv, L, D]
+        qq = rows[off : off + n].transpose(0, 1)  # [H, n, D]
+        mask = torch.arange(q0 + n)[None, :] <= torch.arange(q0, q0 + n)[:, None]
+        out[off : off + n] = F.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    return out.view(B, S, H, D)
+
+
+def run(q, k, v, table, chunks, P):
+    return torch.ops.fms_paged.paged_attention(q, k, v, table, chunks, P, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("D", [16, 32, 64, 128])
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("P", [8, 16, 64])
+def test_prefill_chunks_and_decode_rows_match_sdpa(D, H, Hkv, P):
+    """One call: prompts from position 0 (lengths not multiples of the page or the key block), a
+    chunk continuing a prompt, decode rows at several positions and a row with no sequence."""
+    lengths = [1, 15, 150, 77, 200, 64]
+    k, v, table, slots = make_pool(lengths, H, Hkv, D, P)
+    # (seq, first position, tokens): seq 3 continues at 37; seqs 4 and 5 decode their last token
+    parts = [(0, 0, 1), (1, 0, 15), (2, 0, 150), (3, 37, 40), (4, 199, 1), (-1, 0, 1), (5, 63, 1)]
+    offs = torch.tensor([0] + [n for _, _, n in parts]).cumsum(0)[:-1]
+    chunks = torch.tensor([(s, q0, n, int(o)) for (s, q0, n), o in zip(parts, offs)])
+    T = int(offs[-1]) + 1
+    q = torch.randn(1, T, H, D, generator=torch.Generator().manual_seed(1)).transpose(1, 2)  # a view
+    out = run(q, k, v, table, chunks, P)
+    assert out.shape == (1, T, H, D) and out.is_contiguous()
+    ref = reference(q, k, v, slots, chunks, H)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max().item() <= TOL
+    assert (out[0, int(offs[5])] == 0).all()  # the row with no sequence
+
+
+def test_decode_batch_layout_and_thread_count():
+    """Decode rows as the model passes them ([B, H, 1, D], a transposed view), and the same bits
+    with 1 thread as with the default count (each row is computed by one thread)."""
+    H, Hkv, D, P = 8, 2, 32, 16
+    lengths = [300, 5, 129]
+    k, v, table, slots = make_pool(lengths, H, Hkv, D, P)
+    chunks = torch.tensor([(s, n - 1, 1, s) for s, n in enumerate(lengths)])
+    q = torch.randn(3, 1, H, D).transpose(1, 2)  # [B, H, 1, D]
+    out = run(q, k, v, table, chunks, P)
+    assert (out.double() - reference(q, k, v, slots, chunks, H)).abs().max().item() <= TOL
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(q, k, v, table, chunks, P), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_op_inside_a_compiled_graph():
+    """The op is opaque to torch.compile (fullgraph): its fake gives the shape, the kernel runs."""
+    H, Hkv, D, P = 4, 2, 16, 16
+    k, v, table, slots = make_pool([40, 9], H, Hkv, D, P)
+    chunks = torch.tensor([(0, 0, 40, 0), (1, 8, 1, 40)])
+    q = torch.randn(1, H, 41, D)
+    f = torch.compile(lambda q: run(q, k, v, table, chunks, P) * 2, fullgraph=True, backend="eager")
+    assert torch.equal(f(q), run(q, k, v, table, chunks, P) * 2)
+
+
+def test_bad_inputs_raise():
+    H, Hkv, D, P = 4, 2, 16, 16
+    k, v, table, _ = make_pool([20], H, Hkv, D, P)
+    chunks = torch.tensor([(0, 0, 20, 0)])
+    with pytest.raises(ValueError, match="q must be a float32 CPU tensor, got torch.float64"):
+        run(torch.randn(1, H, 20, D, dtype=torch.float64), k, v, table, chunks, P)
+    with pytest.raises(ValueError, match="page_size=12"):
+        run(torch.randn(1, H, 20, D), k, v, table, chunks, 12)
+    with pytest.raises(ValueError, match="k_pool must be contiguous"):
+        run(torch.randn(1, H, 20, D), k.transpose(2, 3).contiguous().transpose(2, 3), v, table, chunks, P)
+
+
+def test_kernel_choice():
+    cpu = torch.device("cpu")
+    assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=torch.float32) == "cpp"
+    assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=torch.float32,
+                         score_mod=lambda s, b, h, q, k: s) != "cpp"  # the kernel has no score_mod
+    for kw, why in [(dict(head_dim=24, dtype=torch.float32), "head_dim=24 is not a multiple of 16"),
+                    (dict(head_dim=32, dtype=torch.bfloat16), "it computes in float32"),
+                    (dict(head_dim=32, dtype=torch.float32, score_mod=lambda *a: a[0]), "score_mod")]:
+        with pytest.raises(ValueError, match=why):
+            choose_kernel("cpp", cpu, 16, **kw)
+    with pytest.raises(ValueError, match="page_size=12 is not a multiple of 8"):
+        choose_kernel("cpp", cpu, 12, head_dim=32, dtype=torch.float32)
+    assert PagedBackend(get_model(variant="micro", attn_impl="paged", page_size=16, device="cpu"),
+                        2, 64).kernel == "cpp"
+
+
+def test_built_once_per_head_dim_into_the_cache_dir(tmp_path, monkeypatch):
+    """The library is built into $FMS_PAGED_CACHE_DIR, keyed by what it was built from, and a second
+    request loads the file built (no rebuild)."""
+    monkeypatch.setenv("FMS_PAGED_CACHE_DIR", str(tmp_path))
+    cpu_kernel._build.cache_clear()
+    try:
+        lib, why = cpu_kernel._build(48)
+        assert why is None and lib is not None
+        (built,) = tmp_path.glob("cpu_attention_d48_*.so")
+        mtime = built.stat().st_mtime_ns
+        cpu_kernel._build.cache_clear()
+        assert cpu_kernel._build(48)[1] is None
+        assert built.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 1
+    finally:
+        cpu_kernel._build.cache_clear()
