@@ -176,10 +176,13 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 
 }  // namespace
 
-extern "C" int fms_paged_attention(const float* q, int64_t q_st, int64_t q_sh, const float* k,
-                                   const float* v, int64_t pool_tokens, const int32_t* pages,
-                                   int64_t pages_st, const int64_t* chunks, int n_chunks, float* out,
-                                   int H, int Hkv, int P, float scale, int threads) {
+// Optionally ASSIGNs the step's new keys and values first: token t's k_new[t, h, :] (at
+// k_new + t * new_st + h * new_sh, likewise v_new) goes to slot slots[t] of kv head h's pool.
+extern "C" int fms_paged_attention(const float* q, int64_t q_st, int64_t q_sh, float* k, float* v,
+                                   int64_t pool_tokens, const int32_t* pages, int64_t pages_st,
+                                   const int64_t* chunks, int n_chunks, float* out, int H, int Hkv, int P,
+                                   float scale, int threads, const float* k_new, const float* v_new,
+                                   int64_t new_st, int64_t new_sh, const int64_t* slots, int64_t n_new) {
   if (H % Hkv || P % KG) return 1;
   const Args a{q, q_st, q_sh, k, v, pool_tokens, pages, pages_st, chunks, out, H, Hkv, P, scale};
   const int G = H / Hkv, rows = LG * W;
@@ -198,8 +201,17 @@ extern "C" int fms_paged_attention(const float* q, int64_t q_st, int64_t q_sh, c
   // the costliest items first (rows x keys), handed out one at a time
   std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   const int n_items = (int)items.size();
-#pragma omp parallel num_threads(std::max(1, std::min(threads, n_items)))
+  const int64_t n_store = k_new ? n_new * Hkv : 0;
+  const int64_t work = std::max<int64_t>(n_items, n_store);
+#pragma omp parallel num_threads((int)std::max<int64_t>(1, std::min<int64_t>(threads, work)))
   {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n_store; ++i) {  // ASSIGN (then the for's barrier: every key is in place)
+      const int64_t t = i / Hkv, h = i % Hkv, dst = (h * pool_tokens + slots[t]) * D;
+      if (slots[t] < P) continue;  // rows with no sequence write to the null page: nobody reads it
+      std::memcpy(k + dst, k_new + t * new_st + h * new_sh, sizeof(float) * D);
+      std::memcpy(v + dst, v_new + t * new_st + h * new_sh, sizeof(float) * D);
+    }
     Scratch sc;
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_items; ++i) run_item(a, items[i], sc);

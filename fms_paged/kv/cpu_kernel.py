@@ -103,8 +103,8 @@ def _build(head_dim: int) -> tuple[ctypes.CDLL | None, str | None]:
     fn = lib.fms_paged_attention
     fn.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr, ptr, i64, i64, ptr, i64]
     return lib, None
 
 
@@ -123,35 +123,53 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
     return _build(head_dim)[1]
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """x: [B, H, S, D] -> (a tensor holding its B * S tokens, token stride, head stride), D contiguous."""
+    B, H, S, D = x.shape
+    rows = x.transpose(1, 2)  # [B, S, H, D]
+    if not (B == 1 or S == 1 or rows.stride(0) == S * rows.stride(1)) or rows.stride(3) != 1:
+        rows = rows.contiguous()
+    return rows, rows.stride(0) if S == 1 else rows.stride(1), rows.stride(2)
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
-                    chunks: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+                    chunks: torch.Tensor, page_size: int, scale: float,
+                    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of a step's query tokens over their sequences' pages.
 
     q: [B, H, S, D] (its B * S tokens in the chunks' offsets; D contiguous); k_pool, v_pool:
     [1, Hkv, NP, D] contiguous; page_table: [seqs, max_pages] int32; chunks: [n, 4] int64 rows
-    (seq, first position, tokens, offset of the first token), seq -1 for rows to leave at zero
-    -> [B, S, H, D] contiguous.
+    (seq, first position, tokens, offset of the first token), seq -1 for rows to leave at zero;
+    new: the step's own keys and values ([B, Hkv, S, D] each) and their slots ([B * S] int64), to
+    ASSIGN into the pools first (in the same call) -> [B, S, H, D] contiguous.
     """
     B, H, S, D = q.shape
-    rows = q.transpose(1, 2)  # [B, S, H, D]
-    if not (B == 1 or S == 1 or rows.stride(0) == S * rows.stride(1)) or rows.stride(3) != 1:
-        rows = rows.contiguous()
-    t_stride = rows.stride(0) if S == 1 else rows.stride(1)
     for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(
                 f"paged_attention: {name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
-    out = torch.empty(B, S, H, D, dtype=q.dtype)
-    lib, why = _build(D)
-    if lib is None:
-        raise RuntimeError(f"fms_paged CPU attention kernel unavailable: {why}")
     for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table), ("chunks", chunks)):
         if not t.is_contiguous():
             raise ValueError(f"paged_attention: {name} must be contiguous")
+    lib, why = _build(D)
+    if lib is None:
+        raise RuntimeError(f"fms_paged CPU attention kernel unavailable: {why}")
+    rows, q_st, q_sh = _rows(q)
+    store = (None, None, 0, 0, None, 0)
+    if new is not None:
+        k, v, slots = new
+        (kr, st, sh), (vr, vst, vsh) = _rows(k), _rows(v)
+        if (vst, vsh) != (st, sh):  # one pair of strides serves both: [B, S, Hkv, D] contiguous
+            kr, vr, st, sh = kr.contiguous(), vr.contiguous(), k.shape[1] * D, D
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != B * S:
+            raise ValueError(f"paged_attention: slots must be {B * S} contiguous int64, got {slots.dtype} "
+                             f"{tuple(slots.shape)}")
+        store = (kr.data_ptr(), vr.data_ptr(), st, sh, slots.data_ptr(), slots.numel())
+    out = torch.empty(B, S, H, D, dtype=q.dtype)
     err = lib.fms_paged_attention(
-        rows.data_ptr(), t_stride, rows.stride(2), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[2],
+        rows.data_ptr(), q_st, q_sh, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[2],
         page_table.data_ptr(), page_table.shape[1], chunks.data_ptr(), chunks.shape[0], out.data_ptr(),
-        H, k_pool.shape[1], page_size, scale, torch.get_num_threads(),
+        H, k_pool.shape[1], page_size, scale, torch.get_num_threads(), *store,
     )
     if err:
         raise ValueError(
@@ -160,7 +178,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out
 
 
-_LIB.impl("paged_attention", paged_attention, "CPU")
+def _op(q, k_pool, v_pool, page_table, chunks, page_size, scale):
+    return paged_attention(q, k_pool, v_pool, page_table, chunks, page_size, scale)
+
+
+_LIB.impl("paged_attention", _op, "CPU")
 
 
 @torch.library.register_fake("fms_paged::paged_attention")

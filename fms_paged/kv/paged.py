@@ -436,6 +436,14 @@ class CppStep(PoolStep):
         self.b, self.slots, self.chunks = backend, slots, chunks
         self.scale = backend.head_dim**-0.5
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # ASSIGN in the graph, the kernel as an opaque op
+            return super().attend(layer, q, k, v)
+        # eager: ASSIGN and attention in one kernel call (the new keys are still in cache)
+        b = self.b
+        return cpu_kernel.paged_attention(q, b.k_pools[layer], b.v_pools[layer], b.pm.page_table, self.chunks,
+                                          b.P, self.scale, new=(k, v, self.slots)).transpose(1, 2)
+
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
         # q: [B', H, S', D]; kp, vp: [1, Hkv, NP, D] -> [B', H, S', D] (a view of [B', S', H, D])
         out = torch.ops.fms_paged.paged_attention(q, kp, vp, self.b.pm.page_table, self.chunks,

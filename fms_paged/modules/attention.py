@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fms_paged.modules.linear import Linear
+from fms_paged.modules.linear import Linear, linear_cat
 from fms_paged.modules.positions import apply_rope
 
 
@@ -46,6 +46,11 @@ class QKV(nn.Module):
         self.key = Linear(emb_dim, kvheads * head_dim, bias=False)
         self.value = Linear(emb_dim, kvheads * head_dim, bias=False)
 
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x: [..., C] -> q [..., H * D], k, v [..., Hkv * D] (one GEMM where the packed path applies)
+        q, k, v = linear_cat(x, [self.query, self.key, self.value])
+        return q, k, v
+
 
 class MultiHeadAttention(nn.Module):
     def __init__(self, emb_dim: int, nheads: int, kvheads: int, layer_idx: int):
@@ -67,9 +72,10 @@ class MultiHeadAttention(nn.Module):
         step: AttentionStep | None = None,
     ) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.in_proj.query(x).view(B, S, self.nheads, self.head_dim)
-        k = self.in_proj.key(x).view(B, S, self.kvheads, self.head_dim)
-        v = self.in_proj.value(x).view(B, S, self.kvheads, self.head_dim)
+        q, k, v = self.in_proj(x)
+        q = q.view(B, S, self.nheads, self.head_dim)
+        k = k.view(B, S, self.kvheads, self.head_dim)
+        v = v.view(B, S, self.kvheads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # [B, S, H, D] -> [B, H, S, D]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

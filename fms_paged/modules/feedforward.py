@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fms_paged.modules.linear import Linear
+from fms_paged.modules.linear import Linear, linear_cat
 
 
 def swiglu_hidden_dim(emb_dim: int, hidden_grow_factor: float, multiple_of: int) -> int:
@@ -28,4 +28,5 @@ class GatedLinearUnit(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, S, C] -> [B, S, C]
-        return self.w2(F.silu(self.wg(x)) * self.w1(x))
+        gate, up = linear_cat(x, [self.wg, self.w1])
+        return self.w2(F.silu(gate) * up)

@@ -35,8 +35,12 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 # weight -> ((data_ptr, version) when packed, oneDNN-packed copy)
 _PACKED = WeakIdKeyDictionary()
 
+# first weight of a stack -> (every weight's (data_ptr, version) when packed, packed copy of the stack)
+_PACKED_CAT = WeakIdKeyDictionary()
+
 _LIB = torch.library.Library("fms_paged", "DEF")
 _LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define("packed_linear_cat(Tensor x, Tensor[] weights) -> Tensor")
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -48,12 +52,28 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return known[1]
 
 
+def packed_weights_cat(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The oneDNN-packed copy of the weights [N_i, K] stacked [sum N_i, K], packed again if any changed."""
+    key = tuple((w.data_ptr(), w._version) for w in weights)
+    known = _PACKED_CAT.get(weights[0])
+    if known is None or known[0] != key:
+        stacked = torch.cat([w.detach() for w in weights])
+        known = _PACKED_CAT[weights[0]] = (key, torch.ops.mkldnn._reorder_linear_weight(stacked))
+    return known[1]
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias -> [..., N], through the packed weight."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
 
 
+def packed_linear_cat(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """x [..., K] @ [w_1; w_2; ...]^T -> [..., sum N_i]: one GEMM through the packed stack."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weights_cat(weights), None, "none", [], "")
+
+
 _LIB.impl("packed_linear", packed_linear, "CPU")
+_LIB.impl("packed_linear_cat", packed_linear_cat, "CPU")
 
 
 @torch.library.register_fake("fms_paged::packed_linear")
@@ -61,22 +81,31 @@ def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.register_fake("fms_paged::packed_linear_cat")
+def _packed_linear_cat_fake(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
+
+
 def unpacked_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s weights that `Linear` may still pack on the CPU (each packed copy is
     about its weight's size): memory the KV budget leaves free for them."""
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear) and m.pack}
+    in_stacks = {ptr for key, _ in _PACKED_CAT.values() for ptr, _ in key}
     return sum(w.nbytes for w in weights.values()
-               if w.device.type == "cpu" and w.dtype == torch.float32 and _ONEDNN and w not in _PACKED)
+               if w.device.type == "cpu" and w.dtype == torch.float32 and _ONEDNN and w not in _PACKED
+               and w.data_ptr() not in in_stacks)
 
 
-def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `x @ weight.T` takes the packed path (see the module docstring)."""
+def packs(x: torch.Tensor, weight: torch.Tensor, out_features: int | None = None) -> bool:
+    """Whether `x @ weight.T` takes the packed path (see the module docstring); `out_features`:
+    the width of a stack of weights like `weight` computed in one GEMM (`linear_cat`)."""
+    n = weight.shape[0] if out_features is None else out_features
     return (
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and _ONEDNN
         and not (torch.is_grad_enabled() and weight.requires_grad)
-        and (weight.numel() >= PACK_MIN_WEIGHT or x.numel() >= PACK_MIN_ROWS * x.shape[-1])
+        and (n * weight.shape[1] >= PACK_MIN_WEIGHT or x.numel() >= PACK_MIN_ROWS * x.shape[-1])
     )
 
 
@@ -96,3 +125,20 @@ class Linear(nn.Linear):
             if not torch._inductor.config.freezing:
                 return torch.ops.fms_paged.packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
+    """[m(x) for m in linears] (bias-free, same input width), through one GEMM over their stacked
+    weights where the packed path applies (vLLM's fused q/k/v and gate/up projections: fewer,
+    wider GEMMs); the outputs are views of that GEMM's result."""
+    weights = [m.weight for m in linears]
+    width = sum(w.shape[0] for w in weights)
+    if not all(m.pack and m.bias is None for m in linears) or not packs(x, weights[0], width):
+        return [m(x) for m in linears]
+    if not torch.compiler.is_compiling():
+        y = packed_linear_cat(x, weights)
+    elif not torch._inductor.config.freezing:
+        y = torch.ops.fms_paged.packed_linear_cat(x, weights)
+    else:  # frozen weights: the stack is folded into one constant
+        y = F.linear(x, torch.cat(weights))
+    return list(y.split([w.shape[0] for w in weights], dim=-1))

@@ -130,11 +130,42 @@ def test_linear_impl_torch_keeps_every_weight_unpacked():
     plain.reset_buffers()
     x = torch.randint(0, 4096, (1, 300))
     torch.testing.assert_close(auto(x), plain(x), **TOL)
-    assert auto.head.weight in L._PACKED and auto.layers[0].attn.in_proj.query.weight in L._PACKED
-    assert not any(p in L._PACKED for p in plain.parameters())
+    assert auto.head.weight in L._PACKED and auto.layers[0].attn.in_proj.query.weight in L._PACKED_CAT
+    assert not any(p in L._PACKED or p in L._PACKED_CAT for p in plain.parameters())
     with pytest.raises(ValueError, match="linear_impl='onednn'"):
         LLaMAConfig(linear_impl="onednn")
 
 
 def test_get_model_passes_linear_impl():
     assert all(not m.pack for m in get_model(linear_impl="torch").modules() if isinstance(m, L.Linear))
+
+
+def test_stacked_projections_are_one_gemm_and_follow_each_weight():
+    """q/k/v (and gate/up) through one GEMM over their stacked packed weights: each output equals
+    its own F.linear, also after a change to any one weight of the stack, and in a compiled graph
+    (one opaque op; a plain linear over the concatenated weights under freezing)."""
+    torch.manual_seed(0)
+    lins = [L.Linear(64, n, bias=False).requires_grad_(False) for n in (64, 32, 32)]
+    x = torch.randn(1, L.PACK_MIN_ROWS, 64)
+    assert L.packs(x, lins[0].weight, 128)
+
+    def check(outs):
+        assert len(outs) == 3
+        for out, m in zip(outs, lins):
+            torch.testing.assert_close(out, F.linear(x, m.weight), **TOL)
+
+    check(L.linear_cat(x, lins))
+    assert lins[0].weight in L._PACKED_CAT and lins[1].weight not in L._PACKED
+    lins[2].load_state_dict({"weight": torch.randn(32, 64)})  # the last weight of the stack
+    check(L.linear_cat(x, lins))
+    graphs: list[set] = []
+    fn = torch.compile(lambda x: L.linear_cat(x, lins), backend=_recording_backend(graphs), fullgraph=True)
+    check(fn(x))
+    with torch._inductor.config.patch(freezing=True):
+        check(fn(x))
+    assert "fms_paged.packed_linear_cat" in graphs[0]
+    assert not any("packed" in t for t in graphs[1])
+    small = torch.randn(3, 64)  # below the packing thresholds: each its own F.linear
+    assert not L.packs(small, lins[0].weight, 128)
+    for out, m in zip(L.linear_cat(small, lins), lins):
+        assert torch.equal(out, F.linear(small, m.weight))
