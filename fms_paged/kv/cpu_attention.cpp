@@ -177,12 +177,14 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 }  // namespace
 
 // Optionally ASSIGNs the step's new keys and values first: token t's k_new[t, h, :] (at
-// k_new + t * new_st + h * new_sh, likewise v_new) goes to slot slots[t] of kv head h's pool.
+// k_new + t * kn_st + h * kn_sh; v_new likewise with its own strides) goes to slot slots[t] of kv
+// head h's pool.
 extern "C" int fms_paged_attention(const float* q, int64_t q_st, int64_t q_sh, float* k, float* v,
                                    int64_t pool_tokens, const int32_t* pages, int64_t pages_st,
                                    const int64_t* chunks, int n_chunks, float* out, int H, int Hkv, int P,
-                                   float scale, int threads, const float* k_new, const float* v_new,
-                                   int64_t new_st, int64_t new_sh, const int64_t* slots, int64_t n_new) {
+                                   float scale, int threads, const float* k_new, int64_t kn_st,
+                                   int64_t kn_sh, const float* v_new, int64_t vn_st, int64_t vn_sh,
+                                   const int64_t* slots, int64_t n_new) {
   if (H % Hkv || P % KG) return 1;
   const Args a{q, q_st, q_sh, k, v, pool_tokens, pages, pages_st, chunks, out, H, Hkv, P, scale};
   const int G = H / Hkv, rows = LG * W;
@@ -209,8 +211,8 @@ extern "C" int fms_paged_attention(const float* q, int64_t q_st, int64_t q_sh, f
     for (int64_t i = 0; i < n_store; ++i) {  // ASSIGN (then the for's barrier: every key is in place)
       const int64_t t = i / Hkv, h = i % Hkv, dst = (h * pool_tokens + slots[t]) * D;
       if (slots[t] < P) continue;  // rows with no sequence write to the null page: nobody reads it
-      std::memcpy(k + dst, k_new + t * new_st + h * new_sh, sizeof(float) * D);
-      std::memcpy(v + dst, v_new + t * new_st + h * new_sh, sizeof(float) * D);
+      std::memcpy(k + dst, k_new + t * kn_st + h * kn_sh, sizeof(float) * D);
+      std::memcpy(v + dst, v_new + t * vn_st + h * vn_sh, sizeof(float) * D);
     }
     Scratch sc;
 #pragma omp for schedule(dynamic, 1)

@@ -104,7 +104,8 @@ def _build(head_dim: int) -> tuple[ctypes.CDLL | None, str | None]:
     fn.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr, ptr, i64, i64, ptr, i64]
+                   ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr, i64, i64, ptr, i64, i64,
+                   ptr, i64]
     return lib, None
 
 
@@ -155,16 +156,14 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if lib is None:
         raise RuntimeError(f"fms_paged CPU attention kernel unavailable: {why}")
     rows, q_st, q_sh = _rows(q)
-    store = (None, None, 0, 0, None, 0)
+    store = (None, 0, 0, None, 0, 0, None, 0)
     if new is not None:
         k, v, slots = new
-        (kr, st, sh), (vr, vst, vsh) = _rows(k), _rows(v)
-        if (vst, vsh) != (st, sh):  # one pair of strides serves both: [B, S, Hkv, D] contiguous
-            kr, vr, st, sh = kr.contiguous(), vr.contiguous(), k.shape[1] * D, D
+        (kr, k_st, k_sh), (vr, v_st, v_sh) = _rows(k), _rows(v)
         if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != B * S:
             raise ValueError(f"paged_attention: slots must be {B * S} contiguous int64, got {slots.dtype} "
                              f"{tuple(slots.shape)}")
-        store = (kr.data_ptr(), vr.data_ptr(), st, sh, slots.data_ptr(), slots.numel())
+        store = (kr.data_ptr(), k_st, k_sh, vr.data_ptr(), v_st, v_sh, slots.data_ptr(), slots.numel())
     out = torch.empty(B, S, H, D, dtype=q.dtype)
     err = lib.fms_paged_attention(
         rows.data_ptr(), q_st, q_sh, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[2],

@@ -103,6 +103,30 @@ def test_decode_batch_layout_and_thread_count():
         torch.set_num_threads(threads)
 
 
+def test_assign_in_the_same_call():
+    """`new=(k, v, slots)`: the step's keys and values (strided views, as the model passes them)
+    land in their slots before any row attends (a prompt's tokens see each other), a row with no
+    sequence writes nothing (its slot is in the null page), and the output equals attention over
+    pools written beforehand."""
+    H, Hkv, D, P = 8, 2, 32, 16
+    k, v, table, slots = make_pool([70, 21], H, Hkv, D, P)
+    fresh_k, fresh_v = torch.randn(1, 71, Hkv * 3, D), torch.randn(1, 71, Hkv * 3, D)
+    # [1, Hkv, 71, D] views of wider rows
+    nk, nv = fresh_k[:, :, :Hkv].transpose(1, 2), fresh_v[:, :, Hkv : 2 * Hkv].transpose(1, 2)
+    new_slots = torch.cat([slots[0], torch.zeros(1, dtype=torch.int64)])  # seq 0 whole, then a no-seq row
+    chunks = torch.tensor([(0, 0, 70, 0), (-1, 0, 1, 70)])
+    q = torch.randn(1, H, 71, D)
+    kp, vp = k.clone(), v.clone()
+    null_before = kp[0, :, :P].clone()
+    out = cpu_kernel.paged_attention(q, kp, vp, table, chunks, P, D**-0.5, new=(nk, nv, new_slots))
+    k[0, :, slots[0]], v[0, :, slots[0]] = nk[0, :, :70], nv[0, :, :70]
+    assert torch.equal(kp[0, :, slots[0]], k[0, :, slots[0]])
+    assert torch.equal(vp[0, :, slots[0]], v[0, :, slots[0]])
+    torch.testing.assert_close(kp[0, :, :P], null_before, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(out, run(q, k, v, table, chunks, P))
+    assert (out.double() - reference(q, k, v, slots, chunks, H)).abs().max().item() <= TOL
+
+
 def test_op_inside_a_compiled_graph():
     """The op is opaque to torch.compile (fullgraph): its fake gives the shape, the kernel runs."""
     H, Hkv, D, P = 4, 2, 16, 16
