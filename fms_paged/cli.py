@@ -99,7 +99,9 @@ def _load(args, attn_impl: str = "sdpa"):
 
 def cmd_generate(args) -> int:
     from fms_paged import generate
+    from fms_paged.device import keep_freed_cpu_memory
 
+    keep_freed_cpu_memory()  # a generating process: glibc keeps freed buffers for the next step
     model, tok = _load(args, args.attn_impl)
     if args.prompt_ids is not None:
         try:

@@ -773,10 +773,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from fms_paged.bench.environment import auto_scale, environment_info
-    from fms_paged.device import resolve_device
+    from fms_paged.device import keep_freed_cpu_memory, resolve_device
     from fms_paged.models import get_model
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    keep_freed_cpu_memory()  # this process serves: glibc keeps freed buffers (vLLM's peer: tcmalloc)
     if argv[:1] == ["--peer"]:  # a peer's own process (see run_peers)
         return peer_main(*argv[1:4])
     args = build_parser().parse_args(argv)
