@@ -1,17 +1,10 @@
-"""The CPU paged-attention kernel (`cpu_attention.cpp`): built on first use, called as a torch op.
+"""The CPU paged-attention kernel (`cpu_attention.cpp`, built by `fms_paged.native`): a torch op.
 
 The kernel attends prefill chunks and decode rows of one step in a single call, reading K and V in
 place through the page table (no GATHER into logical order, no BlockMask), with the step's rows
 spread over the intra-op threads. It is the paged backend's `kernel="cpp"`, chosen by `"auto"` on
 the CPU for fp32 models whose head dim is a multiple of 16 and whose pages hold a multiple of 8
-tokens, when no `score_mod` is asked for.
-
-Building: the source is compiled once per head dim with the machine's C++ compiler (`$CXX`, else
-g++ / c++; the same one inductor needs for compiled FlexAttention) into a shared library kept in
-`$FMS_PAGED_CACHE_DIR` (default `~/.cache/fms_paged/kernels`), keyed by the source, the flags, the
-compiler and the CPU, so later processes load it at once. It uses OpenMP from the runtime torch
-has loaded already, with torch's intra-op thread count, and includes no torch headers (a build
-takes about a second). Called through ctypes, which releases the GIL.
+tokens, when no `score_mod` is asked for. One library per head dim.
 
 In a compiled graph the kernel is the opaque op `fms_paged::paged_attention`.
 """
@@ -20,15 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from fms_paged import native
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # the kernel's tile sizes: 16 query rows per vector, 8 keys (of one page) per score tile
@@ -42,71 +32,18 @@ _LIB.define(
 )
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _flags() -> list[str]:
-    arch = "-mcpu=native" if platform.machine().lower() in ("aarch64", "arm64") else "-march=native"
-    return ["-O3", arch, "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags (Linux), else the machine."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
-    keep = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(dict.fromkeys(ln for ln in lines if ln.split(":")[0].strip() in keep))
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("FMS_PAGED_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fms_paged" / "kernels"
-
-
 @functools.cache
 def _build(head_dim: int) -> tuple[ctypes.CDLL | None, str | None]:
-    """The kernel library for `head_dim`, built (or found built) -> (library, None) or (None, why not)."""
-    cxx = _compiler()
-    if cxx is None:
-        return None, "no C++ compiler found ($CXX, g++ or c++)"
-    flags = _flags() + [f"-DHEAD_DIM={head_dim}"]
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{cxx} --version failed: {e}"
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_id()]).encode())
-    path = cache_dir() / f"cpu_attention_d{head_dim}_{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: atomic
-                out = Path(tmp) / path.name
-                run = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True,
-                                     text=True, timeout=600)
-                if run.returncode:
-                    return None, f"building {SOURCE.name} failed: {(run.stderr or run.stdout)[-600:]}"
-                os.replace(out, path)
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building {SOURCE.name} failed: {e}"
-    try:
-        lib = ctypes.CDLL(str(path))  # after torch: OpenMP resolves to the runtime torch loaded
-    except OSError as e:
-        return None, f"loading {path} failed: {e}"
-    fn = lib.fms_paged_attention
-    fn.restype = ctypes.c_int
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr, i64, i64, ptr, i64, i64,
-                   ptr, i64]
-    return lib, None
+    """The kernel library for `head_dim` -> (library, None) or (None, why not)."""
+    lib, why = native.load(SOURCE, HEAD_DIM=head_dim)
+    if lib is not None:
+        fn = lib.fms_paged_attention
+        fn.restype = ctypes.c_int
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr, i64, i64, ptr, i64, i64,
+                       ptr, i64]
+    return lib, why
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> str | None:

@@ -16,15 +16,26 @@ and tunes the GEMM itself, so the plain `F.linear` is traced.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fms_paged import native
+
 LINEAR_IMPLS = ("auto", "torch")
 
-# a call packs when its weight has this many elements (1 MiB of fp32) ...
+# a call with at most this many rows (a decode step of one sequence) runs the project's GEMV kernel
+# (`cpu_gemv.cpp`): each weight row streamed once, a few microseconds per call against oneDNN's ~20
+GEMV_MAX_ROWS = 1
+GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+
+# otherwise a call packs when its weight has this many elements (1 MiB of fp32) ...
 PACK_MIN_WEIGHT = 1 << 18
 # ... or when it has this many rows
 PACK_MIN_ROWS = 256
@@ -41,6 +52,7 @@ _PACKED_CAT = WeakIdKeyDictionary()
 _LIB = torch.library.Library("fms_paged", "DEF")
 _LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.define("packed_linear_cat(Tensor x, Tensor[] weights) -> Tensor")
+_LIB.define("gemv(Tensor x, Tensor[] weights) -> Tensor")
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -72,13 +84,50 @@ def packed_linear_cat(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x, packed_weights_cat(weights), None, "none", [], "")
 
 
+@functools.cache
+def _gemv_kernel() -> ctypes._CFuncPtr | None:
+    lib, _ = native.load(GEMV_SOURCE)
+    if lib is None:
+        return None
+    fn, i64, ptr = lib.fms_paged_gemv, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """x [..., K] @ [w_1; w_2; ...]^T -> [..., sum N_i] by the GEMV kernel (F.linear where it cannot
+    be built)."""
+    fn = _gemv_kernel()
+    if fn is None:
+        return torch.cat([F.linear(x, w) for w in weights], dim=-1)
+    K = x.shape[-1]
+    rows = x.reshape(-1, K)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
+    n = len(weights)
+    y = torch.empty(*x.shape[:-1], sum(w.shape[0] for w in weights), dtype=x.dtype)
+    ptrs = (ctypes.c_void_p * n)(*[w.data_ptr() for w in weights])
+    widths = (ctypes.c_int64 * n)(*[w.shape[0] for w in weights])
+    threads = torch.get_num_threads()
+    fn(rows.data_ptr(), rows.shape[0], K, rows.stride(0), n, ptrs, widths, y.data_ptr(), threads)
+    return y
+
+
 _LIB.impl("packed_linear", packed_linear, "CPU")
 _LIB.impl("packed_linear_cat", packed_linear_cat, "CPU")
+_LIB.impl("gemv", gemv, "CPU")
 
 
 @torch.library.register_fake("fms_paged::packed_linear")
 def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("fms_paged::gemv")
+def _gemv_fake(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
 
 
 @torch.library.register_fake("fms_paged::packed_linear_cat")
@@ -96,17 +145,19 @@ def unpacked_bytes(model: nn.Module) -> int:
                and w.data_ptr() not in in_stacks)
 
 
-def packs(x: torch.Tensor, weight: torch.Tensor, out_features: int | None = None) -> bool:
-    """Whether `x @ weight.T` takes the packed path (see the module docstring); `out_features`:
-    the width of a stack of weights like `weight` computed in one GEMM (`linear_cat`)."""
+def cpu_path(x: torch.Tensor, weight: torch.Tensor, out_features: int | None = None) -> str | None:
+    """Which path `x @ weight.T` takes: "gemv", "packed" or None (F.linear); see the module
+    docstring. `out_features`: the width of a stack of weights like `weight` computed in one call
+    (`linear_cat`)."""
+    if not (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and weight.requires_grad)):
+        return None
+    if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        return "gemv"
     n = weight.shape[0] if out_features is None else out_features
-    return (
-        x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
-        and _ONEDNN
-        and not (torch.is_grad_enabled() and weight.requires_grad)
-        and (n * weight.shape[1] >= PACK_MIN_WEIGHT or x.numel() >= PACK_MIN_ROWS * x.shape[-1])
-    )
+    if _ONEDNN and (n * weight.shape[1] >= PACK_MIN_WEIGHT or x.numel() >= PACK_MIN_ROWS * x.shape[-1]):
+        return "packed"
+    return None
 
 
 class Linear(nn.Linear):
@@ -119,26 +170,34 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
-        if self.pack and packs(x, self.weight):
-            if not torch.compiler.is_compiling():
-                return packed_linear(x, self.weight, self.bias)
-            if not torch._inductor.config.freezing:
+        path = cpu_path(x, self.weight) if self.pack else None
+        if path is None or torch.compiler.is_compiling() and torch._inductor.config.freezing:
+            return F.linear(x, self.weight, self.bias)  # frozen: inductor packs and tunes the GEMM
+        compiled = torch.compiler.is_compiling()
+        if path == "packed":
+            if compiled:
                 return torch.ops.fms_paged.packed_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.weight, self.bias)
+        y = torch.ops.fms_paged.gemv(x, [self.weight]) if compiled else gemv(x, [self.weight])
+        return y if self.bias is None else y + self.bias
 
 
 def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
-    """[m(x) for m in linears] (bias-free, same input width), through one GEMM over their stacked
-    weights where the packed path applies (vLLM's fused q/k/v and gate/up projections: fewer,
-    wider GEMMs); the outputs are views of that GEMM's result."""
+    """[m(x) for m in linears] (bias-free, same input width), through one kernel call over their
+    stacked weights where a CPU path applies (vLLM's fused q/k/v and gate/up projections: fewer,
+    wider GEMMs); the outputs are views of that call's result."""
     weights = [m.weight for m in linears]
     width = sum(w.shape[0] for w in weights)
-    if not all(m.pack and m.bias is None for m in linears) or not packs(x, weights[0], width):
+    path = cpu_path(x, weights[0], width) if all(m.pack and m.bias is None for m in linears) else None
+    if path is None:
         return [m(x) for m in linears]
-    if not torch.compiler.is_compiling():
-        y = packed_linear_cat(x, weights)
-    elif not torch._inductor.config.freezing:
-        y = torch.ops.fms_paged.packed_linear_cat(x, weights)
-    else:  # frozen weights: the stack is folded into one constant
-        y = F.linear(x, torch.cat(weights))
+    if torch.compiler.is_compiling():
+        if torch._inductor.config.freezing:  # frozen weights: the stack is folded into one constant
+            y = F.linear(x, torch.cat(weights))
+        elif path == "packed":
+            y = torch.ops.fms_paged.packed_linear_cat(x, weights)
+        else:
+            y = torch.ops.fms_paged.gemv(x, weights)
+    else:
+        y = packed_linear_cat(x, weights) if path == "packed" else gemv(x, weights)
     return list(y.split([w.shape[0] for w in weights], dim=-1))

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fms_paged import get_model
+from fms_paged import get_model, native
 from fms_paged.kv import cpu_kernel
 from fms_paged.kv.paged import PagedBackend, choose_kernel
 
 # a machine with a C++ compiler must build the kernel: a failed build fails these tests
-pytestmark = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
 
 TOL = 1e-5
 
@@ -169,14 +169,14 @@ def test_built_once_per_head_dim_into_the_cache_dir(tmp_path, monkeypatch):
     """The library is built into $FMS_PAGED_CACHE_DIR, keyed by what it was built from, and a second
     request loads the file built (no rebuild)."""
     monkeypatch.setenv("FMS_PAGED_CACHE_DIR", str(tmp_path))
-    cpu_kernel._build.cache_clear()
+    native.load.cache_clear()
     try:
-        lib, why = cpu_kernel._build(48)
+        lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=48)
         assert why is None and lib is not None
-        (built,) = tmp_path.glob("cpu_attention_d48_*.so")
+        (built,) = tmp_path.glob("cpu_attention_head_dim48_*.so")
         mtime = built.stat().st_mtime_ns
-        cpu_kernel._build.cache_clear()
-        assert cpu_kernel._build(48)[1] is None
+        native.load.cache_clear()
+        assert native.load(cpu_kernel.SOURCE, HEAD_DIM=48)[1] is None
         assert built.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 1
     finally:
-        cpu_kernel._build.cache_clear()
+        native.load.cache_clear()

@@ -19,32 +19,33 @@ TOL = dict(rtol=1e-5, atol=1e-4)
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
-    "out_f, in_f, lead",
+    "out_f, in_f, lead, path",
     [
-        (1024, 256, (1,)),  # a large weight: packs at any row count (decode)
-        (1024, 256, (2, 3)),
-        (48, 40, (1, 300)),  # a small weight: packs from PACK_MIN_ROWS rows (prefill)
-        (48, 40, (L.PACK_MIN_ROWS,)),
+        (1024, 256, (1,), "gemv"),  # one row (a decode step of one sequence)
+        (1000, 250, (1, 1), "gemv"),  # widths that are not whole vectors or register tiles
+        (1024, 256, (2, 3), "packed"),  # a large weight: packs at any other row count
+        (48, 40, (1, 300), "packed"),  # a small weight: packs from PACK_MIN_ROWS rows (prefill)
+        (48, 40, (L.PACK_MIN_ROWS,), "packed"),
     ],
 )
-def test_packed_path_matches_f_linear(out_f, in_f, lead, bias):
+def test_cpu_paths_match_f_linear(out_f, in_f, lead, path, bias):
     torch.manual_seed(0)
     lin = L.Linear(in_f, out_f, bias=bias).requires_grad_(False)
     x = torch.randn(*lead, in_f)
-    assert L.packs(x, lin.weight)
+    assert L.cpu_path(x, lin.weight) == path
     got = lin(x)
-    assert lin.weight in L._PACKED
+    assert (lin.weight in L._PACKED) == (path == "packed")
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), **TOL)
 
 
 def test_small_calls_and_other_dtypes_keep_f_linear():
     lin = L.Linear(40, 48, bias=False).requires_grad_(False)
-    assert not L.packs(torch.randn(L.PACK_MIN_ROWS - 1, 40), lin.weight)
+    assert L.cpu_path(torch.randn(L.PACK_MIN_ROWS - 1, 40), lin.weight) is None
     lin(torch.randn(L.PACK_MIN_ROWS - 1, 40))
     assert lin.weight not in L._PACKED
     big = L.Linear(256, 1024, bias=False).to(torch.float64).requires_grad_(False)
     x = torch.randn(3, 256, dtype=torch.float64)
-    assert not L.packs(x, big.weight)
+    assert L.cpu_path(x, big.weight) is None
     assert torch.equal(big(x), F.linear(x, big.weight))
 
 
@@ -67,7 +68,7 @@ def test_packed_copy_follows_weight_changes():
 
 def test_packed_copy_goes_with_its_weight():
     lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
-    lin(torch.randn(1, 256))
+    lin(torch.randn(2, 256))
     gc.collect()
     before = len(L._PACKED)
     del lin
@@ -79,7 +80,7 @@ def test_gradients_take_f_linear():
     torch.manual_seed(0)
     lin = L.Linear(256, 1024, bias=True)
     x = torch.randn(300, 256, requires_grad=True)
-    assert not L.packs(x, lin.weight)
+    assert L.cpu_path(x, lin.weight) is None
     lin(x).square().sum().backward()
     w, b, xr = (lin.weight.detach().requires_grad_(), lin.bias.detach().requires_grad_(),
                 x.detach().requires_grad_())
@@ -101,7 +102,7 @@ def test_compiled_graphs_call_the_packed_op_unless_inductor_freezes():
     tunes the frozen weight's GEMM itself and so must see a plain linear."""
     torch.manual_seed(0)
     lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
-    x = torch.randn(4, 256)
+    x = torch.randn(4, 256)  # 4 rows: the packed path
     graphs: list[set] = []
     fn = torch.compile(lin, backend=_recording_backend(graphs), fullgraph=True)
     torch.testing.assert_close(fn(x), F.linear(x, lin.weight), **TOL)
@@ -147,7 +148,7 @@ def test_stacked_projections_are_one_gemm_and_follow_each_weight():
     torch.manual_seed(0)
     lins = [L.Linear(64, n, bias=False).requires_grad_(False) for n in (64, 32, 32)]
     x = torch.randn(1, L.PACK_MIN_ROWS, 64)
-    assert L.packs(x, lins[0].weight, 128)
+    assert L.cpu_path(x, lins[0].weight, 128) == "packed"
 
     def check(outs):
         assert len(outs) == 3
@@ -166,6 +167,16 @@ def test_stacked_projections_are_one_gemm_and_follow_each_weight():
     assert "fms_paged.packed_linear_cat" in graphs[0]
     assert not any("packed" in t for t in graphs[1])
     small = torch.randn(3, 64)  # below the packing thresholds: each its own F.linear
-    assert not L.packs(small, lins[0].weight, 128)
+    assert L.cpu_path(small, lins[0].weight, 128) is None
     for out, m in zip(L.linear_cat(small, lins), lins):
         assert torch.equal(out, F.linear(small, m.weight))
+    one = torch.randn(1, 1, 64)  # one row: the GEMV kernel over the three weights in one call
+    assert L.cpu_path(one, lins[0].weight, 128) == "gemv"
+    for out, m in zip(L.linear_cat(one, lins), lins):
+        torch.testing.assert_close(out, F.linear(one, m.weight), **TOL)
+    gemv_graphs: list[set] = []
+    fn = torch.compile(lambda x: L.linear_cat(x, lins), backend=_recording_backend(gemv_graphs),
+                       fullgraph=True)
+    for out, m in zip(fn(one), lins):
+        torch.testing.assert_close(out, F.linear(one, m.weight), **TOL)
+    assert "fms_paged.gemv" in gemv_graphs[0]

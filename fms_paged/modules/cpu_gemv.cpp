@@ -1,0 +1,107 @@
+// fp32 products of a few rows with row-major weights, y = x W^T, for decode steps: each
+// weight row is streamed from memory once and dotted with every row of x. Built and loaded by
+// fms_paged/native.py; see fms_paged/modules/linear.py.
+//
+// The weights of one call may be several matrices sharing K (q/k/v, gate/up): their outputs sit
+// side by side in y. Output columns go in blocks of NR weight rows, split over the threads.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int W = 16;  // floats per vector
+#ifdef __AVX512F__
+constexpr int MR = 4;  // rows of x per register tile (NR x MR accumulators)
+#else
+constexpr int MR = 2;
+#endif
+constexpr int NR = 4;  // weight rows per register tile
+
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+inline float hsum(vf v) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+  typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+#endif
+}
+
+struct Segment {
+  const float* w;  // [n, K]
+  int64_t n, col;  // rows, first column in y
+};
+
+// y[m0 .. m0 + mr, col + j] for weight rows j0 .. j0 + nr of one segment
+template <int mr, int nr>
+void tile(const float* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, float* y, int64_t y_st) {
+  vf acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = splat(0.0f);
+  const float* w = s.w + j0 * K;
+  const int64_t kv = K / W * W;
+  for (int64_t k = 0; k < kv; k += W) {
+    vf wv[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = load(w + j * K + k);
+    for (int i = 0; i < mr; ++i) {
+      const vf xv = load(x + i * x_st + k);
+      for (int j = 0; j < nr; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) {
+      float sum = hsum(acc[i][j]);
+      for (int64_t k = kv; k < K; ++k) sum += x[i * x_st + k] * w[j * K + k];
+      y[i * y_st + s.col + j0 + j] = sum;
+    }
+}
+
+template <int nr>
+void columns(const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, float* y,
+             int64_t y_st) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile<MR, nr>(x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st);
+  for (; m < M; ++m) tile<1, nr>(x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st);
+}
+
+}  // namespace
+
+// y [M, sum of rows] = x [M, K] (row stride x_st) times each weight [rows[i], K]^T, side by side
+extern "C" int fms_paged_gemv(const float* x, int64_t M, int64_t K, int64_t x_st, int n_weights,
+                              const float* const* weights, const int64_t* rows, float* y, int threads) {
+  std::vector<Segment> segs;
+  std::vector<std::pair<int, int64_t>> blocks;  // (segment, first weight row) of each column block
+  int64_t col = 0;
+  for (int i = 0; i < n_weights; ++i) {
+    segs.push_back({weights[i], rows[i], col});
+    for (int64_t j = 0; j < rows[i]; j += NR) blocks.emplace_back(i, j);
+    col += rows[i];
+  }
+  const int64_t nb = (int64_t)blocks.size();
+#pragma omp parallel for schedule(static) num_threads((int)std::max<int64_t>(1, std::min<int64_t>(threads, nb)))
+  for (int64_t b = 0; b < nb; ++b) {
+    const Segment& s = segs[blocks[b].first];
+    const int64_t j0 = blocks[b].second;
+    switch (std::min<int64_t>(NR, s.n - j0)) {
+      case 4: columns<4>(x, x_st, M, K, s, j0, y, col); break;
+      case 3: columns<3>(x, x_st, M, K, s, j0, y, col); break;
+      case 2: columns<2>(x, x_st, M, K, s, j0, y, col); break;
+      default: columns<1>(x, x_st, M, K, s, j0, y, col); break;
+    }
+  }
+  return 0;
+}
