@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch._inductor.config
 
+from fms_paged.kv.paged import allow_shape_variants
+
 # inductor options of the "tuned" decode step (CPU): weights frozen into the graph as constants and
 # each GEMM autotuned between ATen (MKL) and inductor's C++ GEMM template, which prepacks the frozen
 # weight into its own blocked layout. Measured on a 2-vCPU AMD EPYC with a SmolLM2-135M-shaped model:
@@ -32,6 +34,7 @@ def compiled_decode(static_shapes: bool) -> Callable:
     Python overhead goes away. `static_shapes=True` for the paged cpp and flex backends (their
     decode shapes never change); the dense backend's attention span grows every step, so it is compiled with
     automatic dynamic shapes (one recompilation on the second step, then none)."""
+    allow_shape_variants()
     return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None)
 
 
@@ -61,6 +64,7 @@ def compiled_decode_tuned(model: torch.nn.Module) -> Callable:
     known = _TUNED.get(model)
     if known is not None and known[0] == key:
         return known[1]
+    allow_shape_variants()
     code = decode_one_token.__code__.replace(co_name=f"decode_one_token_tuned_{id(model):x}")
     fn = torch.compile(types.FunctionType(code, decode_one_token.__globals__), fullgraph=True,
                        dynamic=False)
@@ -141,6 +145,7 @@ def compiled_prefill() -> Callable:
     every step length, two where `Linear` switches to its packed path at `PACK_MIN_ROWS` rows.
     Its weights stay graph inputs, so the graph is shared by models of one shape and lands in
     inductor's on-disk cache."""
+    allow_shape_variants()
     return torch.compile(prefill_layers, fullgraph=True, dynamic=True)
 
 

@@ -46,22 +46,26 @@ KERNELS = ("auto", "cpp", "flex", "flex-eager", "gather")
 PREFILL_KERNELS = ("auto", "flex", "sdpa")
 
 
-@functools.cache
-def compiled_flex(dynamic: bool) -> Callable:
-    """One compiled flex_attention per shape policy, shared by every backend in the process.
-
-    Each distinct (pool size, batch, prefill bucket) is one static-shape specialization of the same
-    code object; Dynamo's default limit of 8 is too low for a process that serves several pool
-    sizes, so it is raised (within a pool, decode shapes never change: see the recompile test).
-    """
-    # Inductor's CPU kernels and ATen share the OpenMP runtime; re-applying the thread count aligns
-    # their team sizes (measured here: without it, decode steps that alternate ATen matmuls with the
-    # compiled flex kernel took 10-20x longer on a 2-core CPU).
-    torch.set_num_threads(torch.get_num_threads())
+def allow_shape_variants() -> None:
+    """Raise Dynamo's recompile limits (per code object 8 -> 64, in all 256 -> 512) for the
+    static-shape steps compiled here: each (pool size, rows, decode bucket or prefill bucket) is a
+    specialization of the same code object, and a process that serves several pools or page sizes
+    (`make bench-serve`) meets more than 8 (within a pool, decode shapes never change: see the
+    recompile test). Process-wide, like Dynamo's own config; called where such a step is made."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(
         torch._dynamo.config.accumulated_recompile_limit, 512
     )
+
+
+@functools.cache
+def compiled_flex(dynamic: bool) -> Callable:
+    """One compiled flex_attention per shape policy, shared by every backend in the process."""
+    # Inductor's CPU kernels and ATen share the OpenMP runtime; re-applying the thread count aligns
+    # their team sizes (measured here: without it, decode steps that alternate ATen matmuls with the
+    # compiled flex kernel took 10-20x longer on a 2-core CPU).
+    torch.set_num_threads(torch.get_num_threads())
+    allow_shape_variants()
     return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
 
 
