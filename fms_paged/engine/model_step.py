@@ -28,14 +28,17 @@ def decode_one_token(model: torch.nn.Module, tokens: torch.Tensor, positions: to
 
 
 @functools.cache
-def compiled_decode(static_shapes: bool) -> Callable:
+def compiled_decode(static_shapes: bool, cpp_wrapper: bool = False) -> Callable:
     """`decode_one_token` under torch.compile (fullgraph): the whole decode step, from the step's
     metadata (`prepare`) through every layer to the logits, is one compiled graph, so per-op
     Python overhead goes away. `static_shapes=True` for the paged cpp and flex backends (their
-    decode shapes never change); the dense backend's attention span grows every step, so it is compiled with
-    automatic dynamic shapes (one recompilation on the second step, then none)."""
+    decode shapes never change); the dense backend's attention span grows every step, so it is
+    compiled with automatic dynamic shapes (one recompilation on the second step, then none).
+    `cpp_wrapper=True` (the CPU): inductor's code that calls the graph's kernels and ops in turn is
+    C++ instead of Python; a decode step's ~10 calls per layer made it the step's main host cost."""
     allow_shape_variants()
-    return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None)
+    return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None,
+                         options={"cpp_wrapper": True} if cpp_wrapper else None)
 
 
 # model -> (its weights' identity and versions when compiled, its tuned step); weak keys, so a
@@ -91,7 +94,8 @@ def decode_fn(cache: object, compile: bool | str, model: torch.nn.Module | None 
             raise ValueError(
                 f"compile='tuned' needs the cpp or flex kernel and its model; this backend runs {kernel!r}")
         return compiled_decode_tuned(model)
-    return compiled_decode(getattr(cache, "kernel", None) in ("cpp", "flex"))
+    cpu = getattr(getattr(cache, "device", None), "type", None) == "cpu"
+    return compiled_decode(getattr(cache, "kernel", None) in ("cpp", "flex"), cpu)
 
 
 # ---------------------------------------------------------------------------- compiled prefill

@@ -308,15 +308,16 @@ def test_decode_step_has_no_host_sync(models, no_host_sync):
     assert "index_copy_" in mode.seen
 
 
-def test_zero_recompiles_over_500_engine_steps_compiled(models):
-    """compile=True, the compiled flex kernel: after `warmup()` (decode buckets 1 and 4), 500
-    steps with requests joining and leaving recompile nothing."""
+@pytest.mark.parametrize("kernel", ["cpp", "flex"])
+def test_zero_recompiles_over_500_engine_steps_compiled(models, kernel):
+    """compile=True, the cpp kernel and the compiled flex kernel: after `warmup()` (decode buckets
+    1 and 4), 500 steps with requests joining and leaving recompile nothing."""
     import torch._dynamo
 
     dense, paged = models
     rng = random.Random(3)
     eng = Engine(paged, max_num_seqs=4, max_num_batched_tokens=64, num_pages=160, compile=True,
-                 max_model_len=160, kernel="flex")
+                 max_model_len=160, kernel=kernel)
 
     def submit():
         prompt = random_prompt(rng, rng.randint(1, 40))
@@ -458,17 +459,22 @@ def test_warmup_compiles_then_leaves_an_idle_engine(models):
         eng.warmup()
 
 
-def test_warmup_covers_a_prefill_beside_every_decode_bucket(models):
-    """compile=True: pure decode steps run the whole-step graph, a mixed step's decode rows the flex
-    kernel alone. After warmup(), a request joining a lone decoding one (a prefill beside a 1-row
-    decode batch, which the all-rows wave does not produce when the budget admits all its prompts
-    at once) compiles no new graph (a first compile is not a recompile: graphs are counted)."""
+@pytest.mark.parametrize("kernel", ["cpp", "flex"])
+def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel):
+    """compile=True: pure decode steps run the whole-step graph, a mixed step's decode rows (flex)
+    the flex kernel alone. After warmup(), a request joining a lone decoding one (a prefill beside
+    a 1-row decode batch, which the all-rows wave does not produce when the budget admits all its
+    prompts at once) compiles no new graph (a first compile is not a recompile: graphs are
+    counted). The compiled steps raise Dynamo's recompile limit (a process meets more than 8
+    shape variants of the decode step: one per pool and bucket)."""
+    import torch._dynamo
     from torch._dynamo.utils import counters
 
     dense, paged = models
-    eng = engine(paged, kernel="flex", compile=True, max_num_seqs=3, max_num_batched_tokens=1024,
+    eng = engine(paged, kernel=kernel, compile=True, max_num_seqs=3, max_num_batched_tokens=1024,
                  num_pages=64)
     assert eng.buckets == [1, 3]
+    assert torch._dynamo.config.recompile_limit >= 64
     eng.warmup(progress=False)
     graphs = counters["stats"]["unique_graphs"]
     a = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -497,7 +503,7 @@ def test_tuned_decode_step_equals_dense_and_stays_with_its_model(models):
     prompts = [random_prompt(rng, n) for n in (3, 40, 17, 70)]
 
     def check(d, p):
-        eng = engine(p, compile="tuned", kernel="flex", num_pages=64, max_num_seqs=4)
+        eng = engine(p, compile="tuned", kernel="cpp", num_pages=64, max_num_seqs=4)
         ids = [eng.add_request(x, SamplingParams(max_new_tokens=12, ignore_eos=True)) for x in prompts]
         got = run(eng)
         for rid, x in zip(ids, prompts):
@@ -508,14 +514,15 @@ def test_tuned_decode_step_equals_dense_and_stays_with_its_model(models):
     second = check(other_dense, other)
     with pytest.raises(ValueError, match="another model"):
         second._decode(paged, None, None, None)
-    again = engine(other, compile="tuned", kernel="flex", num_pages=64, max_num_seqs=4)
+    again = engine(other, compile="tuned", kernel="cpp", num_pages=64, max_num_seqs=4)
     assert again._decode is second._decode
     other.load_state_dict(paged.state_dict())  # in place: now the first model's weights
     third = check(dense, other)
     assert third._decode is not second._decode and first._decode is not second._decode
 
 
-def test_compiled_prefill_equals_the_eager_forward_and_dense(models):
+@pytest.mark.parametrize("kernel", ["cpp", "flex"])
+def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel):
     """compile=True runs prefill and mixed steps through one graph with the token count dynamic,
     attention an opaque op (`fms_paged::step_attend`) that runs the step in effect. On the same
     steps its logits equal the eager forward's, below and above `PACK_MIN_ROWS` tokens (where
@@ -530,7 +537,7 @@ def test_compiled_prefill_equals_the_eager_forward_and_dense(models):
 
     dense, paged = models
     rng = random.Random(11)
-    eng = engine(paged, kernel="flex", compile=True, max_num_seqs=4, max_num_batched_tokens=512,
+    eng = engine(paged, kernel=kernel, compile=True, max_num_seqs=4, max_num_batched_tokens=512,
                  num_pages=120, max_model_len=600)
     assert eng._prefill is compiled_prefill()
     b = eng.backend
