@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,7 +187,13 @@ def _engine_kw(args, model, **over) -> dict[str, Any]:
 def run_all(args, model) -> dict[str, Any]:
     vocab = model.config.src_vocab_size
     P = model.config.page_size
+    t0 = time.perf_counter()
     res: dict[str, Any] = {"workloads": {}, "warmup_s": warmup(model, _engine_kw(args, model))}
+    phase = res["phase_s"] = {"warm-up": time.perf_counter() - t0}
+
+    def done(name: str) -> None:  # the wall time of each part of the run, for the README's budget
+        phase[name] = time.perf_counter() - t0 - sum(phase.values())
+
     todo = args.workloads.split(",")
     if "mix" in todo:
         specs = workload("mix", args.scale, vocab, args.seed, args.num_requests)
@@ -200,6 +207,7 @@ def run_all(args, model) -> dict[str, Any]:
         alone = [serve(model, [sp], _engine_kw(args, model))["ttft_s"]["mean"] for sp in specs[:8]]
         runs["alone"] = {"ttft_s": _pct(alone), "count": len(alone)}
         res["workloads"]["mix"] = runs
+        done("mix")
     if "shared_prefix" in todo:  # 64 requests (default), all running at once, ~1k shared tokens
         specs = workload("shared_prefix", args.prefix_scale, vocab, args.seed, args.prefix_requests)
         k = max(1, round(1024 * args.prefix_scale)) // P
@@ -209,6 +217,7 @@ def run_all(args, model) -> dict[str, Any]:
             f"cache {c}": serve(model, specs, dict(kw, enable_prefix_caching=c == "on"), prefix_pages=k,
                                 desc=f"shared prefix, cache {c}")
             for c in ("off", "on")}
+        done("shared_prefix")
     if "multi_turn" in todo:
         specs = workload("multi_turn", args.scale, vocab, args.seed)
         new = sum(len(s.prompt) + sum(len(t) for t in s.next_turns) for s in specs)
@@ -217,6 +226,7 @@ def run_all(args, model) -> dict[str, Any]:
                                 desc=f"multi-turn, cache {c}")
             for c in ("off", "on")}
         res["workloads"]["multi_turn"]["new_prompt_tokens"] = new
+        done("multi_turn")
     if "parallel" in todo:
         rng = random.Random(args.seed)
         prompt, n = _tokens(rng, max(1, round(512 * args.scale)), vocab), 8
@@ -226,14 +236,19 @@ def run_all(args, model) -> dict[str, Any]:
             "n=8": serve(model, [Spec(prompt, new, n=n)], kw),
             "8 separate": serve(model, [Spec(prompt, new) for _ in range(n)], kw),
         }
+        done("parallel")
     if "page_sizes" in todo:
         res["page_sweep"] = page_sweep(args, model)
+        done("page_sizes")
     if "split_kv" in todo:
         res["split_kv"] = split_kv(args, model)
+        done("split_kv")
     if "capacity" in todo:
         res["capacity"] = [capacity(model, args, n) for n in args.capacity_lens]
+        done("capacity")
     if "vs_vllm" in todo:
         res["vs_vllm"] = vs_vllm(args, model, Path(args.out))
+        done("vs_vllm")
     for name, runs in res["workloads"].items():  # greedy tokens across the runs of a workload
         toks = [r["tokens"] for r in runs.values() if isinstance(r, dict) and "tokens" in r]
         if name == "parallel":
@@ -333,8 +348,8 @@ def capacity(model, args, max_len: int) -> dict[str, Any]:
     outputs made long enough to overlap) are sent at once, and the most that run at the same time
     is counted.
     Past the model's trained length a twin with a longer RoPE table stands in (memory only: the
-    tokens are not meaningful there). The GATHER kernel: this measures memory, not speed, and it
-    compiles nothing for the hundreds of decode rows."""
+    tokens are not meaningful there). Eager steps: this measures memory, not speed, and compiles
+    nothing for the hundreds of decode rows."""
     from fms_paged.bench.environment import kv_bytes_per_token
     from fms_paged.bench.latency import with_rope_len
 
@@ -347,8 +362,7 @@ def capacity(model, args, max_len: int) -> dict[str, Any]:
     specs = [Spec(sp.prompt, max(64, sp.max_new_tokens)) for sp in
              workload("mix", args.scale, twin.config.src_vocab_size, args.seed, n)]
     kw = dict(max_num_seqs=n, max_num_batched_tokens=max(n, args.max_num_batched_tokens), compile=False,
-              num_pages=budget // (P * per_token) + 1, max_model_len=max_len, kernel="gather",
-              enable_prefix_caching=False)
+              num_pages=budget // (P * per_token) + 1, max_model_len=max_len, enable_prefix_caching=False)
     r = serve(twin, specs, kw, desc=f"capacity at {max_len}")
     peak = max(x[2] for x in r["timeline"])
     return {"max_len": max_len, "kv_budget_bytes": budget, "dense_concurrency": dense_rows,
@@ -390,14 +404,16 @@ def smollm2_shaped(out: Path) -> Path:
     return out
 
 
-def engine_offline(model, prompts: list[list[int]], new: int, seqs: int, budget: int, compile,
-                   repeats: int = 3, max_model_len: int | None = None) -> dict[str, Any]:
-    """`repeats` offline runs of `prompts` through one warmed-up engine (prefix cache off, as for
-    vLLM) -> the median run's output tok/s, its decode steps/s (one request: 1 / mean TPOT), the
-    warm-up seconds and the tokens. `max_model_len`: default, the longest prompt + `new`."""
+def offline_engine(model, seqs: int, budget: int, compile, max_model_len: int) -> tuple[Engine, float]:
+    """A warmed-up engine for `offline_runs` (prefix cache off, as for vLLM) -> (engine, warm-up s)."""
     eng = Engine(model, max_num_seqs=seqs, max_num_batched_tokens=budget, compile=compile,
-                 max_model_len=max_model_len or max(map(len, prompts)) + new, enable_prefix_caching=False)
-    warm = eng.warmup(progress=True)
+                 max_model_len=max_model_len, enable_prefix_caching=False)
+    return eng, eng.warmup(progress=True)
+
+
+def offline_runs(eng: Engine, prompts: list[list[int]], new: int, repeats: int) -> list[dict[str, Any]]:
+    """`repeats` offline runs of `prompts` (each `new` tokens) -> each run's seconds, output tok/s,
+    decode steps/s (one request: 1 / mean TPOT) and tokens."""
     runs = []
     for _ in range(repeats):
         ids = [eng.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True)) for p in prompts]
@@ -407,22 +423,31 @@ def engine_offline(model, prompts: list[list[int]], new: int, seqs: int, budget:
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         dt = time.perf_counter() - t0
         stats = eng.metrics()["requests"]
-        tpot = statistics.fmean(stats[i]["tpot"] for i in ids)
-        runs.append((dt, 1 / tpot, [got[i] for i in ids]))
-    runs.sort(key=lambda r: r[0])
-    dt, steps, tokens = runs[len(runs) // 2]
-    return {"compile": compile, "output_tok_s": len(prompts) * new / dt, "durations_s": [r[0] for r in runs],
-            "decode_steps_s": steps, "warmup_s": warm, "tokens": tokens}
+        runs.append({"duration_s": dt, "output_tok_s": len(prompts) * new / dt,
+                     "decode_steps_s": 1 / statistics.fmean(stats[i]["tpot"] for i in ids),
+                     "tokens": [got[i] for i in ids]})
+    return runs
 
 
-def vs_vllm(args, model, out: Path) -> dict[str, Any]:
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median throughput, with every run's throughput listed."""
+    mid = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
+    return {**mid, "output_tok_s_runs": [r["output_tok_s"] for r in runs],
+            "tokens_equal_runs": all(r["tokens"] == runs[0]["tokens"] for r in runs)}
+
+
+def vs_vllm(args, model, out: Path, repeats: int = 3) -> dict[str, Any]:
     """Each `VS_VLLM` workload through the engine (each compile mode of `args.vs_vllm_compile`)
-    and through vLLM (its own process, same settings, median of 3), with the decode roofline:
-    read bandwidth measured here / bytes a decode step reads (weights + live K/V)."""
+    and through vLLM (its own process, same settings, median of `repeats`), with the decode
+    roofline: read bandwidth measured here / bytes a decode step reads (weights + live K/V). The
+    engines run `repeats` times before vLLM and `repeats` times after it (in reverse order), the
+    median of all reported: this machine's speed drifts within minutes, and the runs on both sides
+    of vLLM's cancel a steady drift."""
     from fms_paged.bench.environment import decode_roofline_ms, measure_read_bandwidth
     from fms_paged.models import get_model
 
-    res: dict[str, Any] = {"read_bandwidth_gbs": measure_read_bandwidth(model.device), "workloads": {}}
+    res: dict[str, Any] = {"read_bandwidth_gbs": measure_read_bandwidth(model.device), "workloads": {},
+                           "repeats": repeats}
     with tempfile.TemporaryDirectory() as tmp:
         smol = None
         for name, (which, lens, new, seqs, budget) in VS_VLLM.items():
@@ -439,15 +464,23 @@ def vs_vllm(args, model, out: Path) -> dict[str, Any]:
             # workload's engine reuses the compiled (and the tuned) decode graphs of an earlier one
             span = max(max(w[1]) + w[2] for w in VS_VLLM.values() if w[0] == which)
             # "tuned" pays off where decode GEMMs dominate; on the tiny default model it did not
-            for mode in args.vs_vllm_compile if which == "smollm2" else [args.compile]:
+            modes = args.vs_vllm_compile if which == "smollm2" else [args.compile]
+            engines, runs = {}, {}
+            for mode in modes:
                 print(f"bench-serve: {name}, engine compile={mode} ...", file=sys.stderr, flush=True)
-                r["engine"][str(mode)] = engine_offline(m, prompts, new, seqs, budget, mode, 3, span)
+                engines[mode] = offline_engine(m, seqs, budget, mode, span)
+                runs[mode] = offline_runs(engines[mode][0], prompts, new, repeats)
             ckpt = Path(tmp) / "smollm2" if which == "smollm2" else hf_checkpoint_dir(m, args.model_path, tmp)
-            job = {"model_path": str(ckpt), "dtype": str(m.dtype).removeprefix("torch."), "repeats": 3,
+            job = {"model_path": str(ckpt), "dtype": str(m.dtype).removeprefix("torch."), "repeats": repeats,
                    "requests": [{"prompt": p, "max_new_tokens": new} for p in prompts],
                    "max_num_seqs": seqs, "max_num_batched_tokens": budget, "block_size": 128,
                    "kv_space_gib": 1}
             v = _run_vllm(job, Path(tmp), out, f"vllm_{which}_{len(lens)}")
+            for mode in reversed(modes):
+                runs[mode] += offline_runs(engines[mode][0], prompts, new, repeats)
+                r["engine"][str(mode)] = {"compile": mode, "warmup_s": engines[mode][1],
+                                          **median_run(runs[mode])}
+            del engines
             if "tokens" in v:
                 v["tokens_equal_engine"] = all(e["tokens"] == v["tokens"] for e in r["engine"].values())
                 if len(lens) == 1 and v.get("ttft_s"):
@@ -478,24 +511,32 @@ VLLM_PYTHON = Path(".venv-vllm/bin/python")
 VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "peer_vllm.py"
 
 
-def run_peers(model, model_path: str | None, specs: list[Spec], args, out: Path) -> dict[str, Any]:
+def run_peers(model, model_path: str | None, specs: list[Spec], args, out: Path,
+              engine_run: Callable[[], float] | None = None, repeats: int = 3) -> dict[str, Any]:
     """The mix, offline, through each peer in a process of its own (a peer's threads in ours
     slowed our decode tenfold once): dense `generate` in static waves of max_num_seqs, Hugging Face
     `generate_batch` (its paged continuous batching), vLLM's CPU build (when `make peer-vllm` made
-    its venv). -> each peer's output tokens/s and tokens, or why it did not run."""
+    its venv; median of `repeats`, with `engine_run`, one offline mix run of our engine -> its
+    output tok/s, run `repeats` times just before and just after it). -> each peer's output
+    tokens/s and tokens, or why it did not run."""
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = hf_checkpoint_dir(model, model_path, tmp)
         job = {"model_path": str(ckpt), "dtype": str(model.dtype).removeprefix("torch."),
                "requests": [{"prompt": s.prompt, "max_new_tokens": s.max_new_tokens} for s in specs],
                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-               "block_size": 128, "kv_space_gib": 4, "compile": args.compile}
+               "block_size": 128, "kv_space_gib": 4, "compile": args.compile, "repeats": repeats}
         src = Path(tmp) / "job.json"
         src.write_text(json.dumps(job))
         for peer in args.peers:
             dst = Path(tmp) / f"{peer}.json"
             if peer == "vllm":
+                around = [engine_run() for _ in range(repeats)] if engine_run else []
                 res[peer] = _run_vllm(job, Path(tmp), out, "vllm")
+                around += [engine_run() for _ in range(repeats)] if engine_run else []
+                if around:
+                    res[peer]["engine_output_tok_s_runs"] = around
+                    res[peer]["engine_output_tok_s"] = statistics.median(around)
                 continue
             cmd = [sys.executable, "-m", "fms_paged.bench.serve", "--peer", peer, str(src), str(dst)]
             print(f"bench-serve: peer {peer} ...", file=sys.stderr, flush=True)
@@ -604,8 +645,12 @@ def markdown(res: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"- peer {peer}: did not run ({r['error'].strip().splitlines()[-1][:200]})")
         else:
+            around = ""
+            if "engine_output_tok_s" in r:  # the engine's runs on both sides of the peer's
+                runs = ", ".join(f"{x:.0f}" for x in r["engine_output_tok_s_runs"])
+                around = f" (engine {_f(r['engine_output_tok_s'], '.1f')}: median of {runs} just around it)"
             lines.append(f"- peer {peer}, offline mix: {_f(r['output_tok_s'], '.1f')} output tok/s; "
-                         f"engine / {peer} = {_f(r['engine_speedup'])}x; greedy tokens "
+                         f"engine / {peer} = {_f(r['engine_speedup'])}x{around}; greedy tokens "
                          f"{'equal' if r['tokens_equal_engine'] else 'DIFFER'}")
     for c in res.get("capacity", []):
         lines.append(f"- capacity, KV budget of a dense cache of {c['dense_concurrency']} x {c['max_len']} "
@@ -638,11 +683,16 @@ def markdown(res: dict[str, Any]) -> str:
                          + " | ".join(_f(r["ms_per_step"][p]) for p in parts) + " |")
     if "vs_vllm" in res:
         lines += vs_vllm_markdown(res["vs_vllm"])
+    if res.get("phase_s"):
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in res["phase_s"].items())
+        lines += ["", f"Wall time of each part (s): {parts}"]
     return "\n".join(lines) + "\n"
 
 
 def vs_vllm_markdown(vs: dict[str, Any]) -> list[str]:
-    lines = ["", f"### Engine vs vLLM (read bandwidth {vs['read_bandwidth_gbs']:.1f} GB/s, median of 3)", "",
+    n = vs.get("repeats", 3)
+    lines = ["", f"### Engine vs vLLM (read bandwidth {vs['read_bandwidth_gbs']:.1f} GB/s; median of {n} "
+             f"vLLM runs, engine median of {2 * n}: {n} before and {n} after vLLM's)", "",
              "| workload | system | output tok/s | engine / vLLM | decode steps/s (% of roofline) | "
              "start-up s (engine warm-up; vLLM init) | greedy tokens |", "|---|---|---|---|---|---|---|"]
     for name, r in vs["workloads"].items():
@@ -793,13 +843,17 @@ def main(argv: list[str] | None = None) -> int:
                            "scale_why": why, "args": {k: v for k, v in vars(args).items()}}
     res.update(run_all(args, model))
     if args.peers and "mix" in res["workloads"]:
+        t0 = time.perf_counter()
         specs = workload("mix", args.scale, model.config.src_vocab_size, args.seed, args.num_requests)
-        res["peers"] = run_peers(model, args.model_path, specs, args, out)
+        kw = _engine_kw(args, model)
+        res["peers"] = run_peers(model, args.model_path, specs, args, out,
+                                 lambda: serve(model, specs, kw)["output_tok_s"])
         ours = res["workloads"]["mix"]["offline"]
         for r in res["peers"].values():
             if "tokens" in r:
                 r["tokens_equal_engine"] = r["tokens"] == ours["tokens"]
-                r["engine_speedup"] = ours["output_tok_s"] / r["output_tok_s"]
+                r["engine_speedup"] = r.get("engine_output_tok_s", ours["output_tok_s"]) / r["output_tok_s"]
+        res["phase_s"]["peers"] = time.perf_counter() - t0
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     md = markdown(res)
     (out / "results.md").write_text(md)

@@ -52,6 +52,9 @@ def test_tiny_serve_run_is_consistent(tmp_path):
     assert par["n=8"]["completed"] == par["8 separate"]["completed"] == 8
     assert par["n=8"]["prompt_tokens_computed"] < par["8 separate"]["prompt_tokens_computed"]
     assert par["tokens_equal"]
+    assert set(res["phase_s"]) == {"warm-up", "mix", "shared_prefix", "multi_turn", "parallel", "peers"}
+    assert all(t >= 0 for t in res["phase_s"].values())
+    assert "Wall time of each part" in (out / "results.md").read_text()
     dense = res["peers"]["dense"]  # static waves, in a process of its own: the same greedy tokens
     assert dense["tokens_equal_engine"] and dense["output_tokens"] == w["mix"]["offline"]["output_tokens"]
 
@@ -72,18 +75,22 @@ def test_capacity_counts_requests_running_at_once():
 
 
 def test_engine_offline_runs_account_for_every_token():
-    """The engine side of the vLLM comparison (`engine_offline`, 3 timed runs): every request
-    makes its tokens (dense generate()'s greedy tokens), the median run is reported, and the
-    one-request decode rate is a rate; the table says when vLLM did not run."""
+    """The engine side of the vLLM comparison (`offline_engine`, `offline_runs`, `median_run`):
+    every request makes its tokens (dense generate()'s greedy tokens), the median run is reported
+    with every run's rate, and the one-request decode rate is a rate; the table says when vLLM did
+    not run."""
     from fms_paged import generate, get_model
 
     dense = get_model(variant="micro", device="cpu", seed=0)
     paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged")
     prompts = [[5, 6, 7], list(range(3, 40))]
-    e = serve.engine_offline(paged, prompts, 6, 4, 64, False)
+    eng, warm = serve.offline_engine(paged, 4, 64, False, 64)
+    runs = serve.offline_runs(eng, prompts, 6, 3) + serve.offline_runs(eng, prompts, 6, 2)
+    e = {"compile": False, "warmup_s": warm, **serve.median_run(runs)}
     assert e["tokens"] == [generate(dense, [p], 6, eos_id=None)[0] for p in prompts]
-    assert len(e["durations_s"]) == 3 and e["durations_s"] == sorted(e["durations_s"])
-    assert e["output_tok_s"] == 2 * 6 / e["durations_s"][1] and e["decode_steps_s"] > 0
+    assert e["tokens_equal_runs"] and len(e["output_tok_s_runs"]) == 5
+    assert e["output_tok_s"] == sorted(e["output_tok_s_runs"])[2] == 2 * 6 / e["duration_s"]
+    assert e["decode_steps_s"] > 0
     vs = {"read_bandwidth_gbs": 20.0, "workloads": {"w": {
         "roofline_steps_s": 100.0, "engine": {"False": e}, "vllm": {"error": "no venv\nnot found"}}}}
     table = "\n".join(serve.vs_vllm_markdown(vs))
