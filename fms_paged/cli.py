@@ -166,6 +166,7 @@ def machine_info(device: str = "auto") -> dict:
     import torch
 
     from fms_paged.device import resolve_device
+    from fms_paged.kv import cpu_kernel
     from fms_paged.kv.paged import probe_compiled_flex
 
     dev = resolve_device(device)
@@ -183,10 +184,17 @@ def machine_info(device: str = "auto") -> dict:
         from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
 
         model = get_model(device=dev)
+        c = model.config
+        why_not = cpu_kernel.unavailable_reason(dev, model.dtype, c.head_dim, c.page_size)  # builds it
+        info["cpp_kernel_available"] = why_not is None
+        if why_not is None:  # what the default model's paged attention runs (kernel="auto")
+            info["paged_kernel"] = "cpp (the CPU paged-attention kernel)"
+        else:
+            info["cpp_kernel_reason"] = why_not
         info["default_model"] = {
             "params": sum(p.numel() for p in model.parameters()),
             "dtype": str(model.dtype).removeprefix("torch."),
-            "page_size": model.config.page_size,
+            "page_size": c.page_size,
         }
         try:  # the pool an Engine would get (max_num_batched_tokens=512)
             info["kv_pool"] = kv_cache_budget(model, 512, model.config.max_expected_seq_len).as_dict()

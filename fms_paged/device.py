@@ -33,10 +33,10 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 # Tokens per KV page when none is asked for, by device type. CPU: chosen from the page-size sweep
-# of `make bench-serve` (README, "Page size", with the runs' figures): long-context decode steps were
-# faster with pages of 64 than of 16 in every run (the inductor C++ flex kernel pays a fixed cost
-# per KV block), while pages of 128 lose more KV to partly filled last pages and most of the
-# prefix-cache hits. Elsewhere 16, vLLM's GPU default (not measured in this project).
+# of `make bench-serve` (README, "Page size", with the runs' figures): with the CPU kernel the
+# offline mix ran faster with pages of 64 than of 16 (fewer pages opened per token on the host),
+# long-context decode ran the same, and pages of 128 lose more KV to partly filled last pages and
+# most of the prefix-cache hits. Elsewhere 16, vLLM's GPU default (not measured in this project).
 DEFAULT_PAGE_SIZE = {"cpu": 64}
 
 

@@ -30,6 +30,7 @@ user=$("$docker" run --rm --network=none "$image" id -un)
 info=$(timed "fms-paged info" "$docker" run --rm --network=none "$image" fms-paged info)
 echo "$info"
 grep -q "compiled_flex_available: True" <<<"$info" || fail "fms-paged info: the paged flex kernel does not compile"
+grep -q "cpp_kernel_available: True" <<<"$info" || fail "fms-paged info: the CPU paged-attention kernel does not build"
 
 out=$(timed "fms-paged generate" "$docker" run --rm --network=none "$image" \
       fms-paged generate --prompt "def fibonacci(n):" --max-new-tokens 24)

@@ -61,6 +61,7 @@ def test_info_json():
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["device"] == "cpu" and "torch" in info
+    assert info["cpp_kernel_available"] and info["paged_kernel"].startswith("cpp")  # the CPU default
     pool = info["kv_pool"]  # the engine's pool: its KV space over K+V bytes of one page
     assert pool["num_pages"] == pool["kv_bytes"] // pool["page_bytes"]
     P = info["default_model"]["page_size"]
