@@ -179,13 +179,23 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 // Optionally ASSIGNs the step's new keys and values first: token t's k_new[t, h, :] (at
 // k_new + t * kn_st + h * kn_sh; v_new likewise with its own strides) goes to slot slots[t] of kv
 // head h's pool.
-extern "C" int fms_paged_attention(const float* q, int64_t q_st, int64_t q_sh, float* k, float* v,
-                                   int64_t pool_tokens, const int32_t* pages, int64_t pages_st,
-                                   const int64_t* chunks, int n_chunks, float* out, int H, int Hkv, int P,
+extern "C" int fms_paged_attention(const float* q, int64_t q_st, int64_t q_sh, int64_t n_tokens, float* k,
+                                   float* v, int64_t pool_tokens, const int32_t* pages, int64_t n_seqs,
+                                   int64_t pages_st, const int64_t* chunks, int n_chunks, float* out, int H, int Hkv, int P,
                                    float scale, int threads, const float* k_new, int64_t kn_st,
                                    int64_t kn_sh, const float* v_new, int64_t vn_st, int64_t vn_sh,
                                    const int64_t* slots, int64_t n_new) {
   if (H % Hkv || P % KG) return 1;
+  // every chunk within the page table and the step's tokens, every new slot within the pool:
+  // 2 + i names the first chunk that is not, 1 + n_chunks + 1 a slot that is not
+  for (int i = 0; i < n_chunks; ++i) {
+    const int64_t* c = chunks + 4 * i;
+    if (c[0] >= n_seqs || c[1] < 0 || c[2] < 0 || c[3] < 0 || c[3] + c[2] > n_tokens ||
+        (c[0] >= 0 && c[1] + c[2] > pages_st * P))
+      return 2 + i;
+  }
+  for (int64_t t = 0; k_new && t < n_new; ++t)
+    if (slots[t] < 0 || slots[t] >= pool_tokens) return 2 + n_chunks;
   const Args a{q, q_st, q_sh, k, v, pool_tokens, pages, pages_st, chunks, out, H, Hkv, P, scale};
   const int G = H / Hkv, rows = LG * W;
   std::vector<Item> items;

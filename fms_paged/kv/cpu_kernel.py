@@ -40,7 +40,7 @@ def _build(head_dim: int) -> tuple[ctypes.CDLL | None, str | None]:
         fn = lib.fms_paged_attention
         fn.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr, ctypes.c_int,
+        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ctypes.c_int, ptr, ctypes.c_int,
                        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr, i64, i64, ptr, i64, i64,
                        ptr, i64]
     return lib, why
@@ -82,13 +82,21 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     ASSIGN into the pools first (in the same call) -> [B, S, H, D] contiguous.
     """
     B, H, S, D = q.shape
-    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(
-                f"paged_attention: {name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
-    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table), ("chunks", chunks)):
-        if not t.is_contiguous():
-            raise ValueError(f"paged_attention: {name} must be contiguous")
+    f32, i64 = torch.float32, torch.int64
+    want = [("q", q, f32, 4), ("k_pool", k_pool, f32, 4), ("v_pool", v_pool, f32, 4),
+            ("page_table", page_table, torch.int32, 2), ("chunks", chunks, i64, 2)]
+    if new is not None:
+        want += [("k", new[0], f32, 4), ("v", new[1], f32, 4), ("slots", new[2], i64, 1)]
+    for name, t, dtype, dims in want:
+        if t.dtype != dtype or t.dim() != dims or t.device.type != "cpu":
+            raise ValueError(f"paged_attention: {name} must be a {dims}-D {dtype} CPU tensor, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    pool = (1, k_pool.shape[1], k_pool.shape[2], D)
+    if tuple(k_pool.shape) != pool or tuple(v_pool.shape) != pool or chunks.shape[1] != 4:
+        raise ValueError(f"paged_attention: pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)}, chunks "
+                         f"{tuple(chunks.shape)}: expected two pools [1, Hkv, NP, {D}] and chunks [n, 4]")
+    if not all(t.is_contiguous() for t in (k_pool, v_pool, page_table, chunks)):
+        raise ValueError("paged_attention: the pools, the page table and the chunks must be contiguous")
     lib, why = _build(D)
     if lib is None:
         raise RuntimeError(f"fms_paged CPU attention kernel unavailable: {why}")
@@ -97,20 +105,27 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if new is not None:
         k, v, slots = new
         (kr, k_st, k_sh), (vr, v_st, v_sh) = _rows(k), _rows(v)
-        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != B * S:
-            raise ValueError(f"paged_attention: slots must be {B * S} contiguous int64, got {slots.dtype} "
-                             f"{tuple(slots.shape)}")
+        if not slots.is_contiguous() or slots.numel() != B * S:
+            raise ValueError(f"paged_attention: slots must be {B * S} contiguous, got {tuple(slots.shape)}")
         store = (kr.data_ptr(), k_st, k_sh, vr.data_ptr(), v_st, v_sh, slots.data_ptr(), slots.numel())
     out = torch.empty(B, S, H, D, dtype=q.dtype)
+    n = chunks.shape[0]
     err = lib.fms_paged_attention(
-        rows.data_ptr(), q_st, q_sh, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[2],
-        page_table.data_ptr(), page_table.shape[1], chunks.data_ptr(), chunks.shape[0], out.data_ptr(),
+        rows.data_ptr(), q_st, q_sh, B * S, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[2],
+        page_table.data_ptr(), page_table.shape[0], page_table.shape[1], chunks.data_ptr(), n, out.data_ptr(),
         H, k_pool.shape[1], page_size, scale, torch.get_num_threads(), *store,
     )
-    if err:
+    if err == 1:
         raise ValueError(
             f"paged_attention: nheads={H} over kvheads={k_pool.shape[1]} with page_size={page_size}: "
             f"heads must divide evenly and pages hold a multiple of {PAGE_MULTIPLE}")
+    if 2 <= err < 2 + n:
+        raise ValueError(
+            f"paged_attention: chunk {err - 2} {chunks[err - 2].tolist()} (seq, first position, tokens, "
+            f"offset) is outside the page table ({page_table.shape[0]} seqs x {page_table.shape[1]} pages "
+            f"of {page_size}) or the step's {B * S} tokens")
+    if err:
+        raise ValueError(f"paged_attention: a new token's slot is outside the pool's {k_pool.shape[2]} slots")
     return out
 
 

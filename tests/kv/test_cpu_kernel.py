@@ -138,15 +138,29 @@ def test_op_inside_a_compiled_graph():
 
 
 def test_bad_inputs_raise():
+    """A typed error naming the bad value, before the kernel reads anything: wrong dtypes, shapes,
+    a page size the tiles do not fit, and chunks or slots outside the page table, the step or the
+    pool (the kernel checks those itself: they would be reads and writes out of bounds)."""
     H, Hkv, D, P = 4, 2, 16, 16
     k, v, table, _ = make_pool([20], H, Hkv, D, P)
     chunks = torch.tensor([(0, 0, 20, 0)])
-    with pytest.raises(ValueError, match="q must be a float32 CPU tensor, got torch.float64"):
-        run(torch.randn(1, H, 20, D, dtype=torch.float64), k, v, table, chunks, P)
+    q = torch.randn(1, H, 20, D)
+    with pytest.raises(ValueError, match="q must be a 4-D torch.float32 CPU tensor, got torch.float64"):
+        run(q.double(), k, v, table, chunks, P)
+    with pytest.raises(ValueError, match="page_table must be a 2-D torch.int32"):
+        run(q, k, v, table.long(), chunks, P)
     with pytest.raises(ValueError, match="page_size=12"):
-        run(torch.randn(1, H, 20, D), k, v, table, chunks, 12)
-    with pytest.raises(ValueError, match="k_pool must be contiguous"):
-        run(torch.randn(1, H, 20, D), k.transpose(2, 3).contiguous().transpose(2, 3), v, table, chunks, P)
+        run(q, k, v, table, chunks, 12)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        run(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, table, chunks, P)
+    with pytest.raises(ValueError, match=r"expected two pools \[1, Hkv, NP, 16\]"):
+        run(q, k[..., :8].contiguous(), v, table, chunks, P)
+    for bad in [(1, 0, 20, 0), (0, 0, 21, 0), (0, 60, 20, 0), (0, 0, 20, 1)]:  # seq, length, position, offset
+        with pytest.raises(ValueError, match=rf"chunk 0 \[{', '.join(map(str, bad))}\]"):
+            run(q, k, v, table, torch.tensor([bad]), P)
+    kk, past_the_pool = torch.randn(1, Hkv, 20, D), torch.full((20,), k.shape[2])
+    with pytest.raises(ValueError, match="slot is outside the pool"):
+        cpu_kernel.paged_attention(q, k, v, table, chunks, P, 1.0, new=(kk, kk, past_the_pool))
 
 
 def test_kernel_choice():
