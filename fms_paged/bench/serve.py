@@ -562,7 +562,6 @@ def peer_main(peer: str, src: str, dst: str) -> int:
                           dtype=job["dtype"])
         B, compile = job["max_num_seqs"], job["compile"] in ("auto", True)
         waves = [range(i, min(i + B, len(prompts))) for i in range(0, len(prompts), B)]
-        generate(model, [prompts[i] for i in waves[0]], 2, eos_id=None, compile=compile)  # warm-up
 
         def run() -> list[list[int]]:
             toks = []
@@ -571,6 +570,8 @@ def peer_main(peer: str, src: str, dst: str) -> int:
                                compile=compile)
                 toks += [o[: news[i]] for o, i in zip(out, w)]
             return toks
+
+        run()  # warm-up: each wave's cache length is a shape of its own to compile
     elif peer == "hf":
         from transformers import GenerationConfig, LlamaForCausalLM
 
