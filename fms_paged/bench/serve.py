@@ -316,7 +316,8 @@ def split_kv(args, model) -> list[dict[str, Any]]:
     """CPU flex decoding's split-KV path (kernel option `PARTITION_SIZE`, KV tokens per partition):
     inductor takes it only when each kv head has one query row, that is for MHA. The engine's GQA
     decode packs the G query heads of a kv head into G rows and runs the flash kernel, where the
-    option does nothing. So: a random MHA model of the model's shape; the compiled decode step at
+    option does nothing. So: a random MHA model of the model's shape on the flex kernel (the CPU's
+    default cpp kernel has no such option); the compiled decode step at
     each of `args.split_kv_contexts`, for one sequence and for 8 (lengths spread up to the context),
     per partition size, the partition sizes timed step by step in turn (`time_decode`)."""
     from fms_paged.bench.latency import make_backend, pool_pages, random_prompts, time_decode
@@ -332,7 +333,8 @@ def split_kv(args, model) -> list[dict[str, Any]]:
             lens = [ctx] if B == 1 else np.linspace(ctx / B, ctx, B).round().astype(int).tolist()
             pools = {}
             for part in args.partition_sizes:
-                b = make_backend(mha, "paged", B, span, num_pages=pool_pages([span] * B, c.page_size))
+                b = make_backend(mha, "paged", B, span, kernel="flex",  # the option is flex's
+                                 num_pages=pool_pages([span] * B, c.page_size))
                 b.kernel_options = dict(b.kernel_options or {}, PARTITION_SIZE=part)
                 pools[part] = b
             t = time_decode(mha, pools, random_prompts(lens, c.src_vocab_size, args.seed), steps=8, warmup=2,
