@@ -368,14 +368,14 @@ class PagedBackend:
         new_slots, copies = self.pm.reserve_next(ids, held)  # checks ids and that each holds `held`
         opened = [self.pm.pages_of(s)[n // P] for s, n in zip(ids, held) if n % P == 0]
         self._after_reserve(opened, copies)
-        if self.kernel == "cpp":  # inactive rows: no sequence (zero output), write to the null page
-            slots = iter(new_slots)
-            chunks = torch.tensor([(s, n, 1, i) if a else (-1, 0, 1, i)
-                                   for i, (s, n, a) in enumerate(zip(seq_ids, lengths, active))])
-            slots = torch.tensor([next(slots) if a else 0 for a in active])
-            return tokens.view(B, 1), chunks[:, 1:2], CppStep(self, slots, chunks)
         new_slots = iter(new_slots)
         rows = [(s, n, next(new_slots)) if a else (0, -1, 0) for s, n, a in zip(seq_ids, lengths, active)]
+        if self.kernel == "cpp":  # a chunk of one token per row; an inactive row: no sequence
+            # (seq -1: zero output), its key and value written to the null page (slot 0)
+            chunks = torch.tensor([(s if n >= 0 else -1, max(n, 0), 1, i)
+                                   for i, (s, n, _) in enumerate(rows)])
+            slots = torch.tensor([slot for _, _, slot in rows])
+            return tokens.view(B, 1), chunks[:, 1:2], CppStep(self, slots, chunks)
         meta = to_device(decode_meta(*zip(*rows), P), self.device)  # [6, B]: one host->device copy
         positions = meta[5].view(B, 1)  # [B, 1] RoPE positions
         if self.kernel == "gather":

@@ -459,22 +459,38 @@ def test_warmup_compiles_then_leaves_an_idle_engine(models):
         eng.warmup()
 
 
+def test_compiled_steps_raise_the_recompile_limits():
+    """Every builder of a compiled step raises Dynamo's recompile limits (a process meets more
+    than the default 8 shape variants of the decode step: one per pool and bucket; bench-serve's
+    page sweep hit it). The builders are cached, so their uncached bodies are called here, from
+    Dynamo's defaults (the tuned one is kept per model: a new module gets a new step)."""
+    import torch._dynamo
+
+    from fms_paged.engine import model_step
+    from fms_paged.kv.paged import compiled_flex
+
+    for build in (lambda: model_step.compiled_decode.__wrapped__(True, True),
+                  lambda: model_step.compiled_decode_tuned(torch.nn.Linear(2, 2)),
+                  model_step.compiled_prefill.__wrapped__, lambda: compiled_flex.__wrapped__(False)):
+        with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+            build()
+            assert torch._dynamo.config.recompile_limit >= 64
+            assert torch._dynamo.config.accumulated_recompile_limit >= 512
+
+
 @pytest.mark.parametrize("kernel", ["cpp", "flex"])
 def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel):
     """compile=True: pure decode steps run the whole-step graph, a mixed step's decode rows (flex)
     the flex kernel alone. After warmup(), a request joining a lone decoding one (a prefill beside
     a 1-row decode batch, which the all-rows wave does not produce when the budget admits all its
     prompts at once) compiles no new graph (a first compile is not a recompile: graphs are
-    counted). The compiled steps raise Dynamo's recompile limit (a process meets more than 8
-    shape variants of the decode step: one per pool and bucket)."""
-    import torch._dynamo
+    counted)."""
     from torch._dynamo.utils import counters
 
     dense, paged = models
     eng = engine(paged, kernel=kernel, compile=True, max_num_seqs=3, max_num_batched_tokens=1024,
                  num_pages=64)
     assert eng.buckets == [1, 3]
-    assert torch._dynamo.config.recompile_limit >= 64
     eng.warmup(progress=False)
     graphs = counters["stats"]["unique_graphs"]
     a = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
