@@ -23,7 +23,10 @@ TOL = dict(rtol=1e-5, atol=1e-4)
     [
         (1024, 256, (1,), "gemv"),  # one row (a decode step of one sequence)
         (1000, 250, (1, 1), "gemv"),  # widths that are not whole vectors or register tiles
-        (1024, 256, (2, 3), "packed"),  # a large weight: packs at any other row count
+        (1000, 250, (1, 7), "gemv"),  # a full tile of rows and a partial one
+        (1024, 256, (2, 3), "gemv"),  # rows of x a partial tile only
+        (1024, 256, (L.GEMV_MAX_ROWS,), "gemv"),
+        (1024, 256, (L.GEMV_MAX_ROWS + 1,), "packed"),  # a large weight: packs at more rows
         (48, 40, (1, 300), "packed"),  # a small weight: packs from PACK_MIN_ROWS rows (prefill)
         (48, 40, (L.PACK_MIN_ROWS,), "packed"),
     ],
@@ -54,7 +57,7 @@ def test_packed_copy_follows_weight_changes():
     and a new storage must both repack."""
     torch.manual_seed(0)
     lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
-    x = torch.randn(2, 256)
+    x = torch.randn(L.GEMV_MAX_ROWS + 1, 256)
     first = lin(x)
     lin.load_state_dict({"weight": torch.randn(1024, 256)})
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
@@ -68,7 +71,7 @@ def test_packed_copy_follows_weight_changes():
 
 def test_packed_copy_goes_with_its_weight():
     lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
-    lin(torch.randn(2, 256))
+    lin(torch.randn(L.GEMV_MAX_ROWS + 1, 256))
     gc.collect()
     before = len(L._PACKED)
     del lin
@@ -102,7 +105,7 @@ def test_compiled_graphs_call_the_packed_op_unless_inductor_freezes():
     tunes the frozen weight's GEMM itself and so must see a plain linear."""
     torch.manual_seed(0)
     lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
-    x = torch.randn(4, 256)  # 4 rows: the packed path
+    x = torch.randn(L.GEMV_MAX_ROWS + 1, 256)  # above the GEMV kernel's rows: the packed path
     graphs: list[set] = []
     fn = torch.compile(lin, backend=_recording_backend(graphs), fullgraph=True)
     torch.testing.assert_close(fn(x), F.linear(x, lin.weight), **TOL)
@@ -166,7 +169,7 @@ def test_stacked_projections_are_one_gemm_and_follow_each_weight():
         check(fn(x))
     assert "fms_paged.packed_linear_cat" in graphs[0]
     assert not any("packed" in t for t in graphs[1])
-    small = torch.randn(3, 64)  # below the packing thresholds: each its own F.linear
+    small = torch.randn(L.GEMV_MAX_ROWS + 1, 64)  # below the packing thresholds: each its own F.linear
     assert L.cpu_path(small, lins[0].weight, 128) is None
     for out, m in zip(L.linear_cat(small, lins), lins):
         assert torch.equal(out, F.linear(small, m.weight))
