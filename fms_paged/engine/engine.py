@@ -371,12 +371,13 @@ class Engine:
         def prompt(n: int) -> list[int]:
             return torch.randint(0, self.vocab_size, (max(1, n),), generator=rng).tolist()
 
-        # each prefill bucket alone, then every row at once: request i makes 2 + i tokens, so the
+        # each prefill bucket alone (and a 2-token prompt: steps of a few rows take the projections'
+        # GEMV path, a graph of their own), then every row at once: request i makes 2 + i tokens, so the
         # decode batch shrinks through every bucket while prefill chunks run beside decodes; then
         # for each decode bucket b, b one-token prompts decode while one more request is prefilled
         # beside them (the all-rows wave reaches the small buckets only after every prompt is in)
         # (wave, request joining it after its first step or None)
-        waves = [([(prompt(n), 2)], None) for n in dict.fromkeys(lengths)]
+        waves = [([(prompt(n), 2)], None) for n in dict.fromkeys([2, *lengths])]
         waves.append(([(prompt(lengths[i % len(lengths)]), 2 + i) for i in range(rows)], None))
         waves += [([(prompt(1), 3)] * b, (prompt(16), 2)) for b in self.buckets]
         bar = None
