@@ -10,6 +10,11 @@
 // online softmax is vertical (no horizontal reductions) and K and V are read row by row from
 // their pages (no transposed copies): scores S[key][row] = sum_d K[key, d] * Q^T[d][row], then
 // O^T[d][row] += V[key, d] * P[key][row]. Keys go in blocks of BK.
+//
+// A decode row (a chunk of one token) has only its G heads for rows (3 of 16 lanes for G = 3,
+// 1 for MHA), so it takes a path of its own with keys in the lanes instead: per head, 16 keys'
+// dot products with q at once (4 FMAs each for D = 64, then one transposing reduction for the 16),
+// the softmax over the keys' lanes, and O[d] += P[key] * V[key, d] over whole rows of V.
 #include <omp.h>
 
 #include <algorithm>
@@ -86,8 +91,119 @@ struct Scratch {
   alignas(64) float s[(BK + KG) * W];
 };
 
+// the K and V rows of keys k0 .. k0 + nk - 1 of a sequence with page table row pt
+inline void key_rows(const Args& a, const int32_t* pt, int64_t k0, int nk, const float* kh, const float* vh,
+                     const float** krow, const float** vrow) {
+  int64_t page = k0 / a.P, in_page = k0 % a.P;  // no division per key
+  for (int j = 0; j < nk; ++j) {
+    const int64_t slot = (int64_t)pt[page] * a.P + in_page;
+    krow[j] = kh + slot * D;
+    vrow[j] = vh + slot * D;
+    if (++in_page == a.P) in_page = 0, ++page;
+  }
+}
+
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#endif
+
+constexpr int bitrev4(int i) { return ((i & 1) << 3) | ((i & 2) << 1) | ((i & 4) >> 1) | ((i & 8) >> 3); }
+
+// lane j of the result: the sum of the lanes of p[bitrev4(j)] (16 horizontal sums in 15 adds)
+inline vf reduce16(const vf* p) {
+#ifdef SHUFFLE
+  vf c[8], d[4], e[2];  // each level halves the lanes per vector and doubles the vectors per lane
+  for (int i = 0; i < 8; ++i)
+    c[i] = SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    d[i] = SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SHUFFLE(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = SHUFFLE(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUFFLE(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return SHUFFLE(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         SHUFFLE(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+#else
+  vf r;
+  for (int j = 0; j < W; ++j) {
+    r[j] = 0.0f;
+    for (int i = 0; i < W; ++i) r[j] += p[bitrev4(j)][i];
+  }
+  return r;
+#endif
+}
+
+// a decode row: heads r0 .. r1 - 1 of the item's kv head for one token at position q0, which sees
+// keys 0 .. q0; keys in lanes (see the top)
+void run_decode(const Args& a, const Item& it, Scratch& sc) {
+  const int G = a.H / a.Hkv, nh = it.r1 - it.r0;
+  const int64_t* c = a.chunks + 4 * it.chunk;
+  const int64_t n_keys = c[1] + 1, off = c[3];
+  const int32_t* pt = a.pages + c[0] * a.pages_st;
+  const float* kh = a.k + (int64_t)it.kvh * a.pool_tokens * D;
+  const float* vh = a.v + (int64_t)it.kvh * a.pool_tokens * D;
+  const float* q = a.q + off * a.q_st + (int64_t)(it.kvh * G + it.r0) * a.q_sh;
+  float m[LG * W], l[LG * W];  // per head: running max and sum of the softmax
+  for (int g = 0; g < nh; ++g) m[g] = -INFINITY, l[g] = 0.0f;
+  std::memset(sc.ot, 0, sizeof(float) * nh * D);  // O per head, [nh, D] (unnormalised)
+  const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const float* krow[BK];
+  const float* vrow[BK];
+  float* s = sc.s;
+  for (int64_t k0 = 0; k0 < n_keys; k0 += BK) {
+    const int nk = (int)std::min<int64_t>(BK, n_keys - k0), nkt = (nk + W - 1) / W * W;
+    key_rows(a, pt, k0, nk, kh, vh, krow, vrow);
+    for (int g = 0; g < nh; ++g) {
+      vf qv[D / W];
+      for (int i = 0; i < D / W; ++i) qv[i] = load(q + g * a.q_sh + i * W) * a.scale;
+      for (int j0 = 0; j0 < nk; j0 += W) {  // scores of keys j0 .. j0 + 15, one per lane
+        const int n = std::min(W, nk - j0);
+        vf part[W];
+        for (int j = 0; j < W; ++j) {
+          vf acc = splat(0.0f);
+          if (j < n)
+            for (int i = 0; i < D / W; ++i) acc += load(krow[j0 + j] + i * W) * qv[i];
+          part[bitrev4(j)] = acc;
+        }
+        const vf sv = reduce16(part);
+        store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
+      }
+      vf mv = load(s);
+      for (int j0 = W; j0 < nkt; j0 += W) mv = vmax(mv, load(s + j0));
+      float mx = mv[0];
+      for (int i = 1; i < W; ++i) mx = std::max(mx, mv[i]);
+      const float mnew = std::max(m[g], mx), alpha = std::exp(m[g] - mnew);  // finite: key 0 is seen
+      m[g] = mnew;
+      vf sum = splat(0.0f);
+      for (int j0 = 0; j0 < nkt; j0 += W) {
+        const vf p = vexp(load(s + j0) - mnew);
+        sum += p;
+        store(s + j0, p);
+      }
+      float total = 0.0f;
+      for (int i = 0; i < W; ++i) total += sum[i];
+      l[g] = l[g] * alpha + total;
+      float* o = sc.ot + g * D;
+      vf ov[D / W];
+      for (int i = 0; i < D / W; ++i) ov[i] = load(o + i * W) * alpha;
+      for (int j = 0; j < nk; ++j) {
+        const vf p = splat(s[j]);
+        for (int i = 0; i < D / W; ++i) ov[i] += p * load(vrow[j] + i * W);
+      }
+      for (int i = 0; i < D / W; ++i) store(o + i * W, ov[i]);
+    }
+  }
+  for (int g = 0; g < nh; ++g) {
+    float* dst = a.out + (off * a.H + it.kvh * G + it.r0 + g) * D;
+    const float inv = 1.0f / l[g];
+    for (int d = 0; d < D; ++d) dst[d] = sc.ot[g * D + d] * inv;
+  }
+}
+
 void run_item(const Args& a, const Item& it, Scratch& sc) {
   const int G = a.H / a.Hkv;
+  if (a.chunks[4 * it.chunk + 2] == 1) return run_decode(a, it, sc);
   const int64_t* c = a.chunks + 4 * it.chunk;
   const int64_t q0 = c[1], off = c[3];
   const int groups = (it.r1 - it.r0 + W - 1) / W;
@@ -117,11 +233,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
   for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
     const int nk = (int)std::min<int64_t>(BK, kv_end - k0);
     const int nkt = (nk + KG - 1) / KG * KG;  // keys nk .. nkt - 1: stale rows of the last page, masked
-    for (int j = 0; j < nk; ++j) {
-      const int64_t pos = k0 + j, slot = (int64_t)pt[pos / a.P] * a.P + pos % a.P;
-      krow[j] = kh + slot * D;
-      vrow[j] = vh + slot * D;
-    }
+    key_rows(a, pt, k0, nk, kh, vh, krow, vrow);
     for (int g = 0; g < groups; ++g) {
       if (qmax[g] < k0) continue;  // no row of the group sees a key of this block
       const float* qt = sc.qt + g * D * W;
