@@ -85,10 +85,13 @@ def test_prefill_chunks_and_decode_rows_match_sdpa(D, H, Hkv, P):
     assert (out[0, int(offs[5])] == 0).all()  # the row with no sequence
 
 
-def test_decode_batch_layout_and_thread_count():
+@pytest.mark.parametrize("H,Hkv", [(8, 2), (1, 1), (40, 1)])
+def test_decode_batch_layout_and_thread_count(H, Hkv):
     """Decode rows as the model passes them ([B, H, 1, D], a transposed view), and the same bits
-    with 1 thread as with the default count (each row is computed by one thread)."""
-    H, Hkv, D, P = 8, 2, 32, 16
+    with 1 thread as with the default count (each row is computed by one thread). Decode rows take
+    the kernel's keys-in-lanes path: lengths that end inside a 16-key lane group and a 64-key block
+    (5, 129, 300), one head alone, and 40 query heads on one kv head (two work items per row)."""
+    D, P = 32, 16
     lengths = [300, 5, 129]
     k, v, table, slots = make_pool(lengths, H, Hkv, D, P)
     chunks = torch.tensor([(s, n - 1, 1, s) for s, n in enumerate(lengths)])
