@@ -33,8 +33,8 @@ LINEAR_IMPLS = ("auto", "torch")
 # a call with at most this many rows (a decode step of up to 8 sequences) runs the project's GEMV
 # kernel (`cpu_gemv.cpp`): each weight row streamed once, a few microseconds per call against
 # oneDNN's ~20. One step of a SmolLM2-shaped stack (2-vCPU AMD EPYC, fp32) read its weights at
-# 85 / 92 / 79% of a `sum`'s bandwidth at 1 / 4 / 8 rows against oneDNN's 58 / 71 / 63%; at 16
-# rows oneDNN led (49% against 45%)
+# 85 / 92 / 75% of a `sum`'s bandwidth at 1 / 4 / 8 rows against oneDNN's 58 / 67 / 63%; at 16
+# rows oneDNN led (49% against 45%). The README's Devices section has the table.
 GEMV_MAX_ROWS = 8
 GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 
