@@ -506,6 +506,25 @@ def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel):
     assert got[b] == generate(dense, [list(range(3, 60))], 4, eos_id=None)[0]
 
 
+def test_warmup_covers_a_prefill_of_a_few_tokens_alone(models):
+    """A prefill step of 2..8 tokens takes the projections' GEMV path, a compiled graph of its own;
+    with one decode row (bucket 1) no other wave of warmup() prefills so few tokens at once, so
+    warmup() prefills a 2-token prompt alone: after it, a 5-token prompt compiles no new graph."""
+    from torch._dynamo.utils import counters
+
+    from fms_paged.modules.linear import GEMV_MAX_ROWS
+
+    dense, paged = models
+    eng = engine(paged, kernel="cpp", compile=True, max_num_seqs=1, num_pages=64)
+    assert eng.buckets == [1] and 5 <= GEMV_MAX_ROWS
+    eng.warmup(progress=False)
+    graphs = counters["stats"]["unique_graphs"]
+    rid = eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    got = run(eng)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert got[rid] == generate(dense, [[5, 6, 7, 8, 9]], 6, eos_id=None)[0]
+
+
 def test_tuned_decode_step_equals_dense_and_stays_with_its_model(models):
     """compile="tuned" (weights frozen into the decode graph, GEMMs autotuned): the same greedy
     tokens as dense generate(); a second model with other weights gets a graph of its own (its
