@@ -146,7 +146,8 @@ def prefill_layers(model: torch.nn.Module, tokens: torch.Tensor, positions: torc
 @functools.cache
 def compiled_prefill() -> Callable:
     """`prefill_layers` under torch.compile with dynamic shapes (the token count): one graph for
-    every step length, two where `Linear` switches to its packed path at `PACK_MIN_ROWS` rows.
+    each of `Linear`'s CPU paths (GEMV up to `GEMV_MAX_ROWS` tokens, packed from `PACK_MIN_ROWS`,
+    `F.linear` or packed between, by weight size) rather than one per step length.
     Its weights stay graph inputs, so the graph is shared by models of one shape and lands in
     inductor's on-disk cache."""
     allow_shape_variants()
