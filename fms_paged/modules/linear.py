@@ -7,8 +7,10 @@ made again when the weight changes (another storage or an in-place write such as
 `load_state_dict`). It costs one more copy of each packed weight in memory;
 `LLaMAConfig(linear_impl="torch")` turns it off.
 
-Which calls pack: CPU, fp32, no gradient wanted, and either a large weight (decode: reading the
-weight dominates) or many rows (prefill: the GEMM is compute-bound), so small GEMMs keep MKL's
+Calls of at most `GEMV_MAX_ROWS` rows (decode steps of a few sequences) take the project's GEMV
+kernel instead (`cpu_gemv.cpp`; the op `fms_paged::gemv` in compiled graphs). Which other calls
+pack: CPU, fp32, no gradient wanted, and either a large weight (decode of more sequences: reading
+the weight dominates) or many rows (prefill: the GEMM is compute-bound), so small GEMMs keep MKL's
 lower per-call cost. Inside a compiled graph the packed GEMM is the opaque op
 `fms_paged::packed_linear`, except when inductor freezes the weights into the graph: it then packs
 and tunes the GEMM itself, so the plain `F.linear` is traced.

@@ -23,8 +23,9 @@ TOL = dict(rtol=1e-5, atol=1e-4)
     [
         (1024, 256, (1,), "gemv"),  # one row (a decode step of one sequence)
         (1000, 250, (1, 1), "gemv"),  # widths that are not whole vectors or register tiles
-        (1000, 250, (1, 7), "gemv"),  # a full tile of rows and a partial one
-        (1024, 256, (2, 3), "gemv"),  # rows of x a partial tile only
+        (1000, 250, (1, 7), "gemv"),  # 7 rows: a full register tile of 4 rows and one of 3
+        (1024, 256, (2, 3), "gemv"),  # 6 rows: a full tile and one of 2
+        (1024, 256, (3,), "gemv"),  # a partial tile only
         (1024, 256, (L.GEMV_MAX_ROWS,), "gemv"),
         (1024, 256, (L.GEMV_MAX_ROWS + 1,), "packed"),  # a large weight: packs at more rows
         (48, 40, (1, 300), "packed"),  # a small weight: packs from PACK_MIN_ROWS rows (prefill)
