@@ -99,8 +99,23 @@ def decode_fn(cache: object, compile: bool | str, model: torch.nn.Module | None 
             raise ValueError(
                 f"compile='tuned' needs the cpp or flex kernel and its model; this backend runs {kernel!r}")
         return compiled_decode_tuned(model)
+    kernel = getattr(cache, "kernel", None)
     cpu = getattr(getattr(cache, "device", None), "type", None) == "cpu"
-    return compiled_decode(getattr(cache, "kernel", None) in ("cpp", "flex"), cpu)
+    fn = compiled_decode(kernel in ("cpp", "flex"), cpu)
+    return functools.partial(_rows_dynamic, fn) if kernel == "cpp" else fn
+
+
+def _rows_dynamic(fn: Callable, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                  step: object) -> torch.Tensor:
+    """`fn` (the compiled decode step of the cpp kernel) with the batch dimension dynamic: one graph
+    for every decode bucket past 1 that takes the same `Linear` CPU path (GEMV up to `GEMV_MAX_ROWS`
+    rows, and one beyond), rather than one per bucket. A batch of 1 stays a graph of its own (Dynamo
+    specializes sizes 0 and 1). Together with the backend's dynamic pool and page size (`PagedBackend`),
+    a model shape's decode graphs are 3, whatever its engines' pools; with empty compile caches each
+    costs 10-40 s here (mostly gcc; a 2-vCPU AMD EPYC, 4 to 30 layers)."""
+    for t in (tokens, positions, step.slots, step.chunks):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return fn(model, tokens, positions, step)
 
 
 # ---------------------------------------------------------------------------- compiled prefill

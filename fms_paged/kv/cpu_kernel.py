@@ -28,7 +28,7 @@ PAGE_MULTIPLE = 8
 _LIB = torch.library.Library("fms_paged", "FRAGMENT")
 _LIB.define(
     "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor chunks, "
-    "int page_size, float scale) -> Tensor"
+    "SymInt page_size, float scale) -> Tensor"
 )
 
 

@@ -42,6 +42,11 @@ from fms_paged.kv import cpu_kernel
 from fms_paged.kv._pool_ops import to_device
 from fms_paged.kv.page_manager import PageManager
 
+try:  # an int that torch.compile takes as a graph input (SymInt) rather than as a constant
+    from torch.fx.experimental.sym_node import DynamicInt
+except ImportError:  # older torch: the page size is a constant of each compiled graph
+    DynamicInt = int
+
 KERNELS = ("auto", "cpp", "flex", "flex-eager", "gather")
 PREFILL_KERNELS = ("auto", "flex", "sdpa")
 
@@ -234,6 +239,15 @@ class PagedBackend:
         self.v_pools = [alloc(shape, dtype=model.dtype, device=self.device) for _ in range(c.nlayers)]
         for pool in self.k_pools + self.v_pools:
             pool[:, :, :P].zero_()
+        # the page size the cpp kernel's op is given: an int that a compiled step takes as an input
+        # (SymInt), as it takes the pool length and the page table's size (dynamic dims): one
+        # compiled decode graph serves every pool, page size and `max_model_len` of a model shape
+        self.page_size_arg = DynamicInt(P)
+        if self.kernel == "cpp":
+            for pool in self.k_pools + self.v_pools:
+                torch._dynamo.maybe_mark_dynamic(pool, 2)
+            torch._dynamo.maybe_mark_dynamic(self.pm.page_table, 0)
+            torch._dynamo.maybe_mark_dynamic(self.pm.page_table, 1)
         self.score_mod = score_mod
         self.prefill_kernel = choose_prefill_kernel(prefill_kernel, self.device, score_mod)
         # decode packs the G = nheads / kvheads query heads of each kv head into the query length:
@@ -451,7 +465,7 @@ class CppStep(PoolStep):
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
         # q: [B', H, S', D]; kp, vp: [1, Hkv, NP, D] -> [B', H, S', D] (a view of [B', S', H, D])
         out = torch.ops.fms_paged.paged_attention(q, kp, vp, self.b.pm.page_table, self.chunks,
-                                                  self.b.P, self.scale)
+                                                  self.b.page_size_arg, self.scale)
         return out.transpose(1, 2)
 
 

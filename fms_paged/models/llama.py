@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fms_paged.modules import (
@@ -149,7 +150,10 @@ class LLaMA(nn.Module):
         cos, sin = self.rot_emb(positions)
         if step is not None:
             step = step.prepare()  # per-step metadata (slots, masks), built once for all layers
-        x = self.embedding(tokens)
+        # the lookup alone: nn.Embedding.forward hands F.embedding its float `norm_type`, which a
+        # graph compiled with dynamic shapes (the prefill step) first traced as a symbolic float
+        # and then traced again (a restart, seconds per 30-layer graph)
+        x = F.embedding(tokens, self.embedding.weight)
         for layer in self.layers:
             x = layer(x, cos, sin, step)
         return x

@@ -506,6 +506,33 @@ def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel):
     assert got[b] == generate(dense, [list(range(3, 60))], 4, eos_id=None)[0]
 
 
+def test_cpp_decode_graphs_are_shared_by_pools_page_sizes_and_buckets(models):
+    """The cpp kernel's compiled decode step takes the pool length, the page table's size, the page
+    size and the batch (past 1) as dynamic: after one engine's warmup() (buckets 1 and 4), engines
+    with another pool and max_model_len, with decode bucket 8 (the same GEMV path as 4), and on a
+    twin of another page size compile no new graph, and their greedy tokens equal dense's."""
+    from torch._dynamo.utils import counters
+
+    from fms_paged.bench.latency import with_config
+    from fms_paged.modules.linear import GEMV_MAX_ROWS
+
+    dense, paged = models
+    rng = random.Random(11)
+    engine(paged, kernel="cpp", compile=True, max_num_seqs=4, num_pages=64).warmup(progress=False)
+    graphs = counters["stats"]["unique_graphs"]
+    assert GEMV_MAX_ROWS >= 8
+    for model, kw in ((paged, dict(max_num_seqs=8, num_pages=40, max_model_len=200)),
+                      (with_config(paged, page_size=32), dict(max_num_seqs=4, num_pages=20))):
+        eng = engine(model, kernel="cpp", compile=True, **kw)
+        eng.warmup(progress=False)
+        reqs = [(random_prompt(rng, rng.randint(1, 90)), rng.randint(2, 12)) for _ in range(6)]
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=k, ignore_eos=True)) for p, k in reqs]
+        got = run(eng)
+        for rid, (prompt, k) in zip(ids, reqs):
+            assert got[rid] == generate(dense, [prompt], k, eos_id=None)[0]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_warmup_covers_a_prefill_of_a_few_tokens_alone(models):
     """A prefill step of 2..8 tokens takes the projections' GEMV path, a compiled graph of its own;
     with one decode row (bucket 1) no other wave of warmup() prefills so few tokens at once, so
