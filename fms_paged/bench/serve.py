@@ -794,9 +794,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the page sweep's decode batch: 8 sequences of this / 8 .. this many tokens")
     p.add_argument("--vs-vllm-compile", type=lambda x: [{"true": True, "false": False}.get(v, v)
                                                          for v in x.split(",")],
-                   default=["auto", "tuned"],
-                   help="engine compile modes of the SmolLM2-shaped vs_vllm runs (the default-model "
-                   "one uses --compile)")
+                   default=["auto"],
+                   help="engine compile modes of the SmolLM2-shaped vs_vllm runs, e.g. auto,tuned "
+                   "(the default-model one uses --compile). \"tuned\" compiles its frozen graphs in "
+                   "every process: 2-3 more minutes on a 2-core CPU")
     p.add_argument("--capacity-lens", type=_ints,
                    default=[2048, 32768], help="max_seq_len of the capacity comparison")
     p.add_argument("--num-requests", type=int, default=None, help="requests of the mix (default 64)")
