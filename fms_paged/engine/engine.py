@@ -34,12 +34,15 @@ COMPILE_MODES = ("auto", True, False, "tuned")
 COMPILED_KERNELS = ("cpp", "flex")
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
+def decode_buckets(max_num_seqs: int, smallest: int = 1) -> list[int]:
     """Decode batch sizes compiled: 1, 4, 8, 16, 32, ... up to max_num_seqs. A lone request gets
     a bucket of its own: on the CPU, MKL's GEMMs with 8 rows took about twice as long as with one
-    (measured: one SmolLM2-shaped request decoded 1.5x faster in a 1-row than in an 8-row step)."""
-    sizes = {min(max_num_seqs, b) for b in [1, 4] + [8 << i for i in range(max_num_seqs.bit_length())]}
-    return sorted(sizes)
+    (measured: one SmolLM2-shaped request decoded 1.5x faster in a 1-row than in an 8-row step).
+    `smallest=2` (the cpp kernel's compiled step, one graph for every batch past 1 row): a lone
+    request decodes beside an inactive row instead, in that graph; its GEMV kernel reads each
+    weight once for all the rows (README: Devices)."""
+    sizes = [1, 4] + [8 << i for i in range(max_num_seqs.bit_length())]
+    return sorted({max(smallest, min(max_num_seqs, b)) for b in sizes})
 
 
 class Engine:
@@ -143,7 +146,10 @@ class Engine:
         self._decode = decode_fn(backend, "tuned" if compile == "tuned" else self.compiled, model)
         # prefill and mixed steps: our LLaMA compiled around its attention (`compiled_prefill`)
         self._prefill = compiled_prefill() if self.compiled and isinstance(model, LLaMA) else None
-        self.buckets = decode_buckets(max_num_seqs)
+        # the cpp kernel's compiled decode step has its batch dynamic past one row
+        # (`model_step._rows_dynamic`): a bucket of 1 would be a graph of its own
+        self.buckets = decode_buckets(max_num_seqs, 2 if self.compiled and compile != "tuned"
+                                      and backend.kernel == "cpp" else 1)
         self.vocab_size = c.src_vocab_size
         self.eos = frozenset() if c.eos_token_id is None else frozenset([c.eos_token_id])
         # submission: any thread appends (deque.append is atomic); the loop drains in step()
@@ -371,15 +377,14 @@ class Engine:
         def prompt(n: int) -> list[int]:
             return torch.randint(0, self.vocab_size, (max(1, n),), generator=rng).tolist()
 
-        # each prefill bucket alone (and a 2-token prompt: steps of a few rows take the projections'
-        # GEMV path, a graph of their own), then every row at once: request i makes 2 + i tokens, so the
+        # each prefill bucket alone, then every row at once: request i makes 2 + i tokens, so the
         # decode batch shrinks through every bucket while prefill chunks run beside decodes; then
         # for each decode bucket b, b one-token prompts decode while one more request is prefilled
         # beside them (the all-rows wave reaches the small buckets only after every prompt is in)
         # (wave, request joining it after its first step or None)
-        waves = [([(prompt(n), 2)], None) for n in dict.fromkeys([2, *lengths])]
+        waves = [([(prompt(n), 2)], None) for n in lengths]
         waves.append(([(prompt(lengths[i % len(lengths)]), 2 + i) for i in range(rows)], None))
-        waves += [([(prompt(1), 3)] * b, (prompt(16), 2)) for b in self.buckets]
+        waves += [([(prompt(1), 3)] * min(b, rows), (prompt(16), 2)) for b in self.buckets]
         bar = None
         if progress:
             try:

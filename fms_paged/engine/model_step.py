@@ -108,11 +108,12 @@ def decode_fn(cache: object, compile: bool | str, model: torch.nn.Module | None 
 def _rows_dynamic(fn: Callable, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
                   step: object) -> torch.Tensor:
     """`fn` (the compiled decode step of the cpp kernel) with the batch dimension dynamic: one graph
-    for every decode bucket past 1 that takes the same `Linear` CPU path (GEMV up to `GEMV_MAX_ROWS`
-    rows, and one beyond), rather than one per bucket. A batch of 1 stays a graph of its own (Dynamo
+    for every decode bucket past 1, rather than one per bucket (the projections pick their CPU path
+    by the rows when they run: `fms_paged::linear`). A batch of 1 stays a graph of its own (Dynamo
     specializes sizes 0 and 1). Together with the backend's dynamic pool and page size (`PagedBackend`),
-    a model shape's decode graphs are 3, whatever its engines' pools; with empty compile caches each
-    costs 10-40 s here (mostly gcc; a 2-vCPU AMD EPYC, 4 to 30 layers)."""
+    a model shape's decode graphs are 2, whatever its engines' pools; with empty compile caches each
+    costs 10-50 s here (a 2-vCPU AMD EPYC, 4 to 30 layers; for 30 layers ~23 s of it is gcc on the
+    C++ wrapper)."""
     for t in (tokens, positions, step.slots, step.chunks):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     return fn(model, tokens, positions, step)
@@ -125,53 +126,75 @@ def _rows_dynamic(fn: Callable, model: torch.nn.Module, tokens: torch.Tensor, po
 # norms, SwiGLU, residuals, the projections) is one graph with the token count dynamic, so the
 # pointwise work fuses and the Python cost of the layers goes away.
 _LIB = torch.library.Library("fms_paged", "FRAGMENT")
-_LIB.define("step_attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+_LIB.define("step_attend(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor")
 _ACTIVE: list = []  # the step the op attends through, set by `prefill_hidden`
 
 
-def _step_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    # q: [B, H, S, D]; k, v: [B, Hkv, S, D] -> [B, S, H, D] contiguous (the layout the output
-    # projection reads; the fake below promises it)
-    return _ACTIVE[-1].attend(layer, q, k, v).transpose(1, 2).contiguous()
+def _step_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    # q: [B, H, S, D]; k, v: [B, Hkv, S, D]; layer: the layer's index (a 0-d tensor, an input of
+    # the block's subgraph) -> [B, S, H, D] contiguous (the layout the output projection reads;
+    # the fake below promises it)
+    return _ACTIVE[-1].attend(int(layer), q, k, v).transpose(1, 2).contiguous()
 
 
 _LIB.impl("step_attend", _step_attend, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fms_paged::step_attend")
-def _step_attend_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _step_attend_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     B, H, S, D = q.shape
     return q.new_empty(B, S, H, D)
 
 
 class DeferredStep:
-    """The `AttentionStep` a compiled prefill graph is traced with: each layer's attention is the
-    op `fms_paged::step_attend`, run by the step `prefill_hidden` puts in effect."""
+    """The `AttentionStep` a block of the compiled prefill is traced with: its attention is the op
+    `fms_paged::step_attend` on the layer index `layer` (a tensor), run by the step
+    `prefill_hidden` puts in effect."""
+
+    def __init__(self, layer: torch.Tensor):
+        self.layer = layer
 
     def prepare(self) -> DeferredStep:
         return self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.fms_paged.step_attend(q, k, v, layer).transpose(1, 2)
+        return torch.ops.fms_paged.step_attend(q, k, v, self.layer).transpose(1, 2)
 
 
-DEFERRED = DeferredStep()
+@torch.compiler.nested_compile_region
+def _block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           layer: torch.Tensor) -> torch.Tensor:
+    return block(x, cos, sin, DeferredStep(layer))
 
 
 def prefill_layers(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The layers of a prefill step around deferred attention -> hidden states [B, S, D]."""
-    return model.hidden(tokens, positions, DEFERRED)
+    """The layers of a prefill step around deferred attention -> hidden states [B, S, D]. Compiled,
+    each block is a nested compile region: the blocks of a model are alike but for their weights
+    and their layer index (both inputs of the region), so inductor compiles one block and calls it
+    for every layer (a 30-layer graph compiled in ~1/3 of the time; 2-vCPU AMD EPYC)."""
+    x, cos, sin = model.embed(tokens, positions)
+    index = torch.arange(len(model.layers))
+    for i, block in enumerate(model.layers):
+        x = _block(block, x, cos, sin, index[i])
+    return x
 
 
 @functools.cache
 def compiled_prefill() -> Callable:
     """`prefill_layers` under torch.compile with dynamic shapes (the token count): one graph for
-    each of `Linear`'s CPU paths (GEMV up to `GEMV_MAX_ROWS` tokens, packed from `PACK_MIN_ROWS`,
-    `F.linear` or packed between, by weight size) rather than one per step length.
+    every step length of 2 or more tokens (the projections pick their CPU path when they run).
     Its weights stay graph inputs, so the graph is shared by models of one shape and lands in
     inductor's on-disk cache."""
     allow_shape_variants()
-    return torch.compile(prefill_layers, fullgraph=True, dynamic=True)
+    fn = torch.compile(prefill_layers, fullgraph=True, dynamic=True)
+
+    def run(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # floats as constants: with dynamic shapes Dynamo would make each RMSNorm's eps a symbolic
+        # input of the block's region, which invoke_subgraph does not take
+        with torch._dynamo.config.patch(specialize_float=True):
+            return fn(model, tokens, positions)
+
+    return run
 
 
 @contextlib.contextmanager

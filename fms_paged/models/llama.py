@@ -145,18 +145,23 @@ class LLaMA(nn.Module):
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                step: AttentionStep | None = None) -> torch.Tensor:
         """The layers' output before the final norm: tokens, positions [B, S] -> [B, S, D]."""
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        cos, sin = self.rot_emb(positions)
+        x, cos, sin = self.embed(tokens, positions)
         if step is not None:
             step = step.prepare()  # per-step metadata (slots, masks), built once for all layers
-        # the lookup alone: nn.Embedding.forward hands F.embedding its float `norm_type`, which a
-        # graph compiled with dynamic shapes (the prefill step) first traced as a symbolic float
-        # and then traced again (a restart, seconds per 30-layer graph)
-        x = F.embedding(tokens, self.embedding.weight)
         for layer in self.layers:
             x = layer(x, cos, sin, step)
         return x
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first layer's input [B, S, D] and the RoPE tables (cos, sin) of `positions`."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        cos, sin = self.rot_emb(positions)
+        # the lookup alone: nn.Embedding.forward hands F.embedding its float `norm_type`, which a
+        # graph compiled with dynamic shapes (the prefill step) first traced as a symbolic float
+        # and then traced again (a restart, seconds per 30-layer graph)
+        return F.embedding(tokens, self.embedding.weight), cos, sin
 
     def logits(self, x: torch.Tensor, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """`hidden`'s output [B, S, D] -> logits [B, S, V], or [K, V] at `logits_at`."""

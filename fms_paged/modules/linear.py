@@ -8,11 +8,11 @@ made again when the weight changes (another storage or an in-place write such as
 `LLaMAConfig(linear_impl="torch")` turns it off.
 
 Calls of at most `GEMV_MAX_ROWS` rows (decode steps of a few sequences) take the project's GEMV
-kernel instead (`cpu_gemv.cpp`; the op `fms_paged::gemv` in compiled graphs). Which other calls
-pack: CPU, fp32, no gradient wanted, and either a large weight (decode of more sequences: reading
-the weight dominates) or many rows (prefill: the GEMM is compute-bound), so small GEMMs keep MKL's
-lower per-call cost. Inside a compiled graph the packed GEMM is the opaque op
-`fms_paged::packed_linear`, except when inductor freezes the weights into the graph: it then packs
+kernel instead (`cpu_gemv.cpp`). Which other calls pack: CPU, fp32, no gradient wanted, and either
+a large weight (decode of more sequences: reading the weight dominates) or many rows (prefill: the
+GEMM is compute-bound), so small GEMMs keep MKL's lower per-call cost. Inside a compiled graph a
+projection is the opaque op `fms_paged::linear`, which picks its path by the rows when it runs (one
+graph for every row count), except when inductor freezes the weights into the graph: it then packs
 and tunes the GEMM itself, so the plain `F.linear` is traced.
 """
 
@@ -55,9 +55,7 @@ _PACKED = WeakIdKeyDictionary()
 _PACKED_CAT = WeakIdKeyDictionary()
 
 _LIB = torch.library.Library("fms_paged", "DEF")
-_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIB.define("packed_linear_cat(Tensor x, Tensor[] weights) -> Tensor")
-_LIB.define("gemv(Tensor x, Tensor[] weights) -> Tensor")
+_LIB.define("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor")
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -100,6 +98,24 @@ def _gemv_kernel() -> ctypes._CFuncPtr | None:
     return fn
 
 
+# data_ptr of each weight of a stack, then their rows -> the kernel's arguments for it (pointers, widths,
+# count, total width): building them took ~3.5 of the ~11 us a call spent in Python here
+_GEMV_ARGS: dict[tuple, tuple] = {}
+
+
+def _gemv_args(weights: list[torch.Tensor], keep: bool) -> tuple:
+    n = len(weights)
+    key = (*[w.data_ptr() for w in weights], *[w.shape[0] for w in weights])
+    args = _GEMV_ARGS.get(key)
+    if args is None:
+        args = ((ctypes.c_void_p * n)(*key[:n]), (ctypes.c_int64 * n)(*key[n:]), n, sum(key[n:]))
+        if keep:
+            if len(_GEMV_ARGS) >= 4096:
+                _GEMV_ARGS.clear()
+            _GEMV_ARGS[key] = args
+    return args
+
+
 def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """x [..., K] @ [w_1; w_2; ...]^T -> [..., sum N_i] by the GEMV kernel (F.linear where it cannot
     be built)."""
@@ -110,33 +126,41 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     rows = x.reshape(-1, K)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
-    n = len(weights)
-    y = torch.empty(*x.shape[:-1], sum(w.shape[0] for w in weights), dtype=x.dtype)
-    ptrs = (ctypes.c_void_p * n)(*[w.data_ptr() for w in weights])
-    widths = (ctypes.c_int64 * n)(*[w.shape[0] for w in weights])
-    threads = torch.get_num_threads()
-    fn(rows.data_ptr(), rows.shape[0], K, rows.stride(0), n, ptrs, widths, y.data_ptr(), threads)
+    if False not in [w.is_contiguous() for w in weights]:
+        args = _gemv_args(weights, keep=True)
+    else:  # contiguous copies, for this call alone
+        weights = [w.contiguous() for w in weights]
+        args = _gemv_args(weights, keep=False)
+    ptrs, widths, n, width = args
+    y = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
+    fn(rows.data_ptr(), rows.shape[0], K, rows.stride(0), n, ptrs, widths, y.data_ptr(),
+       torch.get_num_threads())
     return y
 
 
-_LIB.impl("packed_linear", packed_linear, "CPU")
-_LIB.impl("packed_linear_cat", packed_linear_cat, "CPU")
-_LIB.impl("gemv", gemv, "CPU")
+def linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ [w_1; w_2; ...]^T + bias -> [..., sum N_i] for a call the CPU paths serve (fp32
+    on the CPU, no gradient: checked by the caller) through the path `cpu_path` picks for its rows.
+    Compiled graphs call it as the op `fms_paged::linear`: the path is chosen when the step runs,
+    not when it is traced, so one graph serves every row count (no guard on the rows)."""
+    path = _rows_path(x, weights[0], sum(w.shape[0] for w in weights))
+    if path == "gemv":
+        y = gemv(x, weights)
+        return y if bias is None else y + bias
+    if len(weights) == 1:
+        return packed_linear(x, weights[0], bias) if path == "packed" else F.linear(x, weights[0], bias)
+    if path == "packed":
+        y = packed_linear_cat(x, weights)
+    else:
+        y = torch.cat([F.linear(x, w) for w in weights], -1)
+    return y if bias is None else y + bias
 
 
-@torch.library.register_fake("fms_paged::packed_linear")
-def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+_LIB.impl("linear", linear, "CPU")
 
 
-@torch.library.register_fake("fms_paged::gemv")
-def _gemv_fake(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
-
-
-@torch.library.register_fake("fms_paged::packed_linear_cat")
-def _packed_linear_cat_fake(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+@torch.library.register_fake("fms_paged::linear")
+def _linear_fake(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
 
 
@@ -150,19 +174,33 @@ def unpacked_bytes(model: nn.Module) -> int:
                and w.data_ptr() not in in_stacks)
 
 
+def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # the calls the CPU paths serve: fp32 on the CPU, no gradient wanted (what a trace may decide)
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and weight.requires_grad))
+
+
 def cpu_path(x: torch.Tensor, weight: torch.Tensor, out_features: int | None = None) -> str | None:
     """Which path `x @ weight.T` takes: "gemv", "packed" or None (F.linear); see the module
     docstring. `out_features`: the width of a stack of weights like `weight` computed in one call
     (`linear_cat`)."""
-    if not (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and not (torch.is_grad_enabled() and weight.requires_grad)):
-        return None
+    return _rows_path(x, weight, out_features or weight.shape[0]) if _cpu_inference(x, weight) else None
+
+
+def _rows_path(x: torch.Tensor, weight: torch.Tensor, width: int) -> str | None:
     if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
         return "gemv"
-    n = weight.shape[0] if out_features is None else out_features
-    if _ONEDNN and (n * weight.shape[1] >= PACK_MIN_WEIGHT or x.numel() >= PACK_MIN_ROWS * x.shape[-1]):
+    if _ONEDNN and (width * weight.shape[1] >= PACK_MIN_WEIGHT or x.numel() >= PACK_MIN_ROWS * x.shape[-1]):
         return "packed"
     return None
+
+
+def _traced(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+    # inside torch.compile: the op that picks its path when run, or, where inductor freezes the
+    # weights into the graph (compile="tuned"), a plain linear that it packs and tunes itself
+    if torch._inductor.config.freezing:
+        return F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights), bias)
+    return torch.ops.fms_paged.linear(x, weights, bias)
 
 
 class Linear(nn.Linear):
@@ -175,16 +213,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
-        path = cpu_path(x, self.weight) if self.pack else None
-        if path is None or torch.compiler.is_compiling() and torch._inductor.config.freezing:
-            return F.linear(x, self.weight, self.bias)  # frozen: inductor packs and tunes the GEMM
-        compiled = torch.compiler.is_compiling()
-        if path == "packed":
-            if compiled:
-                return torch.ops.fms_paged.packed_linear(x, self.weight, self.bias)
-            return packed_linear(x, self.weight, self.bias)
-        y = torch.ops.fms_paged.gemv(x, [self.weight]) if compiled else gemv(x, [self.weight])
-        return y if self.bias is None else y + self.bias
+        if not (self.pack and _cpu_inference(x, self.weight)):
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            return _traced(x, [self.weight], self.bias)
+        return linear(x, [self.weight], self.bias)
 
 
 def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
@@ -192,17 +225,12 @@ def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
     stacked weights where a CPU path applies (vLLM's fused q/k/v and gate/up projections: fewer,
     wider GEMMs); the outputs are views of that call's result."""
     weights = [m.weight for m in linears]
-    width = sum(w.shape[0] for w in weights)
-    path = cpu_path(x, weights[0], width) if all(m.pack and m.bias is None for m in linears) else None
-    if path is None:
+    if not (all(m.pack and m.bias is None for m in linears) and _cpu_inference(x, weights[0])):
         return [m(x) for m in linears]
     if torch.compiler.is_compiling():
-        if torch._inductor.config.freezing:  # frozen weights: the stack is folded into one constant
-            y = F.linear(x, torch.cat(weights))
-        elif path == "packed":
-            y = torch.ops.fms_paged.packed_linear_cat(x, weights)
-        else:
-            y = torch.ops.fms_paged.gemv(x, weights)
+        y = _traced(x, weights, None)
+    elif cpu_path(x, weights[0], sum(w.shape[0] for w in weights)) is None:
+        return [F.linear(x, w) for w in weights]  # eager: no copy into one output
     else:
-        y = packed_linear_cat(x, weights) if path == "packed" else gemv(x, weights)
+        y = linear(x, weights)
     return list(y.split([w.shape[0] for w in weights], dim=-1))

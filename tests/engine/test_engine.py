@@ -311,7 +311,8 @@ def test_decode_step_has_no_host_sync(models, no_host_sync):
 @pytest.mark.parametrize("kernel", ["cpp", "flex"])
 def test_zero_recompiles_over_500_engine_steps_compiled(models, kernel):
     """compile=True, the cpp kernel and the compiled flex kernel: after `warmup()` (decode buckets
-    1 and 4), 500 steps with requests joining and leaving recompile nothing."""
+    2 and 4 for cpp, whose graph has the batch dynamic past one row; 1 and 4 for flex), 500 steps
+    with requests joining and leaving recompile nothing."""
     import torch._dynamo
 
     dense, paged = models
@@ -324,7 +325,7 @@ def test_zero_recompiles_over_500_engine_steps_compiled(models, kernel):
         n = rng.randint(2, 30)
         return eng.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)), prompt, n
 
-    assert eng.buckets == [1, 4]
+    assert eng.buckets == ([2, 4] if kernel == "cpp" else [1, 4])
     eng.warmup(progress=False)
     reqs = [submit() for _ in range(4)]
     got: dict[int, list[int]] = {}
@@ -490,7 +491,7 @@ def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel):
     dense, paged = models
     eng = engine(paged, kernel=kernel, compile=True, max_num_seqs=3, max_num_batched_tokens=1024,
                  num_pages=64)
-    assert eng.buckets == [1, 3]
+    assert eng.buckets == ([2, 3] if kernel == "cpp" else [1, 3])
     eng.warmup(progress=False)
     graphs = counters["stats"]["unique_graphs"]
     a = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -508,20 +509,23 @@ def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel):
 
 def test_cpp_decode_graphs_are_shared_by_pools_page_sizes_and_buckets(models):
     """The cpp kernel's compiled decode step takes the pool length, the page table's size, the page
-    size and the batch (past 1) as dynamic: after one engine's warmup() (buckets 1 and 4), engines
-    with another pool and max_model_len, with decode bucket 8 (the same GEMV path as 4), and on a
-    twin of another page size compile no new graph, and their greedy tokens equal dense's."""
+    size and the batch (past 1) as dynamic, and its projections pick their CPU path when they run:
+    after one engine's warmup() (buckets 2 and 4), engines with another pool and max_model_len,
+    with decode buckets 8 and 16 (past the GEMV kernel's rows: another path of the projections),
+    and on a twin of another page size compile no new graph, and their greedy tokens equal dense's."""
     from torch._dynamo.utils import counters
 
     from fms_paged.bench.latency import with_config
-    from fms_paged.modules.linear import GEMV_MAX_ROWS
+    from fms_paged.modules.linear import GEMV_MAX_ROWS, cpu_path
 
     dense, paged = models
     rng = random.Random(11)
     engine(paged, kernel="cpp", compile=True, max_num_seqs=4, num_pages=64).warmup(progress=False)
     graphs = counters["stats"]["unique_graphs"]
-    assert GEMV_MAX_ROWS >= 8
-    for model, kw in ((paged, dict(max_num_seqs=8, num_pages=40, max_model_len=200)),
+    w = paged.layers[0].ff_sub_module.w2.weight.detach()
+    x16, x4 = w.new_zeros(16, w.shape[1]), w.new_zeros(4, w.shape[1])
+    assert cpu_path(x16, w) != cpu_path(x4, w) == "gemv" and GEMV_MAX_ROWS < 16
+    for model, kw in ((paged, dict(max_num_seqs=16, num_pages=60, max_model_len=200)),
                       (with_config(paged, page_size=32), dict(max_num_seqs=4, num_pages=20))):
         eng = engine(model, kernel="cpp", compile=True, **kw)
         eng.warmup(progress=False)
@@ -533,17 +537,18 @@ def test_cpp_decode_graphs_are_shared_by_pools_page_sizes_and_buckets(models):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_warmup_covers_a_prefill_of_a_few_tokens_alone(models):
-    """A prefill step of 2..8 tokens takes the projections' GEMV path, a compiled graph of its own;
-    with one decode row (bucket 1) no other wave of warmup() prefills so few tokens at once, so
-    warmup() prefills a 2-token prompt alone: after it, a 5-token prompt compiles no new graph."""
+def test_a_lone_request_and_a_short_prefill_share_the_larger_graphs(models):
+    """cpp kernel, max_num_seqs=1: a lone request decodes beside an inactive row (bucket 2, the
+    graph of every batch past one row), and a prefill of a few tokens (the projections' GEMV path)
+    runs the graph of longer ones: after warmup(), a 5-token prompt compiles no new graph, and its
+    greedy tokens equal dense's."""
     from torch._dynamo.utils import counters
 
     from fms_paged.modules.linear import GEMV_MAX_ROWS
 
     dense, paged = models
     eng = engine(paged, kernel="cpp", compile=True, max_num_seqs=1, num_pages=64)
-    assert eng.buckets == [1] and 5 <= GEMV_MAX_ROWS
+    assert eng.buckets == [2] and 5 <= GEMV_MAX_ROWS
     eng.warmup(progress=False)
     graphs = counters["stats"]["unique_graphs"]
     rid = eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))

@@ -53,12 +53,13 @@ def test_small_calls_and_other_dtypes_keep_f_linear():
     assert torch.equal(big(x), F.linear(x, big.weight))
 
 
-def test_packed_copy_follows_weight_changes():
-    """A stale packed copy would give the old weights' outputs: in-place writes (`load_state_dict`)
-    and a new storage must both repack."""
+@pytest.mark.parametrize("rows", [1, L.GEMV_MAX_ROWS + 1])
+def test_packed_copy_and_gemv_arguments_follow_weight_changes(rows):
+    """A stale packed copy (or GEMV kernel arguments kept for a weight) would give the old weights'
+    outputs: in-place writes (`load_state_dict`) and a new storage must both be followed."""
     torch.manual_seed(0)
     lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
-    x = torch.randn(L.GEMV_MAX_ROWS + 1, 256)
+    x = torch.randn(rows, 256)
     first = lin(x)
     lin.load_state_dict({"weight": torch.randn(1024, 256)})
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
@@ -68,6 +69,17 @@ def test_packed_copy_follows_weight_changes():
     with torch.no_grad():
         lin.weight.mul_(2)
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
+
+
+def test_gemv_of_a_transposed_weight_is_not_taken_for_the_weight():
+    """A square weight and its transpose share the data pointer and the shape: the kernel's
+    arguments kept for the weight must not serve the transposed view (it is copied)."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 256)
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(L.gemv(x, [w]), F.linear(x, w), **TOL)
+    torch.testing.assert_close(L.gemv(x, [w.t()]), F.linear(x, w.t()), **TOL)
+    torch.testing.assert_close(L.gemv(x, [w, w.t()]), torch.cat([x @ w.t(), x @ w], -1), **TOL)
 
 
 def test_packed_copy_goes_with_its_weight():
@@ -101,20 +113,20 @@ def _recording_backend(graphs):
     return backend
 
 
-def test_compiled_graphs_call_the_packed_op_unless_inductor_freezes():
-    """Traced code holds the opaque packed op, except under inductor freezing, which packs and
-    tunes the frozen weight's GEMM itself and so must see a plain linear."""
+def test_compiled_graphs_call_the_op_unless_inductor_freezes():
+    """Traced code holds the opaque op `fms_paged::linear`, except under inductor freezing, which
+    packs and tunes the frozen weight's GEMM itself and so must see a plain linear."""
     torch.manual_seed(0)
-    lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
+    lin = L.Linear(256, 1024, bias=True).requires_grad_(False)
     x = torch.randn(L.GEMV_MAX_ROWS + 1, 256)  # above the GEMV kernel's rows: the packed path
     graphs: list[set] = []
     fn = torch.compile(lin, backend=_recording_backend(graphs), fullgraph=True)
-    torch.testing.assert_close(fn(x), F.linear(x, lin.weight), **TOL)
+    torch.testing.assert_close(fn(x), F.linear(x, lin.weight, lin.bias), **TOL)
     with torch._inductor.config.patch(freezing=True):
-        torch.testing.assert_close(fn(x), F.linear(x, lin.weight), **TOL)
+        torch.testing.assert_close(fn(x), F.linear(x, lin.weight, lin.bias), **TOL)
     assert len(graphs) == 2
-    assert "fms_paged.packed_linear" in graphs[0]
-    assert not any("packed_linear" in t for t in graphs[1])
+    assert "fms_paged.linear" in graphs[0]
+    assert not any("fms_paged" in t for t in graphs[1])
     assert any("linear" in t for t in graphs[1])
     # through inductor: the op runs as an extern call on the live (repacked) weight
     mod = L.Linear(256, 1024, bias=False).requires_grad_(False)
@@ -122,6 +134,27 @@ def test_compiled_graphs_call_the_packed_op_unless_inductor_freezes():
     torch.testing.assert_close(ind(x), F.linear(x, mod.weight), **TOL)
     mod.load_state_dict({"weight": torch.randn(1024, 256)})
     torch.testing.assert_close(ind(x), F.linear(x, mod.weight), **TOL)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_compiled_graph_takes_every_path_by_its_rows(bias):
+    """The op picks the GEMV kernel, the packed GEMM or F.linear when it runs, so a graph with the
+    rows dynamic is traced once for every row count (a guard on the rows would recompile it) and
+    each call equals F.linear."""
+    torch.manual_seed(0)
+    big = L.Linear(256, 1024, bias=bias).requires_grad_(False)  # packs past the GEMV rows
+    small = L.Linear(64, 48, bias=bias).requires_grad_(False)  # F.linear below PACK_MIN_ROWS rows
+    for lin, rows, want in ((big, (2, L.GEMV_MAX_ROWS, L.GEMV_MAX_ROWS + 1, 40), {"gemv", "packed"}),
+                            (small, (2, L.GEMV_MAX_ROWS + 1, L.PACK_MIN_ROWS - 1, L.PACK_MIN_ROWS),
+                             {"gemv", None, "packed"})):
+        graphs: list[set] = []
+        fn = torch.compile(lin, backend=_recording_backend(graphs), fullgraph=True, dynamic=True)
+        paths = set()
+        for n in rows:
+            x = torch.randn(n, lin.in_features)
+            paths.add(L.cpu_path(x, lin.weight))
+            torch.testing.assert_close(fn(x), F.linear(x, lin.weight, lin.bias), **TOL)
+        assert len(graphs) == 1 and paths == want
 
 
 def test_linear_impl_torch_keeps_every_weight_unpacked():
@@ -168,8 +201,8 @@ def test_stacked_projections_are_one_gemm_and_follow_each_weight():
     check(fn(x))
     with torch._inductor.config.patch(freezing=True):
         check(fn(x))
-    assert "fms_paged.packed_linear_cat" in graphs[0]
-    assert not any("packed" in t for t in graphs[1])
+    assert "fms_paged.linear" in graphs[0]
+    assert not any("fms_paged" in t for t in graphs[1])
     small = torch.randn(L.GEMV_MAX_ROWS + 1, 64)  # below the packing thresholds: each its own F.linear
     assert L.cpu_path(small, lins[0].weight, 128) is None
     for out, m in zip(L.linear_cat(small, lins), lins):
@@ -183,4 +216,4 @@ def test_stacked_projections_are_one_gemm_and_follow_each_weight():
                        fullgraph=True)
     for out, m in zip(fn(one), lins):
         torch.testing.assert_close(out, F.linear(one, m.weight), **TOL)
-    assert "fms_paged.gemv" in gemv_graphs[0]
+    assert "fms_paged.linear" in gemv_graphs[0]
