@@ -26,6 +26,8 @@ Settings, and why:
   artifact ("'function' object has no attribute 'finalize_loading'") and recompiles on every start;
   the plain inductor cache is reused, so a warm start's engine init drops from ~12-18 s to ~6 s.
 - disable_log_stats=False: that is what fills RequestOutput.metrics (offline TTFT).
+- TORCHINDUCTOR_CACHE_DIR = <its venv>/torchinductor-cache: vLLM's compiled graphs stay with its venv,
+  whatever cache the calling process uses (a cold run of the engine empties its own).
 """
 
 import json
@@ -71,6 +73,10 @@ def reexec_with_preload() -> None:
 def set_vllm_env(cfg: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    # vLLM's CPU build compiles through inductor and keeps nothing of its own (cache_dir ''): its
+    # graphs live in inductor's cache, kept here with its venv, so emptying ours (a cold run of the
+    # engine) leaves vLLM's warm; the first run after `make peer-vllm` compiles (~70 s, SmolLM2)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(sys.prefix, "torchinductor-cache")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _ranges(_cores())
     gib = float(cfg["kv_space_gib"])
     if gib.is_integer():
@@ -89,6 +95,7 @@ def set_vllm_env(cfg: dict) -> dict:
         "VLLM_CPU_OMP_THREADS_BIND",
         "VLLM_CPU_KVCACHE_SPACE",
         "VLLM_USE_AOT_COMPILE",
+        "TORCHINDUCTOR_CACHE_DIR",
     )
     return {k: os.environ[k] for k in keys if k in os.environ}
 
