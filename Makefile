@@ -61,7 +61,7 @@ bench-decode: install
 
 # the engine under serving traffic: offline / Poisson rates, shared prefix (cache on / off),
 # multi-turn, n=8, and the peers on the offline mix, each in its own process: dense static waves,
-# HF generate_batch, vLLM's CPU build (when `make peer-vllm` made its venv); capacity under a KV budget. ~6 min on 2 CPU cores.
+# HF generate_batch, vLLM's CPU build (when `make peer-vllm` made its venv); capacity under a KV budget. ~7 min on 2 CPU cores warm, ~9 from a fresh clone (empty compile caches).
 bench-serve: install
 	$(PY) -m fms_paged.bench.serve --out results/bench-serve $(BENCH_ARGS)
 
