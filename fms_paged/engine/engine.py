@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from fms_paged.engine.model_step import compiled_prefill, decode_fn, prefill_hidden
+from fms_paged.engine.model_step import compiled_prefill, decode_fn, prefill_hidden, smallest_batch
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
 from fms_paged.engine.sampling import sample_each
@@ -146,10 +146,7 @@ class Engine:
         self._decode = decode_fn(backend, "tuned" if compile == "tuned" else self.compiled, model)
         # prefill and mixed steps: our LLaMA compiled around its attention (`compiled_prefill`)
         self._prefill = compiled_prefill() if self.compiled and isinstance(model, LLaMA) else None
-        # the cpp kernel's compiled decode step has its batch dynamic past one row
-        # (`model_step._rows_dynamic`): a bucket of 1 would be a graph of its own
-        self.buckets = decode_buckets(max_num_seqs, 2 if self.compiled and compile != "tuned"
-                                      and backend.kernel == "cpp" else 1)
+        self.buckets = decode_buckets(max_num_seqs, smallest_batch(self._decode))
         self.vocab_size = c.src_vocab_size
         self.eos = frozenset() if c.eos_token_id is None else frozenset([c.eos_token_id])
         # submission: any thread appends (deque.append is atomic); the loop drains in step()

@@ -93,27 +93,33 @@ def decode_fn(cache: object, compile: bool | str, model: torch.nn.Module | None 
     shapes, or (`compile="tuned"`, paged cpp or flex backend, `model` given) the tuned one."""
     if not compile:
         return decode_one_token
+    kernel = getattr(cache, "kernel", None)
     if compile == "tuned":
-        kernel = getattr(cache, "kernel", None)
         if model is None or kernel not in ("cpp", "flex"):
             raise ValueError(
                 f"compile='tuned' needs the cpp or flex kernel and its model; this backend runs {kernel!r}")
         return compiled_decode_tuned(model)
-    kernel = getattr(cache, "kernel", None)
     cpu = getattr(getattr(cache, "device", None), "type", None) == "cpu"
     fn = compiled_decode(kernel in ("cpp", "flex"), cpu)
     return functools.partial(_rows_dynamic, fn) if kernel == "cpp" else fn
+
+
+def smallest_batch(fn: Callable) -> int:
+    """The fewest rows a decode batch of `fn` (from `decode_fn`) should have: 2 for the steps whose
+    batch is dynamic past one row (`_rows_dynamic`), where a 1-row batch would compile a graph of
+    its own; 1 otherwise."""
+    return 2 if isinstance(fn, functools.partial) and fn.func is _rows_dynamic else 1
 
 
 def _rows_dynamic(fn: Callable, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
                   step: object) -> torch.Tensor:
     """`fn` (the compiled decode step of the cpp kernel) with the batch dimension dynamic: one graph
     for every decode bucket past 1, rather than one per bucket (the projections pick their CPU path
-    by the rows when they run: `fms_paged::linear`). A batch of 1 stays a graph of its own (Dynamo
-    specializes sizes 0 and 1). Together with the backend's dynamic pool and page size (`PagedBackend`),
-    a model shape's decode graphs are 2, whatever its engines' pools; with empty compile caches each
-    costs 10-50 s here (a 2-vCPU AMD EPYC, 4 to 30 layers; for 30 layers ~23 s of it is gcc on the
-    C++ wrapper)."""
+    by the rows when they run: `fms_paged::linear`). A batch of 1 would be a graph of its own (Dynamo
+    specializes sizes 0 and 1), so the engine pads a lone request to 2 rows (`smallest_batch`).
+    Together with the backend's dynamic pool and page size (`PagedBackend`), a model shape has one
+    engine decode graph, whatever its engines' pools; with empty compile caches it costs 10-60 s
+    here (a 2-vCPU AMD EPYC, 4 to 30 layers; for 30 layers ~23 s of it is gcc on the C++ wrapper)."""
     for t in (tokens, positions, step.slots, step.chunks):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     return fn(model, tokens, positions, step)
@@ -171,7 +177,7 @@ def prefill_layers(model: torch.nn.Module, tokens: torch.Tensor, positions: torc
     """The layers of a prefill step around deferred attention -> hidden states [B, S, D]. Compiled,
     each block is a nested compile region: the blocks of a model are alike but for their weights
     and their layer index (both inputs of the region), so inductor compiles one block and calls it
-    for every layer (a 30-layer graph compiled in ~1/3 of the time; 2-vCPU AMD EPYC)."""
+    for every layer (a 30-layer SmolLM2-shaped graph compiled in 21 s against 44; 2-vCPU AMD EPYC)."""
     x, cos, sin = model.embed(tokens, positions)
     index = torch.arange(len(model.layers))
     for i, block in enumerate(model.layers):

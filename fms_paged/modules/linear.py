@@ -143,7 +143,11 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | No
     on the CPU, no gradient: checked by the caller) through the path `cpu_path` picks for its rows.
     Compiled graphs call it as the op `fms_paged::linear`: the path is chosen when the step runs,
     not when it is traced, so one graph serves every row count (no guard on the rows)."""
-    path = _rows_path(x, weights[0], sum(w.shape[0] for w in weights))
+    return _linear(x, weights, bias, _rows_path(x, weights[0], sum(w.shape[0] for w in weights)))
+
+
+def _linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, path: str | None
+            ) -> torch.Tensor:
     if path == "gemv":
         y = gemv(x, weights)
         return y if bias is None else y + bias
@@ -229,8 +233,9 @@ def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
         return [m(x) for m in linears]
     if torch.compiler.is_compiling():
         y = _traced(x, weights, None)
-    elif cpu_path(x, weights[0], sum(w.shape[0] for w in weights)) is None:
-        return [F.linear(x, w) for w in weights]  # eager: no copy into one output
     else:
-        y = linear(x, weights)
+        path = _rows_path(x, weights[0], sum(w.shape[0] for w in weights))
+        if path is None:
+            return [F.linear(x, w) for w in weights]  # eager: no copy into one output
+        y = _linear(x, weights, None, path)
     return list(y.split([w.shape[0] for w in weights], dim=-1))
