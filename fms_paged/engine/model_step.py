@@ -5,20 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
-import torch._inductor.config
 
-from fms_paged.kv.paged import allow_shape_variants
-
-# inductor options of the "tuned" decode step (CPU): weights frozen into the graph as constants and
-# each GEMM autotuned between ATen (MKL) and inductor's C++ GEMM template, which prepacks the frozen
-# weight into its own blocked layout. Measured on a 2-vCPU AMD EPYC with a SmolLM2-135M-shaped model:
-# the projections. GEMVs at ~21 GB/s against ~10 GB/s through MKL, decode 1.5-2.5x faster.
-TUNED_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+from fms_paged.kv.kernels import allow_shape_variants
 
 
 def decode_one_token(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
@@ -36,69 +27,21 @@ def compiled_decode(static_shapes: bool, cpp_wrapper: bool = False) -> Callable:
     compiled with automatic dynamic shapes (one recompilation on the second step, then none).
     `cpp_wrapper=True` (the CPU): inductor's code that calls the graph's kernels and ops in turn is
     C++ instead of Python; a decode step's ~10 calls per layer made it the step's main host cost.
-    That wrapper is one long function (every layer's calls in turn) and gcc spent ~67 s on it at -O3
-    for a 30-layer model, so it is built apart from the kernels, at inductor's wrapper level (-O1):
-    measured on a 2-vCPU AMD EPYC, SmolLM2-135M-shaped engine, a cold warm-up ~300 -> 228 s, and
-    the decode step no slower (1 request 19.9 / 21.5 ms against 22.3 / 23.3 ms, alternate runs)."""
+    That wrapper is one long function (every layer's calls in turn) that gcc is slow to optimize, so
+    it is built apart from the kernels, at inductor's wrapper level (-O1): the warm-up is shorter
+    and the step no slower (docs/benchmarks.md)."""
     allow_shape_variants()
     options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True} if cpp_wrapper else None
     return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None,
                          options=options)
 
 
-# model -> (its weights' identity and versions when compiled, its tuned step); weak keys, so a
-# model's compiled step goes with it
-_TUNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _weights_key(model: torch.nn.Module) -> tuple:
-    # storage and in-place version counter of every weight: any change to the weights changes it
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
-
-
-def compiled_decode_tuned(model: torch.nn.Module) -> Callable:
-    """The decode step compiled with `TUNED_OPTIONS` for `model` alone (static shapes).
-
-    Freezing bakes the weights into the graph, so the step is bound to this model object (another
-    model raises ValueError). It runs on a code object of its own, so Dynamo never hands its graphs
-    to another model's step. The step is kept per model and handed to every later engine of the
-    same model (its graphs are not compiled twice in a process) until the weights change (another
-    tensor or an in-place write: a new step is compiled). Inductor reads `freezing` from its global
-    config (not from `torch.compile(options=...)`), so the options are patched in around each
-    call. It cannot store graphs holding MKL-packed weights in its on-disk graph cache ("mkldnn
-    tensors unpickleable"): each process compiles these graphs again, while the GEMM autotuning
-    choices are cached on disk and not measured again."""
-    key = _weights_key(model)
-    known = _TUNED.get(model)
-    if known is not None and known[0] == key:
-        return known[1]
-    allow_shape_variants()
-    code = decode_one_token.__code__.replace(co_name=f"decode_one_token_tuned_{id(model):x}")
-    fn = torch.compile(types.FunctionType(code, decode_one_token.__globals__), fullgraph=True,
-                       dynamic=False)
-    owner = weakref.ref(model)
-
-    def step(m: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, s: object) -> torch.Tensor:
-        if m is not owner():
-            raise ValueError("this tuned decode step was compiled for another model (weights frozen in)")
-        with torch._inductor.config.patch(TUNED_OPTIONS):
-            return fn(m, tokens, positions, s)
-
-    _TUNED[model] = (key, step)
-    return step
-
-
-def decode_fn(cache: object, compile: bool | str, model: torch.nn.Module | None = None) -> Callable:
-    """The decode-step function for a KV-cache backend: eager, the shared compiled one for its
-    shapes, or (`compile="tuned"`, paged cpp or flex backend, `model` given) the tuned one."""
+def decode_fn(cache: object, compile: bool) -> Callable:
+    """The decode-step function for a KV-cache backend: eager, or the shared compiled one for its
+    shapes."""
     if not compile:
         return decode_one_token
     kernel = getattr(cache, "kernel", None)
-    if compile == "tuned":
-        if model is None or kernel not in ("cpp", "flex"):
-            raise ValueError(
-                f"compile='tuned' needs the cpp or flex kernel and its model; this backend runs {kernel!r}")
-        return compiled_decode_tuned(model)
     cpu = getattr(getattr(cache, "device", None), "type", None) == "cpu"
     fn = compiled_decode(kernel in ("cpp", "flex"), cpu)
     return functools.partial(_rows_dynamic, fn) if kernel == "cpp" else fn
@@ -118,8 +61,7 @@ def _rows_dynamic(fn: Callable, model: torch.nn.Module, tokens: torch.Tensor, po
     by the rows when they run: `fms_paged::linear`). A batch of 1 would be a graph of its own (Dynamo
     specializes sizes 0 and 1), so the engine pads a lone request to 2 rows (`smallest_batch`).
     Together with the backend's dynamic pool and page size (`PagedBackend`), a model shape has one
-    engine decode graph, whatever its engines' pools; with empty compile caches it costs 10-60 s
-    here (a 2-vCPU AMD EPYC, 4 to 30 layers; for 30 layers ~23 s of it is gcc on the C++ wrapper)."""
+    engine decode graph, whatever its engines' pools."""
     for t in (tokens, positions, step.slots, step.chunks):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     return fn(model, tokens, positions, step)
@@ -177,7 +119,7 @@ def prefill_layers(model: torch.nn.Module, tokens: torch.Tensor, positions: torc
     """The layers of a prefill step around deferred attention -> hidden states [B, S, D]. Compiled,
     each block is a nested compile region: the blocks of a model are alike but for their weights
     and their layer index (both inputs of the region), so inductor compiles one block and calls it
-    for every layer (a 30-layer SmolLM2-shaped graph compiled in 21 s against 44; 2-vCPU AMD EPYC)."""
+    for every layer: the graph compiles in about half the time of one traced layer by layer."""
     x, cos, sin = model.embed(tokens, positions)
     index = torch.arange(len(model.layers))
     for i, block in enumerate(model.layers):

@@ -1,4 +1,5 @@
-"""Which requests run in the next forward, and with how many tokens (vLLM v1's scheduler shape).
+"""Which requests run in the next forward, with how many tokens, and what their results do
+(vLLM v1's scheduler shape: `schedule()` before the forward, `update()` after it).
 
 Host only: no tensors. Each step gets a token budget (`max_num_batched_tokens`):
 1. Running requests first: the decoding ones (1 token each), then those still prefilling (a long
@@ -11,25 +12,41 @@ Host only: no tensors. Each step gets a token budget (`max_num_batched_tokens`):
 Prompts longer than what is left of the budget are prefilled in chunks, in the same forward as the
 decodes of running requests, so a long prompt never stalls them.
 
+3. The other completions of an `n > 1` request whose prompt this step finishes FORK its pages
+   while rows are free (they sample their first token from its logits), else wait in the queue.
 The scheduler decides from host counts alone (`PageManager.pages_needed`, `num_free_pages`); the
 backend then RESERVEs exactly what was planned, which cannot fail.
+
+`update(plan, tokens)` books the forward's results: tokens computed, full pages into the prefix
+cache, forks, each sampled token appended and checked against its request's stop conditions,
+finished requests dropped (their pages go back at once).
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fms_paged.engine.prefix_cache import PrefixCache
-from fms_paged.engine.request import Request, Status
+from fms_paged.engine.request import Request, RequestOutput, Status
+from fms_paged.kv.geometry import pages_for
 from fms_paged.kv.page_manager import PageManager
 
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan. The forward's logits rows are `decodes`, then the chunks of `prefills`
+    that reach their request's last token; `sampled` lists (request, logits row) for each token
+    to sample, forked completions reading their parent's row."""
+
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)  # one token: the last one left to compute
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
+    sampled: list[tuple[Request, int]] = field(default_factory=list)
+    forks: list[tuple[Request, Request]] = field(default_factory=list)  # (parent, child) to FORK
 
 
 class Scheduler:
@@ -46,6 +63,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.num_output_tokens = 0
+        self.num_prompt_computed = 0  # prompt tokens run through the model (not served by the cache)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -81,7 +100,64 @@ class Scheduler:
         short = planned_pages - self.pm.num_free_pages
         if short > 0:  # the backend's RESERVE takes free pages: evict cached ones to make them
             self.cache.evict(short)
+        self._plan_rows(out)
         return out
+
+    def _plan_rows(self, out: SchedulerOutput) -> None:
+        """Split the plan into decodes and prefill chunks, list the tokens to sample (logits rows),
+        and give the waiting completions of a request whose prompt completes now a row each."""
+        for r, n in out.scheduled:
+            if r.num_computed + 1 == r.num_tokens:
+                out.decodes.append(r)
+            else:
+                out.prefills.append((r, n))
+        done = [r for r, n in out.prefills if r.num_computed + n == r.num_tokens]
+        out.sampled = [(r, i) for i, r in enumerate(out.decodes + done)]
+        for r, row in list(out.sampled):
+            forks, r.forks = r.forks, []
+            for child in forks:
+                if child.status is Status.FINISHED:  # aborted meanwhile
+                    continue
+                if not self.free_rows or len(self.running) >= self.max_num_seqs:
+                    self.waiting.appendleft(child)  # prefilled on its own later
+                    continue
+                child.seq_id, child.status = self.free_rows.pop(), Status.RUNNING
+                self.running.append(child)
+                out.forks.append((r, child))
+                out.sampled.append((child, row))
+
+    def update(self, plan: SchedulerOutput,
+               tokens: list[int]) -> tuple[list[RequestOutput], list[tuple[Request, str]]]:
+        """Book a forward's results: `tokens[i]` was sampled for `plan.sampled[i]`.
+        -> (the outputs of the requests that produced a token, (request, reason) of each that
+        finished)."""
+        P, cache = self.pm.page_size, self.cache
+        for r, n in plan.scheduled:
+            self.num_prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
+            r.num_computed += n
+            if cache is not None and r.num_computed // P > len(r.cache_chain):  # a page filled up
+                cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed,
+                             r.cache_chain, r.cache_salt)
+        for parent, child in plan.forks:  # the parent's prompt is computed: share its pages
+            self.pm.fork(parent.seq_id, child.seq_id)
+            child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)
+            child.arrival = parent.arrival
+        now = time.perf_counter()
+        outputs, finished = [], []
+        for (r, _), tok in zip(plan.sampled, tokens):
+            r.output.append(tok)
+            r.token_times.append(now)
+            self.num_output_tokens += 1
+            reason = None
+            if tok in r.stop_ids:
+                reason = "stop"
+            elif len(r.output) >= r.params.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                self.finish(r)
+                finished.append((r, reason))
+            outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason, r.index))
+        return outputs, finished
 
     def available_pages(self) -> int:
         """Pages a RESERVE can get: free ones, and cached ones no sequence holds (evicted first)."""
@@ -96,7 +172,7 @@ class Scheduler:
             chain = cache.match(req.token_slice(0, req.num_tokens), req.cache_salt) if cache else []
             cached = len(chain) * P
             n = min(req.num_tokens - cached, budget)
-            need = -(-(cached + n) // P) - len(chain)
+            need = pages_for(cached + n, P) - len(chain)
             # hit pages that were evictable are not available to others once shared
             hit_evictable = sum(p in cache.evictable for _, p in chain) if chain else 0
             headroom = self.watermark_pages if self.running else 0  # alone, it may use every page
@@ -113,19 +189,6 @@ class Scheduler:
             planned_pages += need
             budget -= n
         return planned_pages
-
-    def admit_fork(self, parent: Request, child: Request) -> bool:
-        """Run `child` (a completion of running `parent`, whose prompt is computed) on a free
-        row sharing all of parent's pages (FORK; copy-on-write of the partial last page at the
-        child's next RESERVE) -> False if no row is free."""
-        if not self.free_rows or len(self.running) >= self.max_num_seqs:
-            return False
-        child.seq_id, child.status = self.free_rows.pop(), Status.RUNNING
-        self.pm.fork(parent.seq_id, child.seq_id)
-        child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)
-        child.arrival = parent.arrival
-        self.running.append(child)
-        return True
 
     def _preempt(self, req: Request) -> Request:
         self._free(req)

@@ -6,7 +6,7 @@ FMS model then runs it per forward call with `attn_name="paged_flex"`:
   `past_key_value_state` is its pair of pools);
 - compute op: FlexAttention (or the GATHER + SDPA fallback) over those pools through the block
   table, with the step's one BlockMask shared by every layer.
-The step itself (slots, BlockMask: `fms_paged.kv.paged.PoolStep`) travels in the attention kwargs
+The step itself (slots, BlockMask: `fms_paged.kv.steps.PoolStep`) travels in the attention kwargs
 as `paged_step`, built once per forward by our `PagedBackend` from its `PageManager`.
 
 Two ways to drive it:
@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from fms_paged.device import default_page_size
-from fms_paged.kv.paged import PagedBackend, PoolStep
+from fms_paged.kv.paged import PagedBackend
+from fms_paged.kv.steps import PoolStep
 
 ATTN_NAME = "paged_flex"
 STEP_KWARG = "paged_step"

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from fms_paged.kv.geometry import page_slots
+
 
 def as_int_array(values: Sequence[int] | np.ndarray | torch.Tensor, what: str) -> np.ndarray:
     """Host ints (list / numpy / CPU tensor) -> 1-D int64 numpy array; ValueError otherwise."""
@@ -137,9 +139,8 @@ def copy_pages(pools: tuple[torch.Tensor, ...], src: np.ndarray, dst: np.ndarray
     """
     if src.size == 0:
         return
-    offs = np.arange(P, dtype=np.int64)
-    src_slots = (src.astype(np.int64)[:, None] * P + offs).reshape(-1)  # [K*P]
-    dst_slots = (dst.astype(np.int64)[:, None] * P + offs).reshape(-1)  # [K*P]
+    src_slots = page_slots(src, P).reshape(-1)  # [K*P]
+    dst_slots = page_slots(dst, P).reshape(-1)  # [K*P]
     by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for pool in pools:
         if pool.dim() != 4:
@@ -151,6 +152,20 @@ def copy_pages(pools: tuple[torch.Tensor, ...], src: np.ndarray, dst: np.ndarray
         pool.index_copy_(2, d, pool.index_select(2, s))
 
 
+def read_slots(k_pool: torch.Tensor, v_pool: torch.Tensor,
+               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GATHER: the keys and values at `slots`, one `index_select` per pool, no host sync.
+
+    # k_pool, v_pool: [L, Hkv, num_pages*P, D]; slots: any shape [...] int64 on the pools' device
+    # returns k, v: [L, Hkv, ..., D]
+    The slots are trusted (the page manager computed them from its table, `PageManager.slots`,
+    or a step from the device page table): an index_select still refuses one outside the pool.
+    """
+    L, H, _, D = k_pool.shape
+    flat = slots.reshape(-1)
+    return tuple(pool.index_select(2, flat).view(L, H, *slots.shape, D) for pool in (k_pool, v_pool))
+
+
 def gather_slots(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -159,7 +174,7 @@ def gather_slots(
     valid: np.ndarray,
     lens: np.ndarray,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gather padded, logically contiguous K/V: one index_select per pool.
+    """Padded, logically contiguous K/V of a batch of sequences (`PageManager.gather`).
 
     # slot_idx, valid: [B, S] host (slot per logical position; valid = position < length)
     # returns k, v: [B, Hkv, S, D] (zeros where not valid), lens: [B] int64 on the pool device
@@ -168,11 +183,9 @@ def gather_slots(
     B, S = slot_idx.shape
     dev = k_pool.device
     packed = to_device(np.concatenate([slot_idx.reshape(-1), valid.reshape(-1).astype(np.int64), lens]), dev)
-    idx, mask, lens_t = packed[: B * S], packed[B * S : 2 * B * S], packed[2 * B * S :]
+    idx, mask, lens_t = packed[: B * S].view(B, S), packed[B * S : 2 * B * S], packed[2 * B * S :]
     keep = mask.view(B, 1, S, 1).bool()
-    out = []
-    for pool in (k_pool, v_pool):
-        x = pool[layer].index_select(1, idx)  # [Hkv, B*S, D]
-        x = x.view(x.shape[0], B, S, x.shape[-1]).transpose(0, 1)  # [B, Hkv, S, D]
-        out.append(torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=dev)))
-    return out[0], out[1], lens_t
+    layer_pools = (k_pool[layer : layer + 1], v_pool[layer : layer + 1])
+    k, v = (x[0].transpose(0, 1) for x in read_slots(*layer_pools, idx))  # [B, Hkv, S, D]
+    zero = torch.zeros((), dtype=k.dtype, device=dev)
+    return torch.where(keep, k, zero), torch.where(keep, v, zero), lens_t

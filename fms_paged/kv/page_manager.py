@@ -18,10 +18,9 @@ import torch
 
 from fms_paged.kv import _pool_ops as ops
 from fms_paged.kv._pool_ops import write_slots
+from fms_paged.kv.geometry import NULL_PAGE, grows_into_partial_page, pages_for, slot
 
 __all__ = ["OutOfPages", "PageManager", "write_slots"]
-
-NULL_PAGE = 0
 
 
 class OutOfPages(RuntimeError):
@@ -103,7 +102,7 @@ class PageManager:
         self.num_pages, self.page_size, self.max_seqs = num_pages, page_size, max_seqs
         self.device = torch.device(device)
         P = page_size
-        self.max_pages_per_seq = -(-max_seq_len // P) if max_seq_len else num_pages - 1
+        self.max_pages_per_seq = pages_for(max_seq_len, P) if max_seq_len else num_pages - 1
         self.max_seq_len = max_seq_len if max_seq_len else self.max_pages_per_seq * P
         C = self.max_pages_per_seq
         # host mirror: the source of truth for validation and planning
@@ -190,14 +189,14 @@ class PageManager:
         cur, P = int(self._lens[seq_id]), self.page_size
         if new_length <= cur:
             return 0
-        need = -(-new_length // P) - -(-cur // P)
-        if cur % P and self._refcount[self._table[seq_id, cur // P]] > 1:
+        need = pages_for(new_length, P) - pages_for(cur, P)
+        if grows_into_partial_page(cur, new_length, P) and self._refcount[self._table[seq_id, cur // P]] > 1:
             need += 1
         return need
 
     # ------------------------------------------------------------------ validation helpers
     def _num_pages_for(self, length: np.ndarray | int) -> np.ndarray | int:
-        return -(-length // self.page_size)
+        return pages_for(length, self.page_size)
 
     def _check_ids(self, seq_ids, what: str = "seq_ids", *, unique: bool = True) -> np.ndarray:
         ids = ops.as_int_array(seq_ids, what)
@@ -265,7 +264,7 @@ class PageManager:
         cur = self._lens[ids]
         have = self._num_pages_for(cur)
         grow = self._num_pages_for(lens) - have
-        cow = (cur % P != 0) & (lens > cur)  # grows into a partly filled last page ...
+        cow = grows_into_partial_page(cur, lens, P)  # grows into a partly filled last page ...
         if cow.any():  # ... that is shared with a forked sequence
             cow &= self._refcount[self._table[ids, np.maximum(have - 1, 0)]] > 1
             if cow.any():
@@ -315,7 +314,7 @@ class PageManager:
             for s in ids:
                 held[s] += 1
             self._write_seq_lens(ids, [n + 1 for n in lens])
-        return [int(table[s, n // P]) * P + n % P for s, n in zip(ids, lens)], copies
+        return [slot(int(table[s, n // P]), n, P) for s, n in zip(ids, lens)], copies
 
     def _write_seq_lens(self, ids: list[int], lens: list[int]) -> None:
         """Device `seq_lens[ids] = lens`, entry by entry (safe alongside other threads' sequences):
@@ -521,8 +520,7 @@ class PageManager:
                 f"position {pos[i]} of seq {seqs[i]} out of range, expected 0 <= position < length {lens[i]}"
             )
         P = self.page_size
-        slot = self._table[seqs, pos // P].astype(np.int64) * P + pos % P
-        return ops.to_device(slot, self.device)
+        return ops.to_device(slot(self._table[seqs, pos // P].astype(np.int64), pos, P), self.device)
 
     def assign(
         self,
@@ -564,7 +562,7 @@ class PageManager:
         P = self.page_size
         pos = np.arange(S, dtype=np.int64)
         valid = pos < lens[:, None]  # [B, S]
-        slot_idx = self._table[ids[:, None], pos // P].astype(np.int64) * P + pos % P  # [B, S]
+        slot_idx = slot(self._table[ids[:, None], pos // P].astype(np.int64), pos, P)  # [B, S]
         slot_idx[~valid] = 0  # the null page's first slot: always a valid index
         return ops.gather_slots(k_pool, v_pool, layer, slot_idx, valid, lens)
 

@@ -3,8 +3,8 @@
 The projection/RoPE math is identical for every backend; only `step.attend` differs:
 - no step: plain causal SDPA over the tokens given (no cache; used for perplexity and tests);
 - `fms_paged.kv.contiguous.DenseStep`: the dense baseline (preallocated contiguous cache + SDPA);
-- `fms_paged.kv.paged.FlexStep` / `GatherStep`: the page pool + FlexAttention through the block table
-  (or its GATHER + SDPA fallback).
+- the paged backend's steps (`fms_paged.kv.steps`): ASSIGN into the page pool, then attention
+  through the block table by the device's kernel (cpp, flex) or the GATHER + SDPA fallback.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The continuous-batching engine against the dense static-batch path (`attn_impl="sdpa"`).
 
 Every output is compared with dense `generate()` of that prompt alone on the same weights (an
-independent path: contiguous cache + SDPA, no pages, no scheduler). Wide cases use the eager flex
-kernel (same masks and block lists as the compiled one, no compile cost); the zero-recompile case
-uses the compiled kernels.
+independent path: contiguous cache + SDPA, no pages, no scheduler). Wide cases run the cpp kernel
+eagerly (no compile cost); the zero-recompile cases use the compiled steps.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ MAX_LEN = 256  # max_model_len of the test engines
 
 def engine(paged, **kw) -> Engine:
     opts = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=24, compile=False,
-                max_model_len=MAX_LEN, kernel="flex-eager")
+                max_model_len=MAX_LEN, kernel="cpp")
     opts.update(kw)
     return Engine(paged, **opts)
 
@@ -55,7 +54,8 @@ def test_200_requests_under_page_pressure_equal_dense_alone(models):
 
 
 def test_gather_kernel_under_page_pressure_equals_dense_alone(models):
-    """The GATHER fallback packs decodes and prefill chunks into one padded batch: same tokens."""
+    """The GATHER fallback (decode rows padded to the longest, prefill chunks packed, both in one
+    mixed forward): same tokens."""
     dense, paged = models
     rng = random.Random(5)
     reqs = [(random_prompt(rng, rng.randint(1, 60)), rng.randint(1, 25)) for _ in range(40)]
@@ -214,7 +214,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(models):
     from fms_paged.kv.paged import PagedBackend
 
     dense, paged = models
-    small = PagedBackend(paged, 8, MAX_LEN, num_pages=10, kernel="flex-eager")  # 9 pages: 144 tokens
+    small = PagedBackend(paged, 8, MAX_LEN, num_pages=10, kernel="cpp")  # 9 pages: 144 tokens
     eng = engine(paged, backend=small)
     ok = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
     cases = [
@@ -251,7 +251,8 @@ def test_bad_engine_settings(models):
         (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens=4 < max_num_seqs=8"),
         (dict(compile="yes"), "compile='yes'"),
         (dict(compile=2), "compile=2"),
-        (dict(compile="tuned", kernel="gather"), "compile='tuned' needs the cpp or flex kernel"),
+        (dict(compile="tuned"), "compile='tuned'"),
+        (dict(kernel="flex-eager"), "kernel='flex-eager'"),
         (dict(max_model_len=4096), r"max_model_len=4096; expected an int in \[1, 2048\]"),
         (dict(num_pages=1), "num_pages=1"),
     ):
@@ -271,7 +272,7 @@ def test_budget_refusal_states_memory_and_the_setting_that_works(models, monkeyp
     assert f"{CPU_KV_SPACE_ENV}=" in msg and "max_model_len=2048" in msg
     assert "129 pages of 16 tokens x 8192 bytes" in msg  # what one sequence of 2048 needs
     assert "num_pages>=129" in msg and "max_model_len<=784" in msg  # (50 - 1) * 16
-    eng = Engine(paged, max_model_len=784, compile=False, kernel="flex-eager")  # what it said fits
+    eng = Engine(paged, max_model_len=784, compile=False, kernel="cpp")  # what it said fits
     assert eng.pm.num_pages == 50
     with pytest.raises(KVBudgetError, match="num_pages=20 cannot hold one sequence of max_model_len=2048"):
         Engine(paged, num_pages=20, compile=False)
@@ -325,7 +326,7 @@ def test_zero_recompiles_over_500_engine_steps_compiled(models, kernel):
         n = rng.randint(2, 30)
         return eng.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)), prompt, n
 
-    assert eng.buckets == ([2, 4] if kernel == "cpp" else [1, 4])
+    assert eng.runner.buckets == ([2, 4] if kernel == "cpp" else [1, 4])
     eng.warmup(progress=False)
     reqs = [submit() for _ in range(4)]
     got: dict[int, list[int]] = {}
@@ -382,7 +383,7 @@ def test_generate_through_a_small_cache_queues_the_rest(models):
 
     dense, paged = models
     prompts = [[3 + i] * (4 + 7 * i) for i in range(5)]
-    cache = PagedBackend(paged, 2, 128, num_pages=40, kernel="flex-eager")
+    cache = PagedBackend(paged, 2, 128, num_pages=40, kernel="cpp")
     assert generate(paged, prompts, 9, eos_id=None, cache=cache) == generate(dense, prompts, 9, eos_id=None)
     assert cache.pm.live_seqs == []
 
@@ -444,9 +445,9 @@ def test_random_submissions_and_aborts_never_leak_a_page(models):
 def test_warmup_compiles_then_leaves_an_idle_engine(models):
     """warmup() runs synthetic requests through the compiled kernels, then forgets them: no stats,
     no pages held, no cached prefix; a real request then gives dense's tokens. Nothing to warm
-    with the eager flex reference kernel."""
+    in eager steps of the cpp and gather kernels."""
     dense, paged = models
-    assert engine(paged).warmup() == 0.0
+    assert engine(paged).warmup() == engine(paged, kernel="gather").warmup() == 0.0
     eng = engine(paged, kernel="flex", max_num_seqs=3)
     assert eng.warmup(progress=False) > 0
     m = eng.metrics()
@@ -462,16 +463,14 @@ def test_warmup_compiles_then_leaves_an_idle_engine(models):
 
 def test_compiled_steps_raise_the_recompile_limits():
     """Every builder of a compiled step raises Dynamo's recompile limits (a process meets more
-    than the default 8 shape variants of the decode step: one per pool and bucket; bench-serve's
-    page sweep hit it). The builders are cached, so their uncached bodies are called here, from
-    Dynamo's defaults (the tuned one is kept per model: a new module gets a new step)."""
+    than the default 8 shape variants of the decode step: one per pool and bucket). The builders
+    are cached, so their uncached bodies are called here, from Dynamo's defaults."""
     import torch._dynamo
 
     from fms_paged.engine import model_step
-    from fms_paged.kv.paged import compiled_flex
+    from fms_paged.kv.kernels import compiled_flex
 
     for build in (lambda: model_step.compiled_decode.__wrapped__(True, True),
-                  lambda: model_step.compiled_decode_tuned(torch.nn.Linear(2, 2)),
                   model_step.compiled_prefill.__wrapped__, lambda: compiled_flex.__wrapped__(False)):
         with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
             build()
@@ -491,7 +490,7 @@ def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel):
     dense, paged = models
     eng = engine(paged, kernel=kernel, compile=True, max_num_seqs=3, max_num_batched_tokens=1024,
                  num_pages=64)
-    assert eng.buckets == ([2, 3] if kernel == "cpp" else [1, 3])
+    assert eng.runner.buckets == ([2, 3] if kernel == "cpp" else [1, 3])
     eng.warmup(progress=False)
     graphs = counters["stats"]["unique_graphs"]
     a = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -548,44 +547,13 @@ def test_a_lone_request_and_a_short_prefill_share_the_larger_graphs(models):
 
     dense, paged = models
     eng = engine(paged, kernel="cpp", compile=True, max_num_seqs=1, num_pages=64)
-    assert eng.buckets == [2] and 5 <= GEMV_MAX_ROWS
+    assert eng.runner.buckets == [2] and 5 <= GEMV_MAX_ROWS
     eng.warmup(progress=False)
     graphs = counters["stats"]["unique_graphs"]
     rid = eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
     got = run(eng)
     assert counters["stats"]["unique_graphs"] == graphs
     assert got[rid] == generate(dense, [[5, 6, 7, 8, 9]], 6, eos_id=None)[0]
-
-
-def test_tuned_decode_step_equals_dense_and_stays_with_its_model(models):
-    """compile="tuned" (weights frozen into the decode graph, GEMMs autotuned): the same greedy
-    tokens as dense generate(); a second model with other weights gets a graph of its own (its
-    tokens are its own dense tokens, not the first model's), and a step refuses a foreign model.
-    A later engine of the same model reuses its step; once the weights are written in place, a new
-    step is compiled and follows the new weights."""
-    dense, paged = models
-    other_dense = get_model(variant="micro", device="cpu", seed=1)
-    other = get_model(variant="micro", device="cpu", seed=1, attn_impl="paged", page_size=16)
-    rng = random.Random(5)
-    prompts = [random_prompt(rng, n) for n in (3, 40, 17, 70)]
-
-    def check(d, p):
-        eng = engine(p, compile="tuned", kernel="cpp", num_pages=64, max_num_seqs=4)
-        ids = [eng.add_request(x, SamplingParams(max_new_tokens=12, ignore_eos=True)) for x in prompts]
-        got = run(eng)
-        for rid, x in zip(ids, prompts):
-            assert got[rid] == generate(d, [x], 12, eos_id=None)[0]
-        return eng
-
-    first = check(dense, paged)
-    second = check(other_dense, other)
-    with pytest.raises(ValueError, match="another model"):
-        second._decode(paged, None, None, None)
-    again = engine(other, compile="tuned", kernel="cpp", num_pages=64, max_num_seqs=4)
-    assert again._decode is second._decode
-    other.load_state_dict(paged.state_dict())  # in place: now the first model's weights
-    third = check(dense, other)
-    assert third._decode is not second._decode and first._decode is not second._decode
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex"])
@@ -606,7 +574,7 @@ def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel):
     rng = random.Random(11)
     eng = engine(paged, kernel=kernel, compile=True, max_num_seqs=4, max_num_batched_tokens=512,
                  num_pages=120, max_model_len=600)
-    assert eng._prefill is compiled_prefill()
+    assert eng.runner._prefill is compiled_prefill()
     b = eng.backend
 
     def same_logits(tokens, positions, step, at):

@@ -22,7 +22,7 @@ MAX_LEN = 256
 
 def engine(paged, **kw) -> Engine:
     opts = dict(max_num_seqs=6, max_num_batched_tokens=64, num_pages=40, compile=False,
-                max_model_len=MAX_LEN, kernel="flex-eager")
+                max_model_len=MAX_LEN, kernel="cpp")
     opts.update(kw)
     return Engine(paged, **opts)
 

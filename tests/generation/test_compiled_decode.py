@@ -79,7 +79,7 @@ def test_prepare_returns_a_new_step_and_leaves_its_input_alone():
     and its mask_mod closure). Every backend's steps must leave their input untouched; decode
     steps return a new, ready step, whose own `prepare` is then a no-op."""
     dense, paged = models()
-    caches = [make_cache(dense, 2, 64), make_cache(paged, 2, 64, kernel="flex-eager"),
+    caches = [make_cache(dense, 2, 64), make_cache(paged, 2, 64, kernel="flex"),
               make_cache(paged, 2, 64, kernel="gather")]
     for cache in caches:
         steps = [cache.prefill([0, 1], prompts_of([15, 3]))[2],

@@ -2,9 +2,9 @@
 
 Lockstep: both backends prefill the same prompts, then decode the same tokens; the logits of every
 prompt position and of every decode step must agree to 1e-5 (fp32 round-off: the two paths sum the
-same products in different orders). Wide parametrizations use the eager flex kernel (same mask and
-block lists as the compiled one, no compile cost); compiled cases share one pool size so they share
-compiled kernels.
+same products in different orders). Wide parametrizations use the kernels that need no compile
+(cpp runs as an op, gather is eager); compiled flex cases share one pool size so they share compiled
+kernels. `flex_prefill=True` runs the flex kernel's BlockMask prefill (CUDA's path) on the CPU.
 """
 
 import random
@@ -15,7 +15,8 @@ import torch
 
 from fms_paged import generate, get_model
 from fms_paged.kv.cache import make_cache
-from fms_paged.kv.paged import PagedBackend, flex_kernel_options, flex_unavailable_reason
+from fms_paged.kv.kernels import flex_kernel_options, flex_unavailable_reason
+from fms_paged.kv.paged import PagedBackend
 
 TOL = 1e-5
 NUM_PAGES = 160  # compiled cases all use this pool so they share kernels
@@ -47,26 +48,27 @@ def lockstep(
     seq_ids=None,
     max_batch=None,
     before=None,
-    prefill_kernel="auto",
+    flex_prefill=None,
 ):
     """Max |logit difference| over all prompt positions and `steps` decode steps."""
     B = len(prompts)
     seq_ids = seq_ids or list(range(B))
     max_len = max(map(len, prompts)) + steps + 1
     dc = make_cache(dense, B, max_len)
-    pc = PagedBackend(paged, max_batch or B, max_len, num_pages=num_pages, kernel=kernel,
-                      prefill_kernel=prefill_kernel)
+    pc = PagedBackend(paged, max_batch or B, max_len, num_pages=num_pages, kernel=kernel)
+    if flex_prefill is not None:
+        pc.flex_prefill = flex_prefill
     if before is not None:
         before(pc)
     t, p, s, _ = dc.prefill(list(range(B)), prompts)
     d_logits = dense(t, p, s)  # [B, S, V]
     t, p, s, _ = pc.prefill(seq_ids, prompts)
-    p_logits = paged(t, p, s)  # packed [1, T', V] (or padded [B, S, V] for the gather kernel)
+    p_logits = paged(t, p, s)  # packed [1, T', V]
     worst = 0.0
     off = 0
     for b, prompt in enumerate(prompts):
         n = len(prompt)
-        got = p_logits[b, :n] if kernel == "gather" else p_logits[0, off : off + n]
+        got = p_logits[0, off : off + n]
         worst = max(worst, (got - d_logits[b, :n]).abs().max().item())
         off += n
     lengths = [len(q) for q in prompts]
@@ -86,15 +88,19 @@ def lockstep(
 LENGTHS = [1, 15, 17, 232, 1000]
 
 
+@pytest.mark.parametrize("kernel", ["cpp", "gather"])
 @pytest.mark.parametrize("P", [16, 32, 64, 128])
-def test_eager_flex_matches_dense_all_page_sizes(P):
+def test_matches_dense_all_page_sizes(P, kernel):
     dense, paged = pair(page_size=P)
-    assert lockstep(dense, paged, prompts_of(LENGTHS), steps=P + 2, kernel="flex-eager") <= TOL
+    assert lockstep(dense, paged, prompts_of(LENGTHS), steps=P + 2, kernel=kernel) <= TOL
 
 
-@pytest.mark.parametrize("kernel,prefill_kernel",
-                         [("cpp", "auto"), ("flex", "flex"), ("flex", "sdpa"), ("gather", "auto")])
-def test_kernels_match_dense(kernel, prefill_kernel):
+KERNEL_CASES = [("cpp", None), ("flex", True), ("flex", None), ("gather", None)]
+KERNEL_IDS = ["cpp", "flex-blockmask-prefill", "flex", "gather"]
+
+
+@pytest.mark.parametrize("kernel,flex_prefill", KERNEL_CASES, ids=KERNEL_IDS)
+def test_kernels_match_dense(kernel, flex_prefill):
     dense, paged = pair(page_size=16)
     worst = lockstep(
         dense,
@@ -104,14 +110,15 @@ def test_kernels_match_dense(kernel, prefill_kernel):
         kernel=kernel,
         num_pages=NUM_PAGES,
         max_batch=8,
-        prefill_kernel=prefill_kernel,
+        flex_prefill=flex_prefill,
     )
     assert worst <= TOL
 
 
 def test_gqa_4_to_1():
+    """(head_dim 8 here: the cpp kernel's GQA cases are in test_cpu_kernel.)"""
     dense, paged = pair(page_size=16, nheads=8, kvheads=2)
-    assert lockstep(dense, paged, prompts_of([17, 40, 3]), steps=10, kernel="flex-eager") <= TOL
+    assert lockstep(dense, paged, prompts_of([17, 40, 3]), steps=10, kernel="gather") <= TOL
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex"])
@@ -163,12 +170,14 @@ def test_nan_filled_pages_are_reused_safely(kernel):
     assert worst <= TOL
 
 
-@pytest.mark.parametrize("kernel,prefill_kernel", [("cpp", "auto"), ("flex", "flex"), ("flex", "sdpa")])
-def test_chunked_prefill_through_pages(kernel, prefill_kernel):
+@pytest.mark.parametrize("kernel,flex_prefill", KERNEL_CASES, ids=KERNEL_IDS)
+def test_chunked_prefill_through_pages(kernel, flex_prefill):
     """A prompt fed in chunks (each chunk reads the earlier ones from the pool) equals dense."""
     dense, paged = pair(page_size=16)
     x = prompts_of([150])[0]
-    pc = PagedBackend(paged, 1, 160, num_pages=NUM_PAGES, kernel=kernel, prefill_kernel=prefill_kernel)
+    pc = PagedBackend(paged, 1, 160, num_pages=NUM_PAGES, kernel=kernel)
+    if flex_prefill is not None:
+        pc.flex_prefill = flex_prefill
     outs = []
     with torch.inference_mode():
         for start in range(0, 150, 37):
@@ -178,14 +187,15 @@ def test_chunked_prefill_through_pages(kernel, prefill_kernel):
     assert (torch.cat(outs) - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("kernel,prefill_kernel",
-                         [("cpp", "auto"), ("flex-eager", "auto"), ("flex", "flex"), ("flex", "sdpa")])
-def test_mixed_step_decodes_and_chunks_match_dense(kernel, prefill_kernel):
+@pytest.mark.parametrize("kernel,flex_prefill", KERNEL_CASES, ids=KERNEL_IDS)
+def test_mixed_step_decodes_and_chunks_match_dense(kernel, flex_prefill):
     """One forward holding 3 decode rows (padded to 4) and 2 prefill chunks (one of them the middle
     of a prompt): every logit equals the dense model run without a cache over each whole sequence."""
     dense, paged = pair(page_size=16)
     prompts = prompts_of([20, 33, 16, 50, 70], seed=4)
-    pc = PagedBackend(paged, 8, 160, num_pages=NUM_PAGES, kernel=kernel, prefill_kernel=prefill_kernel)
+    pc = PagedBackend(paged, 8, 160, num_pages=NUM_PAGES, kernel=kernel)
+    if flex_prefill is not None:
+        pc.flex_prefill = flex_prefill
     with torch.inference_mode():
         t, p, s, _ = pc.prefill([0, 1, 2], prompts[:3])  # the decoding sequences' prompts
         paged(t, p, s)
@@ -208,7 +218,7 @@ def test_mixed_step_decodes_and_chunks_match_dense(kernel, prefill_kernel):
     assert worst <= TOL
 
 
-@pytest.mark.parametrize("kernel", ["cpp", "flex"])
+@pytest.mark.parametrize("kernel", ["cpp", "flex", "gather"])
 def test_forked_sequences_diverge_correctly(kernel):
     """FORK shares the prompt's pages; each branch then decodes its own tokens (copy-on-write of
     the partial last page) and matches a dense run of its own full sequence."""
@@ -313,7 +323,7 @@ def test_python_without_headers_falls_back_before_compiling(monkeypatch, tmp_pat
     probe `fms-paged info` runs compiles a real call where the headers are there."""
     import sysconfig
 
-    from fms_paged.kv import paged as paged_mod
+    from fms_paged.kv import kernels as paged_mod
 
     assert paged_mod.probe_compiled_flex(torch.device("cpu")) is None
     real = sysconfig.get_paths
@@ -375,7 +385,8 @@ def test_finished_sequence_pages_are_freed_at_once():
     assert max(after[3:]) > min(after[:2])
 
 
-def test_bf16_agreement():
+@pytest.mark.parametrize("kernel", ["flex", "gather"])
+def test_bf16_agreement(kernel):
     """bf16: paged and dense differ only by accumulation order. Both are compared with the fp32
     dense reference; paged must be no further from it than dense bf16 plus bf16 rounding of the
     logits (2**-8 relative, ~ 0.4% of the largest logit)."""
@@ -385,7 +396,7 @@ def test_bf16_agreement():
     dense16 = dense.to(torch.bfloat16)
     paged16 = paged.to(torch.bfloat16)
     d = lockstep_logits(dense16, prompts)
-    p = lockstep_logits(paged16, prompts, kernel="flex-eager")
+    p = lockstep_logits(paged16, prompts, kernel=kernel)
     scale = ref.abs().max().item()
     err_dense = (d - ref).abs().max().item()
     err_paged = (p - ref).abs().max().item()
@@ -427,16 +438,39 @@ def test_user_score_mod_same_in_packed_decode_and_prefill():
     assert (ref - unbiased).abs().max().item() > 1e-2  # the score_mod really changed the result
 
 
-def test_prefill_kernel_choice_and_errors():
-    """CPU: prefill chunks go through SDPA unless a score_mod needs the flex path; a bad choice is
-    refused by name."""
+def test_prefill_path_choice_and_score_mod_errors():
+    """CPU: the flex kernel prefills by GATHER + SDPA per chunk unless a score_mod needs its
+    BlockMask path; a score_mod with a kernel that cannot apply it is refused."""
     _, paged = pair(page_size=16)
-    assert PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex").prefill_kernel == "sdpa"
+    assert not PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex").flex_prefill
     with_mod = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex",
                             score_mod=lambda score, b, h, q, kv: score)
-    assert with_mod.prefill_kernel == "flex"
-    with pytest.raises(ValueError, match="prefill_kernel='bogus'"):
-        PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", prefill_kernel="bogus")
-    with pytest.raises(ValueError, match="score_mod"):
-        PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", prefill_kernel="sdpa",
-                     score_mod=lambda score, b, h, q, kv: score)
+    assert with_mod.flex_prefill
+    for kernel in ("gather", "cpp"):
+        with pytest.raises(ValueError, match="score_mod"):
+            PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel=kernel,
+                         score_mod=lambda score, b, h, q, kv: score)
+    with pytest.raises(ValueError, match="kernel='flex-eager'"):
+        PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex-eager")
+
+
+@pytest.mark.parametrize("kernel", ["cpp", "flex", "gather"])
+def test_steps_assign_through_the_checked_write_and_gather_reads_it_back(kernel):
+    """Every kernel's step ASSIGNs through the page manager's validated `write_slots` (a wrong
+    dtype or shape is refused with a typed error, the pool unchanged), and the page manager's
+    GATHER reads back exactly what was written, in logical order."""
+    _, paged = pair(page_size=16)
+    pc = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel=kernel)
+    step = pc.prefill([1], [prompts_of([21])[0]])[2].prepare()
+    kp, vp = pc.k_pools[0], pc.v_pools[0]
+    k = torch.randn(1, kp.shape[1], 21, kp.shape[3])
+    before = kp.clone()
+    with pytest.raises(TypeError, match="dtype"):
+        step.store(kp, vp, k.double(), k.double())
+    with pytest.raises(ValueError, match="shape"):
+        step.store(kp, vp, k[:, :, :20], k[:, :, :20])
+    assert torch.equal(kp, before)
+    step.store(kp, vp, k, 2 * k)
+    got_k, got_v, lens = pc.pm.gather([1], kp, vp)
+    assert lens.tolist() == [21]
+    assert torch.equal(got_k[0], k[0]) and torch.equal(got_v[0], 2 * k[0])

@@ -1,0 +1,144 @@
+"""The model runner: the one part of the engine that touches the device (nano-vllm's ModelRunner).
+
+`ModelRunner.run(plan)` turns a scheduler plan into model inputs through the paged backend
+(RESERVE, slots, the step's `AttentionStep`), pads decode rows to a bucket, picks the eager or
+compiled step, runs the model once, and samples every token the plan asks for with its request's
+own settings. `warmup(engine)` compiles the shapes serving will meet before the first request does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from fms_paged.engine.model_step import compiled_prefill, decode_fn, prefill_hidden, smallest_batch
+from fms_paged.engine.request import Request, SamplingParams
+from fms_paged.engine.sampling import sample_each
+from fms_paged.engine.scheduler import SchedulerOutput
+from fms_paged.kv.paged import PagedBackend
+from fms_paged.models.llama import LLaMA
+
+COMPILE_MODES = ("auto", True, False)
+# kernels whose steps compile ("auto" compiles where one runs)
+COMPILED_KERNELS = ("cpp", "flex")
+
+
+def decode_buckets(max_num_seqs: int, smallest: int = 1) -> list[int]:
+    """Decode batch sizes compiled: 1, 4, 8, 16, 32, ... up to max_num_seqs. A lone request gets
+    a bucket of its own: on the CPU a GEMM over 8 rows costs more than the GEMV over one.
+    `smallest=2` (the cpp kernel's compiled step, one graph for every batch past 1 row): a lone
+    request decodes beside an inactive row instead, in that graph; the GEMV kernel reads each
+    weight once for all the rows."""
+    sizes = [1, 4] + [8 << i for i in range(max_num_seqs.bit_length())]
+    return sorted({max(smallest, min(max_num_seqs, b)) for b in sizes})
+
+
+def check_compile(compile: bool | str) -> None:
+    if compile not in COMPILE_MODES or isinstance(compile, int) and not isinstance(compile, bool):
+        raise ValueError(f"compile={compile!r}; expected one of {COMPILE_MODES}")
+
+
+class ModelRunner:
+    """Runs a paged model on scheduler plans: decode batches padded to `buckets`, prefill chunks
+    packed after the decode rows in one forward (`PagedBackend.mixed`).
+
+    compile: True compiles the decode step (one graph per decode bucket, or one for all of them
+    with the cpp kernel) and, for our LLaMA, the prefill and mixed steps around their attention
+    (`model_step.compiled_prefill`: one graph for every token count); "auto" does where a compiled
+    kernel runs (cpp, flex), False runs eagerly."""
+
+    def __init__(self, model: torch.nn.Module, backend: PagedBackend, max_num_seqs: int,
+                 compile: bool | str = "auto"):
+        check_compile(compile)
+        self.model, self.backend = model, backend
+        self.compiled = backend.kernel in COMPILED_KERNELS if compile == "auto" else bool(compile)
+        self._decode = decode_fn(backend, self.compiled)
+        self._prefill = compiled_prefill() if self.compiled and isinstance(model, LLaMA) else None
+        self.buckets = decode_buckets(max_num_seqs, smallest_batch(self._decode))
+
+    @torch.inference_mode()
+    def run(self, plan: SchedulerOutput) -> list[int]:
+        """One forward over `plan` -> the token sampled for each of `plan.sampled`."""
+        if plan.prefills:
+            logits = self._forward_mixed(plan.decodes, plan.prefills)
+        else:
+            logits = self._forward_decode(plan.decodes)  # [n, V]
+        rows = [row for _, row in plan.sampled]
+        if rows != list(range(logits.shape[0])):  # forked completions read their parent's row
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        settings = [(r.params.temperature, r.params.top_k, r.params.top_p, r.generator)
+                    for r, _ in plan.sampled]
+        return sample_each(logits.float(), settings).tolist()  # the step's one host sync
+
+    def _decode_rows(self, reqs: list[Request]) -> tuple[list, torch.Tensor, list, list]:
+        """A decode batch padded to its bucket: seq ids, last tokens [B] (device), lengths, active."""
+        n = len(reqs)
+        pad = next(b for b in self.buckets if b >= n) - n
+        last = torch.tensor([(r.output or r.prompt)[-1] for r in reqs] + [0] * pad).to(self.model.device)
+        return ([r.seq_id for r in reqs] + [0] * pad, last,
+                [r.num_computed for r in reqs] + [0] * pad, [True] * n + [False] * pad)
+
+    def _forward_decode(self, reqs: list[Request]) -> torch.Tensor:
+        tokens, positions, step = self.backend.decode(*self._decode_rows(reqs))
+        return self._decode(self.model, tokens, positions, step)[: len(reqs)]
+
+    def _forward_mixed(self, dec: list[Request], pre: list[tuple[Request, int]]) -> torch.Tensor:
+        """Logits of the decode rows, then of the chunks that end their request's tokens."""
+        starts = [r.num_computed for r, _ in pre]
+        chunks = [r.token_slice(s, s + n) for (r, n), s in zip(pre, starts)]
+        ids = [r.seq_id for r, _ in pre]
+        if dec:
+            tokens, positions, step, last = self.backend.mixed(*self._decode_rows(dec), ids, chunks, starts)
+        else:
+            tokens, positions, step, last = self.backend.prefill(ids, chunks, starts)
+        done = [i for i, ((r, n), s) in enumerate(zip(pre, starts)) if s + n == r.num_tokens]
+        at = torch.cat([torch.arange(len(dec)), torch.tensor(done, dtype=torch.long)]).to(last.device)
+        at[len(dec):] = last.index_select(0, at[len(dec):])
+        if self._prefill is None or tokens.shape[1] < 2:  # 1 token: a shape of its own, run eagerly
+            return self.model(tokens, positions, step, logits_at=at)
+        return self.model.logits(prefill_hidden(self._prefill, self.model, tokens, positions, step), at)
+
+
+def warmup_waves(engine, rng: torch.Generator) -> list[tuple[list[tuple[list[int], int]], tuple | None]]:
+    """The synthetic traffic of `warmup`: (wave of (prompt, new tokens), request joining it after
+    its first step or None). Each prefill bucket alone, then every row at once (request i makes
+    2 + i tokens, so the decode batch shrinks through every bucket while prefill chunks run beside
+    decodes), then for each decode bucket b, b one-token prompts decoding while one more request
+    is prefilled beside them."""
+    rows, vocab = engine.max_num_seqs, engine.vocab_size
+    top = min(engine.max_num_batched_tokens, engine.max_model_len - rows - 1,
+              engine.capacity // rows - rows - 1)
+    lengths = [min(top, 128 << i) for i in range(max(1, top.bit_length() - 6))]
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, vocab, (max(1, n),), generator=rng).tolist()
+
+    waves = [([(prompt(n), 2)], None) for n in lengths]
+    waves.append(([(prompt(lengths[i % len(lengths)]), 2 + i) for i in range(rows)], None))
+    waves += [([(prompt(1), 3)] * min(b, rows), (prompt(16), 2)) for b in engine.runner.buckets]
+    return waves
+
+
+def warmup(engine, progress: Callable[[int], Callable[[], None]] | None = None) -> list[int]:
+    """Run `warmup_waves` through `engine` (idle) -> the ids of the synthetic requests.
+    `progress(total)` returns a callable ticked once per finished request."""
+    waves = warmup_waves(engine, torch.Generator().manual_seed(0))
+    tick = progress(sum(len(w) + (j is not None) for w, j in waves)) if progress else None
+    ids = []
+
+    def add(p: list[int], n: int) -> None:
+        ids.append(engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+
+    for wave, join in waves:
+        for p, n in wave:
+            add(p, n)
+        outs = []
+        if join is not None:
+            outs = engine.step()  # the wave is prefilled; `join` is prefilled beside its decodes
+            add(*join)
+        for out in itertools.chain(outs, engine.stream()):
+            if tick is not None and out.finished:
+                tick()
+    return ids

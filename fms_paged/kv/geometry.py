@@ -1,0 +1,49 @@
+"""Page geometry: the one place that says how tokens map onto pages and pool slots.
+
+A sequence's token at logical position `pos` lives on its logical page `pos // P`, at offset
+`pos % P`; the physical page holding that logical page comes from the page table, and the token's
+pool slot is `page * P + pos % P` (slot axis of a pool `[L, Hkv, num_pages * P, D]`). Page 0 is the
+null page: never owned, the target of padding writes. Everything else (page manager, scheduler,
+budget, backends, kernels' Python side, benchmarks) calls these functions instead of writing the
+arithmetic again. Each works on Python ints, numpy arrays and torch tensors alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+NULL_PAGE = 0
+
+
+def pages_for(num_tokens, page_size: int):
+    """Pages that hold `num_tokens` tokens: ceil(num_tokens / P)."""
+    return -(-num_tokens // page_size)
+
+
+def slot(page, pos, page_size: int):
+    """Pool slot of logical position `pos` on physical page `page` (the page holding `pos // P`)."""
+    return page * page_size + pos % page_size
+
+
+def page_slots(pages, page_size: int):
+    """Every slot of each page: pages [K] (numpy or tensor) -> [K, P] of the same kind."""
+    if isinstance(pages, np.ndarray):
+        return pages.astype(np.int64)[:, None] * page_size + np.arange(page_size, dtype=np.int64)
+    return pages.long()[:, None] * page_size + torch.arange(page_size, device=pages.device)
+
+
+def opened_pages(old_len: int, new_len: int, page_size: int) -> range:
+    """Logical pages a sequence opens when it grows from `old_len` to `new_len` tokens."""
+    return range(pages_for(old_len, page_size), pages_for(new_len, page_size))
+
+
+def grows_into_partial_page(old_len, new_len, page_size: int):
+    """Whether growing from `old_len` to `new_len` writes into the partly filled last page. When
+    that page is shared (a fork), copy-on-write gives the sequence a private copy first."""
+    return (old_len % page_size != 0) & (new_len > old_len)
+
+
+def pool_pages(max_seqs: int, max_seq_len: int, page_size: int) -> int:
+    """Pages for `max_seqs` sequences of `max_seq_len` tokens each, plus the null page."""
+    return max_seqs * pages_for(max_seq_len, page_size) + 1
