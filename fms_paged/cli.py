@@ -1,5 +1,10 @@
 """`fms-paged` console script: generate / bench / ppl / info.
 
+- generate: a continuation of one prompt (greedy unless --temperature > 0), dense or paged;
+- bench: the benchmarks (`fms_paged.bench.cli`; `--scenario serve` runs `fms_paged.bench.serve`);
+- ppl: perplexity of both backends through their KV caches;
+- info: the device, torch, which paged kernel runs here and how many KV pages fit.
+
 Bad arguments exit with code 2 and one line naming the argument (no usage dump).
 """
 
@@ -54,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", type=Path, help="file whose text is the prompt")
     src.add_argument("--prompt-ids", help="prompt as space-separated token ids")
     g.add_argument("--attn-impl", choices=["sdpa", "paged"], default="paged",
-                   help="attention backend: paged (page pool + FlexAttention) or sdpa (dense)")
+                   help="attention backend: paged (page pool; the kernel per device: `fms-paged info`) "
+                   "or sdpa (dense)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
     g.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k best")
@@ -161,13 +167,17 @@ def cmd_ppl(args) -> int:
 
 
 def machine_info(device: str = "auto") -> dict:
+    """What `fms-paged info` reports: the device and torch, whether compiled FlexAttention works
+    (it compiles and runs a tiny call), which paged kernel the default model gets here (the cpp
+    kernel when it can serve it), and the KV pool an `Engine` would get."""
     import platform
+    import warnings
 
     import torch
 
     from fms_paged.device import resolve_device
     from fms_paged.kv import cpu_kernel
-    from fms_paged.kv.paged import probe_compiled_flex
+    from fms_paged.kv.kernels import choose_kernel, probe_compiled_flex
 
     dev = resolve_device(device)
     reason = probe_compiled_flex(dev)  # compiles a tiny call: a compiler alone is not enough
@@ -176,7 +186,7 @@ def machine_info(device: str = "auto") -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "compiled_flex_available": reason is None,
-        "paged_kernel": "flex (compiled)" if reason is None else "gather + sdpa (fallback)",
+        "paged_kernel": "flex" if reason is None else "gather",
         "fallback_reason": reason,
     }
     try:
@@ -187,10 +197,12 @@ def machine_info(device: str = "auto") -> dict:
         c = model.config
         why_not = cpu_kernel.unavailable_reason(dev, model.dtype, c.head_dim, c.page_size)  # builds it
         info["cpp_kernel_available"] = why_not is None
-        if why_not is None:  # what the default model's paged attention runs (kernel="auto")
-            info["paged_kernel"] = "cpp (the CPU paged-attention kernel)"
-        else:
+        if why_not is not None:
             info["cpp_kernel_reason"] = why_not
+        with warnings.catch_warnings():  # the fallback reason is reported above
+            warnings.simplefilter("ignore")
+            info["paged_kernel"] = choose_kernel("auto", dev, c.page_size, head_dim=c.head_dim,
+                                                 dtype=model.dtype)
         info["default_model"] = {
             "params": sum(p.numel() for p in model.parameters()),
             "dtype": str(model.dtype).removeprefix("torch."),

@@ -32,11 +32,11 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     return dev
 
 
-# Tokens per KV page when none is asked for, by device type. CPU: chosen from the page-size sweep
-# of `make bench-serve` (README, "Page size", with the runs' figures): with the CPU kernel the
-# offline mix ran faster with pages of 64 than of 16 (fewer pages opened per token on the host),
-# long-context decode ran the same, and pages of 128 lose more KV to partly filled last pages and
-# most of the prefix-cache hits. Elsewhere 16, vLLM's GPU default (not measured in this project).
+# Tokens per KV page when none is asked for, by device type. CPU: 64, chosen from a page-size sweep
+# (docs/benchmarks.md, "Settled experiments"): with the cpp kernel, which reads keys in blocks of 64
+# whatever the page, speed was the same from 16 to 128 tokens per page; 64 keeps the page table 4x
+# smaller than 16, while 128 loses more KV to partly filled last pages and most prefix-cache hits.
+# Elsewhere 16, vLLM's GPU default (not measured in this project: no GPU has run it).
 DEFAULT_PAGE_SIZE = {"cpu": 64}
 
 
@@ -61,12 +61,12 @@ def keep_freed_cpu_memory() -> bool:
     """Have glibc's malloc keep freed memory for the next allocation instead of handing it back
     to the OS: activations of up to 32 MiB come from the heap, and the heap is not trimmed below
     1 GiB of free space. Without it, each prefill step's buffers are fresh pages again, each a
-    page fault on first touch (about 50,000 in one `make bench-serve` mix run here). vLLM's CPU
-    backend gets the same from tcmalloc, which its users preload.
+    page fault on first touch (docs/benchmarks.md has the counts). vLLM's CPU backend gets the
+    same from tcmalloc, which its users preload.
 
     Process-wide and not undone (the process keeps its peak heap), so the library never calls it
-    on its own: the CLI and the benchmarks do, and a serving process may. -> whether it applied
-    (glibc only)."""
+    on its own: `fms-paged generate` and the serving benchmark do, and a serving process may.
+    -> whether it applied (glibc only)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (macOS, musl...)

@@ -4,10 +4,11 @@
 FMS model then runs it per forward call with `attn_name="paged_flex"`:
 - store op: ASSIGN the step's keys and values into the layer's page pools (the layer's
   `past_key_value_state` is its pair of pools);
-- compute op: FlexAttention (or the GATHER + SDPA fallback) over those pools through the block
-  table, with the step's one BlockMask shared by every layer.
-The step itself (slots, BlockMask: `fms_paged.kv.steps.PoolStep`) travels in the attention kwargs
-as `paged_step`, built once per forward by our `PagedBackend` from its `PageManager`.
+- compute op: the device's paged kernel (cpp on the CPU, compiled FlexAttention elsewhere, or the
+  GATHER + SDPA fallback) over those pools through the block table, with the step's metadata
+  shared by every layer.
+The step itself (slots, chunk list or BlockMask: `fms_paged.kv.steps.PoolStep`) travels in the
+attention kwargs as `paged_step`, built once per forward by our `PagedBackend` from its `PageManager`.
 
 Two ways to drive it:
 - `PagedFMSCache` with FMS's own `fms.utils.generation.generate` (a rectangular, left-padded batch);

@@ -1,3 +1,5 @@
+"""Models: the LLaMA, its presets registered as variants of "llama", and the checkpoint loader."""
+
 from fms_paged.models.llama import _LLAMA_VARIANTS, LLaMA, LLaMAConfig
 from fms_paged.models.registry import (
     DEFAULT_MODEL_DIR,

@@ -38,10 +38,12 @@ class LLaMAConfig:
     rope_scaling: dict[str, Any] | None = None
     max_expected_seq_len: int = 4096
     tie_heads: bool = False
-    attn_impl: str = "sdpa"
+    attn_impl: str = "sdpa"  # "sdpa": dense contiguous cache (the baseline); "paged": page pool
     # "auto": CPU fp32 projections through oneDNN-packed weights (`fms_paged.modules.linear`);
     # "torch": F.linear everywhere (no packed copy of the weights)
     linear_impl: str = "auto"
+    # tokens per KV page of the paged backend; `get_model` passes the device's default instead
+    # (`fms_paged.device.DEFAULT_PAGE_SIZE`: 64 on the CPU, 16 elsewhere) unless one is given
     page_size: int = 16
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2

@@ -55,6 +55,10 @@ def get_model(
     With neither `variant` nor `model_path`, loads the project's embedded default model.
     The weights do not depend on `attn_impl`; only the attention backend does. The KV page size
     is the device's default (`fms_paged.device.DEFAULT_PAGE_SIZE`) unless `page_size=` is given.
+    `device="auto"` picks cuda > mps > cpu; `dtype=None` keeps the checkpoint's dtype (a variant's
+    parameters are fp32). A variant's random init draws from the global RNG, seeded with `seed`
+    first (None: not reseeded); a checkpoint ignores `seed`. Other keyword arguments override
+    `LLaMAConfig` fields (e.g. `linear_impl="torch"`).
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
