@@ -24,7 +24,8 @@ from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
 from fms_paged.engine.runner import ModelRunner, check_compile
 from fms_paged.engine.scheduler import Scheduler
-from fms_paged.kv.budget import KVBudgetError, kv_cache_budget, sequence_pages
+from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
+from fms_paged.kv.geometry import pool_pages
 from fms_paged.kv.paged import PagedBackend
 
 
@@ -98,7 +99,7 @@ class Engine:
                 num_pages = self.budget.num_pages
             elif isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
                 raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
-            need = sequence_pages(max_model_len, c.page_size)
+            need = pool_pages(1, max_model_len, c.page_size)  # one sequence + the null page
             if num_pages < need:
                 raise KVBudgetError(
                     f"num_pages={num_pages} cannot hold one sequence of max_model_len={max_model_len} "

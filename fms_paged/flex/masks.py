@@ -93,7 +93,7 @@ def decode_meta(seq_ids: Sequence[int], q_pos: Sequence[int], slots: Sequence[in
     full = [(q + 1) // P for q in q_pos]  # q = -1: no page
     part = [int((q + 1) % P > 0) for q in q_pos]
     rope = [q if q > 0 else 0 for q in q_pos]
-    # via numpy: about half the cost of torch.tensor on nested lists (a per-step host cost)
+    # via numpy: cheaper than torch.tensor on nested lists (a per-step host cost)
     return torch.from_numpy(np.array([seq_ids, q_pos, slots, full, part, rope], dtype=np.int64))
 
 

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fms_paged.kv.geometry import pool_pages
 from fms_paged.modules.linear import unpacked_bytes
 
 
@@ -62,12 +63,6 @@ class KVCacheBudget:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def sequence_pages(max_model_len: int, page_size: int) -> int:
-    """The smallest pool that holds one sequence of `max_model_len` tokens: its pages + the null
-    page."""
-    return -(-max_model_len // page_size) + 1
 
 
 def _gib(n: float) -> str:
@@ -136,7 +131,7 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
         source = (f"kv_memory_fraction={fraction} of {_gib(free)} free on {dev} after the weights, "
                   f"less a {_gib(activation)} activation peak")
     num_pages = max(0, kv // per_page)
-    need_pages = sequence_pages(max_model_len, c.page_size)
+    need_pages = pool_pages(1, max_model_len, c.page_size)  # one sequence + the null page
     if num_pages < need_pages:
         need = need_pages * per_page
         fix = (f"set {CPU_KV_SPACE_ENV}={math.ceil(need / GiB * 100) / 100} (GiB)" if dev.type == "cpu"

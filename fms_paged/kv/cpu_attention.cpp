@@ -19,8 +19,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #ifndef HEAD_DIM
@@ -28,6 +31,19 @@
 #endif
 
 namespace {
+
+// a field's kind in the layout string: i32, i64, f32, or a pointer's pointee kind followed by *
+template <class T>
+std::string kind() {
+  using U = std::remove_cv_t<T>;
+  if constexpr (std::is_pointer_v<U>) return kind<std::remove_pointer_t<U>>() + "*";
+  else if constexpr (std::is_same_v<U, int32_t>) return "i32";
+  else if constexpr (std::is_same_v<U, int64_t>) return "i64";
+  else {
+    static_assert(std::is_same_v<U, float>, "a field of another type: give it a kind here and in native.py");
+    return "f32";
+  }
+}
 
 constexpr int D = HEAD_DIM;
 constexpr int W = 16;   // lanes per vector: query rows
@@ -288,33 +304,66 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 
 }  // namespace
 
-// Optionally ASSIGNs the step's new keys and values first: token t's k_new[t, h, :] (at
-// k_new + t * kn_st + h * kn_sh; v_new likewise with its own strides) goes to slot slots[t] of kv
-// head h's pool.
-extern "C" int fms_paged_attention(const float* q, int64_t q_st, int64_t q_sh, int64_t n_tokens, float* k,
-                                   float* v, int64_t pool_tokens, const int32_t* pages, int64_t n_seqs,
-                                   int64_t pages_st, const int64_t* chunks, int n_chunks, float* out, int H, int Hkv, int P,
-                                   float scale, int threads, const float* k_new, int64_t kn_st,
-                                   int64_t kn_sh, const float* v_new, int64_t vn_st, int64_t vn_sh,
-                                   const int64_t* slots, int64_t n_new) {
-  if (H % Hkv || P % KG) return 1;
-  // every chunk within the page table and the step's tokens, every new slot within the pool:
-  // 2 + i names the first chunk that is not, 1 + n_chunks + 1 a slot that is not
+// The kernel's arguments, passed by pointer. fms_paged/kv/cpu_kernel.py mirrors the struct as a
+// ctypes.Structure with the same fields and, when it loads the library, compares its layout with
+// fms_paged_attention_layout()'s (every field's name, kind and offset, and the size): a build whose
+// struct differs from the Python mirror is refused instead of reading fields at the wrong offsets.
+//
+// q[t, h, :] (t < n_tokens, the step's query tokens) at q + t * q_st + h * q_sh; k, v: the pools
+// [Hkv, pool_tokens, D]; pages: the page table [n_seqs, pages_st]; chunks: [n_chunks, 4] (seq, q0,
+// n, offset); out: [n_tokens, H, D]; P: tokens per page; threads: at most this many. The step's own
+// keys and values are in the pools already (written by the caller's ASSIGN).
+#define FMS_PAGED_ATTENTION_FIELDS(X)                                                          \
+  X(const float*, q) X(int64_t, q_st) X(int64_t, q_sh) X(int64_t, n_tokens)                    \
+  X(float*, k) X(float*, v) X(int64_t, pool_tokens)                                            \
+  X(const int32_t*, pages) X(int64_t, n_seqs) X(int64_t, pages_st)                             \
+  X(const int64_t*, chunks) X(int64_t, n_chunks) X(float*, out)                                \
+  X(int32_t, H) X(int32_t, Hkv) X(int32_t, P) X(float, scale) X(int32_t, threads)
+
+extern "C" {
+
+struct FmsPagedAttentionArgs {
+#define FIELD(type, name) type name;
+  FMS_PAGED_ATTENTION_FIELDS(FIELD)
+#undef FIELD
+};
+
+// "FmsPagedAttentionArgs <sizeof>: <name>:<kind>@<offset> ..." (kinds: i32, i64, f32, and a
+// pointer's pointee kind followed by *), the string fms_paged.native.layout() spells for the mirror
+const char* fms_paged_attention_layout() {
+  static const std::string layout = [] {
+    std::string s = "FmsPagedAttentionArgs " + std::to_string(sizeof(FmsPagedAttentionArgs)) + ":";
+#define FIELD(type, name) \
+  s += std::string(" ") + #name + ":" + kind<type>() + "@" + std::to_string(offsetof(FmsPagedAttentionArgs, name));
+    FMS_PAGED_ATTENTION_FIELDS(FIELD)
+#undef FIELD
+    return s;
+  }();
+  return layout.c_str();
+}
+
+// 0, or 1: heads or page size the kernel cannot take; 2 + i: chunk i is outside the page table or
+// the step's tokens (nothing read or written)
+int fms_paged_attention(const FmsPagedAttentionArgs* args) {
+  const FmsPagedAttentionArgs& c = *args;
+  const int H = c.H, Hkv = c.Hkv, P = c.P;
+  const int n_chunks = (int)c.n_chunks;
+  const int64_t* chunks = c.chunks;
+  if (H <= 0 || Hkv <= 0 || P <= 0 || H % Hkv || P % KG) return 1;
   for (int i = 0; i < n_chunks; ++i) {
-    const int64_t* c = chunks + 4 * i;
-    if (c[0] >= n_seqs || c[1] < 0 || c[2] < 0 || c[3] < 0 || c[3] + c[2] > n_tokens ||
-        (c[0] >= 0 && c[1] + c[2] > pages_st * P))
+    const int64_t* ch = chunks + 4 * i;
+    if (ch[0] >= c.n_seqs || ch[1] < 0 || ch[2] < 0 || ch[3] < 0 || ch[3] + ch[2] > c.n_tokens ||
+        (ch[0] >= 0 && ch[1] + ch[2] > c.pages_st * P))
       return 2 + i;
   }
-  for (int64_t t = 0; k_new && t < n_new; ++t)
-    if (slots[t] < 0 || slots[t] >= pool_tokens) return 2 + n_chunks;
-  const Args a{q, q_st, q_sh, k, v, pool_tokens, pages, pages_st, chunks, out, H, Hkv, P, scale};
+  const Args a{c.q, c.q_st, c.q_sh, c.k, c.v, c.pool_tokens, c.pages, c.pages_st, chunks, c.out, H, Hkv, P,
+               c.scale};
   const int G = H / Hkv, rows = LG * W;
   std::vector<Item> items;
   for (int i = 0; i < n_chunks; ++i) {
     const int64_t seq = chunks[4 * i], q0 = chunks[4 * i + 1], n = chunks[4 * i + 2], off = chunks[4 * i + 3];
     if (seq < 0) {
-      std::memset(out + off * H * D, 0, sizeof(float) * n * H * D);
+      std::memset(c.out + off * H * D, 0, sizeof(float) * n * H * D);
       continue;
     }
     for (int r0 = 0; r0 < n * G; r0 += rows) {
@@ -325,20 +374,13 @@ extern "C" int fms_paged_attention(const float* q, int64_t q_st, int64_t q_sh, i
   // the costliest items first (rows x keys), handed out one at a time
   std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   const int n_items = (int)items.size();
-  const int64_t n_store = k_new ? n_new * Hkv : 0;
-  const int64_t work = std::max<int64_t>(n_items, n_store);
-#pragma omp parallel num_threads((int)std::max<int64_t>(1, std::min<int64_t>(threads, work)))
+#pragma omp parallel num_threads(std::max(1, std::min(c.threads, n_items)))
   {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n_store; ++i) {  // ASSIGN (then the for's barrier: every key is in place)
-      const int64_t t = i / Hkv, h = i % Hkv, dst = (h * pool_tokens + slots[t]) * D;
-      if (slots[t] < P) continue;  // rows with no sequence write to the null page: nobody reads it
-      std::memcpy(k + dst, k_new + t * kn_st + h * kn_sh, sizeof(float) * D);
-      std::memcpy(v + dst, v_new + t * vn_st + h * vn_sh, sizeof(float) * D);
-    }
     Scratch sc;
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_items; ++i) run_item(a, items[i], sc);
   }
   return 0;
 }
+
+}  // extern "C"

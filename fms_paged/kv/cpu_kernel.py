@@ -32,18 +32,33 @@ _LIB.define(
 )
 
 
+_f32p, _i32p, _i64p = native.pointer("f32"), native.pointer("i32"), native.pointer("i64")
+_i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class FmsPagedAttentionArgs(ctypes.Structure):
+    """The kernel's argument struct (`cpu_attention.cpp`, which says what each field holds), field
+    for field; `native.bind` checks the library's layout against it. Set fields by name: an unknown
+    name (`__slots__`) or a value of the wrong type raises."""
+
+    __slots__ = ()
+    _fields_ = [
+        ("q", _f32p), ("q_st", _i64), ("q_sh", _i64), ("n_tokens", _i64),
+        ("k", _f32p), ("v", _f32p), ("pool_tokens", _i64),
+        ("pages", _i32p), ("n_seqs", _i64), ("pages_st", _i64),
+        ("chunks", _i64p), ("n_chunks", _i64), ("out", _f32p),
+        ("H", _i32), ("Hkv", _i32), ("P", _i32), ("scale", _f32), ("threads", _i32),
+    ]
+
+
 @functools.cache
-def _build(head_dim: int) -> tuple[ctypes.CDLL | None, str | None]:
-    """The kernel library for `head_dim` -> (library, None) or (None, why not)."""
+def _build(head_dim: int) -> tuple[ctypes._CFuncPtr | None, str | None]:
+    """The kernel for `head_dim` -> (function of a `FmsPagedAttentionArgs`, None) or (None, why
+    not); raises `native.LayoutMismatch` for a library whose struct is not the mirror's."""
     lib, why = native.load(SOURCE, HEAD_DIM=head_dim)
-    if lib is not None:
-        fn = lib.fms_paged_attention
-        fn.restype = ctypes.c_int
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ctypes.c_int, ptr, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr, i64, i64, ptr, i64, i64,
-                       ptr, i64]
-    return lib, why
+    if lib is None:
+        return None, why
+    return native.bind(lib, "fms_paged_attention", FmsPagedAttentionArgs), None
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> str | None:
@@ -71,22 +86,19 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
-                    chunks: torch.Tensor, page_size: int, scale: float,
-                    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    chunks: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
     """Causal attention of a step's query tokens over their sequences' pages.
 
     q: [B, H, S, D] (its B * S tokens in the chunks' offsets; D contiguous); k_pool, v_pool:
     [1, Hkv, NP, D] contiguous; page_table: [seqs, max_pages] int32; chunks: [n, 4] int64 rows
-    (seq, first position, tokens, offset of the first token), seq -1 for rows to leave at zero;
-    new: the step's own keys and values ([B, Hkv, S, D] each) and their slots ([B * S] int64), to
-    ASSIGN into the pools first (in the same call) -> [B, S, H, D] contiguous.
+    (seq, first position, tokens, offset of the first token), seq -1 for rows to leave at zero
+    -> [B, S, H, D] contiguous. The step's own keys and values are in the pools already (ASSIGN:
+    `fms_paged.kv._pool_ops.write_slots`).
     """
     B, H, S, D = q.shape
     f32, i64 = torch.float32, torch.int64
     want = [("q", q, f32, 4), ("k_pool", k_pool, f32, 4), ("v_pool", v_pool, f32, 4),
             ("page_table", page_table, torch.int32, 2), ("chunks", chunks, i64, 2)]
-    if new is not None:
-        want += [("k", new[0], f32, 4), ("v", new[1], f32, 4), ("slots", new[2], i64, 1)]
     for name, t, dtype, dims in want:
         if t.dtype != dtype or t.dim() != dims or t.device.type != "cpu":
             raise ValueError(f"paged_attention: {name} must be a {dims}-D {dtype} CPU tensor, got {t.dtype} "
@@ -97,35 +109,30 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          f"{tuple(chunks.shape)}: expected two pools [1, Hkv, NP, {D}] and chunks [n, 4]")
     if not all(t.is_contiguous() for t in (k_pool, v_pool, page_table, chunks)):
         raise ValueError("paged_attention: the pools, the page table and the chunks must be contiguous")
-    lib, why = _build(D)
-    if lib is None:
+    kernel, why = _build(D)
+    if kernel is None:
         raise RuntimeError(f"fms_paged CPU attention kernel unavailable: {why}")
+    Hkv = k_pool.shape[1]
     rows, q_st, q_sh = _rows(q)
-    store = (None, 0, 0, None, 0, 0, None, 0)
-    if new is not None:
-        k, v, slots = new
-        (kr, k_st, k_sh), (vr, v_st, v_sh) = _rows(k), _rows(v)
-        if not slots.is_contiguous() or slots.numel() != B * S:
-            raise ValueError(f"paged_attention: slots must be {B * S} contiguous, got {tuple(slots.shape)}")
-        store = (kr.data_ptr(), k_st, k_sh, vr.data_ptr(), v_st, v_sh, slots.data_ptr(), slots.numel())
     out = torch.empty(B, S, H, D, dtype=q.dtype)
     n = chunks.shape[0]
-    err = lib.fms_paged_attention(
-        rows.data_ptr(), q_st, q_sh, B * S, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[2],
-        page_table.data_ptr(), page_table.shape[0], page_table.shape[1], chunks.data_ptr(), n, out.data_ptr(),
-        H, k_pool.shape[1], page_size, scale, torch.get_num_threads(), *store,
+    args = FmsPagedAttentionArgs(
+        q=rows.data_ptr(), q_st=q_st, q_sh=q_sh, n_tokens=B * S,
+        k=k_pool.data_ptr(), v=v_pool.data_ptr(), pool_tokens=k_pool.shape[2],
+        pages=page_table.data_ptr(), n_seqs=page_table.shape[0], pages_st=page_table.shape[1],
+        chunks=chunks.data_ptr(), n_chunks=n, out=out.data_ptr(),
+        H=H, Hkv=Hkv, P=page_size, scale=scale, threads=torch.get_num_threads(),
     )
+    err = kernel(args)
     if err == 1:
         raise ValueError(
-            f"paged_attention: nheads={H} over kvheads={k_pool.shape[1]} with page_size={page_size}: "
+            f"paged_attention: nheads={H} over kvheads={Hkv} with page_size={page_size}: "
             f"heads must divide evenly and pages hold a multiple of {PAGE_MULTIPLE}")
-    if 2 <= err < 2 + n:
+    if err:
         raise ValueError(
             f"paged_attention: chunk {err - 2} {chunks[err - 2].tolist()} (seq, first position, tokens, "
             f"offset) is outside the page table ({page_table.shape[0]} seqs x {page_table.shape[1]} pages "
             f"of {page_size}) or the step's {B * S} tokens")
-    if err:
-        raise ValueError(f"paged_attention: a new token's slot is outside the pool's {k_pool.shape[2]} slots")
     return out
 
 

@@ -77,7 +77,8 @@ def get_model(
             raise ValueError(f"checkpoint loading supports architecture 'llama', got {architecture!r}")
         from fms_paged.models.hf import load_hf_llama
 
-        return load_hf_llama(model_path, attn_impl=attn_impl, device=dev, dtype=dt, **config_overrides)
+        model = load_hf_llama(model_path, attn_impl=attn_impl, device=dev, dtype=dt, **config_overrides)
+        return _frozen_if_inference(model)
 
     if architecture not in _REGISTRY:
         raise KeyError(f"unknown architecture {architecture!r}; known: {list_models()}")
@@ -94,4 +95,13 @@ def get_model(
     if seed is not None:
         torch.manual_seed(seed)
     model.reset_parameters()
-    return model.eval()
+    return _frozen_if_inference(model.eval())
+
+
+def _frozen_if_inference(model: torch.nn.Module) -> torch.nn.Module:
+    """A model loaded under `torch.inference_mode()` holds inference tensors, which can never be
+    recorded for autograd: its parameters say so (requires_grad=False), so that running it later
+    with grad enabled does not fail on the first op that would save them for backward."""
+    if torch.is_inference_mode_enabled():
+        model.requires_grad_(False)
+    return model

@@ -5,16 +5,32 @@
 // The weights of one call may be several matrices sharing K (q/k/v, gate/up): their outputs sit
 // side by side in y. Output columns go in blocks of NR weight rows, split over the threads. While
 // a thread reads one block it prefetches the next into L2, as fast as it consumes the current one:
-// the hardware prefetcher alone left a quarter to a half of the read bandwidth unused (one step
-// of a SmolLM2-shaped stack: 73 / 59% of a `sum`'s bandwidth without, 85 / 92% with, at 1 / 4 rows).
+// the hardware prefetcher alone leaves part of the read bandwidth unused on this access pattern
+// (many short streams, one per weight row of a block).
 #include <omp.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// a field's kind in the layout string: i32, i64, f32, or a pointer's pointee kind followed by *
+template <class T>
+std::string kind() {
+  using U = std::remove_cv_t<T>;
+  if constexpr (std::is_pointer_v<U>) return kind<std::remove_pointer_t<U>>() + "*";
+  else if constexpr (std::is_same_v<U, int32_t>) return "i32";
+  else if constexpr (std::is_same_v<U, int64_t>) return "i64";
+  else {
+    static_assert(std::is_same_v<U, float>, "a field of another type: give it a kind here and in native.py");
+    return "f32";
+  }
+}
 
 constexpr int W = 16;  // floats per vector
 #ifdef __AVX512F__
@@ -93,19 +109,55 @@ void columns(const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& 
 
 }  // namespace
 
-// y [M, sum of rows] = x [M, K] (row stride x_st) times each weight [rows[i], K]^T, side by side
-extern "C" int fms_paged_gemv(const float* x, int64_t M, int64_t K, int64_t x_st, int n_weights,
-                              const float* const* weights, const int64_t* rows, float* y, int threads) {
+// The kernel's arguments, passed by pointer. fms_paged/modules/linear.py mirrors the struct as a
+// ctypes.Structure with the same fields and, when it loads the library, compares its layout with
+// fms_paged_gemv_layout()'s (every field's name, kind and offset, and the size): a build whose
+// struct differs from the Python mirror is refused instead of reading fields at the wrong offsets.
+//
+// y [M, sum of rows] = x [M, K] (row stride x_st) times each weight weights[i] [rows[i], K]^T
+// (i < n_weights, each row-major), side by side; threads: at most this many.
+#define FMS_PAGED_GEMV_FIELDS(X)                                                                \
+  X(const float*, x) X(int64_t, M) X(int64_t, K) X(int64_t, x_st)                               \
+  X(const float* const*, weights) X(const int64_t*, rows) X(int64_t, n_weights)                 \
+  X(float*, y) X(int32_t, threads)
+
+extern "C" {
+
+struct FmsGemvArgs {
+#define FIELD(type, name) type name;
+  FMS_PAGED_GEMV_FIELDS(FIELD)
+#undef FIELD
+};
+
+// "FmsGemvArgs <sizeof>: <name>:<kind>@<offset> ..." (kinds: i32, i64, f32, and a pointer's pointee
+// kind followed by *), the string fms_paged.native.layout() spells for the mirror
+const char* fms_paged_gemv_layout() {
+  static const std::string layout = [] {
+    std::string s = "FmsGemvArgs " + std::to_string(sizeof(FmsGemvArgs)) + ":";
+#define FIELD(type, name) \
+  s += std::string(" ") + #name + ":" + kind<type>() + "@" + std::to_string(offsetof(FmsGemvArgs, name));
+    FMS_PAGED_GEMV_FIELDS(FIELD)
+#undef FIELD
+    return s;
+  }();
+  return layout.c_str();
+}
+
+int fms_paged_gemv(const FmsGemvArgs* args) {
+  const FmsGemvArgs& a = *args;
+  const float* x = a.x;
+  const int64_t M = a.M, K = a.K, x_st = a.x_st;
   std::vector<Segment> segs;
   std::vector<std::pair<int, int64_t>> blocks;  // (segment, first weight row) of each column block
   int64_t col = 0;
-  for (int i = 0; i < n_weights; ++i) {
-    segs.push_back({weights[i], rows[i], col});
-    for (int64_t j = 0; j < rows[i]; j += NR) blocks.emplace_back(i, j);
-    col += rows[i];
+  for (int i = 0; i < (int)a.n_weights; ++i) {
+    segs.push_back({a.weights[i], a.rows[i], col});
+    for (int64_t j = 0; j < a.rows[i]; j += NR) blocks.emplace_back(i, j);
+    col += a.rows[i];
   }
+  float* y = a.y;
   const int64_t nb = (int64_t)blocks.size();
-#pragma omp parallel for schedule(static) num_threads((int)std::max<int64_t>(1, std::min<int64_t>(threads, nb)))
+#pragma omp parallel for schedule(static) num_threads((int)std::max<int64_t>(1, std::min<int64_t>(a.threads, nb)))
   for (int64_t b = 0; b < nb; ++b) {
     const Segment& s = segs[blocks[b].first];
     const int64_t j0 = blocks[b].second;
@@ -119,3 +171,5 @@ extern "C" int fms_paged_gemv(const float* x, int64_t M, int64_t K, int64_t x_st
   }
   return 0;
 }
+
+}  // extern "C"

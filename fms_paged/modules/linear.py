@@ -3,8 +3,12 @@
 MKL's GEMV reads a plain row-major weight at a fraction of the memory bandwidth, and its GEMMs at
 these widths leave FLOPs unused; oneDNN's blocked weight layout does better at both ends. The
 packed copy is made on first use, kept per weight tensor (weak keys: it goes with the weight) and
-made again when the weight changes (another storage or an in-place write such as
-`load_state_dict`). It costs one more copy of each packed weight in memory;
+made again when the weight changes: another storage, or an in-place write such as
+`load_state_dict` (seen through the tensor's version counter). An inference tensor (a weight
+created under `torch.inference_mode()`, e.g. a model loaded there) has no version counter, so
+only a new storage is seen for it: after an in-place write to such a weight, give the module a new
+tensor (`load_state_dict(..., assign=True)`, `module.weight = nn.Parameter(...)`) or load the
+model outside inference mode. It costs one more copy of each packed weight in memory;
 `LLaMAConfig(linear_impl="torch")` turns it off.
 
 Calls of at most `GEMV_MAX_ROWS` rows (decode steps of a few sequences) take the project's GEMV
@@ -12,8 +16,7 @@ kernel instead (`cpu_gemv.cpp`). Which other calls pack: CPU, fp32, no gradient 
 a large weight (decode of more sequences: reading the weight dominates) or many rows (prefill: the
 GEMM is compute-bound), so small GEMMs keep MKL's lower per-call cost. Inside a compiled graph a
 projection is the opaque op `fms_paged::linear`, which picks its path by the rows when it runs (one
-graph for every row count), except when inductor freezes the weights into the graph: it then packs
-and tunes the GEMM itself, so the plain `F.linear` is traced.
+graph for every row count).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -33,10 +36,9 @@ from fms_paged import native
 LINEAR_IMPLS = ("auto", "torch")
 
 # a call with at most this many rows (a decode step of up to 8 sequences) runs the project's GEMV
-# kernel (`cpu_gemv.cpp`): each weight row streamed once, a few microseconds per call against
-# oneDNN's ~20. One step of a SmolLM2-shaped stack (2-vCPU AMD EPYC, fp32) read its weights at
-# 85 / 92 / 75% of a `sum`'s bandwidth at 1 / 4 / 8 rows against oneDNN's 58 / 67 / 63%; at 16
-# rows oneDNN led (49% against 45%). The README's Devices section has the table.
+# kernel (`cpu_gemv.cpp`): it streams each weight row once and costs less per call than oneDNN, so
+# it reads the weights closer to the memory bandwidth up to about this many rows; past it oneDNN's
+# blocked GEMM leads (the README's Devices section has the measurements)
 GEMV_MAX_ROWS = 8
 GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 
@@ -48,7 +50,7 @@ PACK_MIN_ROWS = 256
 # whether this torch build has oneDNN (read once: Dynamo cannot trace the query)
 _ONEDNN = torch.backends.mkldnn.is_available()
 
-# weight -> ((data_ptr, version) when packed, oneDNN-packed copy)
+# weight -> ((data_ptr, version) when packed, oneDNN-packed copy); see `_stamp`
 _PACKED = WeakIdKeyDictionary()
 
 # first weight of a stack -> (every weight's (data_ptr, version) when packed, packed copy of the stack)
@@ -58,9 +60,16 @@ _LIB = torch.library.Library("fms_paged", "DEF")
 _LIB.define("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor")
 
 
+def _stamp(weight: torch.Tensor) -> tuple[int, int | None]:
+    """(data_ptr, version) of `weight`: what changes when its values may have changed. An inference
+    tensor has no version counter (reading `_version` raises): None, so only a new storage counts
+    for it (see the module docstring)."""
+    return weight.data_ptr(), None if weight.is_inference() else weight._version
+
+
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """The oneDNN-packed copy of `weight` [N, K], packed again if the weight changed since."""
-    key = (weight.data_ptr(), weight._version)
+    key = _stamp(weight)
     known = _PACKED.get(weight)
     if known is None or known[0] != key:
         known = _PACKED[weight] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
@@ -69,7 +78,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_weights_cat(weights: list[torch.Tensor]) -> torch.Tensor:
     """The oneDNN-packed copy of the weights [N_i, K] stacked [sum N_i, K], packed again if any changed."""
-    key = tuple((w.data_ptr(), w._version) for w in weights)
+    key = tuple(_stamp(w) for w in weights)
     known = _PACKED_CAT.get(weights[0])
     if known is None or known[0] != key:
         stacked = torch.cat([w.detach() for w in weights])
@@ -87,54 +96,88 @@ def packed_linear_cat(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x, packed_weights_cat(weights), None, "none", [], "")
 
 
+_f32p = native.pointer("f32")
+
+
+class FmsGemvArgs(ctypes.Structure):
+    """The GEMV kernel's argument struct (`cpu_gemv.cpp`, which says what each field holds), field
+    for field; `native.bind` checks the library's layout against it. Set fields by name: an unknown
+    name (`__slots__`) or a value of the wrong type raises."""
+
+    __slots__ = ()
+    _fields_ = [
+        ("x", _f32p), ("M", ctypes.c_int64), ("K", ctypes.c_int64), ("x_st", ctypes.c_int64),
+        ("weights", native.pointer("f32*")), ("rows", native.pointer("i64")), ("n_weights", ctypes.c_int64),
+        ("y", _f32p), ("threads", ctypes.c_int32),
+    ]
+
+
 @functools.cache
 def _gemv_kernel() -> ctypes._CFuncPtr | None:
+    """The GEMV kernel (a function of a `FmsGemvArgs`), or None where it cannot be built (no
+    compiler); raises `native.LayoutMismatch` for a library whose struct is not the mirror's."""
     lib, _ = native.load(GEMV_SOURCE)
-    if lib is None:
-        return None
-    fn, i64, ptr = lib.fms_paged_gemv, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return None if lib is None else native.bind(lib, "fms_paged_gemv", FmsGemvArgs)
 
 
-# data_ptr of each weight of a stack, then their rows -> the kernel's arguments for it (pointers, widths,
-# count, total width): building them took ~3.5 of the ~11 us a call spent in Python here
-_GEMV_ARGS: dict[tuple, tuple] = {}
+class _Stack(NamedTuple):
+    """A stack of weights as the kernel takes it: `args`, a `FmsGemvArgs` with the weight fields set
+    (each call copies it and sets the rest), and what its addresses point to, kept alive here."""
+
+    args: FmsGemvArgs
+    width: int  # the weights' total rows: the output's width
+    arrays: tuple[ctypes.Array, ctypes.Array]  # the weights' addresses and rows
+    copies: list[torch.Tensor]  # contiguous copies of non-contiguous weights (then not cached)
 
 
-def _gemv_args(weights: list[torch.Tensor], keep: bool) -> tuple:
-    n = len(weights)
-    key = (*[w.data_ptr() for w in weights], *[w.shape[0] for w in weights])
-    args = _GEMV_ARGS.get(key)
-    if args is None:
-        args = ((ctypes.c_void_p * n)(*key[:n]), (ctypes.c_int64 * n)(*key[n:]), n, sum(key[n:]))
-        if keep:
-            if len(_GEMV_ARGS) >= 4096:
-                _GEMV_ARGS.clear()
-            _GEMV_ARGS[key] = args
-    return args
+# (K, then each weight's (data_ptr, shape, dtype, contiguous)) -> its _Stack: building the arrays
+# costs more than the rest of a call's Python, and a model calls the same few stacks every step
+_GEMV_STACKS: dict[tuple, _Stack] = {}
+
+
+def _gemv_stack(key: tuple, weights: list[torch.Tensor]) -> _Stack:
+    """The `_Stack` of `weights` (each fp32 [N_i, K] on the CPU), validated; kept under `key` unless a
+    weight is not contiguous (its copy serves this call alone)."""
+    K = key[0]
+    for i, w in enumerate(weights):
+        if w.dtype != torch.float32 or not w.is_cpu or w.dim() != 2 or w.shape[1] != K:
+            raise ValueError(f"gemv: weight {i} must be a 2-D torch.float32 CPU tensor [N, {K}] (x's "
+                             f"width), got {w.dtype} {tuple(w.shape)} on {w.device}")
+    copies = [w.contiguous() for w in weights if not w.is_contiguous()]
+    if copies:
+        it = iter(copies)
+        weights = [w if w.is_contiguous() else next(it) for w in weights]
+    n, rows = len(weights), [w.shape[0] for w in weights]
+    ptrs, counts = (ctypes.c_void_p * n)(*[w.data_ptr() for w in weights]), (ctypes.c_int64 * n)(*rows)
+    args = FmsGemvArgs(K=K, weights=ctypes.addressof(ptrs), rows=ctypes.addressof(counts), n_weights=n)
+    stack = _Stack(args, sum(rows), (ptrs, counts), copies)
+    if not copies:
+        if len(_GEMV_STACKS) >= 4096:
+            _GEMV_STACKS.clear()
+        _GEMV_STACKS[key] = stack
+    return stack
 
 
 def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """x [..., K] @ [w_1; w_2; ...]^T -> [..., sum N_i] by the GEMV kernel (F.linear where it cannot
-    be built)."""
+    be built). x and the weights [N_i, K]: fp32 on the CPU (ValueError otherwise)."""
     fn = _gemv_kernel()
     if fn is None:
         return torch.cat([F.linear(x, w) for w in weights], dim=-1)
+    if x.dtype != torch.float32 or not x.is_cpu or not x.dim():
+        raise ValueError(f"gemv: x must be a torch.float32 CPU tensor [..., K], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
     K = x.shape[-1]
     rows = x.reshape(-1, K)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if False not in [w.is_contiguous() for w in weights]:
-        args = _gemv_args(weights, keep=True)
-    else:  # contiguous copies, for this call alone
-        weights = [w.contiguous() for w in weights]
-        args = _gemv_args(weights, keep=False)
-    ptrs, widths, n, width = args
-    y = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
-    fn(rows.data_ptr(), rows.shape[0], K, rows.stride(0), n, ptrs, widths, y.data_ptr(),
-       torch.get_num_threads())
+    key = (K, *[(w.data_ptr(), w.shape, w.dtype, w.is_contiguous()) for w in weights])
+    stack = _GEMV_STACKS.get(key) or _gemv_stack(key, weights)
+    y = torch.empty(*x.shape[:-1], stack.width, dtype=x.dtype)
+    args = FmsGemvArgs.from_buffer_copy(stack.args)
+    args.x, args.M, args.x_st, args.y = rows.data_ptr(), rows.shape[0], rows.stride(0), y.data_ptr()
+    args.threads = torch.get_num_threads()
+    fn(args)
     return y
 
 
@@ -199,14 +242,6 @@ def _rows_path(x: torch.Tensor, weight: torch.Tensor, width: int) -> str | None:
     return None
 
 
-def _traced(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
-    # inside torch.compile: the op that picks its path when run, or, where inductor freezes the
-    # weights into the graph (compile="tuned"), a plain linear that it packs and tunes itself
-    if torch._inductor.config.freezing:
-        return F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights), bias)
-    return torch.ops.fms_paged.linear(x, weights, bias)
-
-
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state dict) with the packed CPU path; `pack=False` keeps
     `F.linear` everywhere."""
@@ -219,8 +254,8 @@ class Linear(nn.Linear):
         # x: [..., in_features] -> [..., out_features]
         if not (self.pack and _cpu_inference(x, self.weight)):
             return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():
-            return _traced(x, [self.weight], self.bias)
+        if torch.compiler.is_compiling():  # the op: it picks its path when the graph runs
+            return torch.ops.fms_paged.linear(x, [self.weight], self.bias)
         return linear(x, [self.weight], self.bias)
 
 
@@ -232,7 +267,7 @@ def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
     if not (all(m.pack and m.bias is None for m in linears) and _cpu_inference(x, weights[0])):
         return [m(x) for m in linears]
     if torch.compiler.is_compiling():
-        y = _traced(x, weights, None)
+        y = torch.ops.fms_paged.linear(x, weights, None)
     else:
         path = _rows_path(x, weights[0], sum(w.shape[0] for w in weights))
         if path is None:

@@ -6,13 +6,17 @@ Tolerance 1e-5 absolute on outputs of magnitude ~1: fp32 round-off of softmax-we
 to a few hundred terms, and the kernel's exp (Cephes' polynomial, ~1 ulp).
 """
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fms_paged import get_model, native
 from fms_paged.kv import cpu_kernel
-from fms_paged.kv.paged import PagedBackend, choose_kernel
+from fms_paged.kv._pool_ops import write_slots
+from fms_paged.kv.kernels import choose_kernel
+from fms_paged.kv.paged import PagedBackend
 
 # a machine with a C++ compiler must build the kernel: a failed build fails these tests
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
@@ -106,27 +110,20 @@ def test_decode_batch_layout_and_thread_count(H, Hkv):
         torch.set_num_threads(threads)
 
 
-def test_assign_in_the_same_call():
-    """`new=(k, v, slots)`: the step's keys and values (strided views, as the model passes them)
-    land in their slots before any row attends (a prompt's tokens see each other), a row with no
-    sequence writes nothing (its slot is in the null page), and the output equals attention over
-    pools written beforehand."""
+def test_assign_through_write_slots_then_attend():
+    """The engine's order: the step's keys and values (strided views, as the model passes them)
+    are ASSIGNed by the page manager's `write_slots`, then the kernel attends (a prompt's tokens
+    see each other): equal to the reference over pools holding those keys."""
     H, Hkv, D, P = 8, 2, 32, 16
     k, v, table, slots = make_pool([70, 21], H, Hkv, D, P)
-    fresh_k, fresh_v = torch.randn(1, 71, Hkv * 3, D), torch.randn(1, 71, Hkv * 3, D)
-    # [1, Hkv, 71, D] views of wider rows
-    nk, nv = fresh_k[:, :, :Hkv].transpose(1, 2), fresh_v[:, :, Hkv : 2 * Hkv].transpose(1, 2)
-    new_slots = torch.cat([slots[0], torch.zeros(1, dtype=torch.int64)])  # seq 0 whole, then a no-seq row
-    chunks = torch.tensor([(0, 0, 70, 0), (-1, 0, 1, 70)])
-    q = torch.randn(1, H, 71, D)
-    kp, vp = k.clone(), v.clone()
-    null_before = kp[0, :, :P].clone()
-    out = cpu_kernel.paged_attention(q, kp, vp, table, chunks, P, D**-0.5, new=(nk, nv, new_slots))
-    k[0, :, slots[0]], v[0, :, slots[0]] = nk[0, :, :70], nv[0, :, :70]
-    assert torch.equal(kp[0, :, slots[0]], k[0, :, slots[0]])
-    assert torch.equal(vp[0, :, slots[0]], v[0, :, slots[0]])
-    torch.testing.assert_close(kp[0, :, :P], null_before, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(out, run(q, k, v, table, chunks, P))
+    fresh_k, fresh_v = torch.randn(1, 70, Hkv * 3, D), torch.randn(1, 70, Hkv * 3, D)
+    nk, nv = fresh_k[0, :, :Hkv], fresh_v[0, :, Hkv : 2 * Hkv]  # [70, Hkv, D] views of wider rows
+    write_slots(k, v, slots[0], nk, nv)
+    assert torch.equal(k[0, :, slots[0]], nk.transpose(0, 1))
+    assert torch.equal(v[0, :, slots[0]], nv.transpose(0, 1))
+    chunks = torch.tensor([(0, 0, 70, 0)])
+    q = torch.randn(1, H, 70, D)
+    out = run(q, k, v, table, chunks, P)
     assert (out.double() - reference(q, k, v, slots, chunks, H)).abs().max().item() <= TOL
 
 
@@ -142,8 +139,8 @@ def test_op_inside_a_compiled_graph():
 
 def test_bad_inputs_raise():
     """A typed error naming the bad value, before the kernel reads anything: wrong dtypes, shapes,
-    a page size the tiles do not fit, and chunks or slots outside the page table, the step or the
-    pool (the kernel checks those itself: they would be reads and writes out of bounds)."""
+    a page size the tiles do not fit, and chunks outside the page table or the step (the kernel
+    checks those itself: they would be reads out of bounds)."""
     H, Hkv, D, P = 4, 2, 16, 16
     k, v, table, _ = make_pool([20], H, Hkv, D, P)
     chunks = torch.tensor([(0, 0, 20, 0)])
@@ -161,9 +158,6 @@ def test_bad_inputs_raise():
     for bad in [(1, 0, 20, 0), (0, 0, 21, 0), (0, 60, 20, 0), (0, 0, 20, 1)]:  # seq, length, position, offset
         with pytest.raises(ValueError, match=rf"chunk 0 \[{', '.join(map(str, bad))}\]"):
             run(q, k, v, table, torch.tensor([bad]), P)
-    kk, past_the_pool = torch.randn(1, Hkv, 20, D), torch.full((20,), k.shape[2])
-    with pytest.raises(ValueError, match="slot is outside the pool"):
-        cpu_kernel.paged_attention(q, k, v, table, chunks, P, 1.0, new=(kk, kk, past_the_pool))
 
 
 def test_kernel_choice():
@@ -197,3 +191,47 @@ def test_built_once_per_head_dim_into_the_cache_dir(tmp_path, monkeypatch):
         assert built.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 1
     finally:
         native.load.cache_clear()
+
+
+def test_struct_is_typed():
+    """Fields are set by name and type-checked by ctypes; the kernel takes only its own struct."""
+    Args = cpu_kernel.FmsPagedAttentionArgs
+    with pytest.raises(AttributeError):
+        Args(n_heads=4)  # not a field
+    with pytest.raises(TypeError):
+        Args(H=4.0)  # an int32 field
+    with pytest.raises(TypeError):
+        Args(q=torch.randn(4))  # a pointer field takes an address, not a tensor
+    kernel, why = cpu_kernel._build(16)
+    assert why is None
+
+    class Other(ctypes.Structure):
+        _fields_ = Args._fields_
+
+    with pytest.raises(ctypes.ArgumentError):
+        kernel(Other())
+
+
+def test_library_with_another_layout_is_refused(monkeypatch):
+    """A library whose struct is laid out otherwise than the Python mirror (two same-typed fields
+    swapped: the same kinds, other offsets) is refused naming the first differing field, and
+    paged_attention raises rather than calling it."""
+    lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=16)
+    assert why is None
+    fields = list(cpu_kernel.FmsPagedAttentionArgs._fields_)
+    fields[1], fields[2] = fields[2], fields[1]  # q_sh before q_st
+    swapped = type("FmsPagedAttentionArgs", (ctypes.Structure,), {"_fields_": fields})
+    with pytest.raises(native.LayoutMismatch,
+                       match=r"first difference: 'q_st:i64@8' where 'q_sh:i64@8' was expected"):
+        native.bind(lib, "fms_paged_attention", swapped)
+    H, Hkv, D, P = 4, 2, 16, 16
+    k, v, table, _ = make_pool([20], H, Hkv, D, P)
+    real = native.layout
+    monkeypatch.setattr(native, "layout", lambda struct: real(struct) + " extra:i64@192")  # one more field
+    cpu_kernel._build.cache_clear()
+    try:
+        with pytest.raises(native.LayoutMismatch, match="first difference: 'nothing' where 'extra:i64@192'"):
+            run(torch.randn(1, H, 20, D), k, v, table, torch.tensor([(0, 0, 20, 0)]), P)
+    finally:
+        monkeypatch.undo()
+        cpu_kernel._build.cache_clear()

@@ -469,7 +469,7 @@ def test_steps_assign_through_the_checked_write_and_gather_reads_it_back(kernel)
         step.store(kp, vp, k.double(), k.double())
     with pytest.raises(ValueError, match="shape"):
         step.store(kp, vp, k[:, :, :20], k[:, :, :20])
-    assert torch.equal(kp, before)
+    torch.testing.assert_close(kp, before, rtol=0, atol=0, equal_nan=True)  # unwritten slots: stale
     step.store(kp, vp, k, 2 * k)
     got_k, got_v, lens = pc.pm.gather([1], kp, vp)
     assert lens.tolist() == [21]

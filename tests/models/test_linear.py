@@ -4,13 +4,14 @@ Tolerance: oneDNN and MKL sum the K products in different orders; fp32 round-off
 terms of unit-scale values stays far below rtol 1e-5 / atol 1e-4.
 """
 
+import ctypes
 import gc
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fms_paged import get_model
+from fms_paged import get_model, native
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules import linear as L
 
@@ -113,21 +114,16 @@ def _recording_backend(graphs):
     return backend
 
 
-def test_compiled_graphs_call_the_op_unless_inductor_freezes():
-    """Traced code holds the opaque op `fms_paged::linear`, except under inductor freezing, which
-    packs and tunes the frozen weight's GEMM itself and so must see a plain linear."""
+def test_compiled_graphs_call_the_op():
+    """Traced code holds the opaque op `fms_paged::linear` (no aten linear or matmul of the weight)."""
     torch.manual_seed(0)
     lin = L.Linear(256, 1024, bias=True).requires_grad_(False)
     x = torch.randn(L.GEMV_MAX_ROWS + 1, 256)  # above the GEMV kernel's rows: the packed path
     graphs: list[set] = []
     fn = torch.compile(lin, backend=_recording_backend(graphs), fullgraph=True)
     torch.testing.assert_close(fn(x), F.linear(x, lin.weight, lin.bias), **TOL)
-    with torch._inductor.config.patch(freezing=True):
-        torch.testing.assert_close(fn(x), F.linear(x, lin.weight, lin.bias), **TOL)
-    assert len(graphs) == 2
-    assert "fms_paged.linear" in graphs[0]
-    assert not any("fms_paged" in t for t in graphs[1])
-    assert any("linear" in t for t in graphs[1])
+    assert len(graphs) == 1
+    assert graphs[0] == {"fms_paged.linear"}
     # through inductor: the op runs as an extern call on the live (repacked) weight
     mod = L.Linear(256, 1024, bias=False).requires_grad_(False)
     ind = torch.compile(mod, fullgraph=True)
@@ -181,7 +177,7 @@ def test_get_model_passes_linear_impl():
 def test_stacked_projections_are_one_gemm_and_follow_each_weight():
     """q/k/v (and gate/up) through one GEMM over their stacked packed weights: each output equals
     its own F.linear, also after a change to any one weight of the stack, and in a compiled graph
-    (one opaque op; a plain linear over the concatenated weights under freezing)."""
+    (one opaque op)."""
     torch.manual_seed(0)
     lins = [L.Linear(64, n, bias=False).requires_grad_(False) for n in (64, 32, 32)]
     x = torch.randn(1, L.PACK_MIN_ROWS, 64)
@@ -199,10 +195,7 @@ def test_stacked_projections_are_one_gemm_and_follow_each_weight():
     graphs: list[set] = []
     fn = torch.compile(lambda x: L.linear_cat(x, lins), backend=_recording_backend(graphs), fullgraph=True)
     check(fn(x))
-    with torch._inductor.config.patch(freezing=True):
-        check(fn(x))
-    assert "fms_paged.linear" in graphs[0]
-    assert not any("fms_paged" in t for t in graphs[1])
+    assert len(graphs) == 1 and "fms_paged.linear" in graphs[0]
     small = torch.randn(L.GEMV_MAX_ROWS + 1, 64)  # below the packing thresholds: each its own F.linear
     assert L.cpu_path(small, lins[0].weight, 128) is None
     for out, m in zip(L.linear_cat(small, lins), lins):
@@ -217,3 +210,81 @@ def test_stacked_projections_are_one_gemm_and_follow_each_weight():
     for out, m in zip(fn(one), lins):
         torch.testing.assert_close(out, F.linear(one, m.weight), **TOL)
     assert "fms_paged.linear" in gemv_graphs[0]
+
+
+def test_inference_tensor_weights_pack_and_follow_a_new_storage():
+    """Weights created under inference_mode have no version counter: the packed copy is keyed by
+    the storage alone (the module docstring says what that means for in-place writes), so a call
+    works under inference_mode and no_grad, and a new storage (`assign=True`) is followed."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
+        x = torch.randn(L.GEMV_MAX_ROWS + 1, 256)
+    assert lin.weight.is_inference() and L.cpu_path(x, lin.weight) == "packed"
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
+    assert lin.weight in L._PACKED
+    with torch.inference_mode():
+        lin.load_state_dict({"weight": torch.randn(1024, 256)}, assign=True)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
+        with torch.no_grad():  # the GEMV kernel's cached arguments follow the storage as well
+            torch.testing.assert_close(lin(x[:2]), F.linear(x[:2], lin.weight), **TOL)
+
+
+def test_gemv_refuses_wrong_dtypes_and_widths():
+    """The kernel reads rows x K floats of each weight: a tensor of another dtype or width, for x or
+    any weight of the stack, is a typed error naming it, before the kernel runs."""
+    w, x = torch.randn(64, 32), torch.randn(2, 32)
+    with pytest.raises(ValueError, match=r"x must be a torch.float32 CPU tensor .* got torch.float64"):
+        L.gemv(x.double(), [w])
+    with pytest.raises(ValueError, match=r"weight 1 must be a 2-D torch.float32 CPU tensor \[N, 32\] .* got "
+                                         r"torch.float32 \(64, 16\)"):
+        L.gemv(x, [w, torch.randn(64, 16)])
+    with pytest.raises(ValueError, match=r"weight 0 must be .* got torch.bfloat16 \(64, 32\)"):
+        L.gemv(x, [w.bfloat16()])
+    torch.testing.assert_close(L.gemv(x, [w]), F.linear(x, w), **TOL)
+    with pytest.raises(ValueError, match=r"\[N, 16\] \(x's width\), got torch.float32 \(64, 32\)"):
+        L.gemv(x[:, :16], [w])  # the same weight, kept from the call before, with a narrower x
+
+
+def test_gemv_struct_is_typed():
+    """Fields are set by name and type-checked by ctypes; the kernel takes only its own struct."""
+    with pytest.raises(AttributeError):
+        L.FmsGemvArgs(x_stride=4)  # not a field
+    with pytest.raises(TypeError):
+        L.FmsGemvArgs(M=4.0)  # an int64 field
+    with pytest.raises(TypeError):
+        L.FmsGemvArgs(x=torch.randn(4))  # a pointer field takes an address, not a tensor
+    fn = L._gemv_kernel()
+
+    class Other(ctypes.Structure):
+        _fields_ = L.FmsGemvArgs._fields_
+
+    with pytest.raises(ctypes.ArgumentError):
+        fn(Other())
+
+
+def test_gemv_library_with_another_layout_is_refused(monkeypatch):
+    """A library whose struct is laid out otherwise than the Python mirror (two fields swapped: the
+    same kinds, other offsets) is refused with the first differing field named, not called."""
+    lib, why = native.load(L.GEMV_SOURCE)
+    assert why is None
+    assert native.bind(lib, "fms_paged_gemv", L.FmsGemvArgs) is not None
+
+    fields = list(L.FmsGemvArgs._fields_)
+    fields[1], fields[2] = fields[2], fields[1]  # K before M
+    Swapped = type("FmsGemvArgs", (ctypes.Structure,), {"_fields_": fields})
+    with pytest.raises(native.LayoutMismatch, match=r"first difference: 'M:i64@8' where 'K:i64@8' was"):
+        native.bind(lib, "fms_paged_gemv", Swapped)
+    with pytest.raises(native.LayoutMismatch, match="exports no fms_paged_gemv_layout"):
+        native.bind(ctypes.CDLL(None), "fms_paged_gemv", L.FmsGemvArgs)
+    # gemv itself refuses such a build loudly (no silent fallback to F.linear)
+    monkeypatch.setattr(native, "layout", lambda struct: "FmsGemvArgs 72: x:f32*@0")
+    L._gemv_kernel.cache_clear()
+    try:
+        with pytest.raises(native.LayoutMismatch, match="laid out as 'FmsGemvArgs 72: x:f32\\*@0 M:i64@8"):
+            L.gemv(torch.randn(1, 8), [torch.randn(4, 8)])
+    finally:
+        monkeypatch.undo()
+        L._gemv_kernel.cache_clear()

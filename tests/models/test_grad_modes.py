@@ -1,0 +1,79 @@
+"""A model loaded (get_model) and run under each grad mode: `torch.inference_mode()`, `torch.no_grad()`
+or neither, dense (`attn_impl="sdpa"`) and paged (the cpp kernel), against an independent reference.
+
+Loading under `inference_mode` makes every weight an inference tensor (no version counter), the
+case the packed-weight cache of `fms_paged.modules.linear` must key without `_version`. The
+prompts take each CPU projection path: 300 tokens (>= PACK_MIN_ROWS: the oneDNN-packed GEMM) and
+5 tokens (<= GEMV_MAX_ROWS: the GEMV kernel); the paged model also decodes one token for each
+prompt (the GEMV kernel and the attention kernel's decode rows).
+
+Reference: the same weights (same seed) in a dense model with `linear_impl="torch"` (F.linear
+everywhere: no packed copy, no GEMV kernel), loaded and run under `no_grad`. Tolerance 1e-5
+absolute and relative on logits of magnitude below ~1: fp32 round-off of the paths' differently
+ordered sums (oneDNN's blocked GEMM, the GEMV kernel, the paged kernel's online softmax) over at
+most 128 terms per dot product, far below it; a stale or wrong weight would differ by ~0.1.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from fms_paged import get_model
+from fms_paged.kv.paged import PagedBackend
+from fms_paged.modules import linear as L
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": contextlib.nullcontext}
+LONG, SHORT = 300, 5
+assert LONG >= L.PACK_MIN_ROWS and SHORT <= L.GEMV_MAX_ROWS
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (LONG, SHORT)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per prompt: the reference logits [n, V] of its tokens, and [V] of the next token after the
+    prompt and its greedy next token (which the paged model decodes)."""
+    ref = get_model(variant="micro", device="cpu", seed=0, linear_impl="torch")
+    out = []
+    with torch.no_grad():
+        for p in prompts():
+            logits = ref(torch.tensor([p]))[0]  # [n, V]
+            nxt = int(logits[-1].argmax())
+            out.append((logits, nxt, ref(torch.tensor([p + [nxt]]))[0, -1]))
+    return out
+
+
+CELLS = [pytest.param(load, run, id=f"load_{load}-run_{run}") for load in MODES for run in MODES]
+
+
+@pytest.mark.parametrize("load, run", CELLS)
+def test_dense(load, run, reference):
+    with MODES[load]():
+        model = get_model(variant="micro", device="cpu", seed=0, attn_impl="sdpa")
+    assert model.head.weight.is_inference() == (load == "inference_mode")
+    for p, (want, _, _) in zip(prompts(), reference):
+        with MODES[run]():
+            got = model(torch.tensor([p]))[0]
+        torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("load, run", CELLS)
+def test_paged(load, run, reference):
+    with MODES[load]():
+        model = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", page_size=16)
+    with MODES[run]():
+        backend = PagedBackend(model, 2, LONG + 2)
+        assert backend.kernel == "cpp"
+        ps = prompts()
+        for seq, (p, (want, _, _)) in enumerate(zip(ps, reference)):  # one prefill per prompt
+            tokens, positions, step, _ = backend.prefill([seq], [p])
+            torch.testing.assert_close(model(tokens, positions, step)[0], want, **TOL)
+        nxt = torch.tensor([r[1] for r in reference])
+        tokens, positions, step = backend.decode([0, 1], nxt, [len(p) for p in ps], [True, True])
+        got = model(tokens, positions, step)[:, -1]  # [2, V]
+    torch.testing.assert_close(got, torch.stack([r[2] for r in reference]), **TOL)
