@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch  # noqa: F401 - loaded first: the kernels' OpenMP resolves to the runtime torch uses
 
+# the kernels' calling convention (argument structs and their layout functions), included by each
+HEADER = Path(__file__).with_name("native_args.h")
+
 
 class LayoutMismatch(RuntimeError):
     """A kernel library whose argument struct is not laid out as its Python mirror."""
@@ -124,12 +127,13 @@ def load(source: Path, **defines: int) -> tuple[ctypes.CDLL | None, str | None]:
     cxx = compiler()
     if cxx is None:
         return None, "no C++ compiler found ($CXX, g++ or c++)"
-    flags = _flags() + [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    flags = _flags() + [f"-I{HEADER.parent}"] + [f"-D{k}={v}" for k, v in sorted(defines.items())]
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} --version failed: {e}"
-    key = hashlib.sha256("\n".join([source.read_text(), " ".join(flags), version, _cpu_id()]).encode())
+    made_from = [source.read_text(), HEADER.read_text(), " ".join(flags), version, _cpu_id()]
+    key = hashlib.sha256("\n".join(made_from).encode())
     tag = "".join(f"_{k.lower()}{v}" for k, v in sorted(defines.items()))
     path = cache_dir() / f"{source.stem}{tag}_{key.hexdigest()[:16]}.so"
     if not path.exists():

@@ -17,13 +17,13 @@
 // the softmax over the keys' lanes, and O[d] += P[key] * V[key, d] over whole rows of V.
 #include <omp.h>
 
+#include "native_args.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <string>
-#include <type_traits>
 #include <vector>
 
 #ifndef HEAD_DIM
@@ -32,18 +32,6 @@
 
 namespace {
 
-// a field's kind in the layout string: i32, i64, f32, or a pointer's pointee kind followed by *
-template <class T>
-std::string kind() {
-  using U = std::remove_cv_t<T>;
-  if constexpr (std::is_pointer_v<U>) return kind<std::remove_pointer_t<U>>() + "*";
-  else if constexpr (std::is_same_v<U, int32_t>) return "i32";
-  else if constexpr (std::is_same_v<U, int64_t>) return "i64";
-  else {
-    static_assert(std::is_same_v<U, float>, "a field of another type: give it a kind here and in native.py");
-    return "f32";
-  }
-}
 
 constexpr int D = HEAD_DIM;
 constexpr int W = 16;   // lanes per vector: query rows
@@ -322,25 +310,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 
 extern "C" {
 
-struct FmsPagedAttentionArgs {
-#define FIELD(type, name) type name;
-  FMS_PAGED_ATTENTION_FIELDS(FIELD)
-#undef FIELD
-};
-
-// "FmsPagedAttentionArgs <sizeof>: <name>:<kind>@<offset> ..." (kinds: i32, i64, f32, and a
-// pointer's pointee kind followed by *), the string fms_paged.native.layout() spells for the mirror
-const char* fms_paged_attention_layout() {
-  static const std::string layout = [] {
-    std::string s = "FmsPagedAttentionArgs " + std::to_string(sizeof(FmsPagedAttentionArgs)) + ":";
-#define FIELD(type, name) \
-  s += std::string(" ") + #name + ":" + kind<type>() + "@" + std::to_string(offsetof(FmsPagedAttentionArgs, name));
-    FMS_PAGED_ATTENTION_FIELDS(FIELD)
-#undef FIELD
-    return s;
-  }();
-  return layout.c_str();
-}
+FMS_PAGED_ARGS(FmsPagedAttentionArgs, FMS_PAGED_ATTENTION_FIELDS, fms_paged_attention_layout)
 
 // 0, or 1: heads or page size the kernel cannot take; 2 + i: chunk i is outside the page table or
 // the step's tokens (nothing read or written)

@@ -9,28 +9,15 @@
 // (many short streams, one per weight row of a block).
 #include <omp.h>
 
+#include "native_args.h"
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <string>
-#include <type_traits>
 #include <vector>
 
 namespace {
-
-// a field's kind in the layout string: i32, i64, f32, or a pointer's pointee kind followed by *
-template <class T>
-std::string kind() {
-  using U = std::remove_cv_t<T>;
-  if constexpr (std::is_pointer_v<U>) return kind<std::remove_pointer_t<U>>() + "*";
-  else if constexpr (std::is_same_v<U, int32_t>) return "i32";
-  else if constexpr (std::is_same_v<U, int64_t>) return "i64";
-  else {
-    static_assert(std::is_same_v<U, float>, "a field of another type: give it a kind here and in native.py");
-    return "f32";
-  }
-}
 
 constexpr int W = 16;  // floats per vector
 #ifdef __AVX512F__
@@ -123,25 +110,7 @@ void columns(const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& 
 
 extern "C" {
 
-struct FmsGemvArgs {
-#define FIELD(type, name) type name;
-  FMS_PAGED_GEMV_FIELDS(FIELD)
-#undef FIELD
-};
-
-// "FmsGemvArgs <sizeof>: <name>:<kind>@<offset> ..." (kinds: i32, i64, f32, and a pointer's pointee
-// kind followed by *), the string fms_paged.native.layout() spells for the mirror
-const char* fms_paged_gemv_layout() {
-  static const std::string layout = [] {
-    std::string s = "FmsGemvArgs " + std::to_string(sizeof(FmsGemvArgs)) + ":";
-#define FIELD(type, name) \
-  s += std::string(" ") + #name + ":" + kind<type>() + "@" + std::to_string(offsetof(FmsGemvArgs, name));
-    FMS_PAGED_GEMV_FIELDS(FIELD)
-#undef FIELD
-    return s;
-  }();
-  return layout.c_str();
-}
+FMS_PAGED_ARGS(FmsGemvArgs, FMS_PAGED_GEMV_FIELDS, fms_paged_gemv_layout)
 
 int fms_paged_gemv(const FmsGemvArgs* args) {
   const FmsGemvArgs& a = *args;

@@ -1,0 +1,45 @@
+// The calling convention of the project's C++ kernels (fms_paged/native.py builds them with this
+// folder on the include path). A kernel takes one struct of arguments, declared from one list of
+// (type, name) fields, and exports a function that spells the struct's layout: its name, its size,
+// and every field's name, kind and offset. The Python side mirrors the struct as a
+// ctypes.Structure and refuses a library whose layout is not the mirror's (fms_paged.native.bind),
+// so a field cannot be read at the wrong offset or with the wrong type.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+// a field's kind in the layout string: i32, i64, f32, or a pointer's pointee kind followed by *
+template <class T>
+std::string fms_paged_kind() {
+  using U = std::remove_cv_t<T>;
+  if constexpr (std::is_pointer_v<U>) return fms_paged_kind<std::remove_pointer_t<U>>() + "*";
+  else if constexpr (std::is_same_v<U, int32_t>) return "i32";
+  else if constexpr (std::is_same_v<U, int64_t>) return "i64";
+  else {
+    static_assert(std::is_same_v<U, float>, "a field of another type: give it a kind here and in native.py");
+    return "f32";
+  }
+}
+
+#define FMS_PAGED_FIELD_DECL(type, name) type name;
+#define FMS_PAGED_FIELD_LAYOUT(type, name) \
+  s += std::string(" ") + #name + ":" + fms_paged_kind<type>() + "@" + std::to_string(offsetof(Self, name));
+
+// struct Struct { FIELDS }; and const char* layout_fn() returning
+// "Struct <sizeof>: <name>:<kind>@<offset> ..." (inside extern "C")
+#define FMS_PAGED_ARGS(Struct, FIELDS, layout_fn)                                 \
+  struct Struct {                                                                 \
+    FIELDS(FMS_PAGED_FIELD_DECL)                                                  \
+  };                                                                              \
+  const char* layout_fn() {                                                       \
+    static const std::string layout = [] {                                        \
+      using Self = Struct;                                                        \
+      std::string s = #Struct " " + std::to_string(sizeof(Self)) + ":";           \
+      FIELDS(FMS_PAGED_FIELD_LAYOUT)                                              \
+      return s;                                                                   \
+    }();                                                                          \
+    return layout.c_str();                                                        \
+  }
