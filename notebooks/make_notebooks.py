@@ -179,10 +179,11 @@ PAGE_MANAGER = [
 
 BENCHMARKS = [
     new_markdown_cell(
-        "# Benchmarks: dense vs paged\n\nRuns a small benchmark of the default model in this notebook "
-        "(the same code as `make bench-compare`, at a tiny scale so it takes a minute on a laptop "
-        "CPU), then plots latency, KV memory and perplexity from its `results.json`. To plot a full "
-        "run instead, point `RESULTS` at its folder (e.g. `results/bench-compare`)."
+        "# Benchmarks: no cache, dense cache, paged cache\n\nRuns a small benchmark of the default model "
+        "in this notebook (the same code as `make bench-llama-paged`, at a tiny scale so it takes a "
+        "minute on a laptop CPU), then shows its plots and reads latency, KV memory and perplexity from "
+        "its `results.json`. To look at a full run instead, set `RESULTS` to its folder (e.g. "
+        "`Path(\"results/bench-llama-paged\")`)."
     ),
     new_code_cell(
         "import json, os, tempfile\n"
@@ -190,33 +191,26 @@ BENCHMARKS = [
         "from fms_paged.bench.cli import main as bench\n\n"
         "RESULTS = Path(os.environ.get(\"FMS_PAGED_RESULTS\", tempfile.mkdtemp())) / \"notebook\"\n"
         "if not (RESULTS / \"results.json\").exists():\n"
-        "    bench([\"--attn-impl\", \"both\", \"--scenario\", \"single,mixed\", \"--scale\", \"0.02\",\n"
-        "           \"--new-tokens\", \"8\", \"--no-memory\", \"--ppl-chars\", \"2000\", \"--device\", \"cpu\",\n"
+        "    bench([\"--attn-impl\", \"all\", \"--scenario\", \"single,mixed\", \"--scale\", \"0.02\",\n"
+        "           \"--new-tokens\", \"8\", \"--ppl-chars\", \"2000\", \"--device\", \"cpu\",\n"
         "           \"--out\", str(RESULTS)])\n"
         "results = json.loads((RESULTS / \"results.json\").read_text())\n"
         "print(sorted(results))"
     ),
     new_code_cell(
-        "import matplotlib\n"
-        "matplotlib.use(\"Agg\")\n"
-        "import matplotlib.pyplot as plt\n\n"
-        "scen = results[\"scenarios\"]\n"
-        "names = list(scen)\n"
-        "fig, ax = plt.subplots(1, 2, figsize=(11, 3.5))\n"
-        "for i, impl in enumerate((\"sdpa\", \"paged\")):\n"
-        "    ax[0].bar([j + 0.4 * i for j in range(len(names))],\n"
-        "              [scen[n][impl][\"per_token\"][\"p50_ms\"] for n in names], 0.4, label=impl)\n"
-        "    ax[1].bar([j + 0.4 * i for j in range(len(names))],\n"
-        "              [scen[n][impl][\"kv\"][\"kv_bytes_held\"] / 2**20 for n in names], 0.4, label=impl)\n"
-        "ax[1].scatter(range(len(names)), [scen[n][\"sdpa\"][\"kv\"][\"kv_bytes_needed\"] / 2**20 for n in names],\n"
-        "              color=\"k\", marker=\"_\", s=400, label=\"needed\")\n"
-        "for a, t in zip(ax, (\"decode ms / token (p50)\", \"KV MiB held\")):\n"
-        "    a.set_xticks(range(len(names)), names)\n"
-        "    a.set_title(t)\n"
-        "    a.legend()\n"
-        "plt.show()\n"
-        "for n in names:\n"
-        "    print(n, {impl: round(scen[n][impl][\"kv\"][\"kv_waste_pct\"], 1) for impl in scen[n]}, \"KV waste %\")"
+        "from IPython.display import Image, display\n\n"
+        "for png in (\"latency_vs_length.png\", \"memory_vs_length.png\"):\n"
+        "    display(Image(filename=str(RESULTS / png)))"
+    ),
+    new_code_cell(
+        "# the mixed batches: KV bytes each cache holds against those its tokens need, and decode speed\n"
+        "for r in results[\"runs\"]:\n"
+        "    if r[\"scenario\"] == \"mixed\":\n"
+        "        kv = r[\"kv\"]\n"
+        "        print(f\"{r['length']:5d} {r['attn_impl']:9s} \"\n"
+        "              f\"KV held {kv['kv_bytes_held'] / 2**20:6.2f} MiB, \"\n"
+        "              f\"needed {kv['kv_bytes_needed'] / 2**20:6.2f} MiB, \"\n"
+        "              f\"{r['per_token']['p50_ms']:7.2f} ms per decode step\")"
     ),
     new_code_cell(
         "ppl = results[\"perplexity\"]\n"

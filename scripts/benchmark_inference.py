@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Latency, peak memory and perplexity of the dense and paged backends (see fms_paged/bench/cli.py).
+"""Latency, peak memory and perplexity against the sequence length, for no cache, the dense cache and
+the paged cache on the same weights (`fms-paged bench`; options: --help, or fms_paged/bench/cli.py).
 
-python scripts/benchmark_inference.py --attn-impl both --scenario all --out results/bench-compare
+python scripts/benchmark_inference.py --attn-impl all --out results/bench-llama-paged
 """
 
 from fms_paged.bench.cli import main

@@ -1,7 +1,10 @@
-"""Where a benchmark ran: device, versions, git sha, CPU model, threads; memory bandwidth; timing sync.
-
-Every figure a benchmark reports is tied to this record (written into its JSON), and the roofline
-(`decode_roofline_ms`) uses the bandwidth measured in the same run, not a datasheet number.
+"""Where a benchmark ran (device, versions, git sha, CPU model, threads) and what it measures with:
+timing sync, read bandwidth, the bytes of weights and K/V, and memory: the KV bytes a backend holds
+against those its tokens need, and a run's peak over what was in use when it started (`peak_meter`):
+on CUDA `max_memory_allocated` after `reset_peak_memory_stats`; on a Linux CPU the peak resident set
+(VmHWM) after resetting it through `/proc/self/clear_refs` (`ru_maxrss` cannot serve: a child of
+fork + exec inherits its parent's peak, and a process keeps its own from loading the model).
+Elsewhere (MPS, other OSes) the peak is not measured.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,117 +31,91 @@ def sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def git_sha() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-        )
-        sha = out.stdout.strip()
-        if not sha:
-            return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment_info(device: torch.device) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "device": str(device),
-        "device_name": cpu_model(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "git_sha": git_sha(),
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
     try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        info["transformers"] = None
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def auto_scale(device: torch.device, scale: float | None) -> tuple[float, str]:
-    """-> (scale, why). Full lengths on CUDA; small on CPU/MPS so `make bench-*` fits ~10 min."""
-    if scale is not None:
-        return float(scale), "given with --scale"
-    if device.type == "cuda":
-        return 1.0, "auto: CUDA device, full lengths"
-    if device.type == "mps":
-        return 0.25, "auto: MPS device"
-    return 0.125, f"auto: CPU with {os.cpu_count()} cores"
-
-
-def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The fastest of `repeats` timed calls of `fn` (device-synchronized), after one warm-up call."""
-    fn()
-    sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def measure_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Device memory bandwidth in GB/s from a large tensor copy (read + write = 2 * nbytes moved);
-    the best of `repeats` after one warm-up copy."""
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, repeats) / 1e9
+        git = lambda *a: subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True,
+                                        timeout=10).stdout.strip()
+        sha = git("rev-parse", "HEAD")
+        dirty = sha and git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        sha = dirty = ""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")]
+    cpu, cuda = names[0] if names else platform.processor() or platform.machine(), device.type == "cuda"
+    return {"device": str(device), "device_name": torch.cuda.get_device_name(device) if cuda else cpu,
+            "cpu_model": cpu, "torch": torch.__version__, "python": sys.version.split()[0],
+            "cuda": torch.version.cuda if cuda else None, "platform": platform.platform(),
+            "git_sha": (sha + ("-dirty" if dirty else "")) or None, "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def measure_read_bandwidth(device: torch.device, nbytes: int = 2**30, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s: the best of `repeats` `sum`s over a tensor of `nbytes` (larger
-    than the caches), after one warm-up."""
-    x = torch.ones(nbytes // 4, device=device)
-    return nbytes / _best_seconds(x.sum, device, repeats) / 1e9
+    """Read bandwidth in GB/s: the fastest of `repeats` `sum`s over `nbytes` (larger than the
+    caches), after one warm-up."""
+    x, times = torch.ones(nbytes // 4, device=device), []
+    for _ in range(repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times[1:]) / 1e9
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of distinct parameters (tied weights counted once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.nbytes
-    return total
+    return sum({p.data_ptr(): p.nbytes for p in model.parameters()}.values())
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of K and V of one token over all layers: 2 * nlayers * kvheads * head_dim * dtype_bytes."""
+    """K and V of one token over all layers: 2 * nlayers * kvheads * head_dim * dtype bytes."""
     return 2 * config.nlayers * config.kvheads * config.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def decode_roofline_ms(model: torch.nn.Module, kv_tokens_read: int, bandwidth_gbs: float) -> float:
-    """Lower bound of one decode step: read every weight once plus the K/V of `kv_tokens_read`
-    cached tokens, at the measured bandwidth."""
-    nbytes = weight_bytes(model) + kv_tokens_read * kv_bytes_per_token(model.config, model.dtype)
-    return nbytes / (bandwidth_gbs * 1e9) * 1e3
+def min_pages(lengths: Sequence[int], page_size: int) -> int:
+    """Pages needed to hold sequences of `lengths` tokens without sharing."""
+    return int(sum(-(-int(n) // page_size) for n in lengths))
+
+
+def kv_accounting(cache, lengths: Sequence[int], config, dtype: torch.dtype) -> dict[str, Any]:
+    """KV bytes held for the live sequences against the bytes of K and V of the tokens stored. Held:
+    paged, the distinct pages of the page table; dense, the preallocated rows (B * max_seq_len); no
+    cache, nothing. `kv_pool_bytes`: the whole preallocated buffer, whatever is in use."""
+    per_token, stored = kv_bytes_per_token(config, dtype), int(sum(int(n) for n in lengths))
+    out: dict[str, Any] = {"bytes_per_token": per_token, "tokens_stored": stored,
+                           "kv_bytes_needed": per_token * stored, "kv_pool_bytes": int(cache.kv_bytes)}
+    if hasattr(cache, "pm"):
+        table = cache.pm.page_table  # [max_seqs, max_pages] int32, 0 = unused (null page)
+        pages = int(torch.unique(table[table > 0]).numel())
+        out.update(pages_held=pages, page_size=cache.pm.page_size, slots_held=pages * cache.pm.page_size,
+                   pool_pages=cache.pm.num_pages)
+    else:  # dense rows, or none (no cache)
+        rows = len(lengths) if hasattr(cache, "cache") else 0
+        out.update(rows_held=rows, slots_held=rows and rows * cache.cache.max_seq_len)
+    held = out["kv_bytes_held"] = out["slots_held"] * per_token
+    out["kv_waste_pct"] = 100.0 * (held - out["kv_bytes_needed"]) / held if held else 0.0
+    return out
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise KeyError(key)
+
+
+def peak_meter(device: torch.device):
+    """-> (start, peak): `start()` resets the peak and returns the bytes in use, `peak()` the peak
+    since; or None where this device has no such counter."""
+    if device.type == "cuda":
+        return (lambda: torch.cuda.reset_peak_memory_stats(device) or torch.cuda.memory_allocated(device),
+                lambda: torch.cuda.max_memory_allocated(device))
+
+    def start() -> int:
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set (VmHWM)
+        return _status_bytes("VmRSS")
+
+    try:
+        return (start, lambda: _status_bytes("VmHWM")) if device.type == "cpu" and start() else None
+    except (OSError, KeyError):
+        return None

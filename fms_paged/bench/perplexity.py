@@ -1,47 +1,28 @@
-"""Perplexity over non-overlapping windows, through the KV-cache backend or with no cache at all.
-
-Each window of `window` tokens is scored from its own start: its first token is context only, every
-later token is predicted from the window's tokens before it. With `use_cache=True` the window is fed
-through `make_cache(model, 1, window)` in chunks of `chunk` tokens (chunked prefill: later chunks read
-the earlier chunks' K/V from the cache); with `use_cache=False` the whole window goes through
-`model(tokens[None])` with plain causal attention (the independent reference). Both give the same
-numbers up to float round-off, whatever `attn_impl` is.
-"""
+"""Perplexity over non-overlapping windows, each scored from its own start (its first token is
+context only), through the model's KV-cache backend in chunks of `chunk` tokens (chunked prefill:
+later chunks read the earlier ones' K/V from the cache), or with no cache (the whole window through
+plain causal attention: the independent reference). Both agree up to float round-off."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from fms_paged.bench.latency import with_config
+from fms_paged.data import heldout_text
 from fms_paged.kv.cache import make_cache
-
-
-def _windows(token_ids: list[int], window: int) -> list[list[int]]:
-    """Non-overlapping windows; a short tail is kept if it has at least one token to predict."""
-    out = [token_ids[i : i + window] for i in range(0, len(token_ids), window)]
-    return [w for w in out if len(w) >= 2]
-
-
-def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    # logits: [n, V], targets: [n] -> summed NLL in float64
-    return F.cross_entropy(logits.double(), targets, reduction="sum").item()
+from fms_paged.tokenizers import load_tokenizer
 
 
 @torch.inference_mode()
-def perplexity(
-    model: torch.nn.Module,
-    token_ids: list[int],
-    window: int = 256,
-    chunk: int | None = None,
-    use_cache: bool = True,
-    cache_kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def perplexity(model: torch.nn.Module, token_ids: list[int], window: int = 256, chunk: int | None = None,
+               use_cache: bool = True, cache_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """-> {"ppl": exp(mean NLL), "nll": mean NLL per predicted token, "tokens": predicted tokens,
-    "windows": number of windows}. `token_ids`: one token stream (ints); `cache_kwargs` go to
-    `make_cache` (e.g. the paged backend's `kernel=`)."""
+    "windows"}. `cache_kwargs` go to `make_cache` (e.g. the paged backend's `kernel=`)."""
     if window < 2:
         raise ValueError(f"window must be >= 2 tokens, got {window}")
     if chunk is not None and chunk < 1:
@@ -49,17 +30,17 @@ def perplexity(
     max_len = model.config.max_expected_seq_len
     if window > max_len:
         raise ValueError(f"window={window} exceeds the model's maximum sequence length {max_len}")
-    windows = _windows([int(t) for t in token_ids], window)
+    stream = [int(t) for t in token_ids]  # windows; a short tail kept if it has a token to predict
+    windows = [w for w in (stream[i : i + window] for i in range(0, len(stream), window)) if len(w) >= 2]
     if not windows:
         raise ValueError(f"need at least 2 tokens to measure perplexity, got {len(token_ids)}")
-    device = model.device
-    total, count = 0.0, 0
+    total, count = 0.0, 0  # summed NLL in float64, predicted tokens
+    nll_sum = lambda logits, targets: F.cross_entropy(logits.double(), targets, reduction="sum").item()
     cache = make_cache(model, 1, window, **(cache_kwargs or {})) if use_cache else None
     for w in windows:
-        ids = torch.tensor(w, dtype=torch.long, device=device)  # [n]
+        ids = torch.tensor(w, dtype=torch.long, device=model.device)  # [n]
         if cache is None:
-            logits = model(ids[None])[0]  # [n, V]
-            total += _nll_sum(logits[:-1], ids[1:])
+            total += nll_sum(model(ids[None])[0][:-1], ids[1:])  # logits: [n, V]
         else:
             size = chunk or len(w)
             cache.reset()
@@ -68,28 +49,45 @@ def perplexity(
                 tokens, positions, step, _ = cache.prefill([0], [piece], [start])
                 logits = model(tokens, positions, step)[0, : len(piece)]  # [n_chunk, V]
                 targets = ids[start + 1 : start + len(piece) + 1]  # the last chunk lacks its final target
-                total += _nll_sum(logits[: len(targets)], targets)
+                total += nll_sum(logits[: len(targets)], targets)
             cache.release([0])
         count += len(w) - 1
     nll = total / count
     return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "windows": len(windows)}
 
 
-def heldout_perplexity(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    max_chars: int = 200_000,
-    window: int = 256,
-    chunk: int | None = None,
-    use_cache: bool = True,
-    cache_kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def heldout_perplexity(model: torch.nn.Module, tokenizer: Any, max_chars: int = 200_000, window: int = 256,
+                       chunk: int | None = None, use_cache: bool = True,
+                       cache_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Perplexity on the first `max_chars` characters of the running interpreter's held-out stdlib
     files (`fms_paged.data.heldout_text`), encoded without BOS as one token stream."""
-    from fms_paged.data import heldout_text
-
     ids = tokenizer.encode(heldout_text(max_chars), bos=False)
-    result = perplexity(model, ids, window=window, chunk=chunk, use_cache=use_cache,
-                        cache_kwargs=cache_kwargs)
-    result.update(max_chars=max_chars, window=window)
-    return result
+    return dict(perplexity(model, ids, window=window, chunk=chunk, use_cache=use_cache,
+                           cache_kwargs=cache_kwargs), max_chars=max_chars, window=window)
+
+
+def eval_tokens(model: torch.nn.Module, model_path: str | None, text_file: str | None = None,
+                chars: int = 20_000) -> tuple[list[int], str]:
+    """-> (token ids, what they are): the first `chars` characters of `text_file` or of the stdlib
+    held-out split, through the checkpoint's tokenizer, or as bytes (mod vocab) without one."""
+    if text_file:
+        text, what = Path(text_file).read_text(encoding="utf-8", errors="replace")[:chars], text_file
+    else:
+        text, what = heldout_text(chars)[:chars], "stdlib held-out split"
+    if model_path and any((Path(model_path) / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):
+        return load_tokenizer(model_path).encode(text, bos=False), f"{what}, {len(text)} chars"
+    vocab = model.config.src_vocab_size
+    return [b % vocab for b in text.encode("utf-8")], f"{what}, {len(text)} chars as bytes"
+
+
+def by_backend(model: torch.nn.Module, impls: list[str], ids: list[int], window: int,
+               kernel: str = "auto") -> dict[str, Any]:
+    """Perplexity with no cache (the reference) and through each KV backend of `impls` (the paged
+    one on `kernel`), on twins of `model` sharing its weights."""
+    window = min(window, model.config.max_expected_seq_len)
+    by: dict[str, Any] = {"no-cache": (ref := perplexity(model, ids, window=window, use_cache=False))}
+    for impl in [i for i in impls if i != "no-cache"]:
+        r = perplexity(with_config(model, attn_impl=impl), ids, window=window,
+                       cache_kwargs={"kernel": kernel} if impl == "paged" else None)
+        by[impl] = dict(r, rel_diff_vs_reference=abs(r["ppl"] - ref["ppl"]) / ref["ppl"])
+    return {"by_backend": by, "tokens": ref["tokens"], "window": window}

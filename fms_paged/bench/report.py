@@ -1,336 +1,110 @@
-"""Writing a benchmark run: JSON (everything), CSV (one row per scenario x backend), markdown tables
-(printed to the terminal and saved) and PNG plots (matplotlib Agg)."""
+"""The report writer of every benchmark target: results.json (everything), results.csv (one row per
+run), results.md (markdown, also printed) and PNG plots (matplotlib, Agg); with `wandb_project` the
+rows' numbers and the plots also go to Weights & Biases (offline without an API key, the run under
+`<out>/wandb_runs`; wandb is imported only then). A plot: panels {"title", "xlabel", "ylabel",
+"logy"?, "series": [{"label", "x", "y", "fmt"? (matplotlib's), "color"?}]}; a panel without series
+is left out, a plot without panels not written."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+import netrc
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 MiB = 2**20
 
 
-def _num(x: Any, fmt: str = ".2f") -> str:
+def fmt(x: Any, spec: str = ".2f") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
-    return format(x, fmt) if isinstance(x, (int, float)) else str(x)
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if not isinstance(x, (int, float)):
+        return str(x)
+    return format(x / MiB, spec[3:] or ".2f") if spec.startswith("MiB") else format(x, spec)
 
 
-def _quartiles(q: list[float] | None) -> str:
-    return f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})" if q else "-"
+def table(rows: Iterable[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """A markdown table, a line per row: `columns` = (header, key, format spec: "MiB..." for bytes)."""
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(k), s) for _, k, s in columns) + " |" for r in rows]
+    return "\n".join(lines)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def scenario_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Flat rows (CSV / wandb table): one per scenario x backend."""
-    rows = []
-    for name, by_impl in results.get("scenarios", {}).items():
-        for impl, r in by_impl.items():
-            mem = results.get("memory", {}).get(name, {}).get(impl, {})
-            rows.append(
-                {
-                    "scenario": name,
-                    "attn_impl": impl,
-                    "kernel": r["kernel"],
-                    "batch": r["batch"],
-                    "tokens_stored": r["kv"]["tokens_stored"],
-                    "ttft_ms": r["ttft_ms"],
-                    "per_token_mean_ms": r["per_token"]["mean_ms"],
-                    "per_token_p50_ms": r["per_token"]["p50_ms"],
-                    "per_token_p90_ms": r["per_token"]["p90_ms"],
-                    "tokens_generated": r["tokens_generated"],
-                    "tokens_per_s": r["tokens_per_s"],
-                    "decode_tokens_per_s": r["decode_tokens_per_s"],
-                    "decode_vs_roofline": r.get("decode_vs_roofline"),
-                    "kv_bytes_needed": r["kv"]["kv_bytes_needed"],
-                    "kv_bytes_held": r["kv"]["kv_bytes_held"],
-                    "kv_pool_bytes": r["kv"]["kv_pool_bytes"],
-                    "kv_waste_pct": r["kv"]["kv_waste_pct"],
-                    "peak_bytes": mem.get("peak_bytes"),
-                    "run_peak_bytes": mem.get("run_peak_bytes"),
-                }
-            )
-    return rows
-
-
-def markdown(results: dict[str, Any]) -> str:
-    env, cfg = results["environment"], results["config"]
-    parts = [
-        f"## fms_paged benchmark `{cfg.get('name')}` — {env['device']} ({env['cpu_model']}, "
-        f"{env['threads']} threads), torch {env['torch']}, scale {cfg['scale']} ({cfg['scale_reason']}), "
-        f"model {results['model']['source']}, bandwidth {_num(results.get('bandwidth_gbs'), '.1f')} GB/s"
-    ]
-    rows = scenario_rows(results)
-    if rows:
-        parts.append(
-            _table(
-                [
-                    "scenario",
-                    "backend",
-                    "kernel",
-                    "B",
-                    "tokens",
-                    "TTFT ms",
-                    "tok ms mean",
-                    "p50",
-                    "p90",
-                    "tok/s",
-                    "x roofline",
-                    "KV held MiB",
-                    "KV needed MiB",
-                    "KV waste %",
-                    "pool MiB",
-                    "peak MiB",
-                ],
-                [
-                    [
-                        r["scenario"],
-                        r["attn_impl"],
-                        r["kernel"],
-                        str(r["batch"]),
-                        str(r["tokens_stored"]),
-                        _num(r["ttft_ms"]),
-                        _num(r["per_token_mean_ms"]),
-                        _num(r["per_token_p50_ms"]),
-                        _num(r["per_token_p90_ms"]),
-                        _num(r["tokens_per_s"], ".1f"),
-                        _num(r["decode_vs_roofline"], ".1f"),
-                        _num(r["kv_bytes_held"] / MiB),
-                        _num(r["kv_bytes_needed"] / MiB),
-                        _num(r["kv_waste_pct"], ".1f"),
-                        _num(r["kv_pool_bytes"] / MiB),
-                        _num(r["peak_bytes"] / MiB if r["peak_bytes"] else None, ".0f"),
-                    ]
-                    for r in rows
-                ],
-            )
-        )
-    if results.get("compare"):
-        parts.append("### paged / dense (same run)")
-        parts.append(
-            _table(
-                [
-                    "scenario",
-                    "TTFT",
-                    "per-token",
-                    "tok/s",
-                    "KV held",
-                    "KV pool",
-                    "peak mem",
-                    "run peak",
-                    "same tokens",
-                ],
-                [
-                    [
-                        n,
-                        _num(c.get("ttft")),
-                        _num(c.get("per_token")),
-                        _num(c.get("tokens_per_s")),
-                        _num(c.get("kv_held")),
-                        _num(c.get("kv_pool")),
-                        _num(c.get("peak_bytes")),
-                        _num(c.get("run_peak_bytes")),
-                        str(c.get("outputs_match")),
-                    ]
-                    for n, c in results["compare"].items()
-                ],
-            )
-        )
-    if results.get("decode"):
-        parts.append("### decode ms/step, dense vs paged (median)")
-        parts.append(
-            _table(
-                [
-                    "mode",
-                    "context",
-                    "case",
-                    "B",
-                    "dense ms",
-                    "paged ms",
-                    "paged/dense",
-                    "paired step ratio: median (p25-p75)",
-                    "paged step meta %",
-                    "BlockMask build % (eager)",
-                    "kernel",
-                ],
-                [
-                    [
-                        d.get("mode", "eager"),
-                        str(d["context"]),
-                        d["case"],
-                        str(d["batch"]),
-                        _num(d["dense_ms"]),
-                        _num(d["paged_ms"]),
-                        _num(d["ratio_paged_dense"]),
-                        _quartiles(d.get("ratio_quartiles")),
-                        _num(100 * d["paged_meta_share"], ".1f"),
-                        _num(
-                            100 * d["paged_mask_share"] if d["paged_mask_share"] is not None else None, ".1f"
-                        ),
-                        d["kernel"],
-                    ]
-                    for d in results["decode"]
-                ],
-            )
-        )
-    if results.get("perplexity"):
-        p = results["perplexity"]
-        parts.append(f"### perplexity ({p['text']}, {p['tokens']} tokens, window {p['window']})")
-        parts.append(
-            _table(
-                ["backend", "ppl", "nll", "rel. diff vs no-cache"],
-                [
-                    [
-                        k,
-                        _num(v["ppl"], ".4f"),
-                        _num(v["nll"], ".6f"),
-                        _num(v.get("rel_diff_vs_reference"), ".2e"),
-                    ]
-                    for k, v in p["by_backend"].items()
-                ],
-            )
-        )
-    if results.get("peers"):
-        prow = []
-        for peer, by in results["peers"].items():
-            if not isinstance(by, dict):
-                continue
-            if peer == "torch_paged_attention" or "error" in by and len(by) == 1:
-                prow.append([peer, "-", json.dumps({k: v for k, v in by.items() if k != "lengths"})[:160]])
-                continue
-            for sc, r in by.items():
-                detail = (
-                    r.get("error")
-                    or r.get("status")
-                    or (
-                        f"TTFT {_num(r.get('ttft_ms'))} ms, tok {_num(r.get('per_token_mean_ms'))} ms, "
-                        f"{_num(r.get('tokens_per_s'), '.1f')} tok/s, "
-                        f"same tokens as ours: {r.get('same_as_ours')}"
-                    )
-                )
-                prow.append([peer, sc, detail])
-        parts.append("### peers (same weights, same run)")
-        parts.append(_table(["peer", "scenario", "result"], prow))
-    return "\n\n".join(parts) + "\n"
-
-
-def plots(results: dict[str, Any], out: Path) -> list[Path]:
-    """latency_vs_length.png, memory_vs_length.png, kv_held_vs_needed.png (those with data)."""
+def plot(path: Path, panels: list[dict[str, Any]]) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
-    scen = results.get("scenarios", {})
-    fig, ax = plt.subplots(figsize=(6, 4))
-    drew = False
-    for impl in ("sdpa", "paged"):
-        chat = scen.get("chat", {}).get(impl)
-        if chat and chat["turns"]:
-            ax.plot(
-                [t["context"] for t in chat["turns"]],
-                [t["mean_ms"] for t in chat["turns"]],
-                "o-",
-                label=f"{impl}: chat turns (B=1)",
-            )
-            drew = True
-        for mode in ("eager", "compiled"):
-            for case in ("single", "mixed"):
-                pts = [
-                    (d["context"], d["dense_ms" if impl == "sdpa" else "paged_ms"])
-                    for d in results.get("decode", [])
-                    if d["case"] == case and d.get("mode", "eager") == mode
-                ]
-                if pts:
-                    style = "s--" if mode == "eager" else "^:"
-                    ax.plot(*zip(*pts), style, label=f"{impl}: decode bench, {case}, {mode}")
-                    drew = True
-    if drew:
-        ax.set(
-            xlabel="context length (tokens)", ylabel="decode ms / step", title="Latency vs sequence length"
-        )
+    panels = [p for p in panels if p.get("series")]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        for s in p["series"]:
+            color = {"color": s["color"]} if s.get("color") else {}
+            ax.plot(s["x"], s["y"], s.get("fmt", "o-"), label=s["label"], **color)
+        ax.set(title=p["title"], xlabel=p["xlabel"], ylabel=p["ylabel"])
+        ax.set_yscale("log" if p.get("logy") else "linear")
+        ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "latency_vs_length.png")
-        fig.savefig(written[-1], dpi=110)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-
-    mem = results.get("memory", {})
-    fig, ax = plt.subplots(figsize=(6, 4))
-    drew = False
-    for impl in ("sdpa", "paged"):
-        chat = scen.get("chat", {}).get(impl)
-        if chat and chat["turns"] and "kv_bytes_held" in chat["turns"][0]:
-            ax.plot(
-                [t["context"] for t in chat["turns"]],
-                [t["kv_bytes_held"] / MiB for t in chat["turns"]],
-                "o-",
-                label=f"{impl}: KV held (chat)",
-            )
-            drew = True
-        pts = sorted(
-            (scen[n][impl]["kv"]["tokens_stored"], mem[n][impl]["run_peak_bytes"] / MiB)
-            for n in mem
-            if impl in mem[n] and "run_peak_bytes" in mem[n][impl] and impl in scen.get(n, {})
-        )
-        if pts:
-            ax.plot(*zip(*pts), "s--", label=f"{impl}: peak memory of the run (per scenario)")
-            drew = True
-    if drew:
-        ax.set(xlabel="tokens stored (sum over the batch)", ylabel="MiB", title="Memory vs sequence length")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "memory_vs_length.png")
-        fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    if scen:
-        names = list(scen)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        w = 0.25
-        for i, (label, get) in enumerate(
-            [
-                ("needed (K/V of stored tokens)", lambda r: r["kv"]["kv_bytes_needed"]),
-                ("dense held", lambda r: r["kv"]["kv_bytes_held"] if r["attn_impl"] == "sdpa" else None),
-                ("paged held", lambda r: r["kv"]["kv_bytes_held"] if r["attn_impl"] == "paged" else None),
-            ]
-        ):
-            vals = []
-            for n in names:
-                v = [get(r) for r in scen[n].values() if get(r) is not None]
-                vals.append(v[0] / MiB if v else 0)
-            ax.bar([j + (i - 1) * w for j in range(len(names))], vals, w, label=label)
-        ax.set_xticks(range(len(names)), names)
-        ax.set(ylabel="MiB", title="KV held vs needed")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "kv_held_vs_needed.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    return written
+    return path
 
 
-def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
-    """-> paths written: json, csv (if scenarios), md, and the plots."""
+def write_report(out: Path, results: dict[str, Any], *, markdown: str, rows: dict[str, dict[str, Any]],
+                 figures: dict[str, list[dict[str, Any]]]) -> dict[str, Path]:
+    """Write everything under `out` -> the paths written. `rows`: run name -> flat figures (the CSV,
+    and the metrics logged to wandb as "<run>/<figure>" when `results["config"]["wandb"]`);
+    `figures`: PNG name -> panels."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md"}
-    paths["md"].write_text(markdown(results))
-    rows = scenario_rows(results)
+    paths["md"].write_text(markdown)
     if rows:
         paths["csv"] = out / "results.csv"
         with paths["csv"].open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=["run", *dict.fromkeys(k for r in rows.values() for k in r)])
             w.writeheader()
-            w.writerows(rows)
-    for i, p in enumerate(plots(results, out)):
-        paths[f"plot{i}"] = p
+            w.writerows({"run": k, **r} for k, r in rows.items())
+    for fname, panels in figures.items():
+        if (p := plot(out / fname, panels)) is not None:
+            paths[fname] = p
     results["files"] = {k: str(v) for k, v in paths.items()}
-    paths["json"].write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if (cfg := results.get("config", {})).get("wandb"):
+        pngs = [p for k, p in paths.items() if k.endswith(".png")]
+        results["wandb"] = log_wandb(rows, pngs, cfg, out, cfg["wandb_project"], cfg["name"])
+    paths["json"].write_text(json.dumps(results, indent=1, default=str) + "\n")
     return paths
+
+
+def log_wandb(rows, pngs: list[Path], config: dict[str, Any], out: Path, project: str,
+              name: str | None) -> dict[str, Any]:
+    """Every number of the rows as "<run>/<figure>" (history and summary), and the plots ->
+    {"mode", "dir", "run_dir", "metrics_logged"}. Online only with an API key (env or ~/.netrc)."""
+    import wandb
+
+    try:
+        key = os.environ.get("WANDB_API_KEY") or netrc.netrc().authenticators("api.wandb.ai")
+    except (OSError, netrc.NetrcParseError):
+        key = None
+    mode = os.environ.get("WANDB_MODE") or ("online" if key else "offline")
+    wdir = out / "wandb_runs"
+    wdir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(project=project, name=name, dir=str(wdir), mode=mode, config=config,
+                     reinit="finish_previous")
+    metrics = {f"{run_name}/{k}": float(v) for run_name, r in rows.items() for k, v in r.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    run.log({**metrics, **{p.stem: wandb.Image(str(p)) for p in pngs}})
+    run.summary.update(metrics)
+    run_dir = getattr(run, "dir", None)
+    run.finish()
+    return {"mode": mode, "dir": str(wdir), "run_dir": str(Path(run_dir).parent) if run_dir else None,
+            "metrics_logged": len(metrics)}

@@ -1,13 +1,13 @@
 """KV waste from the page table (paged) and from the preallocated rows (dense) against an independent
-computation from the sequence lengths alone."""
+computation from the sequence lengths alone; no cache holds nothing."""
 
 import math
 
 import pytest
 import torch
 
+from fms_paged.bench.environment import kv_accounting, min_pages
 from fms_paged.bench.latency import load_model, make_backend, random_prompts
-from fms_paged.bench.memory import kv_accounting, min_pages
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +56,21 @@ def test_dense_waste_is_the_padding_of_preallocated_rows(model):
     assert (kv["kv_bytes_needed"], kv["kv_bytes_held"]) == (needed, held)
     assert kv["kv_waste_pct"] == pytest.approx(waste)
     assert kv["kv_pool_bytes"] == cache.cache.nbytes == held
+
+
+def test_no_cache_holds_nothing_and_feeds_the_whole_history(model):
+    """No cache: every step runs each sequence's whole history (right-padded; `last` picks each row's
+    last token), so its logits equal a plain forward over that history."""
+    c = model.config
+    cache = make_backend(model, "no-cache", 2, 64)
+    prompts = random_prompts([5, 9], c.src_vocab_size)
+    with torch.inference_mode():
+        tokens, positions, step, last = cache.prefill([0, 1], prompts)
+        assert tokens.shape == (2, 9) and positions is None and step is None
+        tokens, _, last = cache.decode([0, 1], torch.tensor([7, 8]), [5, 9], [True, True])
+        got = cache.decode_step(model, tokens, None, last)  # [2, V]
+        for b, p in enumerate(prompts):
+            ref = model(torch.tensor([p + [7 + b]]))[0, -1]
+            torch.testing.assert_close(got[b], ref, rtol=1e-5, atol=1e-5)
+    kv = kv_accounting(cache, [6, 10], c, model.dtype)
+    assert (kv["kv_bytes_held"], kv["kv_pool_bytes"]) == (0, 0) and kv["tokens_stored"] == 16

@@ -4,22 +4,26 @@ and a peer in its own process (dense static waves) gives the engine's greedy tok
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
-from fms_paged.bench import serve
+from fms_paged import generate, get_model
+from fms_paged.bench import cli, peers, serve
 
 
 def test_tiny_serve_run_is_consistent(tmp_path):
     out = tmp_path / "serve"
-    rc = serve.main(["--variant", "micro", "--workloads", "mix,shared_prefix,multi_turn,parallel",
-                     "--scale", "0.03", "--prefix-scale", "0.05",
-                     "--prefix-requests", "8", "--num-requests", "6", "--rate-fractions", "0.5",
-                     "--max-num-seqs", "4", "--page-size", "16",
-                     "--max-num-batched-tokens", "128", "--max-model-len", "512",
-                     "--compile", "false", "--device", "cpu", "--peers", "dense", "--out", str(out)])
+    rc = cli.main(["--scenario", "serve", "--variant", "micro", "--workloads",
+                   "mix,shared_prefix,multi_turn,parallel", "--scale", "0.03", "--prefix-scale", "0.05",
+                   "--prefix-requests", "8", "--num-requests", "6", "--rate-fractions", "0.5",
+                   "--max-num-seqs", "4", "--page-size", "16", "--max-num-batched-tokens", "128",
+                   "--max-model-len", "512", "--compile", "false", "--device", "cpu", "--peers", "dense",
+                   "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
-    assert (out / "results.md").read_text().count("| mix |") == 2
+    md = (out / "results.md").read_text()
+    assert md.count("| mix |") == 2 and "Wall time of each part" in md
     assert (out / "serve_timeline.png").stat().st_size > 0 and (out / "serve_rate.png").exists()
+    assert (out / "results.csv").read_text().count("\nmix/") == 2
     vocab = 256
     w = res["workloads"]
     sent = {  # requests (completions) and output tokens each run must account for
@@ -54,18 +58,14 @@ def test_tiny_serve_run_is_consistent(tmp_path):
     assert par["tokens_equal"]
     assert set(res["phase_s"]) == {"warm-up", "mix", "shared_prefix", "multi_turn", "parallel", "peers"}
     assert all(t >= 0 for t in res["phase_s"].values())
-    assert "Wall time of each part" in (out / "results.md").read_text()
     dense = res["peers"]["dense"]  # static waves, in a process of its own: the same greedy tokens
     assert dense["tokens_equal_engine"] and dense["output_tokens"] == w["mix"]["offline"]["output_tokens"]
+    assert "- peer dense, offline mix: " in md and "greedy tokens equal" in md
 
 
 def test_capacity_counts_requests_running_at_once():
     """The engine under a dense cache's KV budget runs more requests at once than the dense cache
     has rows (these requests are far shorter than max_len), and finishes all of them."""
-    from types import SimpleNamespace
-
-    from fms_paged import get_model
-
     model = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged")
     args = SimpleNamespace(scale=0.05, seed=0, max_num_batched_tokens=256)
     c = serve.capacity(model, args, 2048)
@@ -79,55 +79,17 @@ def test_engine_offline_runs_account_for_every_token():
     every request makes its tokens (dense generate()'s greedy tokens), the median run is reported
     with every run's rate, and the one-request decode rate is a rate; the table says when vLLM did
     not run."""
-    from fms_paged import generate, get_model
-
     dense = get_model(variant="micro", device="cpu", seed=0)
     paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged")
     prompts = [[5, 6, 7], list(range(3, 40))]
-    eng, warm = serve.offline_engine(paged, 4, 64, False, 64)
-    runs = serve.offline_runs(eng, prompts, 6, 3) + serve.offline_runs(eng, prompts, 6, 2)
-    e = {"compile": False, "warmup_s": warm, **serve.median_run(runs)}
+    eng, warm = peers.offline_engine(paged, 4, 64, False, 64)
+    runs = peers.offline_runs(eng, prompts, 6, 3) + peers.offline_runs(eng, prompts, 6, 2)
+    e = {"compile": False, "warmup_s": warm, **peers.median_run(runs)}
     assert e["tokens"] == [generate(dense, [p], 6, eos_id=None)[0] for p in prompts]
     assert e["tokens_equal_runs"] and len(e["output_tok_s_runs"]) == 5
     assert e["output_tok_s"] == sorted(e["output_tok_s_runs"])[2] == 2 * 6 / e["duration_s"]
     assert e["decode_steps_s"] > 0
     vs = {"read_bandwidth_gbs": 20.0, "workloads": {"w": {
-        "roofline_steps_s": 100.0, "engine": {"False": e}, "vllm": {"error": "no venv\nnot found"}}}}
-    table = "\n".join(serve.vs_vllm_markdown(vs))
+        "roofline_steps_s": 100.0, "engine": e, "vllm": {"error": "no venv\nnot found"}}}}
+    table = "\n".join(peers.vs_vllm_markdown(vs))
     assert "| w | engine compile=False | " in table and "| w | vLLM CPU | did not run: not found" in table
-
-
-def test_page_sweep_keeps_greedy_tokens_and_accounts_for_pages():
-    """Every page size of the sweep gives dense generate()'s greedy tokens (a page size is a memory
-    layout, not a numerical choice); larger pages fill less of the KV they hold and share less of
-    the multi-turn history, never more."""
-    from types import SimpleNamespace
-
-    from fms_paged import generate, get_model
-
-    model = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged")
-    args = SimpleNamespace(scale=0.03, seed=0, num_requests=4, page_sizes=[16, 64], max_num_seqs=4,
-                           max_num_batched_tokens=128, num_pages=None, compile=False, max_model_len=512,
-                           sweep_context=256)
-    small, large = serve.page_sweep(args, model)
-    assert (small["page_size"], large["page_size"]) == (16, 64)
-    assert small["tokens_equal_first"] and large["tokens_equal_first"]
-    sent = serve.workload("mix", 0.03, 256, 0, 4)
-    dense = get_model(variant="micro", device="cpu", seed=0)
-    assert small["tokens"] == [generate(dense, [s.prompt], s.max_new_tokens, eos_id=None)[0] for s in sent]
-    assert 0 < large["kv_fill_mean"] <= small["kv_fill_mean"] <= 1
-    for r in (small, large):
-        assert r["peak_kv_tokens"] == r["peak_kv_pages"] * r["page_size"] and r["long_decode_ms"] > 0
-    turns = serve.workload("multi_turn", 0.03, 256, 0)
-    new = sum(len(s.prompt) + sum(map(len, s.next_turns)) for s in turns)
-    assert new <= small["multi_turn_prompt_tokens_computed"] <= large["multi_turn_prompt_tokens_computed"]
-    assert 0 <= large["multi_turn_hit_rate"] <= small["multi_turn_hit_rate"] < 1
-    args.split_kv_contexts, args.partition_sizes = [48], [128]
-    kv = serve.split_kv(args, model)  # the MHA twin's decode step per PARTITION_SIZE
-    assert [(r["context"], r["batch"]) for r in kv] == [(48, 1), (48, 8)]
-    assert all(r["ms_per_step"][128] > 0 and r["page_size"] == model.config.page_size for r in kv)
-    res = {"environment": {}, "scale": 0.03, "workloads": {}, "args": {"sweep_context": 256},
-           "page_sweep": [small, large], "split_kv": kv}
-    md = serve.markdown(res)
-    assert "\n| 16 | " in md and "\n| 64 | " in md
-    assert "| PARTITION_SIZE 128 |" in md and "\n| 48 | 8 | " in md

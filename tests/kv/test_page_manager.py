@@ -7,7 +7,6 @@ from the device page table with torch ops, and the attention-mask rule from the 
 from __future__ import annotations
 
 import inspect
-import json
 import math
 
 import numpy as np
@@ -469,24 +468,6 @@ def test_hot_path_has_no_host_sync(device, no_host_sync):
     assert [pm.length(s) for s in (1, 2, 5, 6, 7)] == [lens[s] for s in (1, 2, 5, 6, 7)]
     if device == "cpu":
         assert pm.seq_lens.tolist() == [pm.length(s) for s in range(8)]
-
-
-# ---------------------------------------------------------------------------- benchmark
-def test_benchmark_runs_tiny_and_writes_json(tmp_path, capsys):
-    from fms_paged.bench.page_manager import main
-
-    args = ["--out", str(tmp_path), "--num-pages", "300", "2000", "--live", "1", "50"]
-    main([*args, "--batch", "4", "--pages-per-seq", "8", "--iters", "3", "--repeats", "2"])
-    report = json.loads((tmp_path / "page_manager.json").read_text())
-    rows = report["results"]
-    assert [(r["num_pages"], r["live_seqs"]) for r in rows] == [
-        (300, 1), (300, 50), (2000, 1), (2000, 50)
-    ]  # fmt: skip
-    assert all(r["pages_per_s"] > 0 and r["pages_per_round"] == 32 for r in rows)
-    fp = {f["max_seqs"]: f for f in report["footprint"]}[1]
-    assert fp["page_table_bytes"] == 4 * 2048 and fp["kv_pool_bytes"] == 2 * 32 * 32 * 128 * 2 * 2049 * 16
-    assert "pages/s" in capsys.readouterr().out
-    assert np.isclose(fp["metadata_fraction"], fp["metadata_bytes"] / fp["kv_pool_bytes"])
 
 
 @pytest.mark.parametrize("P", [1, 4, 16])
