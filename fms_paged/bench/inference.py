@@ -24,8 +24,8 @@ from fms_paged.bench.report import MiB, table
 
 COLORS = {"no-cache": "tab:gray", "sdpa": "tab:blue", "paged": "tab:orange"}
 LABELS = {"no-cache": "no cache", "sdpa": "dense cache", "paged": "paged cache"}
-PEAK = {"cpu": "peak RSS (VmHWM - VmRSS) over the loaded model, in a fresh process",
-        "cuda": "torch.cuda.max_memory_allocated over the loaded model"}
+PEAK = {"cpu": "peak RSS over the loaded model,\nin a fresh process",
+        "cuda": "torch.cuda.max_memory_allocated\nover the loaded model"}
 
 
 def run(args, model, spec: dict[str, Any], results: dict[str, Any], log=print) -> dict[str, Any]:
@@ -142,7 +142,7 @@ def markdown(results: dict[str, Any]) -> str:
              f"{env['threads']} threads), torch {env['torch']}, scale {cfg['scale']} "
              f"({cfg['scale_reason']}), model {results['model']['source']}"]
     if results["runs"]:
-        note = PEAK.get(env["device"].split(":")[0], "not measured on this device")
+        note = PEAK.get(env["device"].split(":")[0], "not measured on this device").replace("\n", " ")
         error = f" Not measured: {results['memory_error'][-300:]}" if results.get("memory_error") else ""
         parts += [table(rows(results).values(), COLUMNS), f"Run peak: {note}.{error}"]
     if results.get("compare"):
