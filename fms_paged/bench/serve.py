@@ -29,6 +29,7 @@ from fms_paged.bench import peers
 from fms_paged.bench.environment import kv_bytes_per_token
 from fms_paged.bench.latency import with_rope_len
 from fms_paged.bench.report import fmt, table
+from fms_paged.device import keep_freed_cpu_memory
 from fms_paged.engine import Engine, SamplingParams
 
 
@@ -196,6 +197,7 @@ def run(args, model, spec: dict[str, Any], res: dict[str, Any], log=print) -> di
     todo = [w for w in args.workloads.split(",") if w]
     if set(todo) - {*WORKLOADS, *OTHERS}:
         raise SystemExit(f"--workloads {args.workloads}: expected some of {', '.join([*WORKLOADS, *OTHERS])}")
+    keep_freed_cpu_memory()  # this process serves: glibc keeps freed buffers (vLLM's peer: tcmalloc)
     t0 = time.perf_counter()
     res.update(workloads={}, warmup_s=Engine(model, **engine_kw(args)).warmup(progress=False))
     phase = res["phase_s"] = {"warm-up": time.perf_counter() - t0}

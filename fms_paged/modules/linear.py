@@ -38,7 +38,7 @@ LINEAR_IMPLS = ("auto", "torch")
 # a call with at most this many rows (a decode step of up to 8 sequences) runs the project's GEMV
 # kernel (`cpu_gemv.cpp`): it streams each weight row once and costs less per call than oneDNN, so
 # it reads the weights closer to the memory bandwidth up to about this many rows; past it oneDNN's
-# blocked GEMM leads (the README's Devices section has the measurements)
+# blocked GEMM leads (docs/benchmarks.md has the measurements)
 GEMV_MAX_ROWS = 8
 GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 
