@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from fms_paged.kv.geometry import pages_for
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -74,7 +76,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 def min_pages(lengths: Sequence[int], page_size: int) -> int:
     """Pages needed to hold sequences of `lengths` tokens without sharing."""
-    return int(sum(-(-int(n) // page_size) for n in lengths))
+    return int(sum(pages_for(int(n), page_size) for n in lengths))
 
 
 def kv_accounting(cache, lengths: Sequence[int], config, dtype: torch.dtype) -> dict[str, Any]:
