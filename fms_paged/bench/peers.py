@@ -23,6 +23,7 @@ import torch
 
 from fms_paged.bench.environment import REPO_ROOT, kv_bytes_per_token, measure_read_bandwidth, weight_bytes
 from fms_paged.bench.report import table
+from fms_paged.device import keep_freed_cpu_memory
 from fms_paged.engine import Engine, SamplingParams
 from fms_paged.generation import generate
 from fms_paged.models import get_model
@@ -248,4 +249,5 @@ def vs_vllm_markdown(vs: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":
+    keep_freed_cpu_memory()  # the same allocator setting as the engine's process (vLLM: tcmalloc)
     sys.exit(peer_main(*sys.argv[1:4]))
