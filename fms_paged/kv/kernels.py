@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import sysconfig
 import warnings
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
+from fms_paged import native
 from fms_paged.kv import cpu_kernel
 
 KERNELS = ("auto", "cpp", "flex", "gather")
@@ -84,8 +84,8 @@ def flex_unavailable_reason(device: torch.device, page_size: int | None = None) 
             return "Triton is not installed"
         return None
     if device.type == "cpu":
-        if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
-            return "no C++ compiler found for inductor's CPU flex_attention"
+        if native.compiler() is None:
+            return "no C++ compiler found for inductor's CPU flex_attention ($CXX, g++ or c++)"
         headers = sysconfig.get_paths()["include"]
         if not os.path.exists(os.path.join(headers, "Python.h")):
             return (f"no Python.h in {headers}: inductor's CPU kernels need this Python's headers "
