@@ -138,6 +138,10 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    def reaches_end(self, n: int) -> bool:
+        """Whether computing `n` more tokens computes all its tokens (its next token is sampled)."""
+        return self.num_computed + n == self.num_tokens
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output."""
         n = len(self.prompt)

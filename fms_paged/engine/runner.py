@@ -93,7 +93,7 @@ class ModelRunner:
             tokens, positions, step, last = self.backend.mixed(*self._decode_rows(dec), ids, chunks, starts)
         else:
             tokens, positions, step, last = self.backend.prefill(ids, chunks, starts)
-        done = [i for i, ((r, n), s) in enumerate(zip(pre, starts)) if s + n == r.num_tokens]
+        done = [i for i, (r, n) in enumerate(pre) if r.reaches_end(n)]  # the plan's sampled chunks
         at = torch.cat([torch.arange(len(dec)), torch.tensor(done, dtype=torch.long)]).to(last.device)
         at[len(dec):] = last.index_select(0, at[len(dec):])
         if self._prefill is None or tokens.shape[1] < 2:  # 1 token: a shape of its own, run eagerly

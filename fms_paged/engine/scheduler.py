@@ -107,11 +107,11 @@ class Scheduler:
         """Split the plan into decodes and prefill chunks, list the tokens to sample (logits rows),
         and give the waiting completions of a request whose prompt completes now a row each."""
         for r, n in out.scheduled:
-            if r.num_computed + 1 == r.num_tokens:
+            if r.reaches_end(1):
                 out.decodes.append(r)
             else:
                 out.prefills.append((r, n))
-        done = [r for r, n in out.prefills if r.num_computed + n == r.num_tokens]
+        done = [r for r, n in out.prefills if r.reaches_end(n)]
         out.sampled = [(r, i) for i, r in enumerate(out.decodes + done)]
         for r, row in list(out.sampled):
             forks, r.forks = r.forks, []
