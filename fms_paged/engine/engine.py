@@ -22,7 +22,7 @@ import torch
 from fms_paged.engine import runner as model_runner
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
-from fms_paged.engine.runner import ModelRunner, check_compile
+from fms_paged.engine.runner import ModelRunner, check_modes
 from fms_paged.engine.scheduler import Scheduler
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
 from fms_paged.kv.geometry import pool_pages
@@ -39,6 +39,8 @@ class Engine:
         `kv_memory_fraction`).
     compile: "auto" (compiled steps where a compiled kernel runs: cpp, flex), True or False
         (`fms_paged.engine.runner.ModelRunner`).
+    cuda_graphs: "auto" (decode steps replayed from a CUDA graph per decode bucket where the
+        compiled flex kernel runs on CUDA), True (required: ValueError elsewhere) or False.
     max_model_len: longest prompt + output (default: the model's `max_expected_seq_len`).
     kernel: the paged attention kernel (`fms_paged.kv.kernels.KERNELS`).
     backend: an existing `PagedBackend` to run on (its pool and rows) instead of a new one.
@@ -60,6 +62,7 @@ class Engine:
         kernel: str = "auto",
         backend: PagedBackend | None = None,
         enable_prefix_caching: bool = True,
+        cuda_graphs: bool | str = "auto",
     ):
         if type(model).__module__.startswith("fms."):  # an IBM FMS model: through our plugin
             from fms_paged.integrations.fms import paged_model
@@ -81,7 +84,7 @@ class Engine:
                 f"max_num_batched_tokens={max_num_batched_tokens} < max_num_seqs={max_num_seqs}: "
                 "every running request needs a token of the step's budget to decode"
             )
-        check_compile(compile)
+        check_modes(compile, cuda_graphs)
         max_model_len = c.max_expected_seq_len if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not (
             1 <= max_model_len <= c.max_expected_seq_len
@@ -119,7 +122,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, backend.release,
                                    cache=self.prefix_cache)
-        self.runner = ModelRunner(model, backend, max_num_seqs, compile)
+        self.runner = ModelRunner(model, backend, max_num_seqs, compile, cuda_graphs)
         self.vocab_size = c.src_vocab_size
         self.eos = frozenset() if c.eos_token_id is None else frozenset([c.eos_token_id])
         # submission: any thread appends (deque.append is atomic); the loop drains in step()

@@ -67,6 +67,84 @@ def _rows_dynamic(fn: Callable, model: torch.nn.Module, tokens: torch.Tensor, po
     return fn(model, tokens, positions, step)
 
 
+# ---------------------------------------------------------------------------- CUDA graphs
+CUDA_GRAPH_MODES = ("auto", True, False)
+
+
+def cuda_graphs_unavailable_reason(backend: object, compiled: bool) -> str | None:
+    """Why a backend's decode step cannot be replayed from CUDA graphs (None if it can): graphs
+    need the compiled flex step on CUDA, whose inputs (tokens, the [6, B] decode metadata) have
+    fixed shapes per decode bucket and whose state (pools, page table) is updated in place."""
+    if getattr(getattr(backend, "device", None), "type", None) != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if getattr(backend, "kernel", None) != "flex":
+        return f"CUDA graphs need the flex kernel, not {getattr(backend, 'kernel', None)!r}"
+    if not compiled:
+        return "CUDA graphs need the compiled decode step (compile=False was asked for)"
+    return None
+
+
+def capture_cuda_graph(run: Callable[[], torch.Tensor],
+                       pool: object) -> tuple[Callable[[], None], torch.Tensor]:
+    """Record `run` (a decode step over static input tensors) as a CUDA graph -> (replay, the
+    graph's output tensor). `run` is called twice first on a side stream (compiles, cuBLAS
+    workspaces, the allocator's blocks), as torch's docs ask; each call writes the step's K/V into
+    the same slots, so the extra calls change nothing. The graphs of an engine share one memory
+    pool; the engine's warm-up meets its buckets largest first (its waves shrink the batch), so the
+    smaller graphs reuse the larger ones' memory."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph.replay, out
+
+
+class GraphedDecode:
+    """The compiled flex decode step replayed from one CUDA graph per decode bucket (vLLM's CUDA
+    graph runner, gpt-fast's "reduce-overhead"): a step's ~10 kernel launches per layer become one
+    graph launch. Each bucket's graph reads static buffers (tokens [B, 1], decode metadata [6, B])
+    that each call copies its inputs into; the pools, page table and page->logical map it reads
+    are the backend's own tensors, written in place by ASSIGN and the page manager. A bucket is
+    captured on its first call. The returned logits are the graph's output buffer: valid until the
+    next call of that bucket.
+
+    `capture(run, pool) -> (replay, out)`: `capture_cuda_graph` (tests substitute a plain call)."""
+
+    def __init__(self, fn: Callable, backend: object,
+                 capture: Callable[[Callable[[], torch.Tensor], object], tuple] = capture_cuda_graph):
+        self.fn, self.backend, self.capture = fn, backend, capture
+        self.graphs: dict[int, tuple[torch.Tensor, torch.Tensor, Callable[[], None], torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture is capture_cuda_graph else None
+
+    def __call__(self, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                 step: object) -> torch.Tensor:
+        # tokens, positions: [B, 1]; step: a FlexDecodeStep (its positions are decode_meta[5])
+        B = tokens.shape[0]
+        if B not in self.graphs:
+            self.graphs[B] = self._record(model, tokens, step)
+        static_tokens, static_meta, replay, out = self.graphs[B]
+        static_tokens.copy_(tokens)
+        static_meta.copy_(step.decode_meta)
+        replay()
+        return out
+
+    def _record(self, model: torch.nn.Module, tokens: torch.Tensor, step: object) -> tuple:
+        static_tokens, static_meta = tokens.clone(), step.decode_meta.clone()  # [B, 1], [6, B]
+        static_step = type(step)(self.backend, static_meta)
+        B = static_tokens.shape[0]
+
+        def run() -> torch.Tensor:
+            return self.fn(model, static_tokens, static_meta[5].view(B, 1), static_step)
+
+        replay, out = self.capture(run, self.pool)
+        return static_tokens, static_meta, replay, out
+
+
 # ---------------------------------------------------------------------------- compiled prefill
 # A prefill (or mixed) step's attention depends on its chunks: their number, lengths and masks
 # change every step. In the compiled prefill it is one opaque op per layer, which runs the step

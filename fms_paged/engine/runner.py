@@ -13,7 +13,15 @@ from collections.abc import Callable
 
 import torch
 
-from fms_paged.engine.model_step import compiled_prefill, decode_fn, prefill_hidden, smallest_batch
+from fms_paged.engine.model_step import (
+    CUDA_GRAPH_MODES,
+    GraphedDecode,
+    compiled_prefill,
+    cuda_graphs_unavailable_reason,
+    decode_fn,
+    prefill_hidden,
+    smallest_batch,
+)
 from fms_paged.engine.request import Request, SamplingParams
 from fms_paged.engine.sampling import sample_each
 from fms_paged.engine.scheduler import SchedulerOutput
@@ -35,9 +43,12 @@ def decode_buckets(max_num_seqs: int, smallest: int = 1) -> list[int]:
     return sorted({max(smallest, min(max_num_seqs, b)) for b in sizes})
 
 
-def check_compile(compile: bool | str) -> None:
-    if compile not in COMPILE_MODES or isinstance(compile, int) and not isinstance(compile, bool):
-        raise ValueError(f"compile={compile!r}; expected one of {COMPILE_MODES}")
+def check_modes(compile: bool | str, cuda_graphs: bool | str) -> None:
+    """`compile` in COMPILE_MODES and `cuda_graphs` in CUDA_GRAPH_MODES (1 and 0 are not bools)."""
+    for name, value, modes in (("compile", compile, COMPILE_MODES),
+                               ("cuda_graphs", cuda_graphs, CUDA_GRAPH_MODES)):
+        if value not in modes or isinstance(value, int) and not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}; expected one of {modes}")
 
 
 class ModelRunner:
@@ -47,14 +58,24 @@ class ModelRunner:
     compile: True compiles the decode step (one graph per decode bucket, or one for all of them
     with the cpp kernel) and, for our LLaMA, the prefill and mixed steps around their attention
     (`model_step.compiled_prefill`: one graph for every token count); "auto" does where a compiled
-    kernel runs (cpp, flex), False runs eagerly."""
+    kernel runs (cpp, flex), False runs eagerly.
+
+    cuda_graphs: replay the compiled decode step from a CUDA graph per decode bucket
+    (`model_step.GraphedDecode`); "auto" does where it can (compiled flex on CUDA), True insists
+    (ValueError where it cannot), False never."""
 
     def __init__(self, model: torch.nn.Module, backend: PagedBackend, max_num_seqs: int,
-                 compile: bool | str = "auto"):
-        check_compile(compile)
+                 compile: bool | str = "auto", cuda_graphs: bool | str = "auto"):
+        check_modes(compile, cuda_graphs)
         self.model, self.backend = model, backend
         self.compiled = backend.kernel in COMPILED_KERNELS if compile == "auto" else bool(compile)
         self._decode = decode_fn(backend, self.compiled)
+        why_not = cuda_graphs_unavailable_reason(backend, self.compiled)
+        if cuda_graphs is True and why_not:
+            raise ValueError(f"cuda_graphs=True: {why_not}")
+        self.cuda_graphs = cuda_graphs is not False and why_not is None
+        if self.cuda_graphs:
+            self._decode = GraphedDecode(self._decode, backend)
         self._prefill = compiled_prefill() if self.compiled and isinstance(model, LLaMA) else None
         self.buckets = decode_buckets(max_num_seqs, smallest_batch(self._decode))
 
