@@ -108,10 +108,12 @@ def probe_compiled_flex(device: torch.device, page_size: int = 16) -> str | None
     if reason is not None:
         return reason
     try:
-        q = torch.randn(1, 1, 16, 16, device=device)
+        # three buffers: inductor's CPU flex lowering of torch 2.11 refuses q, k, v in one
+        q, k, v = torch.randn(3, 1, 1, 16, 16, device=device).unbind(0)
+        q, k, v = q.clone(), k.clone(), v.clone()
         compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
-        out = compiled(q, q, q, kernel_options=flex_kernel_options(device, page_size))
-        if not torch.allclose(out, F.scaled_dot_product_attention(q, q, q), atol=1e-5):
+        out = compiled(q, k, v, kernel_options=flex_kernel_options(device, page_size))
+        if not torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5):
             return "compiled flex_attention gave wrong numbers"
     except Exception as e:  # noqa: BLE001 - the reason is the report
         return f"compiling flex_attention failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
