@@ -80,13 +80,13 @@ class DenseBackend:
         positions = torch.tensor(starts)[:, None] + torch.arange(S)
         last = torch.tensor([b * S + len(p) - 1 for b, p in enumerate(prompts)])
         positions = positions.to(self.device)
-        step = self.cache.step(positions, max(starts) + S)
+        step = self.cache.step(positions, max(starts) + S, mask_free=not any(starts))
         return tokens.to(self.device), positions, step, last.to(self.device)
 
     def decode(self, seq_ids, tokens, lengths, active):
         self._check_rows(seq_ids)
         positions = torch.tensor(list(lengths), dtype=torch.long)[:, None].to(self.device)
-        step: DenseStep = self.cache.step(positions, max(lengths) + 1)
+        step: DenseStep = self.cache.step(positions, max(lengths) + 1, mask_free=len(lengths) == 1)
         return tokens[:, None], positions, step
 
     def release(self, seq_ids) -> None:

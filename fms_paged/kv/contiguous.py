@@ -34,16 +34,18 @@ class ContiguousKVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
-    def step(self, positions: torch.Tensor, kv_len: int) -> DenseStep:
+    def step(self, positions: torch.Tensor, kv_len: int, mask_free: bool = False) -> DenseStep:
         """positions: [B, S] absolute positions of the new tokens of rows 0..B-1 (device);
-        kv_len: host-known 1 + the largest position in the batch (attention span this step)."""
+        kv_len: host-known 1 + the largest position in the batch (attention span this step);
+        mask_free: host-known that no mask is needed: a prefill of every row from position 0
+        (causal over the span) or one decode row (it sees the whole span)."""
         B = positions.shape[0]
         if B > self.max_batch or kv_len > self.max_seq_len:
             raise ValueError(
                 f"step needs batch {B} x length {kv_len}; cache holds {self.max_batch} x "
                 f"{self.max_seq_len}"
             )
-        return DenseStep(self, positions, kv_len)
+        return DenseStep(self, positions, kv_len, mask_free=mask_free)
 
 
 class DenseStep:
@@ -51,21 +53,28 @@ class DenseStep:
     holding it rather than writing to this one) and shared by all layers."""
 
     def __init__(self, cache: ContiguousKVCache, positions: torch.Tensor, kv_len: int,
-                 mask: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+                 mask: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                 mask_free: bool = False):
         self.cache = cache
         self.positions = positions  # [B, S]
         self.kv_len = kv_len
         self.mask = mask  # [B, 1, S, L]; True where the key's position is <= the query's position
         self.rows = rows  # [B, 1] batch row indices
+        # no mask needed (`ContiguousKVCache.step`): SDPA then runs without one, which on CUDA keeps
+        # grouped-query attention on the flash kernel (a boolean mask sends it to the math kernel,
+        # whose [B, H, S, L] scores a long batched prefill cannot hold)
+        self.mask_free = mask_free
 
     def prepare(self) -> DenseStep:
-        if self.mask is not None:
+        if self.rows is not None:
             return self
         B, dev = self.positions.shape[0], self.positions.device
-        kv_pos = torch.arange(self.kv_len, device=dev)
-        mask = (kv_pos[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
         rows = torch.arange(B, device=dev)[:, None]
-        return DenseStep(self.cache, self.positions, self.kv_len, mask, rows)
+        mask = None
+        if not self.mask_free:
+            kv_pos = torch.arange(self.kv_len, device=dev)
+            mask = (kv_pos[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
+        return DenseStep(self.cache, self.positions, self.kv_len, mask, rows, self.mask_free)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, H, S, D]; k, v: [B, Hkv, S, D]
@@ -75,4 +84,6 @@ class DenseStep:
         kc[self.rows, :, self.positions] = k.transpose(1, 2)
         vc[self.rows, :, self.positions] = v.transpose(1, 2)
         keys, values = kc[:B, :, : self.kv_len], vc[:B, :, : self.kv_len]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
+        causal = self.mask_free and q.shape[2] > 1  # a prefill from 0: its span is its length
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=causal,
+                                              enable_gqa=True)

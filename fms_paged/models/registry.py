@@ -89,9 +89,9 @@ def get_model(
         )
     with torch.device("meta"):
         model = _REGISTRY[architecture][variant](attn_impl=attn_impl, **config_overrides)
-    model = model.to_empty(device=dev)
-    if dt is not None:
+    if dt is not None:  # on the meta device: an 8B model in bf16 never exists in fp32 on the device
         model = model.to(dt)
+    model = model.to_empty(device=dev)
     if seed is not None:
         torch.manual_seed(seed)
     model.reset_parameters()
