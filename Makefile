@@ -59,6 +59,19 @@ bench-ppl: install
 bench-serve: install
 	$(PY) scripts/benchmark_inference.py --scenario serve --out results/bench-serve $(BENCH_ARGS)
 
+# ---- GPU check (scripts/gpu_check.sh): on a lent GPU machine with its own torch, never installing it;
+# GPU_CHECK_OUT gets gpu_check.json, gpu_check.md, tests.log, tests.xml. gpu-check-dry: the same stages
+# on the CPU with a tiny model (what CI runs), in this project's venv.
+GPU_CHECK_OUT ?= results/gpu-check
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check gpu-check-dry
+
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+gpu-check-dry: install
+	PYTHON=$(PY) bash scripts/gpu_check.sh results/gpu-check-dry --device cpu --tiny $(GPU_CHECK_ARGS)
+
 # ---- Docker (see the README's Docker section) --------------------------------------------------
 # DOCKER_BASE: the base image (e.g. one made by `make docker-base`); DOCKER_CA_CERT: a CA bundle on
 # this machine that pip in the build must trust too (a proxy that re-signs TLS); DOCKER_BUILD_ARGS:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# make gpu-check: prove the CUDA path on a lent GPU machine in under ten minutes.
+#   bash scripts/gpu_check.sh OUTDIR                       # on the GPU machine
+#   bash scripts/gpu_check.sh OUTDIR --device cpu --tiny   # the dry run (CI runs it)
+# Uses the machine's own torch (PYTHON, default python3) and never installs torch: where the package
+# is not importable it is installed from this checkout without dependencies and without the network.
+# Stages, results and exit status: fms_paged/bench/gpu_check.py.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: bash scripts/gpu_check.sh OUTDIR [--device cpu --tiny] [--stages tests,exact,kernels,bench]}
+shift
+py=${PYTHON:-python3}
+[[ $py == */* && $py != /* ]] && py="$PWD/$py"  # relative to the checkout: still valid from / (a
+                                               # venv's python is a link: keep it, do not resolve it)
+mkdir -p "$out"
+start=$SECONDS
+if ! (cd / && "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('fms_paged') is None)"); then
+    echo "[gpu-check] installing fms_paged from $(pwd) (no dependencies, no network)"
+    "$py" -m pip install -q --no-deps --no-build-isolation --no-index . || exit 2
+fi
+"$py" -c "import torch, fms_paged; print(f'[gpu-check] torch {torch.__version__}, CUDA {torch.version.cuda}, '
+          f'GPU {torch.cuda.get_device_name() if torch.cuda.is_available() else None}, '
+          f'fms_paged from {fms_paged.__file__}')" || exit 2
+"$py" -m fms_paged.bench.gpu_check "$out" "$@"
+rc=$?
+echo "[gpu-check] exit $rc after $((SECONDS - start)) s; results in $out"
+exit $rc
