@@ -19,6 +19,7 @@ from fms_paged.engine.model_step import compiled_decode, decode_fn, decode_one_t
 from fms_paged.engine.request import check_prompt
 from fms_paged.engine.sampling import sample_each
 from fms_paged.kv.cache import KVCacheBackend, make_cache
+from fms_paged.kv.geometry import pages_for
 
 __all__ = ["compiled_decode", "decode_fn", "decode_one_token", "generate", "validate_prompts"]
 
@@ -91,11 +92,14 @@ def generate(
 
 def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, compile,
                         **sampling) -> list[list[int]]:
-    """Every prompt a request of an `Engine` (a pool sized by memory unless `cache` gives one).
+    """Every prompt a request of an `Engine` (on `cache`'s pool, or a pool of its own).
 
     The engine's max_model_len is what these prompts need, rounded up to a power of two (>= 1024,
     at most the model's): a long-context model is not refused for a budget its prompts never use,
-    and few page-table widths (compiled shapes) come up from call to call."""
+    and few page-table widths (compiled shapes) come up from call to call. Its own pool holds every
+    request whole (no preemption) and one sequence of max_model_len, in a power-of-two number of
+    pages (few pool shapes from call to call): what the call needs, not a share of the device's
+    memory, which on a GPU would be most of it on every call."""
     n = len(prompts)
     rows = n if cache is None else min(n, cache.max_batch)
     budget = max(rows, min(sum(map(len, prompts)), MAX_PREFILL_TOKENS))
@@ -103,8 +107,13 @@ def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, co
     max_model_len = min(model.config.max_expected_seq_len, max(1024, 1 << (need - 1).bit_length()))
     if cache is not None:
         cache.reset()
+    num_pages = None
+    if cache is None:
+        P = model.config.page_size
+        held = max(sum(pages_for(len(p) + max_new_tokens, P) for p in prompts), pages_for(max_model_len, P))
+        num_pages = 1 << held.bit_length()  # > held: the null page too
     engine = Engine(model, max_num_seqs=rows, max_num_batched_tokens=budget, compile=compile,
-                    max_model_len=max_model_len, backend=cache)
+                    max_model_len=max_model_len, backend=cache, num_pages=num_pages)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos),
                             ignore_eos=True, **sampling)
     index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
