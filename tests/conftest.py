@@ -1,10 +1,130 @@
-"""Shared fixtures: tiny random Hugging Face LLaMA checkpoints built in the test (no network)."""
+"""Shared fixtures: the device the suite runs on (`--device`), tiny random Hugging Face LLaMA
+checkpoints built in the test (no network), the no-host-sync dispatch mode.
+
+`--device` (default: $FMS_PAGED_TEST_DEVICE, else cpu) sets the `device` fixture, which every test
+of device-generic code builds its models, backends and tensors on. Tests of CPU-only code (the cpp
+kernel, the packed CPU linear, the CPU KV space) keep the CPU and say so. On CUDA, FlexAttention's
+eager fallback and Dynamo's recompile-limit fallback raise instead of warning, so that a slow path
+taken silently fails the run; and gpu-marked tests are expected to run (pass `-m "not slow and not
+docker"`: the default addopts deselect `gpu`).
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from fms_paged.kv.kernels import flex_unavailable_reason
+
+DEVICE_ENV = "FMS_PAGED_TEST_DEVICE"
+_DEVICE = pytest.StashKey[torch.device]()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default=os.environ.get(DEVICE_ENV) or "cpu",
+        help=f"torch device of the device-generic tests: cpu, cuda, cuda:N or mps (default: "
+             f"${DEVICE_ENV}, else cpu). A device that is not there is a usage error. With CUDA, "
+             "select the gpu-marked tests too: -m 'not slow and not docker'.")
+
+
+def _parse_device(name: str) -> torch.device:
+    """The `--device` value as a torch.device, or a usage error saying why it cannot be used here."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise pytest.UsageError(f"--device {name!r} is not a torch device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(
+                f"--device {name!r} (or ${DEVICE_ENV}) asks for CUDA, but torch {torch.__version__} "
+                "sees no CUDA device here (torch.cuda.is_available() is False); run with --device cpu")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise pytest.UsageError(f"--device {name!r}: only {torch.cuda.device_count()} CUDA devices here")
+        return torch.device("cuda", index)
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise pytest.UsageError(f"--device {name!r} asks for MPS, but MPS is not available here")
+        return dev
+    if dev.type != "cpu":
+        raise pytest.UsageError(f"--device {name!r}: expected cpu, cuda, cuda:N or mps")
+    return dev
+
+
+def pytest_configure(config):
+    dev = _parse_device(config.getoption("--device"))
+    config.stash[_DEVICE] = dev
+    if dev.type == "cuda":
+        # FlexAttention run eagerly on CUDA (a missed torch.compile) is a slow path that only warns:
+        # fail instead. The pyproject ignores this warning for the CPU; a later ini line wins.
+        config.addinivalue_line(
+            "filterwarnings", "error:flex_attention called without torch.compile:UserWarning")
+        # Past the recompile limit Dynamo silently runs the code eagerly: raise instead (torch < 2.6
+        # named the setting fail_on_cache_limit_hit)
+        import torch._dynamo.config as dynamo_config
+
+        for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, True)
+                break
+
+
+def pytest_report_header(config):
+    dev = config.stash.get(_DEVICE, None)
+    if dev is None:
+        return None
+    line = f"fms_paged test device: {dev} (--device / ${DEVICE_ENV})"
+    if dev.type != "cpu" and "not gpu" in (config.option.markexpr or ""):
+        line += "; gpu-marked tests are deselected by -m: pass -m 'not slow and not docker' to run them"
+    return line
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> torch.device:
+    """The device of the device-generic tests (`--device`); session-scoped, so module fixtures that
+    build models can take it too."""
+    return pytestconfig.stash[_DEVICE]
+
+
+@pytest.fixture(scope="session")
+def test_device(device) -> torch.device:
+    """The same device as `device`, under a name that says which (for fixtures with a wider scope)."""
+    return device
+
+
+def production_kernel(device: torch.device) -> str:
+    """The paged kernel that serves a model on `device`: cpp on the CPU, flex on CUDA, gather elsewhere."""
+    return {"cpu": "cpp", "cuda": "flex"}.get(device.type, "gather")
+
+
+@pytest.fixture(scope="session")
+def paged_kernel(device) -> str:
+    """`production_kernel` of the test device (the kernel tests use where the kernel is not their subject)."""
+    return production_kernel(device)
+
+
+@pytest.fixture(scope="session")
+def require_kernel(device):
+    """`require_kernel(kernel, page_size)`: skip the test where `kernel` cannot run on the test
+    device: cpp off the CPU (it is a CPU kernel), flex on CUDA with pages that are not whole Triton
+    tiles (multiples of 16). On the CPU nothing is skipped: a kernel that should run there and cannot
+    fails the test."""
+
+    def check(kernel: str, page_size: int = 16) -> None:
+        if device.type == "cpu":
+            return
+        if kernel == "cpp":
+            pytest.skip(f"the cpp kernel runs on the CPU only (test device: {device})")
+        if kernel == "flex":
+            reason = flex_unavailable_reason(device, page_size)
+            if reason is not None:
+                pytest.skip(f"compiled flex_attention cannot run on {device} here: {reason}")
+
+    return check
 
 HF_CONFIGS = {
     # (a) plain multi-head attention
@@ -40,7 +160,8 @@ def make_hf_llama(seed: int = 0, **overrides):
 
 @pytest.fixture
 def hf_checkpoint(tmp_path):
-    """Factory: (hf_model, checkpoint_dir) saved with save_pretrained (safetensors)."""
+    """Factory: (hf_model, checkpoint_dir) saved with save_pretrained (safetensors). The HF model is
+    the reference and stays on the CPU in fp32 whatever the test device: compare after `.cpu()`."""
 
     def build(name: str = "gqa", max_shard_size: str | None = None, **overrides):
         cfg = dict(HF_CONFIGS.get(name, {}))

@@ -1,6 +1,7 @@
 """The benchmark script at a small scale on the micro model: every scenario runs on every backend, and
 the JSON's figures are internally consistent and agree with independent recomputations; the memory
-plot draws figures that mean something (the 0-MiB bug: every run peak was 0)."""
+plot draws figures that mean something (the 0-MiB bug: every run peak was 0). The script runs on the
+test device (`--device`)."""
 
 import csv
 import json
@@ -23,11 +24,11 @@ NEW, WARMUP = 6, 1
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, test_device):
     out = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_inference.py"), "--variant", "micro",
            "--scale", "0.05", "--new-tokens", str(NEW), "--warmup", str(WARMUP), "--attn-impl", "all",
-           "--scenario", "all", "--ppl-chars", "1500", "--ppl-window", "128", "--device", "cpu",
+           "--scenario", "all", "--ppl-chars", "1500", "--ppl-window", "128", "--device", str(test_device),
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "TQDM_DISABLE": "1"})
@@ -106,18 +107,18 @@ def test_memory_figures_mean_something(run):
     assert by["paged"]["run_peak_bytes"] < by["sdpa"]["run_peak_bytes"]
 
 
-def test_peak_meter_sees_an_allocation():
-    meter = peak_meter(torch.device("cpu"))
+def test_peak_meter_sees_an_allocation(device):
+    meter = peak_meter(device)
     if meter is None:
-        pytest.skip("no resettable peak resident set here (Linux only)")
+        pytest.skip(f"no resettable peak memory counter on {device} here (CPU: Linux only)")
     start, peak = meter
     base = start()
-    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched; freed before peak() is read
+    x = torch.ones(64 * 2**20 // 4, device=device)  # 64 MiB, touched; freed before peak() is read
     del x
     assert peak() - base >= 60 * 2**20
 
 
-def test_perplexity_agrees_across_backends_and_with_no_cache(run):
+def test_perplexity_agrees_across_backends_and_with_no_cache(run, device):
     _, res, _ = run
     ppl = res["perplexity"]
     by = ppl["by_backend"]
@@ -126,12 +127,12 @@ def test_perplexity_agrees_across_backends_and_with_no_cache(run):
     # independent: the same bytes, the model run with plain causal attention, windows of 128
     from fms_paged.data.stdlib_corpus import heldout_text
 
-    model = load_model({"variant": "micro", "device": "cpu"})
+    model = load_model({"variant": "micro", "device": str(device)})
     ids = [b % 256 for b in heldout_text(1500)[:1500].encode("utf-8")]
     total, count = 0.0, 0
     with torch.inference_mode():
         for i in range(0, len(ids), 128):
-            w = torch.tensor(ids[i : i + 128])
+            w = torch.tensor(ids[i : i + 128], device=device)
             if len(w) < 2:
                 continue
             logits = model(w[None])[0]

@@ -1,5 +1,5 @@
 """KV waste from the page table (paged) and from the preallocated rows (dense) against an independent
-computation from the sequence lengths alone; no cache holds nothing."""
+computation from the sequence lengths alone; no cache holds nothing. On the test device (`--device`)."""
 
 import math
 
@@ -11,8 +11,8 @@ from fms_paged.bench.latency import load_model, make_backend, random_prompts
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model({"variant": "micro", "device": "cpu"})
+def model(test_device):
+    return load_model({"variant": "micro", "device": str(test_device)})
 
 
 def _expected(lengths, slots_held, c, dtype_bytes=4):
@@ -67,10 +67,11 @@ def test_no_cache_holds_nothing_and_feeds_the_whole_history(model):
     with torch.inference_mode():
         tokens, positions, step, last = cache.prefill([0, 1], prompts)
         assert tokens.shape == (2, 9) and positions is None and step is None
-        tokens, _, last = cache.decode([0, 1], torch.tensor([7, 8]), [5, 9], [True, True])
+        new = torch.tensor([7, 8], device=model.device)
+        tokens, _, last = cache.decode([0, 1], new, [5, 9], [True, True])
         got = cache.decode_step(model, tokens, None, last)  # [2, V]
         for b, p in enumerate(prompts):
-            ref = model(torch.tensor([p + [7 + b]]))[0, -1]
+            ref = model(torch.tensor([p + [7 + b]], device=model.device))[0, -1]
             torch.testing.assert_close(got[b], ref, rtol=1e-5, atol=1e-5)
     kv = kv_accounting(cache, [6, 10], c, model.dtype)
     assert (kv["kv_bytes_held"], kv["kv_pool_bytes"]) == (0, 0) and kv["tokens_stored"] == 16

@@ -4,7 +4,7 @@ The micro model is re-initialised with large weights (std 0.3) so its prediction
 uniform (NLL far from log 256, in either direction): a wrong cache read (stale or missing K/V,
 off-by-one positions) then moves the
 NLL by far more than the 1e-5 relative tolerance, which is only float32 round-off of different but
-equivalent attention orders (the NLL itself is accumulated in float64).
+equivalent attention orders (the NLL itself is accumulated in float64). On the test device (`--device`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ ATTN_IMPLS = [
 ]
 
 
-def _micro(attn_impl: str = "sdpa") -> torch.nn.Module:
-    model = get_model(variant="micro", device="cpu", attn_impl=attn_impl)
+def _micro(device: torch.device, attn_impl: str = "sdpa") -> torch.nn.Module:
+    model = get_model(variant="micro", device=device, attn_impl=attn_impl)
     torch.manual_seed(0)
     model.reset_parameters(std=0.3)
     return model.eval()
@@ -53,19 +53,19 @@ def _manual(model: torch.nn.Module, ids: list[int], window: int) -> tuple[float,
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(ids), window):
-            w = torch.tensor(ids[i : i + window])
+            w = torch.tensor(ids[i : i + window], device=model.device)
             if len(w) < 2:
                 continue
             logp = torch.log_softmax(model(w[None])[0].double(), dim=-1)  # [n, V]
-            total -= logp[torch.arange(len(w) - 1), w[1:]].sum().item()
+            total -= logp[torch.arange(len(w) - 1, device=w.device), w[1:]].sum().item()
             count += len(w) - 1
     return total / count, count
 
 
 @pytest.mark.parametrize("attn_impl", ATTN_IMPLS)
 @pytest.mark.parametrize("chunk", [None, 37, 1])
-def test_cache_matches_no_cache_and_manual(attn_impl: str, chunk: int | None) -> None:
-    model = _micro(attn_impl)
+def test_cache_matches_no_cache_and_manual(attn_impl: str, chunk: int | None, device) -> None:
+    model = _micro(device, attn_impl)
     ids = _tokens()
     cached = perplexity(model, ids, window=WINDOW, chunk=chunk, use_cache=True)
     plain = perplexity(model, ids, window=WINDOW, use_cache=False)
@@ -78,11 +78,11 @@ def test_cache_matches_no_cache_and_manual(attn_impl: str, chunk: int | None) ->
     assert cached["ppl"] == pytest.approx(math.exp(cached["nll"]), rel=1e-12)
 
 
-def test_cross_entropy_reference_and_tail_window() -> None:
-    model = _micro()
+def test_cross_entropy_reference_and_tail_window(device) -> None:
+    model = _micro(device)
     ids = _tokens(2 * WINDOW + 1)  # the 1-token tail predicts nothing and is dropped
     out = perplexity(model, ids, window=WINDOW)
-    x = torch.tensor(ids[: 2 * WINDOW]).view(2, WINDOW)  # [2, W]
+    x = torch.tensor(ids[: 2 * WINDOW], device=device).view(2, WINDOW)  # [2, W]
     with torch.no_grad():
         logits = model(x)  # [2, W, V]
     ref = F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), x[:, 1:].flatten()).item()
@@ -90,17 +90,17 @@ def test_cross_entropy_reference_and_tail_window() -> None:
     assert out["nll"] == pytest.approx(ref, rel=RTOL)
 
 
-def test_context_actually_matters() -> None:
+def test_context_actually_matters(device) -> None:
     """Guard for the comparisons above: with 1 token of context (window=2) the NLL must differ clearly
     from full windows, so a cache that dropped or misplaced earlier chunks could not go unnoticed."""
-    model = _micro()
+    model = _micro(device)
     ids = _tokens()
     short, full = perplexity(model, ids, window=2)["nll"], perplexity(model, ids, window=WINDOW)["nll"]
     assert abs(short - full) > 0.02 * full
 
 
-def test_bad_arguments() -> None:
-    model = _micro()
+def test_bad_arguments(device) -> None:
+    model = _micro(device)
     with pytest.raises(ValueError, match="window"):
         perplexity(model, [1, 2, 3], window=1)
     with pytest.raises(ValueError, match="at least 2 tokens"):

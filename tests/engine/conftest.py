@@ -1,4 +1,5 @@
-"""The engine tests' models: dense and paged `micro` on the same weights (page size 16)."""
+"""The engine tests' models: dense and paged `micro` on the same weights (page size 16), on the test
+device (`--device`)."""
 
 import pytest
 
@@ -6,7 +7,7 @@ from fms_paged import get_model
 
 
 @pytest.fixture(scope="module")
-def models():
-    dense = get_model(variant="micro", device="cpu", seed=0)
-    paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", page_size=16)
+def models(test_device):
+    dense = get_model(variant="micro", device=test_device, seed=0)
+    paged = get_model(variant="micro", device=test_device, seed=0, attn_impl="paged", page_size=16)
     return dense, paged

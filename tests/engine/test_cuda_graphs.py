@@ -41,7 +41,8 @@ NEWS = [12, 6, 20, 9, 15, 3]
 
 def test_graphed_decode_reads_every_input_from_its_static_buffers():
     model = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", page_size=16)
-    kw = dict(max_num_seqs=4, num_pages=64, max_model_len=256, kernel="flex", compile=False, enable_prefix_caching=False)
+    kw = dict(max_num_seqs=4, num_pages=64, max_model_len=256, kernel="flex", compile=False,
+              enable_prefix_caching=False)
     ref = Engine(model, **kw)
     want = serve(ref, PROMPTS, NEWS), serve(ref, PROMPTS[:1], [9])  # a batch, then a lone request
     eng = Engine(model, **kw)

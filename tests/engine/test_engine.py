@@ -1,8 +1,9 @@
 """The continuous-batching engine against the dense static-batch path (`attn_impl="sdpa"`).
 
 Every output is compared with dense `generate()` of that prompt alone on the same weights (an
-independent path: contiguous cache + SDPA, no pages, no scheduler). Wide cases run the cpp kernel
-eagerly (no compile cost); the zero-recompile cases use the compiled steps.
+independent path: contiguous cache + SDPA, no pages, no scheduler). Wide cases run the device's
+production kernel (cpp on the CPU, eager: no compile cost; flex on CUDA); the zero-recompile cases
+use the compiled steps. Models and engines are on the test device (`--device`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,19 @@ from fms_paged import Engine, SamplingParams, generate, get_model
 MAX_LEN = 256  # max_model_len of the test engines
 
 
+def kernel_for(model) -> str:
+    """The production kernel of the model's device: cpp on the CPU, flex on CUDA."""
+    return "cpp" if model.device.type == "cpu" else "flex"
+
+
+def cpu_only(model, why: str) -> None:
+    if model.device.type != "cpu":
+        pytest.skip(f"CPU only: {why}")
+
+
 def engine(paged, **kw) -> Engine:
     opts = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=24, compile=False,
-                max_model_len=MAX_LEN, kernel="cpp")
+                max_model_len=MAX_LEN, kernel=kernel_for(paged))
     opts.update(kw)
     return Engine(paged, **opts)
 
@@ -184,7 +195,8 @@ def test_eos_stops_unless_ignored(models):
     prompt = [9, 10, 11]
     free = generate(dense, [prompt], 8, eos_id=None)[0]
     eos = free[2]
-    model_eos = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", eos_token_id=eos)
+    model_eos = get_model(variant="micro", device=paged.device, seed=0, attn_impl="paged",
+                          eos_token_id=eos)
     eng = engine(model_eos)
     a = eng.add_request(prompt, SamplingParams(max_new_tokens=8))
     b = eng.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -214,7 +226,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(models):
     from fms_paged.kv.paged import PagedBackend
 
     dense, paged = models
-    small = PagedBackend(paged, 8, MAX_LEN, num_pages=10, kernel="cpp")  # 9 pages: 144 tokens
+    small = PagedBackend(paged, 8, MAX_LEN, num_pages=10, kernel=kernel_for(paged))  # 9 pages: 144 tokens
     eng = engine(paged, backend=small)
     ok = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
     cases = [
@@ -264,6 +276,7 @@ def test_budget_refusal_states_memory_and_the_setting_that_works(models, monkeyp
     from fms_paged.kv.budget import CPU_KV_SPACE_ENV, KVBudgetError
 
     _, paged = models
+    cpu_only(paged, "the pool is sized by the CPU KV space; other devices' budget: tests/kv/test_budget.py")
     page = 2 * 2 * 2 * 16 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, 16 tokens, fp32
     monkeypatch.setenv(CPU_KV_SPACE_ENV, str(50 * page / 2**30))  # 50 pages
     with pytest.raises(KVBudgetError) as err:
@@ -272,7 +285,7 @@ def test_budget_refusal_states_memory_and_the_setting_that_works(models, monkeyp
     assert f"{CPU_KV_SPACE_ENV}=" in msg and "max_model_len=2048" in msg
     assert "129 pages of 16 tokens x 8192 bytes" in msg  # what one sequence of 2048 needs
     assert "num_pages>=129" in msg and "max_model_len<=784" in msg  # (50 - 1) * 16
-    eng = Engine(paged, max_model_len=784, compile=False, kernel="cpp")  # what it said fits
+    eng = Engine(paged, max_model_len=784, compile=False, kernel="cpp")  # what it said fits (CPU)
     assert eng.pm.num_pages == 50
     with pytest.raises(KVBudgetError, match="num_pages=20 cannot hold one sequence of max_model_len=2048"):
         Engine(paged, num_pages=20, compile=False)
@@ -284,6 +297,7 @@ def test_cpu_pool_sized_by_memory_is_not_touched_until_used(models, monkeypatch)
     from fms_paged.kv.budget import CPU_KV_SPACE_ENV
 
     dense, paged = models
+    cpu_only(paged, "the RSS of a host-memory pool")
     monkeypatch.setenv(CPU_KV_SPACE_ENV, "2")
     rss = psutil.Process().memory_info().rss
     eng = Engine(paged, max_num_seqs=4, max_num_batched_tokens=64, compile=False, kernel="gather")
@@ -295,7 +309,8 @@ def test_cpu_pool_sized_by_memory_is_not_touched_until_used(models, monkeypatch)
 
 def test_decode_step_has_no_host_sync(models, no_host_sync):
     """Inside a decode step nothing reads device memory back but the sampled tokens (`tolist`,
-    which on the CPU dispatches no op: the mode sees every other read). The GATHER kernel: the
+    which on the CPU dispatches no op: the mode sees every other read; on CUDA it is a copy, and
+    the mode catches the banned ops: item, nonzero, boolean-mask indexing). The GATHER kernel: the
     dispatch mode cannot run inside flex_attention's compiled wrapper; the host path (scheduler,
     RESERVE, step metadata) is the same for every kernel."""
     _, paged = models
@@ -310,12 +325,13 @@ def test_decode_step_has_no_host_sync(models, no_host_sync):
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex"])
-def test_zero_recompiles_over_500_engine_steps_compiled(models, kernel):
+def test_zero_recompiles_over_500_engine_steps_compiled(models, kernel, require_kernel):
     """compile=True, the cpp kernel and the compiled flex kernel: after `warmup()` (decode buckets
     2 and 4 for cpp, whose graph has the batch dynamic past one row; 1 and 4 for flex), 500 steps
     with requests joining and leaving recompile nothing."""
     import torch._dynamo
 
+    require_kernel(kernel)
     dense, paged = models
     rng = random.Random(3)
     eng = Engine(paged, max_num_seqs=4, max_num_batched_tokens=64, num_pages=160, compile=True,
@@ -383,7 +399,7 @@ def test_generate_through_a_small_cache_queues_the_rest(models):
 
     dense, paged = models
     prompts = [[3 + i] * (4 + 7 * i) for i in range(5)]
-    cache = PagedBackend(paged, 2, 128, num_pages=40, kernel="cpp")
+    cache = PagedBackend(paged, 2, 128, num_pages=40, kernel=kernel_for(paged))
     assert generate(paged, prompts, 9, eos_id=None, cache=cache) == generate(dense, prompts, 9, eos_id=None)
     assert cache.pm.live_seqs == []
 
@@ -394,8 +410,9 @@ def test_generate_sizes_max_model_len_by_its_prompts(models, monkeypatch):
     two) and runs."""
     from fms_paged.kv.budget import CPU_KV_SPACE_ENV, KVBudgetError
 
-    dense, _ = models
-    long_ctx = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged",
+    dense, paged = models
+    cpu_only(paged, "the refusal comes from the CPU KV space ($FMS_PAGED_CPU_KV_SPACE)")
+    long_ctx = get_model(variant="micro", device=paged.device, seed=0, attn_impl="paged",
                          max_expected_seq_len=131_072)
     monkeypatch.setenv(CPU_KV_SPACE_ENV, "0.01")  # 1280 pages of 8 KiB: 20k tokens
     with pytest.raises(KVBudgetError, match="max_model_len=131072"):
@@ -447,7 +464,9 @@ def test_warmup_compiles_then_leaves_an_idle_engine(models):
     no pages held, no cached prefix; a real request then gives dense's tokens. Nothing to warm
     in eager steps of the cpp and gather kernels."""
     dense, paged = models
-    assert engine(paged).warmup() == engine(paged, kernel="gather").warmup() == 0.0
+    assert engine(paged, kernel="gather").warmup() == 0.0
+    if paged.device.type == "cpu":
+        assert engine(paged, kernel="cpp").warmup() == 0.0
     eng = engine(paged, kernel="flex", max_num_seqs=3)
     assert eng.warmup(progress=False) > 0
     m = eng.metrics()
@@ -479,7 +498,7 @@ def test_compiled_steps_raise_the_recompile_limits():
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex"])
-def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel):
+def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel, require_kernel):
     """compile=True: pure decode steps run the whole-step graph, a mixed step's decode rows (flex)
     the flex kernel alone. After warmup(), a request joining a lone decoding one (a prefill beside
     a 1-row decode batch, which the all-rows wave does not produce when the budget admits all its
@@ -487,6 +506,7 @@ def test_warmup_covers_a_prefill_beside_every_decode_bucket(models, kernel):
     counted)."""
     from torch._dynamo.utils import counters
 
+    require_kernel(kernel)
     dense, paged = models
     eng = engine(paged, kernel=kernel, compile=True, max_num_seqs=3, max_num_batched_tokens=1024,
                  num_pages=64)
@@ -518,6 +538,7 @@ def test_cpp_decode_graphs_are_shared_by_pools_page_sizes_and_buckets(models):
     from fms_paged.modules.linear import GEMV_MAX_ROWS, cpu_path
 
     dense, paged = models
+    cpu_only(paged, "the cpp kernel's graphs and the CPU projections' paths")
     rng = random.Random(11)
     engine(paged, kernel="cpp", compile=True, max_num_seqs=4, num_pages=64).warmup(progress=False)
     graphs = counters["stats"]["unique_graphs"]
@@ -546,6 +567,7 @@ def test_a_lone_request_and_a_short_prefill_share_the_larger_graphs(models):
     from fms_paged.modules.linear import GEMV_MAX_ROWS
 
     dense, paged = models
+    cpu_only(paged, "the cpp kernel's decode buckets and the CPU projections' GEMV path")
     eng = engine(paged, kernel="cpp", compile=True, max_num_seqs=1, num_pages=64)
     assert eng.runner.buckets == [2] and 5 <= GEMV_MAX_ROWS
     eng.warmup(progress=False)
@@ -557,20 +579,21 @@ def test_a_lone_request_and_a_short_prefill_share_the_larger_graphs(models):
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex"])
-def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel):
+def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel, require_kernel):
     """compile=True runs prefill and mixed steps through one graph with the token count dynamic,
     attention an opaque op (`fms_paged::step_attend`) that runs the step in effect. On the same
     steps its logits equal the eager forward's, below and above `PACK_MIN_ROWS` tokens (where
     `Linear` switches to its packed path: a graph each), a mixed step and a continuation chunk
     included; after warmup() a served run compiles nothing new and gives dense's tokens."""
-    import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     from fms_paged.engine.model_step import compiled_prefill, prefill_hidden
     from fms_paged.modules.linear import PACK_MIN_ROWS
 
+    require_kernel(kernel)
     dense, paged = models
+    dev = paged.device
     rng = random.Random(11)
     eng = engine(paged, kernel=kernel, compile=True, max_num_seqs=4, max_num_batched_tokens=512,
                  num_pages=120, max_model_len=600)
@@ -590,10 +613,10 @@ def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel):
         tokens, positions, step, last = b.prefill([1], [long[200:]], [200])  # continuation
         same_logits(tokens, positions, step, last)
         more = random_prompt(rng, 300)  # a prefill beside the decodes of seqs 1 and 2
-        tokens, positions, step, last = b.mixed([1, 2], torch.tensor([5, 6]), [len(long), len(short)],
-                                                [True, True], [3], [more], [0])
+        tokens, positions, step, last = b.mixed([1, 2], torch.tensor([5, 6], device=dev),
+                                                [len(long), len(short)], [True, True], [3], [more], [0])
         assert tokens.shape[1] >= PACK_MIN_ROWS
-        same_logits(tokens, positions, step, torch.cat([torch.arange(2), last]))
+        same_logits(tokens, positions, step, torch.cat([torch.arange(2, device=dev), last]))
     b.release([1, 2, 3])
 
     eng.warmup(progress=False)

@@ -3,7 +3,8 @@
 References: the same requests with the cache off (the engine's own path, itself tested against
 dense `generate()` in test_engine.py) and dense `generate()` of each prompt alone (contiguous cache,
 no pages). The pool invariants are recomputed here from the page tables and the cache's listing,
-not taken from the page manager's own counters.
+not taken from the page manager's own counters. Models on the test device (`--device`), each
+engine with the device's production kernel (cpp on the CPU, flex on CUDA).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ MAX_LEN = 256
 
 def engine(paged, **kw) -> Engine:
     opts = dict(max_num_seqs=6, max_num_batched_tokens=64, num_pages=40, compile=False,
-                max_model_len=MAX_LEN, kernel="cpp")
+                max_model_len=MAX_LEN, kernel="cpp" if paged.device.type == "cpu" else "flex")
     opts.update(kw)
     return Engine(paged, **opts)
 
@@ -220,8 +221,8 @@ def test_an_evicted_and_reused_page_never_serves_the_old_prompt(models):
     run(eng, others)
     assert eng.metrics()["prefix_cache_evictions"] >= 3 and eng.prefix_cache.match(a) == []
     assert a_pages & set(eng.pm.free_pages + list(eng.prefix_cache.pages)) == a_pages
-    free = torch.tensor(eng.pm.free_pages)
-    slots = (free[:, None] * P + torch.arange(P)).flatten()
+    free = torch.tensor(eng.pm.free_pages, device=paged.device)
+    slots = (free[:, None] * P + torch.arange(P, device=paged.device)).flatten()
     for pool in eng.backend.k_pools + eng.backend.v_pools:
         pool[:, :, slots] = float("nan")
     assert run(eng, [(a, SamplingParams(max_new_tokens=6))]) == [generate(dense, [a], 6)[0]]

@@ -3,6 +3,7 @@
 For a PageManager holding scattered, shared (forked) and erased pages, the expected visibility of
 every (query, pool slot) pair is computed in plain Python from the host page lists; the mask_mod,
 the block lists (full/partial) and create_block_mask over the same mask_mod must all agree with it.
+The manager's device views, the masks and the BlockMasks are on the test device (`--device`).
 """
 
 import random
@@ -23,8 +24,8 @@ from fms_paged.flex.masks import (
 from fms_paged.kv import PageManager
 
 
-def scattered_manager(P, lengths, num_pages=64, seed=0):
-    pm = PageManager(num_pages, P, max_seqs=8, max_seq_len=P * 48)
+def scattered_manager(device, P, lengths, num_pages=64, seed=0):
+    pm = PageManager(num_pages, P, max_seqs=8, device=device, max_seq_len=P * 48)
     random.Random(seed).shuffle(pm._free)  # scatter the pages
     pm.reserve([7], [3 * P])  # a sequence that will be erased: its pages hold stale data
     for s, n in lengths.items():
@@ -59,7 +60,8 @@ def listed_blocks(bm):
                 out[b, j, idx[b, 0, j, : num[b, 0, j]].numpy()] = True
         return out
 
-    return dense(bm.full_kv_num_blocks, bm.full_kv_indices), dense(bm.kv_num_blocks, bm.kv_indices)
+    return (dense(bm.full_kv_num_blocks.cpu(), bm.full_kv_indices.cpu()),
+            dense(bm.kv_num_blocks.cpu(), bm.kv_indices.cpu()))
 
 
 def check_block_mask(bm, E, P, q_block):
@@ -80,53 +82,53 @@ def check_block_mask(bm, E, P, q_block):
 
 
 @pytest.mark.parametrize("P", [1, 4, 16])
-def test_decode_mask_and_blocks(P):
+def test_decode_mask_and_blocks(P, device):
     lengths = {0: 1, 3: P - 1 if P > 1 else 2, 5: 2 * P + 1, 6: 4 * P}
-    pm = scattered_manager(P, lengths)
+    pm = scattered_manager(device, P, lengths)
     seq_ids = [5, 0, 3, 6, 2]  # non-contiguous rows, and an inactive row (2 is not live)
     active = [True, True, True, True, False]
     q_pos = [lengths[s] - 1 if a else -1 for s, a in zip(seq_ids, active)]
     slots = pm.slots([s for s, a in zip(seq_ids, active) if a], [q for q in q_pos if q >= 0]).tolist()
     slots.append(0)  # the inactive row's
-    meta = decode_meta([s if a else 0 for s, a in zip(seq_ids, active)], q_pos, slots, P)
+    meta = decode_meta([s if a else 0 for s, a in zip(seq_ids, active)], q_pos, slots, P).to(device)
     q_seq, q_p = meta[0][:, None], meta[1][:, None]
     mm = paged_mask_mod(pm.page_table, pm.phys_to_logical, q_seq, q_p, P)
     E = expected_visibility(pm, q_seq, q_p, P)
-    got = create_mask(mm, len(seq_ids), 1, 1, pm.num_pages * P)[:, 0]
-    assert np.array_equal(got.numpy(), E)
+    got = create_mask(mm, len(seq_ids), 1, 1, pm.num_pages * P, device=device)[:, 0]
+    assert np.array_equal(got.cpu().numpy(), E)
     check_block_mask(decode_block_mask(pm.page_table, meta, pm.num_pages, P, mm), E, P, q_block=1)
 
 
 @pytest.mark.parametrize("P", [4, 16])
-def test_prefill_mask_and_blocks(P):
+def test_prefill_mask_and_blocks(P, device):
     # chunked prefill: seq 1 already holds 5 tokens; seq 4 is new; a long one spans query blocks
-    pm = scattered_manager(P, {1: 5}, num_pages=128)
+    pm = scattered_manager(device, P, {1: 5}, num_pages=128)
     prompts = {1: 9, 4: 3, 2: 150}
     starts = {1: 5, 4: 0, 2: 0}
     for s, n in prompts.items():
         pm.reserve([s], [starts[s] + n])
     ids = list(prompts)
-    q_seq = torch.tensor([s for s in ids for _ in range(prompts[s])], dtype=torch.int32)[None]
+    q_seq = torch.tensor([s for s in ids for _ in range(prompts[s])], dtype=torch.int32, device=device)[None]
     q_pos = torch.tensor([starts[s] + k for s in ids for k in range(prompts[s])],
-                         dtype=torch.int32)[None]
+                         dtype=torch.int32, device=device)[None]
     mm = paged_mask_mod(pm.page_table, pm.phys_to_logical, q_seq, q_pos, P)
     bm = prefill_block_mask([pm.pages_of(s) for s in ids], [starts[s] for s in ids],
-                            [prompts[s] for s in ids], pm.num_pages, P, mm, torch.device("cpu"))
+                            [prompts[s] for s in ids], pm.num_pages, P, mm, device)
     E = expected_visibility(pm, q_seq, q_pos, P)
-    got = create_mask(mm, 1, 1, q_seq.shape[1], pm.num_pages * P)[:, 0]
-    assert np.array_equal(got.numpy(), E)
+    got = create_mask(mm, 1, 1, q_seq.shape[1], pm.num_pages * P, device=device)[:, 0]
+    assert np.array_equal(got.cpu().numpy(), E)
     check_block_mask(bm, E, P, q_block=Q_BLOCK)
     # create_block_mask over the same mask_mod lists the same blocks (as a set, full or partial)
-    ref = create_block_mask(mm, 1, None, q_seq.shape[1], pm.num_pages * P, device="cpu",
-                            BLOCK_SIZE=(Q_BLOCK, P)).to_dense()[0, 0].numpy().astype(bool)
+    ref = create_block_mask(mm, 1, None, q_seq.shape[1], pm.num_pages * P, device=device,
+                            BLOCK_SIZE=(Q_BLOCK, P)).to_dense()[0, 0].cpu().numpy().astype(bool)
     full, part = listed_blocks(bm)
     assert np.array_equal((full | part)[0][:, : ref.shape[1]], ref)
 
 
-def test_logical_score_mod_sees_logical_positions():
+def test_logical_score_mod_sees_logical_positions(device):
     P = 4
-    pm = scattered_manager(P, {0: 10})
-    q_pos = torch.full((1, 1), 9, dtype=torch.int32)
+    pm = scattered_manager(device, P, {0: 10})
+    q_pos = torch.full((1, 1), 9, dtype=torch.int32, device=device)
     seen = {}
 
     def record(score, b, h, qp, kvp):
@@ -136,25 +138,25 @@ def test_logical_score_mod_sees_logical_positions():
     pages = pm.pages_of(0)
     for lp, page in enumerate(pages):
         for off in range(P):
-            out = mod(torch.tensor(0.0), torch.tensor(0), torch.tensor(0), torch.tensor(0),
-                      torch.tensor(page * P + off))
+            i = lambda x: torch.tensor(x, device=device)
+            out = mod(i(0.0), i(0), i(0), i(0), i(page * P + off))
             seen[lp * P + off] = float(out)
     assert all(seen[pos] == pos for pos in seen)
 
 
-def test_block_mask_indices_are_sized_by_a_sequence_not_the_pool():
+def test_block_mask_indices_are_sized_by_a_sequence_not_the_pool(device):
     """A pool of 20,000 pages: the decode BlockMask's index tensors span the pool (the kernels
     require it) but store B * max_pages_per_seq entries plus one shared tail, not B * num_pages,
     and list the same blocks as a small pool's would."""
     P, N = 16, 20_000
-    pm = PageManager(N, P, max_seqs=8, max_seq_len=P * 48)
+    pm = PageManager(N, P, max_seqs=8, device=device, max_seq_len=P * 48)
     lengths = {0: 5, 3: 3 * P, 6: 40 * P + 7}
     for s, n in lengths.items():
         pm.reserve([s], [n])
     seq_ids = [0, 3, 6]
     q_pos = [lengths[s] - 1 for s in seq_ids]
     slots = pm.slots(seq_ids, q_pos).tolist()
-    meta = decode_meta(seq_ids, q_pos, slots, P)
+    meta = decode_meta(seq_ids, q_pos, slots, P).to(device)
     mm = paged_mask_mod(pm.page_table, pm.phys_to_logical, meta[0][:, None], meta[1][:, None], P)
     bm = decode_block_mask(pm.page_table, meta, N, P, mm)
     B, C = len(seq_ids), pm.max_pages_per_seq
@@ -165,7 +167,7 @@ def test_block_mask_indices_are_sized_by_a_sequence_not_the_pool():
     assert full == [pm.pages_of(s)[: (q + 1) // P] for s, q in zip(seq_ids, q_pos)]
     part = [bm.kv_indices[b, 0, 0, : bm.kv_num_blocks[b, 0, 0]].tolist() for b in range(B)]
     assert part == [[pm.pages_of(s)[q // P]] if (q + 1) % P else [] for s, q in zip(seq_ids, q_pos)]
-    bm = prefill_block_mask([pm.pages_of(6)], [lengths[6] - 10], [10], N, P, mm, torch.device("cpu"),
+    bm = prefill_block_mask([pm.pages_of(6)], [lengths[6] - 10], [10], N, P, mm, device,
                             max_blocks=8 * C)
     assert bm.full_kv_indices.untyped_storage().nbytes() <= 4 * (8 * C + N)
     n_full = (lengths[6] - 10 + 1) // P  # pages wholly before the chunk's first query

@@ -5,7 +5,7 @@ layer's flex_attention together; it must give the dense backend's logits (fp32 r
 make `generate` return the same greedy tokens as the eager dense path. (That it never recompiles
 over 500 steps with sequences leaving and joining is tested with the per-layer kernel in
 tests/kv/test_paged_vs_dense.py.) The cases share one shape (micro model, 4 rows, a 160-page pool),
-so the graph is compiled once per test process.
+so the graph is compiled once per test process. Models on the test device (`--device`).
 """
 
 import torch
@@ -19,9 +19,9 @@ TOL = 1e-5  # fp32: the backends sum the same products in different orders
 B, NUM_PAGES, MAX_LEN = 4, 160, 160
 
 
-def models():
-    dense = get_model(variant="micro", device="cpu", seed=0)
-    paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", page_size=16)
+def models(device):
+    dense = get_model(variant="micro", device=device, seed=0)
+    paged = get_model(variant="micro", device=device, seed=0, attn_impl="paged", page_size=16)
     return dense, paged
 
 
@@ -31,10 +31,10 @@ def prompts_of(lengths, seed=0):
 
 
 @torch.inference_mode()
-def test_compiled_paged_step_matches_dense_logits():
+def test_compiled_paged_step_matches_dense_logits(device):
     """4 rows with lengths that cross page boundaries during the run; row 2 finishes halfway (its
     pages are erased and the row keeps decoding as inactive, masked out)."""
-    dense, paged = models()
+    dense, paged = models(device)
     step_fn = compiled_decode(static_shapes=True)
     prompts = prompts_of([15, 1, 33, 16])
     dc = make_cache(dense, B, MAX_LEN)
@@ -61,10 +61,10 @@ def test_compiled_paged_step_matches_dense_logits():
     assert worst <= TOL
 
 
-def test_generate_compiled_equals_eager_dense():
+def test_generate_compiled_equals_eager_dense(device):
     """`generate(compile=True)`: greedy tokens of the compiled paged and compiled dense steps equal
     the eager dense path's, for a mixed-length batch."""
-    dense, paged = models()
+    dense, paged = models(device)
     prompts = prompts_of([3, 17, 40, 9], seed=3)
     want = generate(dense, prompts, 24, eos_id=None)
     cache = make_cache(paged, B, MAX_LEN, num_pages=NUM_PAGES, kernel="flex")
@@ -73,17 +73,17 @@ def test_generate_compiled_equals_eager_dense():
 
 
 @torch.inference_mode()
-def test_prepare_returns_a_new_step_and_leaves_its_input_alone():
+def test_prepare_returns_a_new_step_and_leaves_its_input_alone(device):
     """`prepare` runs inside the compiled step: attribute writes on its input object would be
     replayed in Python after the graph on every call (for the paged step, rebuilding a BlockMask
     and its mask_mod closure). Every backend's steps must leave their input untouched; decode
     steps return a new, ready step, whose own `prepare` is then a no-op."""
-    dense, paged = models()
+    dense, paged = models(device)
     caches = [make_cache(dense, 2, 64), make_cache(paged, 2, 64, kernel="flex"),
               make_cache(paged, 2, 64, kernel="gather")]
     for cache in caches:
         steps = [cache.prefill([0, 1], prompts_of([15, 3]))[2],
-                 cache.decode([0, 1], torch.tensor([5, 6]), [15, 3], [True, True])[2]]
+                 cache.decode([0, 1], torch.tensor([5, 6], device=device), [15, 3], [True, True])[2]]
         for i, step in enumerate(steps):
             before = {k: id(v) for k, v in vars(step).items()}
             ready = step.prepare()

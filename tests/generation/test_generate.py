@@ -1,4 +1,5 @@
-"""generate(): cache use, per-sequence EOS and lengths, seeded sampling, streaming."""
+"""generate(): cache use, per-sequence EOS and lengths, seeded sampling, streaming (on the test
+device, `--device`)."""
 
 import pytest
 import torch
@@ -8,8 +9,8 @@ from fms_paged.generation.sampling import sample
 
 
 @pytest.fixture(scope="module")
-def micro():
-    return get_model(variant="micro", device="cpu", seed=0)
+def micro(test_device):
+    return get_model(variant="micro", device=test_device, seed=0)
 
 
 def _greedy_no_cache(model, prompt, n):
@@ -17,7 +18,7 @@ def _greedy_no_cache(model, prompt, n):
     seq = list(prompt)
     for _ in range(n):
         with torch.no_grad():
-            logits = model(torch.tensor([seq]))
+            logits = model(torch.tensor([seq], device=model.device))
         seq.append(int(logits[0, -1].argmax()))
     return seq[len(prompt):]
 
@@ -59,14 +60,14 @@ def test_streaming_callback(micro):
         assert [t for j, t in seen if j == i] == out[i]
 
 
-def test_top_k_one_is_greedy():
-    logits = torch.randn(4, 100)
-    g = torch.Generator().manual_seed(0)
+def test_top_k_one_is_greedy(device):
+    logits = torch.randn(4, 100, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
     assert torch.equal(sample(logits, temperature=0.7, top_k=1, generator=g), logits.argmax(-1))
 
 
-def test_top_p_keeps_only_nucleus():
-    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]]))
-    g = torch.Generator().manual_seed(0)
+def test_top_p_keeps_only_nucleus(device):
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]], device=device))
+    g = torch.Generator(device=device).manual_seed(0)
     draws = {int(sample(logits, 1.0, top_p=0.8, generator=g)) for _ in range(200)}
     assert draws == {0, 1}

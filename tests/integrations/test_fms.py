@@ -3,6 +3,9 @@
 References are FMS itself: the same FMS model run by FMS's `generate` with its default attention
 (`sdpa_causal`, a contiguous cache and a padding mask). Tolerance: 1e-5 relative to the largest
 logit (fp32; the two paths sum attention in a different order). Greedy tokens must be identical.
+FMS models run on the test device (`--device`); the tensor-parallel case stays on the CPU (gloo).
+ibm-fms is optional: this module skips without it (test_fms_installed.py makes CI's CPU job, which
+installs the extra, fail loudly instead).
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-if not os.environ.get("CI"):  # CI installs the `fms` extra: there a missing ibm-fms fails loudly
-    pytest.importorskip("fms", reason="ibm-fms is not installed (pip install 'fms_paged[fms]')")
+pytest.importorskip("fms", reason="ibm-fms is not installed (pip install 'fms_paged[fms]')")
 
 from fms.models import get_model  # noqa: E402
 from fms.utils.generation import generate as fms_generate  # noqa: E402
@@ -32,16 +34,16 @@ LENGTHS = (5, 17, 40, 9)
 DECODE_STEPS = 32
 
 
-def fms_micro(kvheads: int) -> torch.nn.Module:
+def fms_micro(kvheads: int, device: torch.device) -> torch.nn.Module:
     """FMS's own `llama` / `micro` variant (192 wide, 4 heads, 5 layers), random weights."""
     torch.manual_seed(0)
-    return get_model("llama", "micro", device_type="cpu", data_type=torch.float32,
+    return get_model("llama", "micro", device_type=device.type, data_type=torch.float32,
                      kvheads=kvheads).eval()
 
 
-def prompts_for(vocab: int, lengths=LENGTHS, seed: int = 1) -> list[torch.Tensor]:
+def prompts_for(vocab: int, lengths=LENGTHS, seed: int = 1, device="cpu") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    return [torch.randint(0, vocab, (n,), generator=g).to(device) for n in lengths]
 
 
 def run_fms_generate(model, prompts, cache=None, new_tokens=DECODE_STEPS + 1):
@@ -82,10 +84,10 @@ def assert_same_run(got, ref) -> None:
     [(0, "auto"), (2, "auto"), (2, "gather")],
     ids=["mha-flex", "gqa-flex", "gqa-gather"],
 )
-def test_fms_generate_matches_sdpa(kvheads, kernel):
-    model = fms_micro(kvheads)
+def test_fms_generate_matches_sdpa(kvheads, kernel, device):
+    model = fms_micro(kvheads, device)
     assert model.config.nheads // (kvheads or model.config.nheads) == (2 if kvheads else 1)
-    prompts = prompts_for(model.config.src_vocab_size)
+    prompts = prompts_for(model.config.src_vocab_size, device=device)
     ref = run_fms_generate(model, prompts)
     cache = plugin.PagedFMSCache(model, max_batch=4, max_seq_len=128, kernel=kernel)
     got = run_fms_generate(model, prompts, cache)
@@ -107,26 +109,26 @@ def hf_dir(tmp_path_factory) -> Path:
     return path
 
 
-def fms_from_hf(path: Path, **kw) -> torch.nn.Module:
-    return get_model("hf_pretrained", model_path=str(path), device_type="cpu",
+def fms_from_hf(path: Path, device: torch.device, **kw) -> torch.nn.Module:
+    return get_model("hf_pretrained", model_path=str(path), device_type=device.type,
                      data_type=torch.float32, **kw).eval()
 
 
-def test_fms_hf_checkpoint_matches_sdpa(hf_dir):
-    model = fms_from_hf(hf_dir)
+def test_fms_hf_checkpoint_matches_sdpa(hf_dir, device):
+    model = fms_from_hf(hf_dir, device)
     assert (model.config.nheads, model.config.kvheads) == (4, 2)
-    prompts = prompts_for(model.config.src_vocab_size, seed=2)
+    prompts = prompts_for(model.config.src_vocab_size, seed=2, device=device)
     ref = run_fms_generate(model, prompts)
     got = run_fms_generate(model, prompts, plugin.PagedFMSCache(model, 4, 128))
     assert_same_run(got, ref)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_engine_serves_fms_model(hf_dir, compile):
+def test_engine_serves_fms_model(hf_dir, compile, device):
     """Our Engine serving the FMS model (more requests than rows, so some wait and join later)
     gives each request the tokens FMS's own generate gives it alone."""
-    model = fms_from_hf(hf_dir)
-    prompts = prompts_for(model.config.src_vocab_size, lengths=(5, 17, 40, 9, 3, 23), seed=3)
+    model = fms_from_hf(hf_dir, device)
+    prompts = prompts_for(model.config.src_vocab_size, lengths=(5, 17, 40, 9, 3, 23), seed=3, device=device)
     new = 12
     ref = []
     for p in prompts:
@@ -194,16 +196,17 @@ def test_missing_fms_names_the_extra(monkeypatch):
         plugin.register()
 
 
-def test_bad_use_is_a_clear_error():
-    model = fms_micro(2)
-    ids = torch.tensor([[1, 2, 3]])
+def test_bad_use_is_a_clear_error(device):
+    model = fms_micro(2, device)
+    ids = torch.tensor([[1, 2, 3]], device=device)
     with pytest.raises(ValueError, match="paged_step"):
-        model(ids, position_ids=torch.arange(3)[None], use_cache=True, attn_name="paged_flex")
+        model(ids, position_ids=torch.arange(3, device=device)[None], use_cache=True, attn_name="paged_flex")
     cache = plugin.PagedFMSCache(model, max_batch=2, max_seq_len=64)
     with pytest.raises(ValueError, match="got 3 prompts; expected 1..2"):
-        cache.pad_input_ids(prompts_for(256, (3, 4, 5)))
+        cache.pad_input_ids(prompts_for(256, (3, 4, 5), device=device))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        cache.pad_input_ids([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)])
+        cache.pad_input_ids([torch.tensor([1, 2], device=device),
+                             torch.tensor([], dtype=torch.long, device=device)])
     with pytest.raises(ValueError, match="no batch to prefill"):
         cache.prefill(4)
     with pytest.raises(TypeError, match="expected an FMS decoder model"):

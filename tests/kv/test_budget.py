@@ -1,5 +1,8 @@
 """The engine's pool size: KV bytes // page bytes, page bytes from shapes, the KV bytes from the
-CPU KV space (env, fraction of RAM, default) with the host's free memory pinned by the test."""
+CPU KV space (env, fraction of RAM, default) with the host's free memory pinned by the test, and on
+the test device (`--device`) from its free memory (pinned) less a measured activation peak.
+
+The CPU KV space is the CPU's alone: those tests build their model on the CPU whatever the device."""
 
 import pytest
 import torch
@@ -49,6 +52,31 @@ def test_cpu_budget_leaves_room_for_packed_weights(monkeypatch):
     monkeypatch.setenv(CPU_KV_SPACE_ENV, "0.5")
     b = kv_cache_budget(model, 64, 256, kv_memory_fraction=0.25)  # the environment wins
     assert b.num_pages == (1 << 29) // per_page and CPU_KV_SPACE_ENV in b.source
+
+
+def test_budget_on_the_test_device(device, monkeypatch):
+    """CPU: the default KV space (4 GiB, at most half the free RAM), no activation term. CUDA / MPS:
+    `kv_memory_fraction` (default 0.9) of the free memory less the activation peak of a forward at
+    max_num_batched_tokens, measured (> 0); a budget below one sequence is refused, naming the
+    fraction to raise."""
+    monkeypatch.delenv(CPU_KV_SPACE_ENV, raising=False)
+    free = 3 << 30
+    monkeypatch.setattr(budget_mod, "free_memory_bytes", lambda dev: free)
+    model = get_model(variant="micro", device=device, page_size=16, linear_impl="torch")
+    c = model.config
+    per_page = 2 * c.nlayers * c.kvheads * c.head_dim * c.page_size * 4
+    b = kv_cache_budget(model, 64, 256)
+    assert b.page_bytes == per_page and b.device == str(model.device)
+    if device.type == "cpu":
+        assert b.activation_bytes == 0 and b.num_pages == min(4 << 30, free // 2) // per_page
+        return
+    assert b.activation_bytes > 0
+    assert b.num_pages == (int(free * 0.9) - b.activation_bytes) // per_page
+    half = kv_cache_budget(model, 64, 256, kv_memory_fraction=0.5)
+    assert half.num_pages == (int(free * 0.5) - half.activation_bytes) // per_page
+    free = half.activation_bytes // 2  # less than the activation peak alone
+    with pytest.raises(KVBudgetError, match="raise kv_memory_fraction"):
+        kv_cache_budget(model, 64, 256, kv_memory_fraction=1.0)
 
 
 def test_bad_values_and_refusal(micro, monkeypatch):

@@ -29,7 +29,7 @@ def test_geometry_matches_a_walk_over_positions():
         assert pool_pages(3, 2 * P + 1, P) == 3 * 3 + 1
 
 
-def test_vectorised_forms_agree_with_scalars():
+def test_vectorised_forms_agree_with_scalars(device):
     P = 16
     lens = np.array([0, 1, 15, 16, 17, 33])
     assert pages_for(lens, P).tolist() == [pages_for(int(n), P) for n in lens]
@@ -38,4 +38,4 @@ def test_vectorised_forms_agree_with_scalars():
     pages = np.array([3, 0, 5])
     want = [[p * P + o for o in range(P)] for p in pages.tolist()]
     assert page_slots(pages, P).tolist() == want
-    assert page_slots(torch.tensor(pages), P).tolist() == want
+    assert page_slots(torch.tensor(pages, device=device), P).tolist() == want

@@ -2,6 +2,7 @@
 
 References are independent of the implementation: plain dicts of what was written, slots recomputed
 from the device page table with torch ops, and the attention-mask rule from the architecture.
+Device views and pools live on the test device (`--device`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ H, D = 2, 3  # kv heads, head dim of the toy pools
 def make_pools(pm: PageManager, layers: int = 1, dtype=torch.float32):
     # pool: [L, Hkv, num_pages*P, D]
     shape = (layers, H, pm.num_pages * pm.page_size, D)
-    return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    return (torch.zeros(shape, dtype=dtype, device=pm.device),
+            torch.zeros(shape, dtype=dtype, device=pm.device))
 
 
 def snapshot(pm: PageManager, *pools: torch.Tensor) -> dict:
@@ -56,7 +58,7 @@ def assert_same(a: dict, b: dict) -> None:
 
 def ref_slots(pm: PageManager, seqs, positions) -> torch.Tensor:
     """Slot rule from the architecture, computed with torch from the DEVICE page table."""
-    s, pos = torch.as_tensor(seqs), torch.as_tensor(positions)
+    s, pos = torch.as_tensor(seqs, device=pm.device), torch.as_tensor(positions, device=pm.device)
     P = pm.page_size
     return pm.page_table[s, pos // P].long() * P + pos % P
 
@@ -73,8 +75,8 @@ def visible_pages(pm: PageManager, seq: int) -> set[int]:
 
 
 # ---------------------------------------------------------------------------- bookkeeping
-def test_fresh_manager_views():
-    pm = PageManager(10, 4, 3)
+def test_fresh_manager_views(device):
+    pm = PageManager(10, 4, 3, device=device)
     assert pm.max_pages_per_seq == 9 and pm.max_seq_len == 36
     assert pm.page_table.shape == (3, 9) and pm.page_table.dtype == torch.int32
     assert pm.seq_lens.shape == (3,) and pm.seq_lens.dtype == torch.int32
@@ -84,8 +86,8 @@ def test_fresh_manager_views():
     assert (pm.phys_to_logical == -1).all() and (pm.page_table == 0).all()
 
 
-def test_max_seq_len_bounds_table_width():
-    pm = PageManager(1000, 16, 4, max_seq_len=100)
+def test_max_seq_len_bounds_table_width(device):
+    pm = PageManager(1000, 16, 4, max_seq_len=100, device=device)
     assert pm.max_pages_per_seq == math.ceil(100 / 16) == 7
     assert pm.page_table.shape == (4, 7)
     pm.reserve([0], [100])
@@ -94,8 +96,8 @@ def test_max_seq_len_bounds_table_width():
 
 
 @pytest.mark.parametrize("P", [1, 3, 4])
-def test_reserve_takes_only_missing_pages(P):
-    pm = PageManager(40, P, 4)
+def test_reserve_takes_only_missing_pages(P, device):
+    pm = PageManager(40, P, 4, device=device)
     pm.reserve([0, 1], [5, 0])
     assert pm.live_seqs == [0, 1]
     assert len(pm.pages_of(0)) == math.ceil(5 / P) and pm.pages_of(1) == []
@@ -116,8 +118,8 @@ def test_reserve_takes_only_missing_pages(P):
     assert len(set(owned)) == len(owned) and not set(owned) & set(pm.free_pages)
 
 
-def test_utilization_counts_distinct_pages():
-    pm = PageManager(20, 4, 4)
+def test_utilization_counts_distinct_pages(device):
+    pm = PageManager(20, 4, 4, device=device)
     pm.reserve([0], [6])  # 2 pages, 6 tokens
     assert pm.utilization == pytest.approx(6 / 8)
     pm.fork(0, 1)  # shares both pages: still 6 tokens in 2 pages
@@ -126,8 +128,8 @@ def test_utilization_counts_distinct_pages():
     assert pm.utilization == pytest.approx((4 + 2 + 4 + 1) / (4 * 4))
 
 
-def test_erase_frees_and_reset():
-    pm = PageManager(16, 2, 4)
+def test_erase_frees_and_reset(device):
+    pm = PageManager(16, 2, 4, device=device)
     pm.reserve([0, 1, 2], [3, 4, 0])
     pages0 = pm.pages_of(0)
     pm.erase([0, 2])
@@ -142,8 +144,8 @@ def test_erase_frees_and_reset():
     assert (pm.phys_to_logical == -1).all() and not pm.refcounts.any()
 
 
-def test_out_of_pages_changes_nothing():
-    pm = PageManager(8, 2, 4)
+def test_out_of_pages_changes_nothing(device):
+    pm = PageManager(8, 2, 4, device=device)
     k_pool, v_pool = make_pools(pm)
     pm.reserve([0], [5])  # 3 pages, 4 free
     before = snapshot(pm, k_pool, v_pool)
@@ -170,8 +172,8 @@ def test_no_lock_anywhere():
 # ---------------------------------------------------------------------------- KV data
 @pytest.mark.parametrize("P", [1, 3, 4])
 @pytest.mark.parametrize("layers", [1, 2])
-def test_assign_gather_round_trip(P, layers):
-    pm = PageManager(32, P, 4)
+def test_assign_gather_round_trip(P, layers, device):
+    pm = PageManager(32, P, 4, device=device)
     k_pool, v_pool = make_pools(pm, layers)
     lens = {0: 7, 2: 1, 3: 5}
     pm.reserve(list(lens), list(lens.values()))
@@ -179,8 +181,8 @@ def test_assign_gather_round_trip(P, layers):
     pos = [p for n in lens.values() for p in range(n)]
     T = len(seqs)
     gen = torch.Generator().manual_seed(0)
-    k = torch.randn(layers, T, H, D, generator=gen)  # k: [L, T, Hkv, D]
-    v = torch.randn(layers, T, H, D, generator=gen)
+    k = torch.randn(layers, T, H, D, generator=gen).to(device)  # k: [L, T, Hkv, D]
+    v = torch.randn(layers, T, H, D, generator=gen).to(device)
     if layers == 1:
         pm.assign(seqs, pos, k[0], v[0], k_pool, v_pool)  # [T, Hkv, D] form
     else:
@@ -198,11 +200,11 @@ def test_assign_gather_round_trip(P, layers):
             assert not gk[b, :, lens[s] :].any() and not gv[b, :, lens[s] :].any()
 
 
-def test_write_slots_per_layer_matches_stacked_assign():
-    pm = PageManager(16, 4, 2)
+def test_write_slots_per_layer_matches_stacked_assign(device):
+    pm = PageManager(16, 4, 2, device=device)
     pm.reserve([0, 1], [6, 3])
     seqs, pos = [0] * 6 + [1] * 3, list(range(6)) + list(range(3))
-    k = torch.randn(2, 9, H, D)
+    k = torch.randn(2, 9, H, D, device=device)
     stacked, stacked_v = make_pools(pm, 2)
     pm.assign(seqs, pos, k, -k, stacked, stacked_v)
     per_layer = [make_pools(pm, 1) for _ in range(2)]
@@ -212,11 +214,11 @@ def test_write_slots_per_layer_matches_stacked_assign():
         assert torch.equal(kp[0], stacked[layer]) and torch.equal(vp[0], stacked_v[layer])
 
 
-def test_fork_copy_on_write_diverges():
-    pm = PageManager(20, 4, 4)
+def test_fork_copy_on_write_diverges(device):
+    pm = PageManager(20, 4, 4, device=device)
     k_pool, v_pool = make_pools(pm, 2)
     pm.reserve([0], [6])  # pages: full + half-full
-    k = torch.arange(2 * 6 * H * D, dtype=torch.float32).view(2, 6, H, D)
+    k = torch.arange(2 * 6 * H * D, dtype=torch.float32, device=device).view(2, 6, H, D)
     pm.assign([0] * 6, range(6), k, k + 0.5, k_pool, v_pool)
     pm.fork(0, 1)
     parent_pages = pm.pages_of(0)
@@ -231,11 +233,11 @@ def test_fork_copy_on_write_diverges():
     assert pm.refcounts[[full, half, dst]].tolist() == [2, 1, 1]
     assert int(pm.phys_to_logical[dst]) == 1
     pm.apply_copies(copies, k_pool, v_pool)
-    kc = torch.full((2, 2, H, D), 100.0)
+    kc = torch.full((2, 2, H, D), 100.0, device=device)
     pm.assign([1, 1], [6, 7], kc, kc, k_pool, v_pool)  # child's new tokens
     assert pm.reserve([0], [7]) == []  # parent now holds its page alone: no copy
     assert pm.pages_of(0) == parent_pages
-    kp = torch.full((2, 1, H, D), -7.0)
+    kp = torch.full((2, 1, H, D), -7.0, device=device)
     pm.assign([0], [6], kp, kp, k_pool, v_pool)
     for layer in range(2):
         gk, gv, lens = pm.gather([0, 1], k_pool, v_pool, layer)
@@ -251,20 +253,20 @@ def test_fork_copy_on_write_diverges():
     assert pm.num_free_pages == 19
 
 
-def test_fork_on_page_boundary_needs_no_copy():
-    pm = PageManager(20, 4, 4)
+def test_fork_on_page_boundary_needs_no_copy(device):
+    pm = PageManager(20, 4, 4, device=device)
     pm.reserve([0], [8])
     pm.fork(0, 1)
     assert pm.reserve([0, 1], [9, 12]) == []
     assert pm.pages_of(0)[:2] == pm.pages_of(1)[:2] and pm.pages_of(0)[2] != pm.pages_of(1)[2]
 
 
-def test_each_reserve_hands_back_only_its_own_copies():
+def test_each_reserve_hands_back_only_its_own_copies(device):
     """Copy-on-write copies go to the caller whose reserve planned them (there is no shared queue
     another caller could take them from): two families forked from two parents, each growing into
     its shared partial page, get one copy each, of their own page, and applying one caller's
     copies leaves the other's destination untouched."""
-    pm = PageManager(20, 4, 4)
+    pm = PageManager(20, 4, 4, device=device)
     k_pool, v_pool = make_pools(pm)
     pm.reserve([0, 2], [6, 5])
     pm.fork(0, 1)
@@ -284,10 +286,10 @@ def test_each_reserve_hands_back_only_its_own_copies():
     assert (k_pool[:, :, dst_theirs * 4 : dst_theirs * 4 + 4] == 12.0).all()
 
 
-def test_free_pool_reuses_the_page_freed_last():
+def test_free_pool_reuses_the_page_freed_last(device):
     """A stack, not a queue: a pool sized by memory is only touched up to the most pages ever in
     use at once, and a freed page is reused while it is still in the caches."""
-    pm = PageManager(64, 4, 4)
+    pm = PageManager(64, 4, 4, device=device)
     pm.reserve([0], [8])
     pm.reserve([1], [4])
     freed = pm.pages_of(1)
@@ -301,8 +303,8 @@ def test_free_pool_reuses_the_page_freed_last():
         pm.erase([3])
 
 
-def test_apply_copies_out_of_pages_counts_copy():
-    pm = PageManager(5, 2, 4)  # 4 usable
+def test_apply_copies_out_of_pages_counts_copy(device):
+    pm = PageManager(5, 2, 4, device=device)  # 4 usable
     pm.reserve([0], [3])  # 2 pages
     pm.fork(0, 1)
     pm.reserve([2], [4])  # 2 pages, 0 free
@@ -313,11 +315,15 @@ def test_apply_copies_out_of_pages_counts_copy():
 
 
 # ---------------------------------------------------------------------------- bad input
-def _live_pm():
-    pm = PageManager(12, 2, 4, max_seq_len=10)
+def _live_pm(device):
+    pm = PageManager(12, 2, 4, max_seq_len=10, device=device)
     k_pool, v_pool = make_pools(pm)
     pm.reserve([0, 1], [3, 2])
     return pm, k_pool, v_pool
+
+
+def ones(pool: torch.Tensor, *shape: int, **kw) -> torch.Tensor:
+    return torch.ones(*shape, device=pool.device, **kw)
 
 
 BAD_CALLS = {
@@ -346,37 +352,37 @@ BAD_CALLS = {
     ),
     "negative position": (lambda pm, kp, vp: pm.slots([0], [-1]), ValueError, "position -1"),
     "assign beyond": (
-        lambda pm, kp, vp: pm.assign([0], [3], torch.ones(1, H, D), torch.ones(1, H, D), kp, vp),
+        lambda pm, kp, vp: pm.assign([0], [3], ones(kp, 1, H, D), ones(kp, 1, H, D), kp, vp),
         ValueError,
         "position 3 of seq 0",
     ),
     "k dtype": (
         lambda pm, kp, vp: pm.assign(
-            [0], [0], torch.ones(1, H, D, dtype=torch.float16), torch.ones(1, H, D), kp, vp
+            [0], [0], ones(kp, 1, H, D, dtype=torch.float16), ones(kp, 1, H, D), kp, vp
         ),
         TypeError,
         "k dtype torch.float16 does not match pool dtype torch.float32",
     ),
     "v shape": (
-        lambda pm, kp, vp: pm.assign([0], [0], torch.ones(1, H, D), torch.ones(1, H, D + 1), kp, vp),
+        lambda pm, kp, vp: pm.assign([0], [0], ones(kp, 1, H, D), ones(kp, 1, H, D + 1), kp, vp),
         ValueError,
         f"v shape [1, {H}, {D + 1}], expected [1, {H}, {D}]",
     ),
     "k token count": (
-        lambda pm, kp, vp: pm.assign([0, 0], [0, 1], torch.ones(1, H, D), torch.ones(2, H, D), kp, vp),
+        lambda pm, kp, vp: pm.assign([0, 0], [0, 1], ones(kp, 1, H, D), ones(kp, 2, H, D), kp, vp),
         ValueError,
         "k shape [1,",
     ),
     "k device": (
         lambda pm, kp, vp: pm.assign(
-            [0], [0], torch.ones(1, H, D, device="meta"), torch.ones(1, H, D), kp, vp
+            [0], [0], torch.ones(1, H, D, device="meta"), ones(kp, 1, H, D), kp, vp
         ),
         TypeError,
-        "k device meta does not match pool device cpu",
+        "k device meta does not match pool device {pool}",
     ),
     "write_slots device": (
         lambda pm, kp, vp: write_slots(
-            kp, vp, pm.slots([0], [0]), torch.ones(1, H, D), torch.ones(1, H, D, device="meta")
+            kp, vp, pm.slots([0], [0]), ones(kp, 1, H, D), torch.ones(1, H, D, device="meta")
         ),
         TypeError,
         "v device meta",
@@ -394,14 +400,15 @@ BAD_CALLS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_CALLS))
-def test_bad_input_is_typed_and_changes_nothing(case):
+def test_bad_input_is_typed_and_changes_nothing(case, device):
     call, exc, msg = BAD_CALLS[case]
-    pm, k_pool, v_pool = _live_pm()
-    pm.assign([0, 0, 0], [0, 1, 2], torch.randn(3, H, D), torch.randn(3, H, D), k_pool, v_pool)
+    pm, k_pool, v_pool = _live_pm(device)
+    pm.assign([0, 0, 0], [0, 1, 2], torch.randn(3, H, D, device=device), torch.randn(3, H, D, device=device),
+              k_pool, v_pool)
     before = snapshot(pm, k_pool, v_pool)
     with pytest.raises(exc) as err:
         call(pm, k_pool, v_pool)
-    assert msg in str(err.value)
+    assert msg.replace("{pool}", str(k_pool.device)) in str(err.value)
     assert_same(before, snapshot(pm, k_pool, v_pool))
 
 
@@ -413,8 +420,8 @@ def test_out_of_pages_is_runtime_error_and_exported():
 
 
 # ---------------------------------------------------------------------------- no host sync
-def test_no_host_sync_mode_catches_syncs(no_host_sync):
-    t = torch.tensor([1, 2])
+def test_no_host_sync_mode_catches_syncs(no_host_sync, device):
+    t = torch.tensor([1, 2], device=device)
     syncs = (
         lambda: t[0].item(),
         lambda: bool(t[0]),
@@ -449,10 +456,14 @@ def decode_steps(pm: PageManager, k_pool, v_pool, lens: dict[int, int], steps: i
     return lens
 
 
-@pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_hot_path_has_no_host_sync(device, no_host_sync):
+@pytest.mark.parametrize("where", ["test-device", "meta"])
+def test_hot_path_has_no_host_sync(where, device, no_host_sync):
+    """On the test device (on the CPU the mode cannot see `.tolist()`; on CUDA the banned ops are
+    what a sync would dispatch), and on "meta", where any read of data raises."""
+    if where == "meta":
+        device = torch.device("meta")
     pm = PageManager(64, 4, 8, device=device)
-    k_pool, v_pool = (p.to(device) for p in make_pools(pm, 2))
+    k_pool, v_pool = make_pools(pm, 2)
     seqs = [0, 1, 2, 5]
     pm.reserve(seqs, [3, 4, 1, 7])
     pm.fork(1, 6)
@@ -466,18 +477,18 @@ def test_hot_path_has_no_host_sync(device, no_host_sync):
     assert "index_copy_" in mode.seen  # the mode saw the device writes
     assert gk.shape == (2, H, max(lens[1], lens[6]), D)
     assert [pm.length(s) for s in (1, 2, 5, 6, 7)] == [lens[s] for s in (1, 2, 5, 6, 7)]
-    if device == "cpu":
+    if device.type != "meta":
         assert pm.seq_lens.tolist() == [pm.length(s) for s in range(8)]
 
 
 @pytest.mark.parametrize("P", [1, 4, 16])
-def test_reserve_next_equals_reserve_by_one(P):
+def test_reserve_next_equals_reserve_by_one(P, device):
     """The decode fast path against `reserve(ids, lengths + 1)` on a twin manager: same state after
     every step (host mirror, device views, copy-on-write copies) through page openings, a forked sequence
     growing into its shared partial page (copy-on-write), a sequence joining from length 0 and
     random subsets of rows; the returned slots follow the architecture's slot rule."""
     rng = np.random.default_rng(P)
-    fast, ref = (PageManager(96, P, max_seqs=6, max_seq_len=20 * P) for _ in range(2))
+    fast, ref = (PageManager(96, P, max_seqs=6, max_seq_len=20 * P, device=device) for _ in range(2))
     for pm in (fast, ref):
         pm.reserve([0, 1], [P + 1, 3])
         pm.fork(0, 2)  # 2 shares 0's pages, the last one partly filled when P > 1
@@ -499,8 +510,8 @@ def test_reserve_next_equals_reserve_by_one(P):
     assert copies == (1 if P > 1 else 0)  # the shared partial page was copied once
 
 
-def test_reserve_next_rejects_bad_rows_and_changes_nothing():
-    pm = PageManager(32, 4, max_seqs=4, max_seq_len=40)
+def test_reserve_next_rejects_bad_rows_and_changes_nothing(device):
+    pm = PageManager(32, 4, max_seqs=4, max_seq_len=40, device=device)
     pm.reserve([0, 1], [5, 2])
     before = snapshot(pm)
     for ids, lens, match in (
@@ -517,12 +528,12 @@ def test_reserve_next_rejects_bad_rows_and_changes_nothing():
         pm.reserve_next([2], [40])  # past max_seq_len: the full reserve's error
 
 
-def test_share_and_hold_keep_pages_past_their_sequence():
+def test_share_and_hold_keep_pages_past_their_sequence(device):
     """A prefix cache's life cycle: HOLD a sequence's full pages, ERASE it (held pages stay, the
     rest return), SHARE them into a new sequence at the same logical positions, UNHOLD them (still
     referenced: not freed), ERASE the sharer (now freed)."""
     P = 4
-    pm = PageManager(10, P, 3, max_seq_len=16)
+    pm = PageManager(10, P, 3, max_seq_len=16, device=device)
     pm.reserve([0], [10])  # pages for positions 0..9: two full, one partial
     full = pm.pages_of(0)[:2]
     partial = pm.pages_of(0)[2]

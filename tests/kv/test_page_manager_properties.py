@@ -3,7 +3,8 @@
 The model keeps, per live sequence, the value written at each position (None = reserved, not yet
 written) and a list of abstract page ids (shared by fork, replaced on copy-on-write). From it alone
 we predict OutOfPages, the number of copy-on-write copies, the free count, the sharing pattern,
-and what `gather` must return on every layer of a stacked pool (L = 2).
+and what `gather` must return on every layer of a stacked pool (L = 2). The manager's device views
+and the pools are on the test device (`--device`).
 """
 
 from __future__ import annotations
@@ -22,22 +23,25 @@ from fms_paged.kv import OutOfPages, PageManager
 NUM_PAGES, MAX_SEQS, L, H, D = 12, 5, 2, 1, 2
 
 
-def kv_of(values: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_of(values: list[float], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """k, v: [L, T, H, D] encoding each value (and the layer) so every slot is distinguishable."""
-    x = torch.tensor(values, dtype=torch.float32)
-    layer = torch.arange(L, dtype=torch.float32)[:, None] * 1000.0
+    x = torch.tensor(values, dtype=torch.float32, device=device)
+    layer = torch.arange(L, dtype=torch.float32, device=device)[:, None] * 1000.0
     k = torch.stack([x + layer, x + layer + 0.25], dim=-1)[:, :, None, :]  # [L, T, 1, D]
     return k, -k
 
 
 class PagedPoolMachine(RuleBasedStateMachine):
+    device = torch.device("cpu")  # the test device, set by `_on_the_test_device`
+
     @initialize(P=st.sampled_from([1, 2, 3, 4]), prefill=st.lists(st.integers(0, 9), max_size=2))
     def setup(self, P, prefill):
         self.P = P
-        self.pm = PageManager(NUM_PAGES, P, MAX_SEQS)
+        self.pm = PageManager(NUM_PAGES, P, MAX_SEQS, self.device)
         shape = (L, H, NUM_PAGES * P, D)
-        self.k_pool = torch.full(shape, float("nan"))  # garbage where nothing was written
-        self.v_pool = torch.full(shape, float("nan"))
+        # garbage where nothing was written
+        self.k_pool = torch.full(shape, float("nan"), device=self.device)
+        self.v_pool = torch.full(shape, float("nan"), device=self.device)
         self.tokens: dict[int, list[float | None]] = {}  # model: seq -> value per position
         self.mpages: dict[int, list[int]] = {}  # model: seq -> abstract page ids
         self.next_page = itertools.count(1)
@@ -112,7 +116,7 @@ class PagedPoolMachine(RuleBasedStateMachine):
         if not pairs:
             return
         values = [float(next(self.next_value)) for _ in pairs]
-        k, v = kv_of(values)
+        k, v = kv_of(values, self.device)
         self.pm.assign([s for s, _ in pairs], [p for _, p in pairs], k, v, self.k_pool, self.v_pool)
         for (s, p), x in zip(pairs, values, strict=True):
             self.tokens[s][p] = x
@@ -243,10 +247,16 @@ class PagedPoolMachine(RuleBasedStateMachine):
                 n = len(self.tokens[s])
                 known = [p for p, x in enumerate(self.tokens[s]) if x is not None]
                 if known:
-                    ek, ev = kv_of([self.tokens[s][p] for p in known])
+                    ek, ev = kv_of([self.tokens[s][p] for p in known], self.device)
                     assert torch.equal(gk[b, :, known], ek[layer].transpose(0, 1))
                     assert torch.equal(gv[b, :, known], ev[layer].transpose(0, 1))
                 assert not gk[b, :, n:].any() and not gv[b, :, n:].any()
+
+
+@pytest.fixture(autouse=True)
+def _on_the_test_device(device, monkeypatch):
+    """Hypothesis builds the machine itself (no fixtures): hand it the test device."""
+    monkeypatch.setattr(PagedPoolMachine, "device", device)
 
 
 TestPagedPool = PagedPoolMachine.TestCase

@@ -97,13 +97,13 @@ def check_global(pm: PageManager) -> None:
     for s, pages in owned.items():
         expected_table[s, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         expected_p2l[pages] = torch.arange(len(pages), dtype=torch.int32)
-    assert torch.equal(pm.page_table, expected_table)
-    assert torch.equal(pm.phys_to_logical, expected_p2l)
+    assert torch.equal(pm.page_table.cpu(), expected_table)  # the device views, read back
+    assert torch.equal(pm.phys_to_logical.cpu(), expected_p2l)
     assert pm.seq_lens.tolist() == [pm.length(s) for s in range(pm.max_seqs)]
 
 
-def test_threads_never_lose_or_double_own_a_page():
-    pm = PageManager(NUM_PAGES, P, THREADS * IDS_PER_THREAD, max_seq_len=24 * P)
+def test_threads_never_lose_or_double_own_a_page(device):
+    pm = PageManager(NUM_PAGES, P, THREADS * IDS_PER_THREAD, device, max_seq_len=24 * P)
     stats = [{"ops": 0, "oop": 0, "fork": 0} for _ in range(THREADS)]
     errors: list[Exception] = []
     old_interval = sys.getswitchinterval()
@@ -139,8 +139,8 @@ class _RacedDeque(collections.deque):
         return 10**6  # the size check passes; pop runs dry midway
 
 
-def test_lost_race_returns_pages_and_changes_nothing():
-    pm = PageManager(9, 2, 4)
+def test_lost_race_returns_pages_and_changes_nothing(device):
+    pm = PageManager(9, 2, 4, device)
     pm.reserve([0], [3])  # 2 pages, 6 free
     before = (sorted(pm.free_pages), pm.refcounts.tolist(), pm.page_table.clone(), pm.live_seqs)
     pm._free = _RacedDeque(pm._free)

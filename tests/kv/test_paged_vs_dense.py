@@ -5,6 +5,8 @@ prompt position and of every decode step must agree to 1e-5 (fp32 round-off: the
 same products in different orders). Wide parametrizations use the kernels that need no compile
 (cpp runs as an op, gather is eager); compiled flex cases share one pool size so they share compiled
 kernels. `flex_prefill=True` runs the flex kernel's BlockMask prefill (CUDA's path) on the CPU.
+Models run on the test device (`--device`); off the CPU the cpp cases skip (a CPU kernel), and flex
+needs pages of whole Triton tiles (16 tokens). The HF reference stays on the CPU.
 """
 
 import random
@@ -22,9 +24,9 @@ TOL = 1e-5
 NUM_PAGES = 160  # compiled cases all use this pool so they share kernels
 
 
-def pair(**cfg):
-    dense = get_model(variant="micro", device="cpu", seed=0, **cfg)
-    paged = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", **cfg)
+def pair(device, **cfg):
+    dense = get_model(variant="micro", device=device, seed=0, **cfg)
+    paged = get_model(variant="micro", device=device, seed=0, attn_impl="paged", **cfg)
     assert all(
         torch.equal(a, b) for a, b in zip(dense.state_dict().values(), paged.state_dict().values())
     )
@@ -90,8 +92,9 @@ LENGTHS = [1, 15, 17, 232, 1000]
 
 @pytest.mark.parametrize("kernel", ["cpp", "gather"])
 @pytest.mark.parametrize("P", [16, 32, 64, 128])
-def test_matches_dense_all_page_sizes(P, kernel):
-    dense, paged = pair(page_size=P)
+def test_matches_dense_all_page_sizes(P, kernel, device, require_kernel):
+    require_kernel(kernel, P)
+    dense, paged = pair(device, page_size=P)
     assert lockstep(dense, paged, prompts_of(LENGTHS), steps=P + 2, kernel=kernel) <= TOL
 
 
@@ -100,8 +103,9 @@ KERNEL_IDS = ["cpp", "flex-blockmask-prefill", "flex", "gather"]
 
 
 @pytest.mark.parametrize("kernel,flex_prefill", KERNEL_CASES, ids=KERNEL_IDS)
-def test_kernels_match_dense(kernel, flex_prefill):
-    dense, paged = pair(page_size=16)
+def test_kernels_match_dense(kernel, flex_prefill, device, require_kernel):
+    require_kernel(kernel)
+    dense, paged = pair(device, page_size=16)
     worst = lockstep(
         dense,
         paged,
@@ -115,16 +119,17 @@ def test_kernels_match_dense(kernel, flex_prefill):
     assert worst <= TOL
 
 
-def test_gqa_4_to_1():
+def test_gqa_4_to_1(device):
     """(head_dim 8 here: the cpp kernel's GQA cases are in test_cpu_kernel.)"""
-    dense, paged = pair(page_size=16, nheads=8, kvheads=2)
+    dense, paged = pair(device, page_size=16, nheads=8, kvheads=2)
     assert lockstep(dense, paged, prompts_of([17, 40, 3]), steps=10, kernel="gather") <= TOL
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex"])
-def test_shuffled_pages_and_noncontiguous_rows(kernel):
+def test_shuffled_pages_and_noncontiguous_rows(kernel, device, require_kernel):
     """Scattered physical pages, and sequences held in rows 5, 2, 7 of an 8-row backend."""
-    dense, paged = pair(page_size=16)
+    require_kernel(kernel)
+    dense, paged = pair(device, page_size=16)
 
     def scatter(pc):
         random.Random(0).shuffle(pc.pm._free)
@@ -144,11 +149,12 @@ def test_shuffled_pages_and_noncontiguous_rows(kernel):
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex", "gather"])
-def test_nan_filled_pages_are_reused_safely(kernel):
+def test_nan_filled_pages_are_reused_safely(kernel, device, require_kernel):
     """Pages of an erased sequence, filled with NaN, are handed to new sequences: the output stays
     finite and equal to dense (flex and gather zero new pages on RESERVE; the cpp kernel reads no
     slot past a row's position; freed pages are never listed)."""
-    dense, paged = pair(page_size=16)
+    require_kernel(kernel)
+    dense, paged = pair(device, page_size=16)
 
     def poison(pc):
         pc.prefill([0, 1], prompts_of([80, 37], seed=9))
@@ -171,9 +177,10 @@ def test_nan_filled_pages_are_reused_safely(kernel):
 
 
 @pytest.mark.parametrize("kernel,flex_prefill", KERNEL_CASES, ids=KERNEL_IDS)
-def test_chunked_prefill_through_pages(kernel, flex_prefill):
+def test_chunked_prefill_through_pages(kernel, flex_prefill, device, require_kernel):
     """A prompt fed in chunks (each chunk reads the earlier ones from the pool) equals dense."""
-    dense, paged = pair(page_size=16)
+    require_kernel(kernel)
+    dense, paged = pair(device, page_size=16)
     x = prompts_of([150])[0]
     pc = PagedBackend(paged, 1, 160, num_pages=NUM_PAGES, kernel=kernel)
     if flex_prefill is not None:
@@ -183,15 +190,16 @@ def test_chunked_prefill_through_pages(kernel, flex_prefill):
         for start in range(0, 150, 37):
             t, p, s, _ = pc.prefill([0], [x[start : start + 37]], [start])
             outs.append(paged(t, p, s)[0, : len(x[start : start + 37])])
-        ref = dense(torch.tensor([x]))[0]
+        ref = dense(torch.tensor([x], device=device))[0]
     assert (torch.cat(outs) - ref).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("kernel,flex_prefill", KERNEL_CASES, ids=KERNEL_IDS)
-def test_mixed_step_decodes_and_chunks_match_dense(kernel, flex_prefill):
+def test_mixed_step_decodes_and_chunks_match_dense(kernel, flex_prefill, device, require_kernel):
     """One forward holding 3 decode rows (padded to 4) and 2 prefill chunks (one of them the middle
     of a prompt): every logit equals the dense model run without a cache over each whole sequence."""
-    dense, paged = pair(page_size=16)
+    require_kernel(kernel)
+    dense, paged = pair(device, page_size=16)
     prompts = prompts_of([20, 33, 16, 50, 70], seed=4)
     pc = PagedBackend(paged, 8, 160, num_pages=NUM_PAGES, kernel=kernel)
     if flex_prefill is not None:
@@ -204,25 +212,26 @@ def test_mixed_step_decodes_and_chunks_match_dense(kernel, flex_prefill):
         new_tok = [7, 8, 9]
         dec_ids, lengths = [0, 1, 2, 0], [20, 33, 16, 0]
         chunks, starts = [prompts[3], prompts[4][30:]], [0, 30]
-        t, p, s, last = pc.mixed(dec_ids, torch.tensor(new_tok + [0]), lengths, [True] * 3 + [False],
-                                 [3, 4], chunks, starts)
+        t, p, s, last = pc.mixed(dec_ids, torch.tensor(new_tok + [0], device=device), lengths,
+                                 [True] * 3 + [False], [3, 4], chunks, starts)
         logits = paged(t, p, s)[0]  # [4 + Tp, V]
         worst = 0.0
         for row, prompt in enumerate(prompts[:3]):
-            ref = dense(torch.tensor([prompt + [new_tok[row]]]))[0, -1]
+            ref = dense(torch.tensor([prompt + [new_tok[row]]], device=device))[0, -1]
             worst = max(worst, (logits[row] - ref).abs().max().item())
         for i, (chunk, start) in enumerate(zip(chunks, starts)):
-            ref = dense(torch.tensor([prompts[3 + i]]))[0, start:]
+            ref = dense(torch.tensor([prompts[3 + i]], device=device))[0, start:]
             got = logits[int(last[i]) - len(chunk) + 1 : int(last[i]) + 1]
             worst = max(worst, (got - ref).abs().max().item())
     assert worst <= TOL
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex", "gather"])
-def test_forked_sequences_diverge_correctly(kernel):
+def test_forked_sequences_diverge_correctly(kernel, device, require_kernel):
     """FORK shares the prompt's pages; each branch then decodes its own tokens (copy-on-write of
     the partial last page) and matches a dense run of its own full sequence."""
-    dense, paged = pair(page_size=16)
+    require_kernel(kernel)
+    dense, paged = pair(device, page_size=16)
     prompt = prompts_of([21])[0]
     pc = PagedBackend(paged, 8, 64, num_pages=NUM_PAGES, kernel=kernel)
     with torch.inference_mode():
@@ -234,29 +243,30 @@ def test_forked_sequences_diverge_correctly(kernel):
         branches = {0: [7, 8, 9], 1: [100, 101, 102]}
         got = {0: [], 1: []}
         for k in range(3):
-            tok = torch.tensor([branches[0][k], branches[1][k]])
+            tok = torch.tensor([branches[0][k], branches[1][k]], device=device)
             t, p, s = pc.decode([0, 1], tok, [21 + k] * 2, [True, True])
             logits = paged(t, p, s)[:, -1]
             for b in (0, 1):
                 got[b].append(logits[b])
         for b in (0, 1):
-            ref = dense(torch.tensor([prompt + branches[b]]))[0, 21:]
+            ref = dense(torch.tensor([prompt + branches[b]], device=device))[0, 21:]
             assert (torch.stack(got[b]) - ref).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("kernel,whole_step", [("flex", False), ("flex", True), ("cpp", True)],
                          ids=["flex-per-layer", "flex-compiled-step", "cpp-compiled-step"])
-def test_zero_recompiles_over_500_decode_steps(kernel, whole_step):
+def test_zero_recompiles_over_500_decode_steps(kernel, whole_step, device, require_kernel):
     """After warm-up, 500 decode steps with growing lengths and sequences leaving and joining (new
     prompts prefilled into freed rows) run without a single recompilation (Dynamo raises if one
     happens) and without graph breaks (fullgraph=True): with the model run op by op (the flex
     kernel compiled per layer), and with the whole decode step one compiled graph (flex, and the
     cpp kernel as an opaque op)."""
+    require_kernel(kernel)
     import torch._dynamo
 
     from fms_paged.engine.model_step import compiled_decode, decode_one_token
 
-    _, paged = pair(page_size=16)
+    _, paged = pair(device, page_size=16)
     step_fn = compiled_decode(static_shapes=True) if whole_step else decode_one_token
     B, max_len = 4, 160
     pc = PagedBackend(paged, B, max_len, num_pages=NUM_PAGES, kernel=kernel)
@@ -272,7 +282,8 @@ def test_zero_recompiles_over_500_decode_steps(kernel, whole_step):
     with torch.inference_mode():
         for row in range(B):  # warm-up: compiles the decode shape and the 128-token prefill bucket
             join(row)
-        t, p, s = pc.decode(list(range(B)), torch.ones(B, dtype=torch.long), lengths, [True] * B)
+        t, p, s = pc.decode(list(range(B)), torch.ones(B, dtype=torch.long, device=device), lengths,
+                            [True] * B)
         step_fn(paged, t, p, s)
         lengths = [n + 1 for n in lengths]
         leaves = joins = 0
@@ -284,7 +295,7 @@ def test_zero_recompiles_over_500_decode_steps(kernel, whole_step):
                         leaves += 1
                         join(row)
                         joins += 1
-                tok = torch.randint(3, 256, (B,))
+                tok = torch.randint(3, 256, (B,), device=device)
                 t, p, s = pc.decode(list(range(B)), tok, lengths, [True] * B)
                 step_fn(paged, t, p, s)
                 lengths = [n + 1 for n in lengths]
@@ -292,21 +303,21 @@ def test_zero_recompiles_over_500_decode_steps(kernel, whole_step):
     assert leaves > 5 and joins > 5
 
 
-def test_decode_with_wrong_lengths_raises_and_changes_nothing():
+def test_decode_with_wrong_lengths_raises_and_changes_nothing(device):
     """A decode step whose lengths disagree with what the sequences hold is refused with a typed
     error naming the sequence, before any page or length changes (row 0 alone would be fine)."""
-    _, paged = pair(page_size=16)
+    _, paged = pair(device, page_size=16)
     pc = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="gather")
     pc.prefill([0, 1], prompts_of([5, 16]))
     free, lens, table = pc.pm.num_free_pages, pc.pm.seq_lens.clone(), pc.pm.page_table.clone()
     with pytest.raises(ValueError, match="seq 1 holds 16 tokens"):
-        pc.decode([0, 1], torch.tensor([3, 4]), [5, 17], [True, True])
+        pc.decode([0, 1], torch.tensor([3, 4], device=device), [5, 17], [True, True])
     assert pc.pm.num_free_pages == free
     assert torch.equal(pc.pm.seq_lens, lens) and torch.equal(pc.pm.page_table, table)
 
 
-def test_forced_fallback_is_announced_and_equal(monkeypatch):
-    dense, paged = pair(page_size=16)
+def test_forced_fallback_is_announced_and_equal(monkeypatch, device):
+    dense, paged = pair(device, page_size=16)
     monkeypatch.setenv("FMS_PAGED_FORCE_GATHER", "1")
     prompts = prompts_of([5, 30, 12])
     with pytest.warns(UserWarning, match="falls back to GATHER"):
@@ -320,7 +331,8 @@ def test_forced_fallback_is_announced_and_equal(monkeypatch):
 def test_python_without_headers_falls_back_before_compiling(monkeypatch, tmp_path):
     """Inductor's CPU kernels include Python.h: a Python without its headers (a distro base image
     without python3-dev) must fall back, announced, instead of dying in the first compile; and the
-    probe `fms-paged info` runs compiles a real call where the headers are there."""
+    probe `fms-paged info` runs compiles a real call where the headers are there. (The CPU's
+    compile path whatever the test device.)"""
     import sysconfig
 
     from fms_paged.kv import kernels as paged_mod
@@ -357,19 +369,20 @@ def test_cuda_pages_below_a_triton_tile_fall_back(page_size):
     assert reason == f"page_size={page_size} is not a multiple of 16 (Triton's smallest KV tile)"
 
 
-def test_generate_paged_equals_dense_and_hf(hf_checkpoint, hf_greedy):
-    """8 mixed-length prompts x 64 new tokens: identical greedy tokens for paged, dense and HF."""
+def test_generate_paged_equals_dense_and_hf(hf_checkpoint, hf_greedy, device):
+    """8 mixed-length prompts x 64 new tokens: identical greedy tokens for paged, dense and HF (on
+    the CPU, fp32)."""
     hf, path = hf_checkpoint("gqa")
-    dense = get_model(model_path=path, device="cpu")
-    paged = get_model(model_path=path, device="cpu", attn_impl="paged", page_size=16)
+    dense = get_model(model_path=path, device=device)
+    paged = get_model(model_path=path, device=device, attn_impl="paged", page_size=16)
     prompts = prompts_of([3, 17, 9, 33, 1, 24, 16, 48], seed=4)
     got = generate(paged, prompts, 64, eos_id=None)
     assert got == generate(dense, prompts, 64, eos_id=None)
     assert got == hf_greedy(hf, prompts, 64)
 
 
-def test_finished_sequence_pages_are_freed_at_once():
-    _, paged = pair(page_size=16)
+def test_finished_sequence_pages_are_freed_at_once(device):
+    _, paged = pair(device, page_size=16)
     cache = make_cache(paged, 2, 80, kernel="gather")
     free0 = cache.pm.num_free_pages
     seen = []
@@ -386,11 +399,12 @@ def test_finished_sequence_pages_are_freed_at_once():
 
 
 @pytest.mark.parametrize("kernel", ["flex", "gather"])
-def test_bf16_agreement(kernel):
+def test_bf16_agreement(kernel, device, require_kernel):
     """bf16: paged and dense differ only by accumulation order. Both are compared with the fp32
     dense reference; paged must be no further from it than dense bf16 plus bf16 rounding of the
     logits (2**-8 relative, ~ 0.4% of the largest logit)."""
-    dense, paged = pair(page_size=16, dtype=None)
+    require_kernel(kernel)
+    dense, paged = pair(device, page_size=16, dtype=None)
     prompts = prompts_of([30, 7, 64])
     ref = lockstep_logits(dense, prompts)
     dense16 = dense.to(torch.bfloat16)
@@ -412,15 +426,16 @@ def lockstep_logits(model, prompts, kernel=None):
     return model(t, p, s).flatten(0, 1)[last].float()
 
 
-def test_user_score_mod_same_in_packed_decode_and_prefill():
+def test_user_score_mod_same_in_packed_decode_and_prefill(device, require_kernel):
     """A user score_mod in logical coordinates (head- and distance-dependent) gives the same logits
     whether a token is decoded (GQA groups packed into the query) or prefilled (one query per head):
     the wrapper maps packed (kv head, group index) back to the query head and positions to logical."""
-    _, paged = pair(page_size=16, nheads=8, kvheads=2)
+    _, paged = pair(device, page_size=16, nheads=8, kvheads=2)
 
     def bias(score, b, h, q_pos, kv_pos):
         return score + 0.05 * h - 0.02 * (q_pos - kv_pos)
 
+    require_kernel("flex")
     x = prompts_of([40])[0]
     with torch.inference_mode():
         full = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", score_mod=bias)
@@ -429,7 +444,8 @@ def test_user_score_mod_same_in_packed_decode_and_prefill():
         inc = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", score_mod=bias)
         t, p, s, _ = inc.prefill([0], [x[:-1]])
         paged(t, p, s)
-        t, p, s = inc.decode([0, 1], torch.tensor([x[-1], 0]), [len(x) - 1, 0], [True, False])
+        t, p, s = inc.decode([0, 1], torch.tensor([x[-1], 0], device=device), [len(x) - 1, 0],
+                             [True, False])
         got = paged(t, p, s)[0, -1]
         plain = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex")
         t, p, s, _ = plain.prefill([0], [x])
@@ -438,11 +454,14 @@ def test_user_score_mod_same_in_packed_decode_and_prefill():
     assert (ref - unbiased).abs().max().item() > 1e-2  # the score_mod really changed the result
 
 
-def test_prefill_path_choice_and_score_mod_errors():
+def test_prefill_path_choice_and_score_mod_errors(device, require_kernel):
     """CPU: the flex kernel prefills by GATHER + SDPA per chunk unless a score_mod needs its
-    BlockMask path; a score_mod with a kernel that cannot apply it is refused."""
-    _, paged = pair(page_size=16)
-    assert not PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex").flex_prefill
+    BlockMask path (elsewhere always the BlockMask path); a score_mod with a kernel that cannot
+    apply it is refused."""
+    require_kernel("flex")
+    _, paged = pair(device, page_size=16)
+    plain = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex")
+    assert plain.flex_prefill == (device.type != "cpu")
     with_mod = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex",
                             score_mod=lambda score, b, h, q, kv: score)
     assert with_mod.flex_prefill
@@ -455,15 +474,16 @@ def test_prefill_path_choice_and_score_mod_errors():
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex", "gather"])
-def test_steps_assign_through_the_checked_write_and_gather_reads_it_back(kernel):
+def test_steps_assign_through_the_checked_write_and_gather_reads_it_back(kernel, device, require_kernel):
     """Every kernel's step ASSIGNs through the page manager's validated `write_slots` (a wrong
     dtype or shape is refused with a typed error, the pool unchanged), and the page manager's
     GATHER reads back exactly what was written, in logical order."""
-    _, paged = pair(page_size=16)
+    require_kernel(kernel)
+    _, paged = pair(device, page_size=16)
     pc = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel=kernel)
     step = pc.prefill([1], [prompts_of([21])[0]])[2].prepare()
     kp, vp = pc.k_pools[0], pc.v_pools[0]
-    k = torch.randn(1, kp.shape[1], 21, kp.shape[3])
+    k = torch.randn(1, kp.shape[1], 21, kp.shape[3], device=device)
     before = kp.clone()
     with pytest.raises(TypeError, match="dtype"):
         step.store(kp, vp, k.double(), k.double())

@@ -1,6 +1,7 @@
 """The embedded default model (fms_paged/assets/default_model): loads by default, is actually trained
 (held-out perplexity far below uniform, and as reported in its card), loads identically in Hugging Face
 `transformers`, generates the card's greedy sample, and the script that made it is deterministic.
+The model runs on the test device (`--device`); the HF reference and the training script on the CPU.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def test_default_is_loaded_without_arguments() -> None:
 
 
 @pytest.mark.parametrize("attn_impl", ATTN_IMPLS)
-def test_heldout_perplexity_cache_vs_no_cache(attn_impl: str, heldout_ids: list[int]) -> None:
+def test_heldout_perplexity_cache_vs_no_cache(attn_impl: str, heldout_ids: list[int], device) -> None:
     """The cache path (chunked prefill through `attn_impl`'s backend) equals plain causal attention to
     fp32 round-off (NLL summed in float64), and the model is far better than uniform."""
-    model = get_model(attn_impl=attn_impl, device="cpu", dtype=torch.float32)
+    model = get_model(attn_impl=attn_impl, device=device, dtype=torch.float32)
     cached = perplexity(model, heldout_ids, window=WINDOW, chunk=100, use_cache=True)
     plain = perplexity(model, heldout_ids, window=WINDOW, use_cache=False)
     assert cached["tokens"] == plain["tokens"] > 2000
@@ -69,33 +70,33 @@ def test_heldout_perplexity_cache_vs_no_cache(attn_impl: str, heldout_ids: list[
 @pytest.mark.skipif(PY != CARD["python_version"],
                     reason=f"the held-out files are this interpreter's stdlib ({PY}); the card used "
                            f"Python {CARD['python_version']}")
-def test_heldout_perplexity_matches_card(tokenizer) -> None:
+def test_heldout_perplexity_matches_card(tokenizer, device) -> None:
     """The card's recipe on the card's test slice (the full 200k-char figure is measured the same way
     by the training script; the slice keeps this test to a few seconds)."""
-    model = get_model(device="cpu", dtype=torch.float32)
+    model = get_model(device=device, dtype=torch.float32)
     out = heldout_perplexity(model, tokenizer, max_chars=SLICE_CHARS, window=WINDOW)
     assert out["tokens"] == CARD["eval"]["test_slice_tokens"]
     assert out["ppl"] == pytest.approx(CARD["eval"]["heldout_ppl_test_slice"], rel=0.10)
     assert CARD["eval"]["heldout_ppl"] < CARD["eval"]["uniform_baseline"] / 50
 
 
-def test_transformers_logits_match(heldout_ids: list[int]) -> None:
+def test_transformers_logits_match(heldout_ids: list[int], device) -> None:
     """HF `LlamaForCausalLM` on the same directory gives the same logits (fp32; tolerance 1e-4 covers
     the different RoPE formulation and op order)."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.LlamaForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
-    ours = get_model(device="cpu", dtype=torch.float32)
+    ours = get_model(device=device, dtype=torch.float32)
     x = torch.tensor([heldout_ids[:WINDOW], heldout_ids[WINDOW : 2 * WINDOW]])  # [2, W]
     with torch.no_grad():
-        ref = hf(x).logits  # [2, W, V]
-        got = ours(x)
+        ref = hf(x).logits  # [2, W, V] (on the CPU)
+        got = ours(x.to(device)).cpu()
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_sample_is_code_and_matches_card(tokenizer) -> None:
+def test_greedy_sample_is_code_and_matches_card(tokenizer, device) -> None:
     sample = CARD["sample"]
-    model = get_model(device="cpu", dtype=torch.float32)
+    model = get_model(device=device, dtype=torch.float32)
     prompt = tokenizer.encode(sample["prompt"])
     assert prompt == sample["prompt_ids"]
     new = generate(model, [prompt], max_new_tokens=sample["max_new_tokens"])[0]
@@ -133,5 +134,5 @@ def test_training_script_is_deterministic(tmp_path: Path) -> None:
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
     card = json.loads((a / "card.json").read_text())
     assert card["training"]["steps"] == 3 and card["sample"]["text"].startswith(card["sample"]["prompt"])
-    model = get_model(model_path=a, device="cpu")  # the same loader as any user checkpoint
+    model = get_model(model_path=a, device="cpu")  # the same loader as any user checkpoint (the CPU's run)
     assert model.config.src_vocab_size == 400

@@ -1,4 +1,4 @@
-"""Bad input gets a clear typed error naming the value."""
+"""Bad input gets a clear typed error naming the value (models on the test device, `--device`)."""
 
 import json
 
@@ -10,9 +10,9 @@ from fms_paged import generate, get_model, list_models
 from fms_paged.models.hf import CheckpointError
 
 
-def test_unknown_variant_lists_known():
+def test_unknown_variant_lists_known(device):
     with pytest.raises(KeyError) as e:
-        get_model(variant="13x")
+        get_model(variant="13x", device=device)
     msg = str(e.value)
     assert "13x" in msg and all(v in msg for v in list_models("llama"))
 
@@ -21,68 +21,68 @@ def test_registry_lists_presets():
     assert {"micro", "7b", "2-7b", "3-8b"} <= set(list_models("llama"))
 
 
-def test_missing_checkpoint_dir(tmp_path):
+def test_missing_checkpoint_dir(tmp_path, device):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
-        get_model(model_path=tmp_path / "does-not-exist")
+        get_model(model_path=tmp_path / "does-not-exist", device=device)
 
 
-def test_dir_without_config(tmp_path):
+def test_dir_without_config(tmp_path, device):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        get_model(model_path=tmp_path)
+        get_model(model_path=tmp_path, device=device)
 
 
-def test_unreadable_config(tmp_path):
+def test_unreadable_config(tmp_path, device):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json"):
-        get_model(model_path=tmp_path)
+        get_model(model_path=tmp_path, device=device)
 
 
-def test_no_weights(hf_checkpoint):
+def test_no_weights(hf_checkpoint, device):
     _, path = hf_checkpoint("mha")
     (path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors"):
-        get_model(model_path=path)
+        get_model(model_path=path, device=device)
 
 
-def test_unexpected_tensor_name(hf_checkpoint):
+def test_unexpected_tensor_name(hf_checkpoint, device):
     _, path = hf_checkpoint("mha")
     sd = load_file(path / "model.safetensors")
     sd["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
     save_file(sd, path / "model.safetensors")
     with pytest.raises(CheckpointError, match="extra_proj"):
-        get_model(model_path=path)
+        get_model(model_path=path, device=device)
 
 
-def test_wrong_tensor_shape(hf_checkpoint):
+def test_wrong_tensor_shape(hf_checkpoint, device):
     _, path = hf_checkpoint("mha")
     sd = load_file(path / "model.safetensors")
     sd["model.layers.1.mlp.up_proj.weight"] = torch.zeros(10, 64)
     save_file(sd, path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"up_proj.*\(10, 64\)"):
-        get_model(model_path=path)
+        get_model(model_path=path, device=device)
 
 
-def test_missing_tensor(hf_checkpoint):
+def test_missing_tensor(hf_checkpoint, device):
     _, path = hf_checkpoint("mha")
     sd = load_file(path / "model.safetensors")
     del sd["model.norm.weight"]
     save_file(sd, path / "model.safetensors")
     with pytest.raises(CheckpointError, match="dec_norm"):
-        get_model(model_path=path)
+        get_model(model_path=path, device=device)
 
 
-def test_not_llama(hf_checkpoint):
+def test_not_llama(hf_checkpoint, device):
     _, path = hf_checkpoint("mha")
     cfg = json.loads((path / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="gpt2"):
-        get_model(model_path=path)
+        get_model(model_path=path, device=device)
 
 
 @pytest.fixture(scope="module")
-def micro():
-    return get_model(variant="micro", device="cpu", max_expected_seq_len=64)
+def micro(test_device):
+    return get_model(variant="micro", device=test_device, max_expected_seq_len=64)
 
 
 def test_prompt_too_long(micro):
@@ -123,13 +123,13 @@ def test_bad_generation_args(micro, kw):
         generate(micro, [[1, 2]], **kw)
 
 
-def test_bad_config_values():
+def test_bad_config_values(device):
     with pytest.raises(ValueError, match="attn_impl"):
-        get_model(variant="micro", attn_impl="flash")
+        get_model(variant="micro", device=device, attn_impl="flash")
     with pytest.raises(ValueError, match="kvheads=3"):
-        get_model(variant="micro", kvheads=3)
+        get_model(variant="micro", device=device, kvheads=3)
     with pytest.raises(TypeError, match="not_a_field"):
-        get_model(variant="micro", not_a_field=1)
+        get_model(variant="micro", device=device, not_a_field=1)
 
 
 def test_bad_device():

@@ -12,6 +12,9 @@ everywhere: no packed copy, no GEMV kernel), loaded and run under `no_grad`. Tol
 absolute and relative on logits of magnitude below ~1: fp32 round-off of the paths' differently
 ordered sums (oneDNN's blocked GEMM, the GEMV kernel, the paged kernel's online softmax) over at
 most 128 terms per dot product, far below it; a stale or wrong weight would differ by ~0.1.
+
+Everything runs on the test device (`--device`); off the CPU there are no packed or GEMV paths, and
+the paged model runs the device's kernel (flex on CUDA), so the cells check the grad modes alone.
 """
 
 import contextlib
@@ -35,16 +38,16 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(test_device):
     """Per prompt: the reference logits [n, V] of its tokens, and [V] of the next token after the
     prompt and its greedy next token (which the paged model decodes)."""
-    ref = get_model(variant="micro", device="cpu", seed=0, linear_impl="torch")
+    ref = get_model(variant="micro", device=test_device, seed=0, linear_impl="torch")
     out = []
     with torch.no_grad():
         for p in prompts():
-            logits = ref(torch.tensor([p]))[0]  # [n, V]
+            logits = ref(torch.tensor([p], device=test_device))[0]  # [n, V]
             nxt = int(logits[-1].argmax())
-            out.append((logits, nxt, ref(torch.tensor([p + [nxt]]))[0, -1]))
+            out.append((logits, nxt, ref(torch.tensor([p + [nxt]], device=test_device))[0, -1]))
     return out
 
 
@@ -52,28 +55,28 @@ CELLS = [pytest.param(load, run, id=f"load_{load}-run_{run}") for load in MODES 
 
 
 @pytest.mark.parametrize("load, run", CELLS)
-def test_dense(load, run, reference):
+def test_dense(load, run, reference, device):
     with MODES[load]():
-        model = get_model(variant="micro", device="cpu", seed=0, attn_impl="sdpa")
+        model = get_model(variant="micro", device=device, seed=0, attn_impl="sdpa")
     assert model.head.weight.is_inference() == (load == "inference_mode")
     for p, (want, _, _) in zip(prompts(), reference):
         with MODES[run]():
-            got = model(torch.tensor([p]))[0]
+            got = model(torch.tensor([p], device=device))[0]
         torch.testing.assert_close(got, want, **TOL)
 
 
 @pytest.mark.parametrize("load, run", CELLS)
-def test_paged(load, run, reference):
+def test_paged(load, run, reference, device, paged_kernel):
     with MODES[load]():
-        model = get_model(variant="micro", device="cpu", seed=0, attn_impl="paged", page_size=16)
+        model = get_model(variant="micro", device=device, seed=0, attn_impl="paged", page_size=16)
     with MODES[run]():
         backend = PagedBackend(model, 2, LONG + 2)
-        assert backend.kernel == "cpp"
+        assert backend.kernel == paged_kernel  # "auto": cpp on the CPU, flex on CUDA
         ps = prompts()
         for seq, (p, (want, _, _)) in enumerate(zip(ps, reference)):  # one prefill per prompt
             tokens, positions, step, _ = backend.prefill([seq], [p])
             torch.testing.assert_close(model(tokens, positions, step)[0], want, **TOL)
-        nxt = torch.tensor([r[1] for r in reference])
+        nxt = torch.tensor([r[1] for r in reference], device=device)
         tokens, positions, step = backend.decode([0, 1], nxt, [len(p) for p in ps], [True, True])
         got = model(tokens, positions, step)[:, -1]  # [2, V]
     torch.testing.assert_close(got, torch.stack([r[2] for r in reference]), **TOL)

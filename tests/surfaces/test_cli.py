@@ -1,4 +1,5 @@
-"""`fms-paged` end to end, in a subprocess, on the embedded default model."""
+"""`fms-paged` end to end, in a subprocess, on the embedded default model: generate and ppl on the
+test device (`--device`); `info` on the CPU (it reports the CPU's kernel and KV space)."""
 
 import json
 import subprocess
@@ -16,38 +17,38 @@ def run(*args, timeout=600):
                           text=True, timeout=timeout)
 
 
-def test_generate_matches_python_api():
+def test_generate_matches_python_api(device):
     prompt = "def fibonacci(n):"
     r = run("generate", "--prompt", prompt, "--max-new-tokens", "12", "--attn-impl", "sdpa",
-            "--device", "cpu")
+            "--device", str(device))
     assert r.returncode == 0, r.stderr
     tok = load_tokenizer(default_model_path())
-    ref = generate(get_model(device="cpu"), [tok.encode(prompt)], 12)[0]
+    ref = generate(get_model(device=device), [tok.encode(prompt)], 12)[0]
     assert r.stdout.rstrip("\n") == prompt + tok.decode(ref)
 
 
-def test_generate_stream_paged_equals_dense():
-    args = ["--prompt", "import os", "--max-new-tokens", "10", "--device", "cpu", "--stream"]
+def test_generate_stream_paged_equals_dense(device):
+    args = ["--prompt", "import os", "--max-new-tokens", "10", "--device", str(device), "--stream"]
     paged = run("generate", *args, "--attn-impl", "paged")
     dense = run("generate", *args, "--attn-impl", "sdpa")
     assert paged.returncode == 0 and dense.returncode == 0, paged.stderr + dense.stderr
     assert paged.stdout == dense.stdout and paged.stdout.startswith("import os")
 
 
-def test_generate_prompt_ids_on_variant():
+def test_generate_prompt_ids_on_variant(device):
     r = run("generate", "--variant", "micro", "--prompt-ids", "1 2 3", "--max-new-tokens", "4",
-            "--device", "cpu")
+            "--device", str(device))
     assert r.returncode == 0, r.stderr
-    ref = generate(get_model(variant="micro", device="cpu"), [[1, 2, 3]], 4)[0]
+    ref = generate(get_model(variant="micro", device=device), [[1, 2, 3]], 4)[0]
     assert r.stdout.split() == [str(t) for t in ref]
     compiled = run("generate", "--variant", "micro", "--prompt-ids", "1 2 3", "--max-new-tokens", "4",
-                   "--device", "cpu", "--compile")
+                   "--device", str(device), "--compile")
     assert compiled.returncode == 0, compiled.stderr
     assert compiled.stdout == r.stdout  # the compiled decode step gives the same tokens
 
 
-def test_ppl_both_backends_agree():
-    r = run("ppl", "--max-chars", "3000", "--device", "cpu")
+def test_ppl_both_backends_agree(device):
+    r = run("ppl", "--max-chars", "3000", "--device", str(device))
     assert r.returncode == 0, r.stderr
     ppl = {line.split()[0]: float(line.split()[2]) for line in r.stdout.splitlines()
            if " ppl " in line}
@@ -57,7 +58,7 @@ def test_ppl_both_backends_agree():
 
 
 def test_info_json():
-    r = run("info", "--json", "--device", "cpu")
+    r = run("info", "--json", "--device", "cpu")  # the CPU's kernel (cpp) and KV space
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["device"] == "cpu" and "torch" in info
