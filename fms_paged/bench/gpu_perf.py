@@ -21,7 +21,6 @@ with targets first).
 from __future__ import annotations
 
 import gc
-import inspect
 import json
 import statistics
 import sys
@@ -56,21 +55,16 @@ SIZES: dict[bool, dict[str, Any]] = {  # full (an H100), tiny (the CPU dry run)
                budget_s=240, hf_cb=dict(num_blocks=64, max_batch_tokens=256)),
 }
 IMPLS = ("paged", "sdpa")
-BUILT = "on the meta device in its dtype, then materialized and initialized on the device"
+BUILT = "by get_model: cast on the meta device, then materialized and initialized on the device"
 Result = dict[str, Any]
 
 
 # ---------------------------------------------------------------------------- model, roofline
 def build_model(device: torch.device, variant: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """`get_model(variant=..., attn_impl="paged", dtype=..., seed=...)`'s weights, made in `dtype`
-    on `device` alone: built on the meta device, then materialized and initialized on `device`
-    (`get_model` materializes fp32 on the device, then casts: 3x the bf16 bytes at its peak)."""
-    model = get_model(variant=variant, attn_impl="paged", device="meta", dtype=dtype, seed=None,
-                      page_size=default_page_size(device)).to_empty(device=device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        model.reset_parameters()
-    return model.eval()
+    """A paged `variant` with random weights made in `dtype` on `device` (`get_model` casts on the
+    meta device first: the bf16 8B model never exists in fp32)."""
+    return get_model(variant=variant, attn_impl="paged", device=device, dtype=dtype, seed=seed,
+                     page_size=default_page_size(device))
 
 
 def weights_read(model: torch.nn.Module) -> int:
@@ -106,15 +100,15 @@ def _attempt(fn: Callable[[], Result], device: torch.device) -> Result:
     return err
 
 
-def _engine(model, size: Result, specs, cuda_graphs=None) -> Engine:
+def _engine(model, size: Result, specs, cuda_graphs: bool | str = "auto") -> Engine:
     """The stage's one engine shape (rows, token budget, a pool for every serving request at once
     and one sequence of the model's length): every engine reuses the same compiled graphs."""
     c, new = model.config, size["serve_new"]
     pages = max(bench_env.min_pages([len(s.prompt) + new for s in specs], c.page_size),
                 bench_env.min_pages([c.max_expected_seq_len], c.page_size)) + 1
-    kw = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
     return Engine(model, max_num_seqs=size["max_num_seqs"], num_pages=pages, compile=size["compile"],
-                  max_num_batched_tokens=size["max_num_batched_tokens"], enable_prefix_caching=False, **kw)
+                  max_num_batched_tokens=size["max_num_batched_tokens"], enable_prefix_caching=False,
+                  cuda_graphs=cuda_graphs)
 
 
 def _one_request(eng: Engine, prompt: list[int], new: int) -> tuple[float, list[float]]:
@@ -150,20 +144,23 @@ def _timed_plan(model, impl: str, plan: Result, size: Result, meter: bool = Fals
 
 
 def sdpa_backends(model) -> dict[str, str]:
-    """The SDPA kernel the dense cache's attention gets here (a boolean mask, and GQA, as
-    `DenseStep.attend` calls it), for a decode row and a prefill."""
+    """The SDPA kernel the dense cache's attention gets here, as `DenseStep.attend` calls it (GQA;
+    a mask only where rows differ in length or a chunk starts past 0)."""
     c, kw, out = model.config, {"device": model.device, "dtype": model.dtype}, {}
-    for name, (B, S, L) in {"decode": (1, 1, 256), "prefill": (2, 256, 256)}.items():
+    cases = {"decode, 1 row": (1, 1, 256, False, False), "decode, 4 rows (masked)": (4, 1, 256, True, False),
+             "prefill from 0 (causal)": (2, 256, 256, False, True)}
+    for name, (B, S, L, masked, causal) in cases.items():
         q = torch.zeros(B, c.nheads, S, c.head_dim, **kw)
         k = torch.zeros(B, c.kvheads, L, c.head_dim, **kw)
-        mask = torch.ones(B, 1, S, L, dtype=torch.bool, device=model.device)
-        choice = torch._fused_sdp_choice(q, k, k, attn_mask=mask, enable_gqa=c.kvheads != c.nheads)
+        mask = torch.ones(B, 1, S, L, dtype=torch.bool, device=model.device) if masked else None
+        choice = torch._fused_sdp_choice(q, k, k, attn_mask=mask, is_causal=causal,
+                                         enable_gqa=c.kvheads != c.nheads)
         out[name] = torch.nn.attention.SDPBackend(choice).name
     return out
 
 
 # ---------------------------------------------------------------------------- sections
-GRAPHS = {True: "on", False: "off", None: "n/a"}  # `cuda_graphs=` as the engine tables show it
+GRAPHS = {True: "on", False: "off"}  # `cuda_graphs=` as the engine tables show it
 
 
 def _engine_rows(model, size: Result, specs, cuda_graphs, prompts, bw: float, log) -> Result:
@@ -171,7 +168,7 @@ def _engine_rows(model, size: Result, specs, cuda_graphs, prompts, bw: float, lo
     c, new, rows = model.config, size["new_tokens"], []
     weights, per_token = weights_read(model), bench_env.kv_bytes_per_token(c, model.dtype)
     eng = _engine(model, size, specs, cuda_graphs)
-    graphs = GRAPHS[getattr(eng.runner, "cuda_graphs", None)]
+    graphs = GRAPHS[eng.runner.cuda_graphs]
     for p in prompts:  # untimed: the decode graph, the prefill chunks, the CUDA graph
         _one_request(eng, p, 3)
     for ctx, p in zip(size["contexts"], prompts):
@@ -190,9 +187,8 @@ def _engine_rows(model, size: Result, specs, cuda_graphs, prompts, bw: float, lo
 def engine_decode(model, size: Result, specs, bw: float, log) -> Result:
     """`_engine_rows` with CUDA graphs on, then off (CUDA), each recorded even if the other fails."""
     prompts = random_prompts(size["contexts"], model.config.src_vocab_size, seed=1)
-    takes_graphs = "cuda_graphs" in inspect.signature(Engine).parameters
     rows = []
-    for cg in ((True, False) if model.device.type == "cuda" else (False,)) if takes_graphs else (None,):
+    for cg in (True, False) if model.device.type == "cuda" else (False,):
         got = _attempt(lambda cg=cg: _engine_rows(model, size, specs, cg, prompts, bw, log), model.device)
         rows += got.get("rows") or [{"cuda_graphs": GRAPHS[cg], **got}]
         _release(model.device)
