@@ -90,6 +90,14 @@ def device(pytestconfig) -> torch.device:
     return pytestconfig.stash[_DEVICE]
 
 
+@pytest.fixture(scope="module")
+def cpu_only(device) -> None:
+    """Skips a module off the CPU (`pytestmark = pytest.mark.usefixtures("cpu_only")`): for tests
+    whose subject is CPU-only, or that a GPU run covers otherwise."""
+    if device.type != "cpu":
+        pytest.skip(f"CPU-only tests (the test device is {device})")
+
+
 @pytest.fixture(scope="session")
 def test_device(device) -> torch.device:
     """The same device as `device`, under a name that says which (for fixtures with a wider scope)."""

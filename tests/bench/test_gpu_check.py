@@ -8,9 +8,14 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 from fms_paged.bench import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
+
+# gpu-check's CPU dry run: on a GPU, `make gpu-check` runs the stages themselves
+pytestmark = pytest.mark.usefixtures("cpu_only")
 
 
 def test_dry_run_passes_every_stage_and_writes_the_report(tmp_path):

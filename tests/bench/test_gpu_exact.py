@@ -18,6 +18,9 @@ from fms_paged.kv.paged import PagedBackend
 CPU = torch.device("cpu")
 FIELDS = {"name", "dtype", "model", "page_size", "kernel", "metric", "value", "tolerance", "why", "passed"}
 
+# gpu-check's CPU dry run: on a GPU, `make gpu-check` runs the stages themselves
+pytestmark = pytest.mark.usefixtures("cpu_only")
+
 
 @pytest.fixture(scope="module")
 def tiny_result():

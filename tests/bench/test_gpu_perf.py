@@ -18,6 +18,9 @@ from fms_paged.models import get_model
 CPU = torch.device("cpu")
 SECTIONS = ("engine_decode", "decode_vs_dense", "mixed_batch", "chat", "serving")
 
+# gpu-check's CPU dry run: on a GPU, `make gpu-check` runs the stages themselves
+pytestmark = pytest.mark.usefixtures("cpu_only")
+
 
 def test_bytes_per_step_of_micro_by_hand():
     model = gpu_perf.build_model(CPU, "micro", torch.float32)

@@ -63,10 +63,10 @@ def test_cuda_graphs_setting_is_checked():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphs_give_the_tokens_of_the_plain_compiled_step(dtype):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    model = get_model(variant="micro", device="cuda", seed=0, attn_impl="paged", page_size=16, dtype=dtype)
+def test_cuda_graphs_give_the_tokens_of_the_plain_compiled_step(dtype, device):
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs: run with --device cuda")
+    model = get_model(variant="micro", device=device, seed=0, attn_impl="paged", page_size=16, dtype=dtype)
     kw = dict(max_num_seqs=4, num_pages=64, max_model_len=256, compile=True, enable_prefix_caching=False)
     plain = Engine(model, cuda_graphs=False, **kw)
     graphed = Engine(model, cuda_graphs=True, **kw)
