@@ -44,6 +44,7 @@ def hf_checkpoint_dir(model: torch.nn.Module, model_path: str | None, tmp: str |
 def _job(ckpt: Path, model, prompts: list[list[int]], news: list[int], seqs: int, budget: int,
          **extra: Any) -> dict[str, Any]:
     return {"model_path": str(ckpt), "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device),
             "requests": [{"prompt": p, "max_new_tokens": n} for p, n in zip(prompts, news)],
             "max_num_seqs": seqs, "max_num_batched_tokens": budget, "block_size": 128, **extra}
 
@@ -93,7 +94,8 @@ def run_peers(model, model_path: str | None, specs, args, out, engine_run: Calla
 
 def _dense_peer(job: dict[str, Any], prompts, news) -> Callable[[], list[list[int]]]:
     """Dense `generate` in static waves of max_num_seqs: a wave runs until its longest is done."""
-    model = get_model(model_path=job["model_path"], attn_impl="sdpa", device="cpu", dtype=job["dtype"])
+    model = get_model(model_path=job["model_path"], attn_impl="sdpa", device=job.get("device", "cpu"),
+                      dtype=job["dtype"])
     B, compile = job["max_num_seqs"], job["compile"] in ("auto", True)
     waves = [range(i, min(i + B, len(prompts))) for i in range(0, len(prompts), B)]
 
@@ -113,7 +115,8 @@ def _hf_peer(job: dict[str, Any], prompts, news) -> Callable[[], list[list[int]]
     """Hugging Face `generate_batch`, one max_new_tokens for all (each output cut to its own)."""
     from transformers import GenerationConfig, LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(job["model_path"], dtype=getattr(torch, job["dtype"])).eval()
+    hf = LlamaForCausalLM.from_pretrained(job["model_path"], dtype=getattr(torch, job["dtype"]))
+    hf = hf.to(job.get("device", "cpu")).eval()  # the engine's device: the peers run where it runs
     cfg = GenerationConfig(max_new_tokens=max(news), min_new_tokens=max(news), do_sample=False,
                            eos_token_id=None, pad_token_id=0)
 
