@@ -87,9 +87,12 @@ def _submit(eng: Engine, rng: random.Random, longest: int) -> int:
 
 
 def check_kernel_pick(model: torch.nn.Module, log: Callable[[str], None]) -> dict[str, Any]:
-    """Warm an engine up while watching inductor, then profile three pure decode steps."""
+    """Warm an engine up while watching inductor, then profile three pure decode steps (without
+    CUDA graphs, whose replays the profiler may not name kernel by kernel; the recompile check and
+    the benchmarks run with them)."""
     device = model.device
-    eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, num_pages=160)
+    eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, num_pages=160,
+                 cuda_graphs=False)
     with flex_decoding_choices() as choices:
         eng.warmup(progress=False)
     rng = random.Random(0)
