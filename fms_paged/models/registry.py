@@ -57,7 +57,8 @@ def get_model(
     is the device's default (`fms_paged.device.DEFAULT_PAGE_SIZE`) unless `page_size=` is given.
     `device="auto"` picks cuda > mps > cpu; `dtype=None` keeps the checkpoint's dtype (a variant's
     parameters are fp32). A variant's random init draws from the global RNG, seeded with `seed`
-    first (None: not reseeded); a checkpoint ignores `seed`. Other keyword arguments override
+    first (None: not reseeded), in the dtype asked for (the model never exists in fp32 first); a
+    checkpoint ignores `seed`. Other keyword arguments override
     `LLaMAConfig` fields (e.g. `linear_impl="torch"`).
     """
     dev = resolve_device(device)
