@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,11 +75,10 @@ def _tests_command(device: str, tiny: bool, xml: Path) -> list[str]:
            "-m", "not slow and not docker", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
     if tiny:
         return cmd + TINY_TESTS
-    try:  # a GPU machine has 16 cores: spread the files over workers (one GPU is shared)
-        importlib.import_module("xdist")
+    if importlib.util.find_spec("xdist"):  # a GPU machine has 16 cores: spread the files over workers
         cmd += ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2))), "--dist", "loadfile"]
-    except ImportError:
-        pass
+    if importlib.util.find_spec("pytest_timeout"):  # one hung test must not take the stage
+        cmd += ["--timeout", "150"]
     return cmd
 
 
@@ -98,21 +99,36 @@ def junit_summary(xml: Path) -> dict[str, Any]:
             "skipped": count("skipped"), "failures": failures[:40]}
 
 
-def run_tests(args, budget: float) -> dict[str, Any]:
-    xml, log = args.out / "tests.xml", args.out / "tests.log"
-    cmd = _tests_command(args.device, args.tiny, xml)
-    _log(f"  {' '.join(cmd[2:])}")
+def run_pytest(cmd: list[str], xml: Path, log: Path, budget: float) -> dict[str, Any]:
+    """Run a pytest command (writing `xml`) with its output in `log`; past `budget` seconds it is
+    interrupted as Ctrl-C does (pytest then reports the tests that ran and writes its xml), and
+    killed 30 s later if still running -> `junit_summary` + returncode (None: timed out), passed."""
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT)
         try:
-            rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=budget).returncode
+            rc = proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             rc = None
     summary = junit_summary(xml)
     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
     summary.update(returncode=rc, last_line=tail[0] if tail else "", timed_out=rc is None)
+    if rc is None:
+        summary["error"] = f"interrupted after {budget:.0f} s"
     summary["passed"] = rc == 0
     return summary
+
+
+def run_tests(args, budget: float) -> dict[str, Any]:
+    xml, log = args.out / "tests.xml", args.out / "tests.log"
+    cmd = _tests_command(args.device, args.tiny, xml)
+    _log(f"  {' '.join(cmd[2:])}")
+    return run_pytest(cmd, xml, log, budget)
 
 
 def run_stage_process(args, stage: str, budget: float) -> dict[str, Any]:

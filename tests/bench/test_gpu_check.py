@@ -57,3 +57,16 @@ def test_a_stage_that_hangs_is_recorded_and_the_check_fails(tmp_path):
     args = types.SimpleNamespace(device="cpu", tiny=True)
     r = gpu_check.run_stage_process(args, "bench", budget=0.5)
     assert r["timed_out"] and not r["passed"] and "timed out" in r["error"]
+
+
+def test_a_test_run_past_its_budget_is_interrupted_and_keeps_what_ran(tmp_path):
+    (tmp_path / "test_y.py").write_text(
+        "import time\n"
+        "def test_a_quick_one(): pass\n"
+        "def test_z_hangs(): time.sleep(120)\n")
+    xml, log = tmp_path / "r.xml", tmp_path / "r.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_y.py"),
+           f"--junitxml={xml}", "--rootdir", str(tmp_path), "-c", os.devnull]
+    s = gpu_check.run_pytest(cmd, xml, log, budget=8)
+    assert s["timed_out"] and not s["passed"] and "interrupted" in s["error"]
+    assert s["tests"] >= 1 and s["failed"] == 0  # the quick test's result was written
