@@ -104,17 +104,8 @@ def run_pytest(cmd: list[str], xml: Path, log: Path, budget: float) -> dict[str,
     interrupted as Ctrl-C does (pytest then reports the tests that ran and writes its xml), and
     killed 30 s later if still running -> `junit_summary` + returncode (None: timed out), passed."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            rc = None
+        rc = _wait_or_interrupt(subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT),
+                                budget)
     summary = junit_summary(xml)
     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
     summary.update(returncode=rc, last_line=tail[0] if tail else "", timed_out=rc is None)
@@ -131,20 +122,37 @@ def run_tests(args, budget: float) -> dict[str, Any]:
     return run_pytest(cmd, xml, log, budget)
 
 
+def _wait_or_interrupt(proc: subprocess.Popen, budget: float) -> int | None:
+    """Wait for `proc`; past `budget` seconds interrupt it as Ctrl-C does (so it can still report
+    what it did) and kill it 30 s later if it is still running -> its exit code, None if interrupted."""
+    try:
+        return proc.wait(timeout=budget)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None
+
+
 def run_stage_process(args, stage: str, budget: float) -> dict[str, Any]:
-    """Run `stage` in a child process (this module with --stage) -> its result, or why none."""
+    """Run `stage` in a child process (this module with --stage) -> its result (partial if it ran
+    out of time: the stage modules stop at the interrupt and report what they did), or why none."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "fms_paged.bench.gpu_check", tmp, "--stage", stage,
                "--device", args.device, "--deadline-s", str(max(1.0, 0.9 * budget - STARTUP_S))]
         cmd += ["--tiny"] if args.tiny else []
-        try:
-            rc = subprocess.run(cmd, cwd=REPO_ROOT, timeout=budget).returncode
-        except subprocess.TimeoutExpired:
-            return {"passed": False, "timed_out": True, "error": f"timed out after {budget:.0f} s"}
+        rc = _wait_or_interrupt(subprocess.Popen(cmd, cwd=REPO_ROOT), budget)
         path = Path(tmp) / f"{stage}.json"
-        if not path.is_file():
-            return {"passed": False, "error": f"the stage's process exited {rc} with no result"}
-        return json.loads(path.read_text())
+        result = json.loads(path.read_text()) if path.is_file() else {"passed": False}
+    if rc is None:
+        result.update(passed=False, timed_out=True, error=f"timed out after {budget:.0f} s"
+                      + ("; its results so far are below" if path.is_file() else ""))
+    elif not path.is_file():
+        result["error"] = f"the stage's process exited {rc} with no result"
+    return result
 
 
 def stage_main(args) -> int:

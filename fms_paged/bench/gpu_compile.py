@@ -164,6 +164,10 @@ def run(device: torch.device, tiny: bool, log: Callable[[str], None] = print, *,
                 continue
             try:
                 checks.append(check())
+            except KeyboardInterrupt:  # the driver's budget ran out: keep what was checked
+                checks.append({"name": name, "passed": False,
+                               "error": "interrupted: the stage's budget ran out"})
+                break
             except Exception as e:
                 checks.append({"name": name, "passed": False, "error": f"{type(e).__name__}: {e}"[:500]})
                 log(f"[kernels] failed: {checks[-1]['error']}")

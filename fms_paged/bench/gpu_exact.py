@@ -276,7 +276,12 @@ def run(device: torch.device, tiny: bool, log: Callable[[str], None] = print, *,
                 checks.append(failed_case(case, TimeoutError(why), "case not run"))
                 log(f"{case.dtype:8s} {case.model:8s} P={case.page:<3d} {why}")
                 continue
-            checks += run_logged(case, device, steps, log)
+            try:
+                checks += run_logged(case, device, steps, log)
+            except KeyboardInterrupt:  # the driver's budget ran out: keep what was checked
+                checks.append(failed_case(case, TimeoutError("interrupted: the stage's budget ran out"),
+                                          "case interrupted"))
+                break
             last = time.perf_counter() - t
     finally:
         torch.set_float32_matmul_precision(precision)

@@ -395,8 +395,13 @@ def run(device: torch.device, tiny: bool, log: Callable[[str], None] = print, *,
                 res[name] = {"error": f"skipped: the stage's {size['budget_s']} s were spent"}
                 continue
             t = time.perf_counter()
-            res[name] = _attempt(fn, device)
-            res["section_s"][name] = time.perf_counter() - t
+            try:
+                res[name] = _attempt(fn, device)
+            except KeyboardInterrupt:  # the driver's budget ran out: report the sections done
+                res[name] = {"error": "interrupted: the stage's budget ran out"}
+                break
+            finally:
+                res["section_s"][name] = time.perf_counter() - t
     res["targets"], res["errors"] = targets(res), errors(res)
     res["passed"] = not res["errors"] if tiny else all(t["met"] for t in res["targets"])
     res["wall_s"] = time.perf_counter() - t0

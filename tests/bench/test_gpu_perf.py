@@ -176,3 +176,16 @@ def test_tiny_markdown_has_every_table(tiny):
         assert header in md, header
     assert md.count("\n### ") == len(SECTIONS) and "| HF generate_batch |" in md and "| sdpa |" in md
     assert "wall time (s):" in md and "- error:" not in md
+
+
+def test_an_interrupt_keeps_the_sections_done(monkeypatch):
+    """The driver interrupts a stage past its budget (SIGINT): the sections measured so far are
+    reported, the interrupted one says so, and the rest are not started."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_perf, "decode_vs_dense", interrupted)
+    res = gpu_perf.run(CPU, True, lambda line: None)
+    assert "rows" in res["engine_decode"] and "rows" in res["mixed_batch"]  # done before it
+    assert res["decode_vs_dense"] == {"error": "interrupted: the stage's budget ran out"}
+    assert "chat" not in res and "serving" not in res and not res["passed"]
