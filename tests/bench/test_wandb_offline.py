@@ -5,6 +5,7 @@ logged metrics (read back from the run's own log file); without wandb installed:
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,9 @@ def read_offline_history(run_dir: Path) -> dict:
             continue
         _, n, kind = struct.unpack("<IHB", buf[pos : pos + 7])
         data, pos = buf[pos + 7 : pos + 7 + n], pos + 7 + n
-        if kind == 0 and n == 0:
-            break
+        if kind == 0 and n == 0:  # zero padding (a block the writer has not filled): next block
+            pos += left - 7
+            continue
         if kind == 1:
             records.append(data)
         elif kind == 2:
@@ -63,7 +65,12 @@ def test_offline_run_holds_the_logged_metrics(tmp_path, monkeypatch, device):
     assert res["wandb"]["mode"] == "offline"
     runs = list((out / "wandb_runs" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    history = read_offline_history(runs[0])
+    keys = [f"single@{r['length']}/{r['attn_impl']}/tokens_generated" for r in res["runs"]]
+    for _ in range(50):  # wandb's own process writes the log: wait (up to 10 s) for its last record
+        history = read_offline_history(runs[0])
+        if all(k in history for k in keys):
+            break
+        time.sleep(0.2)
     for r in res["runs"]:
         key = f"single@{r['length']}/{r['attn_impl']}"
         assert history[f"{key}/tokens_generated"] == r["tokens_generated"] == 5
