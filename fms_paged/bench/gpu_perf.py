@@ -21,7 +21,6 @@ with targets first).
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -285,49 +284,16 @@ def serving(model, size: Result, specs, log) -> Result:
 
 # ---------------------------------------------------------------------------- the HF peer
 def hf_peer_run(model, prompts: list[list[int]], new: int, cb: Result | None = None) -> Result:
-    """`generate_batch` on `prompts` in a fresh process (`peers`' machinery) -> its figures. `cb`:
-    a `ContinuousBatchingConfig`'s sizes, or None for HF's own (by the device's free memory)."""
+    """`generate_batch` on `prompts` in a fresh process (`peers`' HF peer, with random weights of
+    `model`'s shape made on its device) -> its figures. `cb`: a `ContinuousBatchingConfig`'s sizes,
+    or None for HF's own (by the device's free memory)."""
     job = {"config": config_to_hf(model.config, model.dtype), "device": str(model.device), "cb": cb,
-           "dtype": str(model.dtype).removeprefix("torch."), "prompts": prompts, "new_tokens": new}
+           "dtype": str(model.dtype).removeprefix("torch."),
+           "requests": [{"prompt": p, "max_new_tokens": new} for p in prompts]}
     with tempfile.TemporaryDirectory() as tmp:
-        return peers._run([sys.executable, "-m", __name__, "hf"], job, Path(tmp), tmp, "hf")
-
-
-def hf_peer_main(src: str, dst: str) -> int:
-    """The peer: a random-weight `LlamaForCausalLM` made on the device in the job's dtype; one
-    `generate_batch` call on one prompt (warm-up), then one on all of them, timed. Each call sets
-    up its own manager (on CUDA, captures its graphs), as a user's call does."""
-    import transformers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    job = json.loads(Path(src).read_text())
-    device, prompts, new = torch.device(job["device"]), job["prompts"], job["new_tokens"]
-    torch.manual_seed(0)
-    torch.set_default_dtype(getattr(torch, job["dtype"]))  # this process only: weights made in it
-    with torch.device(device):
-        hf = LlamaForCausalLM(LlamaConfig(**job["config"])).eval()
-    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    kw = {}
-    if job["cb"]:  # small static buffers (the CPU dry run): by default HF sizes them by free memory
-        from transformers.generation import ContinuousBatchingConfig
-
-        kw["continuous_batching_config"] = ContinuousBatchingConfig(**job["cb"])
-
-    @torch.no_grad()  # not inference_mode: HF's continuous batching writes its static tensors in place
-    def run(batch: list[list[int]]) -> tuple[int, float]:
-        t0 = time.perf_counter()
-        res = hf.generate_batch(inputs=batch, generation_config=cfg, progress_bar=False, **kw)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return sum(len(r.generated_tokens) for r in res.values()), time.perf_counter() - t0
-
-    warm = run(prompts[:1])[1]
-    n, dt = run(prompts)
-    Path(dst).write_text(json.dumps({
-        "output_tokens": n, "duration_s": dt, "output_tok_s": n / dt, "warmup_s": warm,
-        "transformers": transformers.__version__, "attn_implementation": hf.config._attn_implementation}))
-    return 0
+        r = peers._run([sys.executable, "-m", "fms_paged.bench.peers", "hf"], job, Path(tmp), tmp, "hf")
+    r.pop("tokens", None)
+    return r
 
 
 # ---------------------------------------------------------------------------- the stage
@@ -431,8 +397,7 @@ SECTIONS = {  # section -> (title, formatted with the sizes; its table's (header
              TURN_COLS),
     "serving": ("Serving mix at scale {serve_scale}: {serve_requests} requests of {serve_new} new tokens", [
         ("system", "system", ""), ("output tok/s", "output_tok_s", ".1f"), ("engine / HF", "over_hf", ".2f"),
-        ("s", "duration_s", ".2f"), ("warm-up call s", "warmup_s", ".1f"),
-        ("attention", "attn_implementation", "")]),
+        ("s", "duration_s", ".2f"), ("load + warm-up s", "setup_s", ".1f")]),
 }
 TARGET_COLS = [("target", "name", ""), ("value", "value", ".3f"), ("wanted", "target", ""),
                ("met", "met", "")]
@@ -457,9 +422,3 @@ def markdown(res: Result) -> str:
     walls = ", ".join(f"{k} {v:.1f}" for k, v in res["section_s"].items())
     lines += [f"- the dense cache's SDPA kernel here: {backends}", *(f"- error: {e}" for e in res["errors"])]
     return "\n".join([*lines, f"- wall time (s): {walls}; stage {res['wall_s']:.1f}"]) + "\n"
-
-
-if __name__ == "__main__":  # the HF peer of `serving`, in a process of its own
-    if sys.argv[1:2] != ["hf"] or len(sys.argv) != 4:
-        raise SystemExit("usage: python -m fms_paged.bench.gpu_perf hf JOB.json OUT.json")
-    sys.exit(hf_peer_main(sys.argv[2], sys.argv[3]))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from fms_paged.bench.environment import REPO_ROOT, kv_bytes_per_token, measure_read_bandwidth, weight_bytes
 from fms_paged.bench.report import table
@@ -112,17 +113,33 @@ def _dense_peer(job: dict[str, Any], prompts, news) -> Callable[[], list[list[in
 
 
 def _hf_peer(job: dict[str, Any], prompts, news) -> Callable[[], list[list[int]]]:
-    """Hugging Face `generate_batch`, one max_new_tokens for all (each output cut to its own)."""
-    from transformers import GenerationConfig, LlamaForCausalLM
+    """Hugging Face `generate_batch`, one max_new_tokens for all (each output cut to its own), on
+    the job's device. Weights: the job's checkpoint, or with a "config" (an HF config dict) random
+    ones made on the device in the job's dtype (a large model: no checkpoint to write and load;
+    a step's speed does not depend on the values). "cb": a `ContinuousBatchingConfig`'s sizes
+    (else HF sizes its static buffers by the device's free memory)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(job["model_path"], dtype=getattr(torch, job["dtype"]))
-    hf = hf.to(job.get("device", "cpu")).eval()  # the engine's device: the peers run where it runs
+    dtype, device = getattr(torch, job["dtype"]), job.get("device", "cpu")
+    if "config" in job:
+        torch.manual_seed(0)
+        torch.set_default_dtype(dtype)  # this peer's process only
+        with torch.device(device):
+            hf = LlamaForCausalLM(LlamaConfig(**job["config"]))
+    else:
+        hf = LlamaForCausalLM.from_pretrained(job["model_path"], dtype=dtype).to(device)
+    hf.eval()
     cfg = GenerationConfig(max_new_tokens=max(news), min_new_tokens=max(news), do_sample=False,
                            eos_token_id=None, pad_token_id=0)
+    kw = {}
+    if job.get("cb"):
+        from transformers.generation import ContinuousBatchingConfig
+
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(**job["cb"])
 
     @torch.no_grad()  # not inference_mode: HF's continuous batching writes its static tensors in place
     def run(batch=prompts) -> list[list[int]]:
-        res = hf.generate_batch(inputs=batch, generation_config=cfg, progress_bar=False)
+        res = hf.generate_batch(inputs=batch, generation_config=cfg, progress_bar=False, **kw)
         return [list(r.generated_tokens)[:n] for r, n in zip(res.values(), news)]
 
     run(prompts[:2])  # warm-up
@@ -135,12 +152,15 @@ def peer_main(peer: str, src: str, dst: str) -> int:
         raise ValueError(f"peer {peer!r}; expected dense or hf (vllm runs scripts/peer_vllm.py)")
     job = json.loads(Path(src).read_text())
     prompts, news = [r["prompt"] for r in job["requests"]], [r["max_new_tokens"] for r in job["requests"]]
+    t0 = time.perf_counter()
     run = (_dense_peer if peer == "dense" else _hf_peer)(job, prompts, news)
+    setup = time.perf_counter() - t0
     t0 = time.perf_counter()
     tokens = run()
     duration, n = time.perf_counter() - t0, sum(map(len, tokens))
     Path(dst).write_text(json.dumps({"tokens": tokens, "duration_s": duration, "output_tokens": n,
-                                     "output_tok_s": n / duration}))
+                                     "output_tok_s": n / duration, "setup_s": setup,
+                                     "transformers": transformers.__version__}))
     return 0
 
 

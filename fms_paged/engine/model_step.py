@@ -75,10 +75,10 @@ def cuda_graphs_unavailable_reason(backend: object, compiled: bool) -> str | Non
     """Why a backend's decode step cannot be replayed from CUDA graphs (None if it can): graphs
     need the compiled flex step on CUDA, whose inputs (tokens, the [6, B] decode metadata) have
     fixed shapes per decode bucket and whose state (pools, page table) is updated in place."""
-    if getattr(getattr(backend, "device", None), "type", None) != "cuda":
+    if backend.device.type != "cuda":
         return "CUDA graphs need a CUDA device"
-    if getattr(backend, "kernel", None) != "flex":
-        return f"CUDA graphs need the flex kernel, not {getattr(backend, 'kernel', None)!r}"
+    if backend.kernel != "flex":
+        return f"CUDA graphs need the flex kernel, not {backend.kernel!r}"
     if not compiled:
         return "CUDA graphs need the compiled decode step (compile=False was asked for)"
     return None
@@ -115,9 +115,9 @@ class GraphedDecode:
 
     `capture(run, pool) -> (replay, out)`: `capture_cuda_graph` (tests substitute a plain call)."""
 
-    def __init__(self, fn: Callable, backend: object,
+    def __init__(self, fn: Callable,
                  capture: Callable[[Callable[[], torch.Tensor], object], tuple] = capture_cuda_graph):
-        self.fn, self.backend, self.capture = fn, backend, capture
+        self.fn, self.capture = fn, capture
         self.graphs: dict[int, tuple[torch.Tensor, torch.Tensor, Callable[[], None], torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture is capture_cuda_graph else None
 
@@ -135,7 +135,7 @@ class GraphedDecode:
 
     def _record(self, model: torch.nn.Module, tokens: torch.Tensor, step: object) -> tuple:
         static_tokens, static_meta = tokens.clone(), step.decode_meta.clone()  # [B, 1], [6, B]
-        static_step = type(step)(self.backend, static_meta)
+        static_step = type(step)(step.b, static_meta)  # the same backend, over the static buffer
         B = static_tokens.shape[0]
 
         def run() -> torch.Tensor:

@@ -75,7 +75,7 @@ class ModelRunner:
             raise ValueError(f"cuda_graphs=True: {why_not}")
         self.cuda_graphs = cuda_graphs is not False and why_not is None
         if self.cuda_graphs:
-            self._decode = GraphedDecode(self._decode, backend)
+            self._decode = GraphedDecode(self._decode)
         self._prefill = compiled_prefill() if self.compiled and isinstance(model, LLaMA) else None
         self.buckets = decode_buckets(max_num_seqs, smallest_batch(self._decode))
 

@@ -46,7 +46,7 @@ def test_graphed_decode_reads_every_input_from_its_static_buffers():
     ref = Engine(model, **kw)
     want = serve(ref, PROMPTS, NEWS), serve(ref, PROMPTS[:1], [9])  # a batch, then a lone request
     eng = Engine(model, **kw)
-    graphed = GraphedDecode(eng.runner._decode, eng.backend, capture=call_capture)
+    graphed = GraphedDecode(eng.runner._decode, capture=call_capture)
     eng.runner._decode = graphed
     assert (serve(eng, PROMPTS, NEWS), serve(eng, PROMPTS[:1], [9])) == want
     assert set(graphed.graphs) == set(eng.runner.buckets) == {1, 4}  # both buckets were replayed
