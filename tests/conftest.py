@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fms_paged.kv.kernels import flex_unavailable_reason
+from fms_paged.kv.kernels import choose_kernel, flex_unavailable_reason
 
 DEVICE_ENV = "FMS_PAGED_TEST_DEVICE"
 _DEVICE = pytest.StashKey[torch.device]()
@@ -98,15 +98,10 @@ def cpu_only(device) -> None:
         pytest.skip(f"CPU-only tests (the test device is {device})")
 
 
-@pytest.fixture(scope="session")
-def test_device(device) -> torch.device:
-    """The same device as `device`, under a name that says which (for fixtures with a wider scope)."""
-    return device
-
-
 def production_kernel(device: torch.device) -> str:
-    """The paged kernel that serves a model on `device`: cpp on the CPU, flex on CUDA, gather elsewhere."""
-    return {"cpu": "cpp", "cuda": "flex"}.get(device.type, "gather")
+    """The paged kernel "auto" picks on `device` for the tests' fp32 models (head dim 16, pages of
+    16): cpp on the CPU, flex on CUDA, gather where neither runs."""
+    return choose_kernel("auto", device, 16, head_dim=16, dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")

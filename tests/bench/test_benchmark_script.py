@@ -24,11 +24,11 @@ NEW, WARMUP = 6, 1
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, test_device):
+def run(tmp_path_factory, device):
     out = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_inference.py"), "--variant", "micro",
            "--scale", "0.05", "--new-tokens", str(NEW), "--warmup", str(WARMUP), "--attn-impl", "all",
-           "--scenario", "all", "--ppl-chars", "1500", "--ppl-window", "128", "--device", str(test_device),
+           "--scenario", "all", "--ppl-chars", "1500", "--ppl-window", "128", "--device", str(device),
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "TQDM_DISABLE": "1"})

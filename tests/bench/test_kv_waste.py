@@ -11,8 +11,8 @@ from fms_paged.bench.latency import load_model, make_backend, random_prompts
 
 
 @pytest.fixture(scope="module")
-def model(test_device):
-    return load_model({"variant": "micro", "device": str(test_device)})
+def model(device):
+    return load_model({"variant": "micro", "device": str(device)})
 
 
 def _expected(lengths, slots_held, c, dtype_bytes=4):

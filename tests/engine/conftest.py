@@ -7,7 +7,7 @@ from fms_paged import get_model
 
 
 @pytest.fixture(scope="module")
-def models(test_device):
-    dense = get_model(variant="micro", device=test_device, seed=0)
-    paged = get_model(variant="micro", device=test_device, seed=0, attn_impl="paged", page_size=16)
+def models(device):
+    dense = get_model(variant="micro", device=device, seed=0)
+    paged = get_model(variant="micro", device=device, seed=0, attn_impl="paged", page_size=16)
     return dense, paged

@@ -9,8 +9,8 @@ from fms_paged.generation.sampling import sample
 
 
 @pytest.fixture(scope="module")
-def micro(test_device):
-    return get_model(variant="micro", device=test_device, seed=0)
+def micro(device):
+    return get_model(variant="micro", device=device, seed=0)
 
 
 def _greedy_no_cache(model, prompt, n):

@@ -81,8 +81,8 @@ def test_not_llama(hf_checkpoint, device):
 
 
 @pytest.fixture(scope="module")
-def micro(test_device):
-    return get_model(variant="micro", device=test_device, max_expected_seq_len=64)
+def micro(device):
+    return get_model(variant="micro", device=device, max_expected_seq_len=64)
 
 
 def test_prompt_too_long(micro):

@@ -38,16 +38,16 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(test_device):
+def reference(device):
     """Per prompt: the reference logits [n, V] of its tokens, and [V] of the next token after the
     prompt and its greedy next token (which the paged model decodes)."""
-    ref = get_model(variant="micro", device=test_device, seed=0, linear_impl="torch")
+    ref = get_model(variant="micro", device=device, seed=0, linear_impl="torch")
     out = []
     with torch.no_grad():
         for p in prompts():
-            logits = ref(torch.tensor([p], device=test_device))[0]  # [n, V]
+            logits = ref(torch.tensor([p], device=device))[0]  # [n, V]
             nxt = int(logits[-1].argmax())
-            out.append((logits, nxt, ref(torch.tensor([p + [nxt]], device=test_device))[0, -1]))
+            out.append((logits, nxt, ref(torch.tensor([p + [nxt]], device=device))[0, -1]))
     return out
 
 
