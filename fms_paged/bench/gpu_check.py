@@ -146,11 +146,12 @@ def run_stage_process(args, stage: str, budget: float) -> dict[str, Any]:
         cmd += ["--tiny"] if args.tiny else []
         rc = _wait_or_interrupt(subprocess.Popen(cmd, cwd=REPO_ROOT), budget)
         path = Path(tmp) / f"{stage}.json"
-        result = json.loads(path.read_text()) if path.is_file() else {"passed": False}
+        wrote = path.is_file()
+        result = json.loads(path.read_text()) if wrote else {"passed": False}
     if rc is None:
         result.update(passed=False, timed_out=True, error=f"timed out after {budget:.0f} s"
-                      + ("; its results so far are below" if path.is_file() else ""))
-    elif not path.is_file():
+                      + ("; its results so far are below" if wrote else ""))
+    elif not wrote:
         result["error"] = f"the stage's process exited {rc} with no result"
     return result
 
@@ -205,8 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: --device cuda but torch sees no CUDA device (use --device cpu --tiny)")
     env = environment_info(device)
-    env["triton"] = getattr(importlib.util.find_spec("triton") and importlib.import_module("triton"),
-                            "__version__", None)
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
     t_start, results = time.perf_counter(), {}
     for i, stage in enumerate(stages, 1):
         left = args.budget_s - (time.perf_counter() - t_start)

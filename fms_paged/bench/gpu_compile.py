@@ -47,8 +47,7 @@ def flex_decoding_choices() -> Iterator[list[bool]]:
     try:
         from torch._inductor.kernel.flex import flex_attention as lowering
     except ImportError:  # a torch whose inductor lays out flex elsewhere: nothing recorded
-        yield choices
-        return
+        lowering = None
     original = getattr(lowering, "_use_flex_decoding", None)
     if original is None:
         yield choices

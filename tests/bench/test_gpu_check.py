@@ -28,7 +28,7 @@ def test_dry_run_passes_every_stage_and_writes_the_report(tmp_path):
         assert f": {stage} " in run.stdout or f": {stage} ->" in run.stdout, stage
     result = json.loads((out / "gpu_check.json").read_text())
     assert list(result["stages"]) == list(gpu_check.STAGES)
-    assert all(r["passed"] for r in result["stages"].values())
+    assert all(r["passed"] and not r.get("error") for r in result["stages"].values()), result["stages"]
     assert result["stages"]["tests"]["tests"] > 0 and not result["stages"]["tests"]["failures"]
     md = (out / "gpu_check.md").read_text()
     for heading in ("# gpu-check (dry run, tiny)", "## Test suite", "## Kernels and recompiles"):
