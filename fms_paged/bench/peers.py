@@ -192,10 +192,13 @@ def offline_runs(eng: Engine, prompts: list[list[int]], new: int, repeats: int) 
     for _ in range(repeats):
         ids = [eng.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True)) for p in prompts]
         got: dict[int, list[int]] = {}
+        stats: dict[int, dict] = {}  # each request's final statistics (`RequestOutput.stats`)
         t0 = time.perf_counter()
         for out in eng.stream():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        dt, stats = time.perf_counter() - t0, eng.metrics()["requests"]
+            if out.finished:
+                stats[out.request_id] = out.stats
+        dt = time.perf_counter() - t0
         runs.append({"duration_s": dt, "output_tok_s": len(prompts) * new / dt,
                      "decode_steps_s": 1 / statistics.fmean(stats[i]["tpot"] for i in ids),
                      "tokens": [got[i] for i in ids]})

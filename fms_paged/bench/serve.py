@@ -77,10 +77,10 @@ def serve(model, specs: list[Spec], engine_kw: dict[str, Any], rate: float | Non
     eng, rng = Engine(model, **engine_kw), random.Random(seed)
     arrivals = list(accumulate((rng.expovariate(rate) if rate else 0.0 for _ in specs[1:]), initial=0.0))
     t0 = time.perf_counter()
-    tokens, timeline = _drive(eng, specs, arrivals, t0, prefix_pages)
+    tokens, timeline, reqs = _drive(eng, specs, arrivals, t0, prefix_pages)
     duration = time.perf_counter() - t0
     m = eng.metrics()
-    reqs = list(m.pop("requests").values())
+    m.pop("finished_by_reason")  # (the figures below are scalars)
     out_tokens, in_tokens = sum(r["output_tokens"] for r in reqs), sum(r["prompt_tokens"] for r in reqs)
     return {
         "rate": rate, "completed": len(reqs), "failed": 0, "duration_s": duration,
@@ -97,9 +97,10 @@ def serve(model, specs: list[Spec], engine_kw: dict[str, Any], rate: float | Non
 
 def _drive(eng: Engine, specs: list[Spec], arrivals: list[float], t0: float, prefix_pages: int):
     """Submit each request at its arrival, each next turn when its previous one finishes, and step
-    the engine until all are done -> (tokens of completion 0 by (request, turn), timeline)."""
+    the engine until all are done -> (tokens of completion 0 by (request, turn), timeline, the
+    final statistics of each completion in the order they finished)."""
     pending = sorted(zip(arrivals, range(len(specs))), reverse=True)
-    owner, tokens, history, timeline = {}, {}, {}, []
+    owner, tokens, history, timeline, stats = {}, {}, {}, [], []
 
     def submit(i: int, turn: int, prompt: list[int], arrival: float | None = None) -> None:
         sp = SamplingParams(max_new_tokens=specs[i].max_new_tokens, ignore_eos=True, n=specs[i].n)
@@ -117,6 +118,8 @@ def _drive(eng: Engine, specs: list[Spec], arrivals: list[float], t0: float, pre
             continue
         for out in eng.step():
             i, turn = owner[out.request_id]
+            if out.finished:
+                stats.append(out.stats)
             if out.index == 0:
                 tokens.setdefault((i, turn), []).extend(out.new_token_ids)
             if out.finished and out.index == 0 and turn < len(specs[i].next_turns):
@@ -126,7 +129,7 @@ def _drive(eng: Engine, specs: list[Spec], arrivals: list[float], t0: float, pre
         # timeline: (s, pages used, running, waiting, pages holding the shared prefix) after each step
         timeline.append((time.perf_counter() - t0, pm.num_pages - 1 - sched.available_pages(),
                          len(sched.running), len(sched.waiting), shared))
-    return tokens, timeline
+    return tokens, timeline, stats
 
 
 def engine_kw(args, **over) -> dict[str, Any]:

@@ -5,15 +5,18 @@ One loop owns the page pool. `step()` takes the requests submitted since the las
 thread), then, as nano-vllm and vLLM v1 do:
 
     plan = scheduler.schedule()             # host only: who runs, how many tokens, preemption
-    tokens = runner.run(plan)               # the device: inputs, one forward, sampling
-    outputs = scheduler.update(plan, tokens)  # forks, prefix-cache inserts, stop checks, finishing
+    tokens, logprobs = runner.run(plan)     # the device: inputs, one forward, sampling
+    outputs = scheduler.update(plan, tokens, logprobs)  # forks, cache inserts, stops, finishing
+
+A process serving for weeks runs it, so the engine keeps nothing of a request past its end: the
+final output of each completion carries the request's statistics (`RequestOutput.stats`), and the
+engine keeps only running totals of them (`metrics()`), O(1) memory whatever it has served.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import statistics
 import time
 from collections.abc import Iterator, Sequence
 
@@ -127,11 +130,18 @@ class Engine:
         self.eos = frozenset() if c.eos_token_id is None else frozenset([c.eos_token_id])
         # submission: any thread appends (deque.append is atomic); the loop drains in step()
         self._submitted: collections.deque[Request] = collections.deque()
-        self._aborted: collections.deque[int] = collections.deque()
+        # (request id, completion index or None: all of them), applied at the next step
+        self._aborted: collections.deque[tuple[int, int | None]] = collections.deque()
         self._live: dict[int, list[Request]] = {}  # completions submitted and not finished, by id
         self._ids = itertools.count()  # next() is atomic in CPython
-        self._finished_stats: dict[int, dict] = {}
+        self._reset_totals()
+
+    def _reset_totals(self) -> None:
+        """The running totals behind `metrics()` (the scheduler and prefix cache count theirs)."""
         self._steps = 0
+        self._finished_by_reason: dict[str, int] = {}
+        # latency key -> [sum of seconds, requests that have it]
+        self._latency_sums = {k: [0.0, 0] for k in ("ttft", "tpot", "e2e")}
 
     # ------------------------------------------------------------------ submission (any thread)
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
@@ -180,15 +190,25 @@ class Engine:
         return Request(rid, prompt, params, stop, generator=generator, cache_salt=cache_salt,
                        index=index, n=n)
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request (every completion of it); its pages are freed at the next step, which
-        reports it finished with reason "abort". ValueError for an id that is not live (unknown,
-        or already finished)."""
-        if request_id not in self._live:
+    def abort(self, request_id: int, index: int | None = None) -> None:
+        """Stop a request (every completion of it, or only completion `index`); its pages are freed
+        at the next step, which reports it finished with reason "abort". ValueError for an id
+        that is not live (unknown, or already finished), or a completion that is not. Safe to call
+        from any thread; a request that finishes before the next step stays finished as it was."""
+        live = self._live.get(request_id)
+        if live is None:
             raise ValueError(
                 f"abort: request id {request_id!r} is not live (never submitted here, or finished)"
             )
-        self._aborted.append(request_id)
+        if index is not None and not any(r.index == index for r in list(live)):
+            raise ValueError(f"abort: completion {index!r} of request {request_id} is not live "
+                             f"(live: {sorted(r.index for r in list(live))})")
+        self._aborted.append((request_id, index))
+
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet admitted (a server's backpressure check): safe to call
+        from any thread (lengths of a deque and a list only)."""
+        return len(self._submitted) + len(self.scheduler.waiting)
 
     # ------------------------------------------------------------------ the loop
     def has_unfinished(self) -> bool:
@@ -200,12 +220,15 @@ class Engine:
         outputs = self._take_submissions()
         plan = self.scheduler.schedule()
         if plan.scheduled:
-            tokens = self.runner.run(plan)
-            new, finished = self.scheduler.update(plan, tokens)
-            for req, reason in finished:
-                self._record(req, reason)
+            tokens, logprobs = self.runner.run(plan)
+            new, finished = self.scheduler.update(plan, tokens, logprobs)
+            for req in finished:
+                self._forget(req)
             outputs += new
             self._steps += 1
+        for out in outputs:
+            if out.stats is not None:
+                self._count(out.stats)
         return outputs
 
     def stream(self) -> Iterator[RequestOutput]:
@@ -220,38 +243,40 @@ class Engine:
                 self.scheduler.add(req)
         outputs = []
         while self._aborted:
-            for req in list(self._live.get(self._aborted.popleft(), ())):
-                if req.status is not Status.FINISHED:
-                    self._finish(req, "abort")
-                    outputs.append(RequestOutput(req.request_id, [], True, "abort", req.index))
+            rid, index = self._aborted.popleft()
+            for req in list(self._live.get(rid, ())):  # (none left: it finished meanwhile)
+                if index is None or req.index == index:
+                    self.scheduler.finish(req)
+                    self._forget(req)
+                    lps = None if req.params.logprobs is None else []
+                    outputs.append(RequestOutput(rid, [], True, "abort", req.index, lps,
+                                                 req.stats("abort")))
         return outputs
 
-    def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.finish(req)
-        self._record(req, reason)
-
-    def _record(self, req: Request, reason: str) -> None:
-        """A finished request leaves the live table; its statistics are kept for `metrics()`."""
-        live = self._live.get(req.request_id, [])
-        if req in live:
-            live.remove(req)
+    def _forget(self, req: Request) -> None:
+        """A finished completion leaves the live table (the id with its last completion)."""
+        live = self._live[req.request_id]
+        live.remove(req)
         if not live:
-            self._live.pop(req.request_id, None)
-        stats = req.latencies()
-        stats.update(prompt_tokens=len(req.prompt), output_tokens=len(req.output),
-                     preemptions=req.num_preemptions, finish_reason=reason)
-        # keyed by request id; the completions of an n > 1 request by (request id, index)
-        key = req.request_id if req.n == 1 else (req.request_id, req.index)
-        self._finished_stats[key] = stats
+            del self._live[req.request_id]
+
+    def _count(self, stats: dict) -> None:
+        """Add a finished completion's statistics to the running totals."""
+        reason = stats["finish_reason"]
+        self._finished_by_reason[reason] = self._finished_by_reason.get(reason, 0) + 1
+        for key, acc in self._latency_sums.items():
+            if stats[key] is not None:
+                acc[0] += stats[key]
+                acc[1] += 1
 
     def warmup(self, progress: bool = True) -> float:
         """Compile the shapes serving will meet before the first request does, -> seconds: prefill
         chunks of every packed-length bucket up to the token budget, decode batches of every
         bucket size, and a prefill beside the decodes of every bucket size (synthetic requests,
-        `runner.warmup_waves`). Their statistics and cached pages are then dropped. Compiled code
-        lands in torch's on-disk caches, so a second process on the same machine warms up in
-        seconds. No-op (0.0) when nothing here compiles (eager steps of the cpp or gather kernel;
-        the flex kernel compiles its attention even in eager steps)."""
+        `runner.warmup_waves`). The totals they added to and their cached pages are then
+        dropped. Compiled code lands in torch's on-disk caches, so a second process on the same
+        machine warms up in seconds. No-op (0.0) when nothing here compiles (eager steps of the
+        cpp or gather kernel; the flex kernel compiles its attention even in eager steps)."""
         if not (self.runner.compiled or self.backend.kernel == "flex"):
             return 0.0
         if self.has_unfinished():
@@ -269,12 +294,11 @@ class Engine:
             bar = tqdm(total=total, desc="fms_paged engine: compiling its shapes", unit="req", leave=False)
             return lambda: bar.update(1)
 
-        ids = model_runner.warmup(self, start if progress else None)
+        model_runner.warmup(self, start if progress else None)
         if bar is not None:
             bar.close()
-        for rid in ids:  # forget the synthetic requests
-            self._finished_stats.pop(rid, None)
-        self._steps = self.scheduler.num_output_tokens = self.scheduler.num_prompt_computed = 0
+        self._reset_totals()  # forget the synthetic requests
+        self.scheduler.num_output_tokens = self.scheduler.num_prompt_computed = 0
         self.scheduler.num_preemptions = 0
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
@@ -289,19 +313,20 @@ class Engine:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
-        """Engine state and per-request latencies (seconds) of the finished requests. Free pages
-        include cached pages no request holds (reusable at once, evicted on demand)."""
+        """Engine state and totals since it started (or warmed up), with the mean latencies
+        (seconds) of the finished completions: per-request figures are in each completion's final
+        output (`RequestOutput.stats`), not kept here. Free pages include cached pages no request
+        holds (reusable at once, evicted on demand)."""
         total = self.pm.num_pages - 1
         free = self.scheduler.available_pages()
-        done = list(self._finished_stats.values())
 
         def mean(key: str) -> float | None:
-            vals = [d[key] for d in done if d[key] is not None]
-            return statistics.fmean(vals) if vals else None
+            s, n = self._latency_sums[key]
+            return s / n if n else None
 
         return {
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + len(self._submitted),
+            "waiting": self.num_waiting(),
             "kv_pages_total": total,
             "kv_pages_used": total - free,
             "kv_pages_free": free,
@@ -310,10 +335,10 @@ class Engine:
             "steps": self._steps,
             "output_tokens": self.scheduler.num_output_tokens,
             "prompt_tokens_computed": self.scheduler.num_prompt_computed,
-            "finished_requests": len(done),
+            "finished_requests": sum(self._finished_by_reason.values()),
+            "finished_by_reason": dict(self._finished_by_reason),
             "mean_ttft_s": mean("ttft"),
             "mean_tpot_s": mean("tpot"),
             "mean_e2e_s": mean("e2e"),
             **(self.prefix_cache.metrics() if self.prefix_cache else {}),
-            "requests": dict(self._finished_stats),
         }

@@ -128,7 +128,11 @@ class PrefixCache:
             got = self.pages.pop(page)
             if self.by_key.get(got.key) == page:
                 del self.by_key[got.key]
-            self.children.get(got.parent, set()).discard(page)
+            siblings = self.children.get(got.parent)
+            if siblings is not None:  # (no empty sets left behind: every entry lists a cached page)
+                siblings.discard(page)
+                if not siblings:
+                    del self.children[got.parent]
             self._orphan(page)
             self.pm.unhold([page])
         self.evictions += k

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+MAX_LOGPROBS = 20  # the most alternatives `SamplingParams.logprobs` may ask for (vLLM's default cap)
+
 
 def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> list[int]:
     """A prompt as a list of Python ints, or a typed error naming `name` and the offending value
@@ -44,7 +46,10 @@ class SamplingParams:
     whatever else is in the batch (the request draws from a generator of its own). A request stops
     at `max_new_tokens`, at a token in `stop_token_ids`, or at the model's EOS unless
     `ignore_eos`. `n > 1` gives n completions of the prompt, which share its pages (FORK after one
-    prefill); completion i samples as the n = 1 request with seed `seed + i` (`completion(i)`)."""
+    prefill); completion i samples as the n = 1 request with seed `seed + i` (`completion(i)`).
+    `logprobs=k` (0..MAX_LOGPROBS) returns, for each sampled token, its log-probability and the k
+    most likely tokens with theirs (`TokenLogprobs`): raw log-probabilities, the fp32 log-softmax
+    of the model's logits before temperature, top-k and top-p (vLLM's default "raw_logprobs")."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -54,6 +59,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
@@ -82,6 +88,9 @@ class SamplingParams:
             raise bad("ignore_eos", "a bool")
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "an int >= 1")
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"an int in [0, {MAX_LOGPROBS}] or None")
 
     def completion(self, i: int) -> SamplingParams:
         """The settings of completion `i` of an `n > 1` request: n = 1 and, for a seeded request,
@@ -100,15 +109,29 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of one sampled token, and the `k` most likely tokens at its position
+    as (token id, log-probability) pairs, most likely first (k = `SamplingParams.logprobs`)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: the tokens new since its last output."""
+    """What one step produced for one request: the tokens new since its last output; with
+    `SamplingParams.logprobs`, a `TokenLogprobs` for each of them (else None). The final output of
+    a completion (`finished`) carries its statistics (`Request.stats`), None before: the engine
+    keeps only aggregates, so a caller that wants per-request figures collects them here."""
 
     request_id: int
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" (EOS / stop token), "length", "abort"
     index: int = 0  # which completion of an n > 1 request
+    logprobs: list[TokenLogprobs] | None = None
+    stats: dict | None = None
 
 
 @dataclass(eq=False)
@@ -133,6 +156,8 @@ class Request:
     n: int = 1  # completions of the request it belongs to
     forks: list[Request] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled
+    scheduled_at: float | None = None  # when it was first scheduled (admitted, or forked)
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache at that first scheduling
 
     @property
     def num_tokens(self) -> int:
@@ -149,16 +174,28 @@ class Request:
             return self.prompt[start:stop]
         return (self.prompt[start:] if start < n else []) + self.output[max(0, start - n) : stop - n]
 
-    def latencies(self) -> dict:
-        """Seconds, as vLLM's benchmarks define them: time to first token (from arrival), time per
-        output token after the first (mean), the inter-token latencies (each gap), end to end
-        (arrival to the last token)."""
+    def first_scheduled(self, now: float, cached_tokens: int) -> None:
+        """Note its first scheduling (a later one, after a preemption, changes nothing): the end
+        of its queue time, and how many prompt tokens the prefix cache served then."""
+        if self.scheduled_at is None:
+            self.scheduled_at, self.cached_tokens = now, cached_tokens
+
+    def stats(self, reason: str) -> dict:
+        """Its final statistics (seconds, as vLLM's benchmarks define them): time to first token
+        (from arrival), time per output token after the first (mean), the inter-token latencies
+        (each gap), end to end (arrival to the last token), queue (arrival to first scheduled;
+        None if never scheduled); token counts, the prompt tokens served by the prefix cache,
+        preemptions and `reason`."""
         t = self.token_times
-        if not t:
-            return {"ttft": None, "tpot": None, "itl": [], "e2e": None}
         return {
-            "ttft": t[0] - self.arrival,
+            "ttft": t[0] - self.arrival if t else None,
             "tpot": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None,
             "itl": [b - a for a, b in zip(t, t[1:])],
-            "e2e": t[-1] - self.arrival,
+            "e2e": t[-1] - self.arrival if t else None,
+            "queue": None if self.scheduled_at is None else self.scheduled_at - self.arrival,
+            "prompt_tokens": len(self.prompt),
+            "output_tokens": len(self.output),
+            "cached_tokens": self.cached_tokens,
+            "preemptions": self.num_preemptions,
+            "finish_reason": reason,
         }

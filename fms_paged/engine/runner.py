@@ -3,7 +3,8 @@
 `ModelRunner.run(plan)` turns a scheduler plan into model inputs through the paged backend
 (RESERVE, slots, the step's `AttentionStep`), pads decode rows to a bucket, picks the eager or
 compiled step, runs the model once, and samples every token the plan asks for with its request's
-own settings. `warmup(engine)` compiles the shapes serving will meet before the first request does.
+own settings (and, for the requests that ask, the tokens' log-probabilities, read back in the same
+host sync). `warmup(engine)` compiles the shapes serving will meet before the first request does.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from fms_paged.engine.model_step import (
     prefill_hidden,
     smallest_batch,
 )
-from fms_paged.engine.request import Request, SamplingParams
-from fms_paged.engine.sampling import sample_each
+from fms_paged.engine.request import Request, SamplingParams, TokenLogprobs
+from fms_paged.engine.sampling import sample_each, token_logprobs
 from fms_paged.engine.scheduler import SchedulerOutput
 from fms_paged.kv.paged import PagedBackend
 from fms_paged.models.llama import LLaMA
@@ -80,8 +81,9 @@ class ModelRunner:
         self.buckets = decode_buckets(max_num_seqs, smallest_batch(self._decode))
 
     @torch.inference_mode()
-    def run(self, plan: SchedulerOutput) -> list[int]:
-        """One forward over `plan` -> the token sampled for each of `plan.sampled`."""
+    def run(self, plan: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """One forward over `plan` -> (the token sampled for each of `plan.sampled`, and each one's
+        `TokenLogprobs` where its request asks (None elsewhere), or None when no request asks)."""
         if plan.prefills:
             logits = self._forward_mixed(plan.decodes, plan.prefills)
         else:
@@ -91,7 +93,34 @@ class ModelRunner:
             logits = logits[torch.tensor(rows, device=logits.device)]
         settings = [(r.params.temperature, r.params.top_k, r.params.top_p, r.generator)
                     for r, _ in plan.sampled]
-        return sample_each(logits.float(), settings).tolist()  # the step's one host sync
+        tokens = sample_each(logits.float(), settings)  # [K]
+        asking = [i for i, (r, _) in enumerate(plan.sampled) if r.params.logprobs is not None]
+        if not asking:
+            return tokens.tolist(), None  # the step's one host sync
+        return self._with_logprobs(logits, tokens, asking, [plan.sampled[i][0].params.logprobs
+                                                            for i in asking])
+
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, asking: list[int],
+                       ks: list[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [K, V], tokens: [K]; rows `asking` want their token's log-probability and the
+        top ks[j] -> (tokens, one TokenLogprobs or None per row). One log-softmax and one top-k over
+        the asking rows; tokens and log-probabilities come back in one fp32 transfer (token ids
+        below 2**24 are exact in fp32; float64, not on every device, past that), the step's one
+        host sync."""
+        K, A, k = tokens.shape[0], len(asking), min(max(ks), logits.shape[-1])
+        dtype = torch.float32 if logits.shape[-1] <= 1 << 24 else torch.float64
+        idx = torch.tensor(asking, device=logits.device)
+        chosen, top_lp, top_ids = token_logprobs(logits.index_select(0, idx), tokens.index_select(0, idx), k)
+        parts = (tokens, chosen, top_lp.flatten(), top_ids.flatten())
+        flat = torch.cat([t.to(dtype) for t in parts]).tolist()
+        toks = [int(t) for t in flat[:K]]
+        out: list[TokenLogprobs | None] = [None] * K
+        vals, ids = flat[K + A : K + A + A * k], flat[K + A + A * k :]
+        for j, (i, kj) in enumerate(zip(asking, ks)):
+            top = tuple((int(ids[j * k + c]), vals[j * k + c]) for c in range(min(kj, k)))
+            out[i] = TokenLogprobs(flat[K + j], top)
+        return toks, out
 
     def _decode_rows(self, reqs: list[Request]) -> tuple[list, torch.Tensor, list, list]:
         """A decode batch padded to its bucket: seq ids, last tokens [B] (device), lengths, active."""

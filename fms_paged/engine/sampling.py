@@ -1,4 +1,5 @@
-"""Token selection: greedy, or temperature / top-k / top-p sampling from a seeded generator."""
+"""Token selection: greedy, or temperature / top-k / top-p sampling from a seeded generator; and
+the raw log-probabilities of the tokens chosen."""
 
 from __future__ import annotations
 
@@ -50,3 +51,15 @@ def sample_each(
         idx = torch.tensor(rows, device=logits.device)
         tokens[idx] = sample(logits.index_select(0, idx), temperature, top_k, top_p)
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits: [A, V], tokens: [A] (chosen from them) -> (the tokens' log-probabilities [A], the
+    k largest log-probabilities of each row [A, k] (descending), their token ids [A, k]).
+    Raw log-probabilities: the fp32 log-softmax of the logits as the model gave them, before any
+    temperature, top-k or top-p (vLLM's "raw_logprobs"). No host sync."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [A, V]
+    chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)  # [A]
+    top = torch.topk(lp, k, dim=-1)  # values, indices: [A, k]
+    return chosen, top.values, top.indices

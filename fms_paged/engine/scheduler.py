@@ -17,9 +17,11 @@ decodes of running requests, so a long prompt never stalls them.
 The scheduler decides from host counts alone (`PageManager.pages_needed`, `num_free_pages`); the
 backend then RESERVEs exactly what was planned, which cannot fail.
 
-`update(plan, tokens)` books the forward's results: tokens computed, full pages into the prefix
-cache, forks, each sampled token appended and checked against its request's stop conditions,
-finished requests dropped (their pages go back at once).
+`update(plan, tokens, logprobs)` books the forward's results: tokens computed, full pages into the
+prefix cache, forks, each sampled token appended and checked against its request's stop
+conditions, finished requests dropped (their pages go back at once), their final output carrying
+their statistics. The scheduler keeps no request past its end: `waiting` and `running` hold only
+live requests, the counters are totals.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fms_paged.engine.prefix_cache import PrefixCache
-from fms_paged.engine.request import Request, RequestOutput, Status
+from fms_paged.engine.request import Request, RequestOutput, Status, TokenLogprobs
 from fms_paged.kv.geometry import pages_for
 from fms_paged.kv.page_manager import PageManager
 
@@ -70,7 +72,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out, now = SchedulerOutput(), time.perf_counter()
         budget = self.max_num_batched_tokens
         planned: dict[Request, tuple[int, int]] = {}  # scheduled this step: (tokens, pages)
         planned_pages = 0
@@ -96,16 +98,17 @@ class Scheduler:
                 budget, planned_pages = budget - n, planned_pages + need
         out.scheduled = [(r, n) for r, (n, _) in planned.items()]
         if not out.preempted:
-            planned_pages = self._admit(out, budget, planned_pages)
+            planned_pages = self._admit(out, budget, planned_pages, now)
         short = planned_pages - self.pm.num_free_pages
         if short > 0:  # the backend's RESERVE takes free pages: evict cached ones to make them
             self.cache.evict(short)
-        self._plan_rows(out)
+        self._plan_rows(out, now)
         return out
 
-    def _plan_rows(self, out: SchedulerOutput) -> None:
+    def _plan_rows(self, out: SchedulerOutput, now: float) -> None:
         """Split the plan into decodes and prefill chunks, list the tokens to sample (logits rows),
-        and give the waiting completions of a request whose prompt completes now a row each."""
+        and give the waiting completions of a request whose prompt completes now a row each (they
+        share the parent's prompt pages, so its prefix-cache hit counts for them too)."""
         for r, n in out.scheduled:
             if r.reaches_end(1):
                 out.decodes.append(r)
@@ -122,15 +125,18 @@ class Scheduler:
                     self.waiting.appendleft(child)  # prefilled on its own later
                     continue
                 child.seq_id, child.status = self.free_rows.pop(), Status.RUNNING
+                child.first_scheduled(now, r.cached_tokens)
                 self.running.append(child)
                 out.forks.append((r, child))
                 out.sampled.append((child, row))
 
-    def update(self, plan: SchedulerOutput,
-               tokens: list[int]) -> tuple[list[RequestOutput], list[tuple[Request, str]]]:
-        """Book a forward's results: `tokens[i]` was sampled for `plan.sampled[i]`.
-        -> (the outputs of the requests that produced a token, (request, reason) of each that
-        finished)."""
+    def update(self, plan: SchedulerOutput, tokens: list[int],
+               logprobs: list[TokenLogprobs | None] | None = None,
+               ) -> tuple[list[RequestOutput], list[Request]]:
+        """Book a forward's results: `tokens[i]` was sampled for `plan.sampled[i]`, `logprobs[i]`
+        its log-probabilities where its request asks (`logprobs` None: no request asks).
+        -> (the outputs of the requests that produced a token, the requests that finished: their
+        output is final and carries `Request.stats`)."""
         P, cache = self.pm.page_size, self.cache
         for r, n in plan.scheduled:
             self.num_prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
@@ -144,7 +150,7 @@ class Scheduler:
             child.arrival = parent.arrival
         now = time.perf_counter()
         outputs, finished = [], []
-        for (r, _), tok in zip(plan.sampled, tokens):
+        for i, ((r, _), tok) in enumerate(zip(plan.sampled, tokens)):
             r.output.append(tok)
             r.token_times.append(now)
             self.num_output_tokens += 1
@@ -153,19 +159,24 @@ class Scheduler:
                 reason = "stop"
             elif len(r.output) >= r.params.max_new_tokens:
                 reason = "length"
+            stats = None
             if reason is not None:
                 self.finish(r)
-                finished.append((r, reason))
-            outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason, r.index))
+                finished.append(r)
+                stats = r.stats(reason)
+            lps = None if r.params.logprobs is None else [logprobs[i]]
+            outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason, r.index,
+                                         lps, stats))
         return outputs, finished
 
     def available_pages(self) -> int:
         """Pages a RESERVE can get: free ones, and cached ones no sequence holds (evicted first)."""
         return self.pm.num_free_pages + (self.cache.num_evictable if self.cache else 0)
 
-    def _admit(self, out: SchedulerOutput, budget: int, planned_pages: int) -> int:
+    def _admit(self, out: SchedulerOutput, budget: int, planned_pages: int, now: float) -> int:
         """Waiting requests, first come first served, while a row, the budget and the pages allow
-        (a prefix cache hit is shared, not computed) -> pages planned now."""
+        (a prefix cache hit is shared, not computed) -> pages planned now. A request's first
+        admission notes its time and cache hit (`Request.first_scheduled`)."""
         P, cache = self.pm.page_size, self.cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -184,6 +195,7 @@ class Scheduler:
                 cache.record(req.num_tokens, cached)
                 cache.acquire(req.seq_id, chain)
                 req.cache_chain, req.num_computed = list(chain), cached
+            req.first_scheduled(now, min(cached, len(req.prompt)))
             self.running.append(req)
             out.scheduled.append((req, n))
             planned_pages += need
@@ -199,13 +211,17 @@ class Scheduler:
         return req
 
     def finish(self, req: Request) -> None:
-        """Drop a request (finished or aborted) wherever it is; its pages go back at once."""
+        """Drop a request (finished or aborted) wherever it is; its pages go back at once. The
+        completions still waiting for its prefill (completion 0 of an n > 1 request aborted
+        alone) wait in the queue in its place, to be prefilled on their own."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self._free(req)
         elif req in self.waiting:  # (an aborted submission may not have reached the queue yet)
             self.waiting.remove(req)
         req.status = Status.FINISHED
+        forks, req.forks = [c for c in req.forks if c.status is not Status.FINISHED], []
+        self.waiting.extendleft(reversed(forks))
 
     def _free(self, req: Request) -> None:
         if req.seq_id is not None:

@@ -35,10 +35,15 @@ def engine(paged, **kw) -> Engine:
     return Engine(paged, **opts)
 
 
-def run(eng: Engine) -> dict[int, list[int]]:
+def run(eng: Engine, stats: dict[int, dict] | None = None) -> dict[int, list[int]]:
+    """Step to the end -> each request's tokens; `stats` collects each request's final statistics
+    (`RequestOutput.stats`, n = 1 requests)."""
     got: dict[int, list[int]] = {}
     for out in eng.stream():
         got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert (out.stats is not None) == out.finished  # statistics come with the final output only
+        if out.finished and stats is not None:
+            stats[out.request_id] = out.stats
     return got
 
 
@@ -54,14 +59,18 @@ def test_200_requests_under_page_pressure_equal_dense_alone(models):
     reqs = [(random_prompt(rng, rng.randint(1, 100)), rng.randint(1, 40)) for _ in range(200)]
     eng = engine(paged)
     ids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in reqs]
-    got = run(eng)
+    stats: dict[int, dict] = {}
+    got = run(eng, stats)
     m = eng.metrics()
     assert m["preemptions"] > 0, "the page budget never forced a preemption"
     assert sorted(got) == sorted(ids) and m["finished_requests"] == 200
+    assert m["finished_by_reason"] == {"length": 200}
     for rid, (prompt, n) in zip(ids, reqs):
         assert got[rid] == generate(dense, [prompt], n, eos_id=None)[0], rid
     assert m["running"] == m["waiting"] == 0 and m["kv_pages_used"] == 0  # every page came back
-    assert all(r["finish_reason"] == "length" for r in m["requests"].values())
+    assert sorted(stats) == sorted(ids)
+    assert all(r["finish_reason"] == "length" for r in stats.values())
+    assert sum(r["preemptions"] for r in stats.values()) == m["preemptions"]
 
 
 def test_gather_kernel_under_page_pressure_equals_dense_alone(models):
@@ -93,8 +102,9 @@ def test_seeded_sampling_alone_in_a_batch_after_preemption_and_dense(models):
         busy.add_request(random_prompt(rng, 60), SamplingParams(max_new_tokens=40, ignore_eos=True,
                                                                 temperature=0.7 * (i % 2), seed=i))
     rid = busy.add_request(prompt, params)
-    got = run(busy)
-    assert busy.metrics()["requests"][rid]["preemptions"] > 0, "the seeded request was not preempted"
+    stats: dict[int, dict] = {}
+    got = run(busy, stats)
+    assert stats[rid]["preemptions"] > 0, "the seeded request was not preempted"
     assert got[rid] == want
     assert generate(dense, [prompt], 30, temperature=1.0, top_k=50, top_p=0.9, seed=123,
                     eos_id=None)[0] == want
@@ -367,13 +377,20 @@ def test_metrics_report_state_and_latencies(models):
     m = eng.metrics()
     assert m["running"] == 3 and m["waiting"] == 0 and m["kv_pages_used"] == 3
     assert m["kv_pages_used"] + m["kv_pages_free"] == m["kv_pages_total"] == 59
-    run(eng)
+    stats: dict[int, dict] = {}
+    run(eng, stats)
     m = eng.metrics()
     assert m["finished_requests"] == 3 and m["output_tokens"] == 12 and m["steps"] == 4
-    for rid in rids:
-        r = m["requests"][rid]
+    assert m["finished_by_reason"] == {"length": 3} and "requests" not in m
+    for i, rid in enumerate(rids):
+        r = stats[rid]
         assert r["output_tokens"] == 4 and len(r["itl"]) == 3
-        assert 0 < r["ttft"] <= r["e2e"] and r["tpot"] == pytest.approx(sum(r["itl"]) / 3)
+        assert r["prompt_tokens"] == 10 + i and r["cached_tokens"] == 0 and r["preemptions"] == 0
+        assert 0 <= r["queue"] < r["ttft"] <= r["e2e"] and r["tpot"] == pytest.approx(sum(r["itl"]) / 3)
+    # the means are those of the requests' own figures
+    for key in ("ttft", "tpot", "e2e"):
+        want = sum(stats[rid][key] for rid in rids) / 3
+        assert m[f"mean_{key}_s"] == pytest.approx(want)
 
 
 def test_generate_paged_runs_on_the_engine_and_equals_dense(models):
@@ -432,6 +449,7 @@ def test_random_submissions_and_aborts_never_leak_a_page(models):
                  enable_prefix_caching=False)
     live: list[int] = []
     done: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
     reqs: dict[int, tuple[list[int], int]] = {}
     for step in range(300):
         if step < 200 and rng.random() < 0.4:
@@ -443,16 +461,20 @@ def test_random_submissions_and_aborts_never_leak_a_page(models):
             eng.abort(live.pop(rng.randrange(len(live))))
         for o in eng.step():
             done.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished and o.request_id in live:
-                live.remove(o.request_id)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+                if o.request_id in live:
+                    live.remove(o.request_id)
         pm, running = eng.pm, eng.scheduler.running
         pages = [p for r in running if r.seq_id is not None for p in pm.pages_of(r.seq_id)]
         assert len(pages) == len(set(pages)) == pm.num_pages - 1 - pm.num_free_pages
         assert sorted(pm.live_seqs) == sorted(r.seq_id for r in running if pm.length(r.seq_id))
     for o in eng.stream():
         done.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if o.finished:
+            reasons[o.request_id] = o.finish_reason
     assert eng.pm.num_free_pages == eng.pm.num_pages - 1 and eng.metrics()["preemptions"] > 0
-    finished = {rid for rid, r in eng.metrics()["requests"].items() if r["finish_reason"] == "length"}
+    finished = {rid for rid, r in reasons.items() if r == "length"}
     assert len(finished) > 40
     for rid in sorted(finished)[:15]:
         prompt, n = reqs[rid]
@@ -471,6 +493,7 @@ def test_warmup_compiles_then_leaves_an_idle_engine(models):
     assert eng.warmup(progress=False) > 0
     m = eng.metrics()
     assert m["steps"] == m["output_tokens"] == m["finished_requests"] == m["prompt_tokens_computed"] == 0
+    assert m["finished_by_reason"] == {} and m["mean_ttft_s"] is None
     assert m["kv_pages_used"] == 0 and eng.pm.num_free_pages == eng.pm.num_pages - 1
     assert m["prefix_cache_pages"] == m["prefix_cache_queries"] == 0
     rid = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))

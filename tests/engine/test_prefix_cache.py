@@ -28,15 +28,21 @@ def engine(paged, **kw) -> Engine:
     return Engine(paged, **opts)
 
 
-def run(eng: Engine, reqs, after_step=None) -> list[list[int]]:
-    """Submit (prompt, params) pairs, step to the end -> each request's tokens (completion 0)."""
+def run(eng: Engine, reqs, after_step=None, stats: list | None = None) -> list[list[int]]:
+    """Submit (prompt, params) pairs, step to the end -> each request's tokens (completion 0);
+    `stats` gets each request's final statistics (completion 0), in submission order."""
     ids = [eng.add_request(p, sp) for p, sp in reqs]
     got: dict[tuple[int, int], list[int]] = {}
+    final: dict[int, dict] = {}
     while eng.has_unfinished():
         for out in eng.step():
             got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+            if out.finished and out.index == 0:
+                final[out.request_id] = out.stats
         if after_step is not None:
             after_step(eng)
+    if stats is not None:
+        stats += [final[i] for i in ids]
     return [got[(i, 0)] for i in ids]
 
 
@@ -116,20 +122,23 @@ def test_a_hit_skips_the_shared_pages_but_always_computes_the_last_token(models)
     rng = random.Random(2)
     shared = [rng.randrange(3, 256) for _ in range(3 * P)]  # exactly 3 pages
     eng = engine(paged)
-    first = run(eng, [(shared, SamplingParams(max_new_tokens=4))])
+    stats: list[dict] = []  # each request's cached_tokens: what a usage report's cached_tokens says
+    first = run(eng, [(shared, SamplingParams(max_new_tokens=4))], stats=stats)
     assert eng.metrics()["prompt_tokens_computed"] == 3 * P
     # the same prompt again: 2 pages shared, the last page (holding the last token) recomputed
-    assert run(eng, [(shared, SamplingParams(max_new_tokens=4))]) == first
+    assert run(eng, [(shared, SamplingParams(max_new_tokens=4))], stats=stats) == first
     m = eng.metrics()
     assert m["prefix_cache_hits"] == 2 * P and m["prompt_tokens_computed"] == 3 * P + P
     # a longer prompt through the 3 cached pages: only its own tokens are computed
     longer = shared + [5, 6, 7]
-    assert run(eng, [(longer, SamplingParams(max_new_tokens=4))]) == generate(dense, [longer], 4)
+    assert run(eng, [(longer, SamplingParams(max_new_tokens=4))], stats=stats) == generate(dense, [longer], 4)
     assert eng.metrics()["prompt_tokens_computed"] == 4 * P + 3
     # another salt shares nothing
-    eng.add_request(shared, SamplingParams(max_new_tokens=1), cache_salt="tenant-b")
-    list(eng.stream())
+    rid = eng.add_request(shared, SamplingParams(max_new_tokens=1), cache_salt="tenant-b")
+    stats += [o.stats for o in eng.stream() if o.request_id == rid and o.finished]
     assert eng.metrics()["prompt_tokens_computed"] == 4 * P + 3 + 3 * P
+    assert [r["cached_tokens"] for r in stats] == [0, 2 * P, 3 * P, 0]
+    assert [r["prompt_tokens"] for r in stats] == [3 * P, 3 * P, 3 * P + 3, 3 * P]
 
 
 def test_forced_hash_collision_is_detected_not_served(models):
@@ -263,11 +272,14 @@ def test_n_completions_each_equal_the_single_request_with_its_seed(models, cache
     eng = engine(paged, max_num_seqs=4, enable_prefix_caching=cache)
     rid = eng.add_request(prompt, SamplingParams(n=5, seed=11, **sp))
     got: dict[int, list[int]] = {}
+    stats: dict[int, dict] = {}
     shared_refs = None
     while eng.has_unfinished():
         for out in eng.step():
             assert out.request_id == rid
             got.setdefault(out.index, []).extend(out.new_token_ids)
+            if out.finished:
+                stats[out.index] = out.stats
         if shared_refs is None and len(got) >= 4:  # right after the prefill and the FORKs
             first_page = eng.pm.pages_of(eng.scheduler.running[0].seq_id)[0]
             shared_refs = int(eng.pm.refcounts[first_page]) - (first_page in eng.pm.held_pages)
@@ -278,8 +290,10 @@ def test_n_completions_each_equal_the_single_request_with_its_seed(models, cache
              for i in range(5)]  # the n = 1 request with seed 11 + i, on the dense path
     assert [got[i] for i in range(5)] == alone
     assert len({tuple(t) for t in alone}) > 1  # the seeds differ, so do the completions
-    stats = eng.metrics()["requests"]
-    assert sorted(stats) == [(rid, i) for i in range(5)]
+    assert sorted(stats) == list(range(5))  # each completion's final output has its statistics
+    assert all(stats[i]["output_tokens"] == 10 and stats[i]["prompt_tokens"] == len(prompt)
+               for i in range(5))
+    assert eng.metrics()["finished_requests"] == 5 and not eng._live
 
 
 def test_n_completions_abort_stops_every_completion(models):
@@ -291,6 +305,37 @@ def test_n_completions_abort_stops_every_completion(models):
     outs = eng.step()
     assert sorted(o.index for o in outs if o.finish_reason == "abort") == [0, 1, 2]
     assert not eng.has_unfinished() and eng.metrics()["kv_pages_used"] == 0
+
+
+def test_aborting_one_completion_leaves_the_others(models):
+    """abort(id, index): completion 0 aborted before its prefill (the others then prefill on their
+    own), completion 1 mid-decode; the rest equal the n = 1 requests with their seeds."""
+    dense, paged = models
+    prompt = list(range(3, 3 + 2 * P + 3))
+    sp = dict(max_new_tokens=8, temperature=1.0, ignore_eos=True)
+    eng = engine(paged, max_num_seqs=4)
+    rid = eng.add_request(prompt, SamplingParams(n=4, seed=20, **sp))
+    eng.abort(rid, 0)
+    got: dict[int, list[int]] = {}
+    ends: dict[int, str] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.index, []).extend(out.new_token_ids)
+            if out.finished:
+                ends[out.index] = out.finish_reason
+        if len(got.get(1, [])) == 2 and 1 not in ends:
+            eng.abort(rid, 1)
+    assert ends == {0: "abort", 1: "abort", 2: "length", 3: "length"}
+    assert got[0] == [] and len(got[1]) == 2
+    for i in (1, 2, 3):
+        want = generate(dense, [prompt], 8, seed=20 + i, eos_id=None, temperature=1.0)[0]
+        assert got[i] == want[: len(got[i])]
+    assert not eng._live and eng.metrics()["kv_pages_used"] == 0
+    with pytest.raises(ValueError, match=f"request id {rid} is not live"):
+        eng.abort(rid, 2)
+    live = eng.add_request(prompt, SamplingParams(n=2, seed=1, **sp))
+    with pytest.raises(ValueError, match=rf"completion 5 of request {live} is not live \(live: \[0, 1\]\)"):
+        eng.abort(live, 5)
 
 
 def test_bad_prefix_cache_arguments(models):
