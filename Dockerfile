@@ -61,4 +61,6 @@ RUN if [ -n "${EXTRA_CA_CERT}" ]; then \
     fi; \
     make install TORCH_INDEX_URL="${TORCH_INDEX_URL}"
 
+# `docker run -p 8000:8000 fms-paged fms-paged serve --host 0.0.0.0` serves the OpenAI API
+EXPOSE 8000
 CMD ["make", "bench-llama-paged"]

@@ -1,6 +1,7 @@
-"""`fms-paged` console script: generate / bench / ppl / info.
+"""`fms-paged` console script: generate / serve / bench / ppl / info.
 
 - generate: a continuation of one prompt (greedy unless --temperature > 0), dense or paged;
+- serve: an OpenAI-compatible HTTP server on the engine (`fms_paged.serve`);
 - bench: the benchmarks (`fms_paged.bench.cli`; `--scenario serve` runs `fms_paged.bench.serve`);
 - ppl: perplexity of both backends through their KV caches;
 - info: the device, torch, which paged kernel runs here and how many KV pages fit.
@@ -14,6 +15,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from fms_paged.serve.server import add_serve_args
 
 EXIT_USAGE = 2
 
@@ -69,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     g.add_argument("--compile", action="store_true",
                    help="run each decode step as one compiled graph (the first step compiles)")
+
+    s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP",
+                       description="An OpenAI-compatible server on the continuous-batching engine: "
+                                   "/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                   "/metrics, /version, /tokenize, /detokenize.")
+    add_serve_args(s, _positive_int)
 
     sub.add_parser("bench", help="run the inference benchmark (see `fms-paged bench --help`)",
                    add_help=False)
@@ -142,6 +151,18 @@ def cmd_generate(args) -> int:
     else:
         print((args.prompt or "") + tok.decode(out))
     return 0
+
+
+def cmd_serve(args) -> int:
+    from fms_paged.serve.server import serve
+
+    try:  # the serve extra
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"serve needs the serve extra (pip install 'fms_paged[serve]'): {e}") from None
+    return serve(args)
 
 
 def cmd_ppl(args) -> int:
@@ -239,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "ppl": cmd_ppl, "info": cmd_info}
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "ppl": cmd_ppl, "info": cmd_info}
     try:
         return commands[args.command](args)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +17,26 @@ class Tokenizer(Protocol):
     def encode(self, text: str, bos: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token
+
+
+@functools.cache
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Printable character -> byte, the inverse of GPT-2's byte-level alphabet."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 class SentencePieceTokenizer:
@@ -32,6 +54,21 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(list(ids))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a byte-fallback token `<0xNN>`: that one byte)."""
+        piece = self.sp.id_to_piece(int(token_id))
+        if self.sp.is_byte(int(token_id)):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def token_text(self, token_id: int) -> str:
+        """One token as a piece of text (its word-start marker as a space; a byte token as its
+        character when it is ASCII, else as `<0xNN>`): what a log-probability listing names it by."""
+        piece = self.sp.id_to_piece(int(token_id))
+        if self.sp.is_byte(int(token_id)) and int(piece[3:5], 16) < 0x80:
+            return chr(int(piece[3:5], 16))
+        return piece.replace("\u2581", " ")
 
 
 class HFTokenizer:
@@ -56,6 +93,8 @@ class HFTokenizer:
 
         self.bos_id = token_id("bos_token")
         self.eos_id = token_id("eos_token")
+        self._byte_level = "ByteLevel" in repr(self.tok.decoder)  # GPT-2 style: bytes as characters
+        self._added = set(self.tok.get_added_tokens_decoder())
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
@@ -63,6 +102,23 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for: through the byte-level alphabet (GPT-2 style vocabularies),
+        a byte-fallback token `<0xNN>` as its byte, a metaspace word-start marker as a space."""
+        piece = self.tok.id_to_token(int(token_id)) or ""
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level and int(token_id) not in self._added:
+            dec = _gpt2_byte_decoder()
+            if all(c in dec for c in piece):
+                return bytes(dec[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text: its bytes, U+FFFD for a byte that is only part of a character."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
 def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:

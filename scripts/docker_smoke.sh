@@ -2,7 +2,9 @@
 # Build the image, then prove it works offline: with --network=none, run `fms-paged info` (its paged
 # kernel must really compile), `fms-paged generate` on the embedded default model, and the image's
 # default command (make bench-llama-paged, at a small scale through BENCH_ARGS), checking that each
-# succeeds and that the benchmark wrote its results. Where no Docker daemon answers, it says so and
+# succeeds and that the benchmark wrote its results; then `fms-paged serve --host 0.0.0.0` in a
+# container, one completion through it from inside the container (no network), and its graceful
+# stop (exit 0 on SIGTERM). Where no Docker daemon answers, it says so and
 # exits 0 (skipped). DOCKER_IMAGE, DOCKER_BASE, DOCKER_CA_CERT and DOCKER_BUILD_ARGS pass through to
 # `make docker`.
 set -euo pipefail
@@ -48,4 +50,25 @@ for f in results.json results.csv results.md; do
 done
 ls "$results/bench-llama-paged"
 rm -rf "$results"
+
+sname="fms-paged-serve-$$"
+trap '"$docker" rm -f "$name" "$sname" >/dev/null 2>&1 || true' EXIT
+"$docker" run -d --name "$sname" --network=none "$image" fms-paged serve --host 0.0.0.0 --enforce-eager >/dev/null
+reply=$(timed "fms-paged serve: one completion" "$docker" exec "$sname" python3 -c '
+import json, time, urllib.request
+for _ in range(120):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+req = urllib.request.Request("http://127.0.0.1:8000/v1/completions", method="POST",
+    data=json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}).encode(),
+    headers={"Content-Type": "application/json"})
+print(json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text"])')
+echo "$reply"
+[ -n "$reply" ] || fail "fms-paged serve answered no completion text"
+"$docker" stop -t 30 "$sname" >/dev/null
+code=$("$docker" wait "$sname")
+[ "$code" = 0 ] || { "$docker" logs "$sname" | tail -20; fail "fms-paged serve exited $code on SIGTERM"; }
 echo "docker-smoke: PASSED"

@@ -1,0 +1,102 @@
+"""`fms-paged serve`: load the model, build the engine, serve the OpenAI API with uvicorn.
+
+The model, tokenizer, chat template and engine are built before the port opens, so a bad flag or
+checkpoint fails at once with one line (exit 2). The engine then warms up in its own thread while
+the server already answers: `/health` says 503 until the warm-up is done. SIGINT / SIGTERM stop
+accepting connections, let running requests finish for up to `--shutdown-timeout` seconds, abort
+the rest, and exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+API_KEY_ENV = "FMS_PAGED_API_KEY"
+
+
+def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
+    p.add_argument("model", nargs="?", type=Path, default=None,
+                   help="Hugging Face LLaMA checkpoint dir (config.json, *.safetensors, tokenizer). "
+                        "Default: the embedded default model.")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the checkpoint dir's name)")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"bearer token required on /v1/* (default: ${API_KEY_ENV}, else none)")
+    g.add_argument("--chat-template", type=Path, default=None,
+                   help="a Jinja chat template file (default: the checkpoint's own, if any)")
+    g.add_argument("--max-waiting", type=positive_int, default=None,
+                   help="answer 429 to a request arriving while this many are waiting (default: "
+                        "queue without bound)")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted")
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=16, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=1024,
+                   help="tokens in one forward (decodes + prefill chunks)")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="longest prompt + output (default: the model's)")
+    g.add_argument("--page-size", type=positive_int, default=None, help="tokens per KV page")
+    g.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="share of free memory the KV pool may take (default: the budget's own)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV of common prompt prefixes")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no compiled graphs and no warm-up")
+
+
+def build(args):
+    """-> (app, model name): the model, its engine and the FastAPI app, nothing served yet."""
+    from fms_paged import get_model, load_tokenizer
+    from fms_paged.engine import Engine
+    from fms_paged.models import default_model_path
+    from fms_paged.serve.app import build_app
+    from fms_paged.serve.chat import ChatTemplate, find_chat_template, special_tokens
+    from fms_paged.serve.loop import EngineLoop
+    from fms_paged.serve.metrics import ServerMetrics
+    from fms_paged.serve.requests import ServeContext
+
+    model_dir = args.model if args.model is not None else default_model_path()
+    overrides = {} if args.page_size is None else {"page_size": args.page_size}
+    model = get_model(model_path=model_dir, attn_impl="paged", device=args.device, dtype=args.dtype,
+                      **overrides)
+    tokenizer = load_tokenizer(model_dir)
+    source = find_chat_template(model_dir, args.chat_template)
+    chat = None if source is None else ChatTemplate(source, special_tokens(model_dir))
+    engine = Engine(model, args.max_num_seqs, args.max_num_batched_tokens,
+                    kv_memory_fraction=args.kv_memory_fraction, max_model_len=args.max_model_len,
+                    enable_prefix_caching=args.enable_prefix_caching,
+                    compile=False if args.enforce_eager else "auto")
+    name = args.served_model_name or Path(model_dir).name
+    metrics = ServerMetrics(name)
+    loop = EngineLoop(engine, warmup=not args.enforce_eager,
+                      on_finished=lambda out: metrics.finished(out.stats, out.index == 0),
+                      on_state=metrics.engine_state, on_tokens=metrics.generation_tokens.inc,
+                      on_ready=lambda s: print(f"fms-paged serve: ready (warm-up {s:.1f} s)", flush=True))
+    ctx = ServeContext(loop, tokenizer, name, engine.max_model_len, model.config.src_vocab_size,
+                       chat, args.max_waiting, str(model_dir))
+    return build_app(ctx, metrics, api_key=args.api_key or None), name
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from fms_paged.device import keep_freed_cpu_memory
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"argument --port: {args.port} is not a port number (0..65535)")
+    keep_freed_cpu_memory()  # a serving process keeps its step buffers (see the function)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app, name = build(args)
+    print(f"fms-paged serve: {name!r} on http://{args.host}:{args.port}/v1 (warming up: /health "
+          "answers 503 until ready)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    return 0
