@@ -16,7 +16,7 @@ $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PIP) install -q -e '.[bench,notebooks,dev,fms]' torch==$(TORCH_VERSION)  # keeps the torch above
+	$(PIP) install -q -e '.[bench,notebooks,dev,fms,serve]' torch==$(TORCH_VERSION)  # keeps the torch above
 	touch $(STAMP)
 
 test: install
@@ -39,7 +39,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-ppl bench-serve
+.PHONY: bench-llama bench-llama-paged bench-ppl bench-serve bench-http
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -58,6 +58,22 @@ bench-ppl: install
 # (when `make peer-vllm` made its venv)
 bench-serve: install
 	$(PY) scripts/benchmark_inference.py --scenario serve --out results/bench-serve $(BENCH_ARGS)
+
+# `fms-paged serve` over HTTP against vLLM's own OpenAI server (when `make peer-vllm` made its venv;
+# else ours alone), both driven by vLLM's `bench serve` client on the same model and limits, one
+# server after the other: saturation and two Poisson rates (1/2 and 1/4 of vLLM's saturation req/s);
+# TTFT / TPOT / ITL / E2EL, throughput, the engine-side TTFT from /metrics, and the engine in-process
+# on the same workload; the targets met or missed. About 10 minutes on a 2-core CPU.
+bench-http: install
+	$(PY) scripts/bench_http.py --out results/bench-http $(BENCH_ARGS)
+
+# ---- OpenAI-compatible server (fms_paged/serve): `make serve SERVE_ARGS="--port 8001 /path/to/ckpt"`;
+# `fms-paged serve --help` lists the flags (named as vLLM's where the idea is the same).
+SERVE_ARGS ?=
+.PHONY: serve
+
+serve: install
+	$(PY) -m fms_paged.cli serve $(SERVE_ARGS)
 
 # ---- GPU check (scripts/gpu_check.sh): on a lent GPU machine with its own torch, never installing it;
 # GPU_CHECK_OUT gets gpu_check.json, gpu_check.md, tests.log, tests.xml. gpu-check-dry: the same stages
@@ -90,7 +106,7 @@ docker-wheelhouse: install
 # every wheel the image installs (torch, the extras, the build backend) -> docker/wheelhouse, for a
 # build with no network: make docker DOCKER_BUILD_ARGS="--network=none --build-arg PIP_NO_INDEX=1"
 docker-wheelhouse-all: docker-wheelhouse
-	$(PIP) download -q -d docker/wheelhouse '.[bench,notebooks,dev,fms]' 'setuptools>=64' wheel pip
+	$(PIP) download -q -d docker/wheelhouse '.[bench,notebooks,dev,fms,serve]' 'setuptools>=64' wheel pip
 
 docker: docker-wheelhouse
 	$(if $(DOCKER_CA_CERT),cp $(DOCKER_CA_CERT) docker/extra-ca.pem)
