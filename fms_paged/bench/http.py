@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("servers (the same for both)")
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--max-model-len", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--page-size", type=int, help="ours' tokens per KV page (default: its device's)")
     g.add_argument("--vllm-block-size", type=int, default=128, help="vLLM's (the vLLM peer's)")
     g.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
@@ -360,12 +360,14 @@ def bench_server(kind: str, args, rates: list[float] | None, raw: Path, runner: 
 
 # ---------------------------------------------------------------- the engine in-process
 def inprocess_job(args, run: dict[str, Any]) -> dict[str, Any]:
-    """The in-process twin of a server run: the prompt lengths the server counted, the outputs it made."""
+    """The in-process twin of a server run: the prompt lengths the server counted, the outputs it made
+    (of the requests that succeeded)."""
+    done = [(i, o) for i, o in zip(run["input_lens"], run["output_lens"]) if o > 0]
     return {"model_dir": str(args.model_dir), "dtype": args.dtype, "page_size": args.page_size,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "compile": "auto", "seed": args.seed,
-            "repeats": args.inprocess_repeats, "prompt_lens": run["input_lens"],
-            "output_lens": run["output_lens"]}
+            "repeats": args.inprocess_repeats, "prompt_lens": [i for i, _ in done],
+            "output_lens": [o for _, o in done]}
 
 
 def inprocess_main(src: str, dst: str) -> int:

@@ -1,5 +1,5 @@
 """The FastAPI application: OpenAI's completions, chat completions and models, plus health,
-metrics, version, tokenize and detokenize, over an `EngineLoop`.
+metrics, version, tokenize and detokenize, over an `EngineLoop` (the engine's process).
 
 Every failure answers OpenAI's error body with a 4xx naming the field (a 5xx only when the engine
 itself is down: the `openai` client retries every 5xx). A client that disconnects, mid-stream or
@@ -76,12 +76,29 @@ async def _stream(request: Request, run: Run, renderer: Renderer):
         run.close()
 
 
+class BearerAuth:
+    """A plain ASGI middleware (no per-chunk cost on streams, unlike a `BaseHTTPMiddleware`): paths
+    under /v1 need `Authorization: Bearer <api_key>`, else 401."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "a valid API key is required: 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(ctx: ServeContext, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
     loop: EngineLoop = ctx.loop
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loop.start()  # warm-up runs in the loop's thread; /health answers 503 until it is done
+    async def lifespan(app: FastAPI):  # the engine process warms up meanwhile: /health says 503
         try:
             yield
         finally:
@@ -105,15 +122,8 @@ def build_app(ctx: ServeContext, metrics: ServerMetrics, api_key: str | None = N
         err = APIError(500, f"internal error: {type(e).__name__}: {e}")
         return JSONResponse(err.body(), status_code=500)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                err = APIError(401, "a valid API key is required: 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     def ready() -> None:
         if loop.state is not State.READY:

@@ -40,6 +40,7 @@ class ServeContext:
     chat_template: ChatTemplate | None = None
     max_waiting: int | None = None
     model_root: str = ""
+    capacity: int | None = None  # tokens the page pool can hold (None: max_model_len bounds it)
 
 
 @dataclass
@@ -65,7 +66,7 @@ def check_model(ctx: ServeContext, name: str | None) -> None:
 
 
 def _max_tokens(ctx: ServeContext, name: str, value: int | None, prompt_len: int) -> int:
-    room = ctx.max_model_len - prompt_len
+    room = min(ctx.max_model_len, ctx.capacity or ctx.max_model_len) - prompt_len
     if value is None:
         if room < 1:
             raise bad("prompt", f"a prompt of {prompt_len} tokens leaves no room for output under "
@@ -76,6 +77,9 @@ def _max_tokens(ctx: ServeContext, name: str, value: int | None, prompt_len: int
     if prompt_len + value > ctx.max_model_len:
         raise bad(name, f"a prompt of {prompt_len} tokens + {name}={value} = {prompt_len + value} "
                   f"tokens > max_model_len={ctx.max_model_len}")
+    if ctx.capacity is not None and prompt_len + value > ctx.capacity:
+        raise bad(name, f"a prompt of {prompt_len} tokens + {name}={value} = {prompt_len + value} "
+                  f"tokens > the {ctx.capacity} tokens the KV page pool holds")
     return value
 
 
@@ -243,9 +247,6 @@ class Run:
             for j, (p, params) in enumerate(zip(self.prep.prompts, self.prep.params)):
                 rid = ctx.loop.submit(p, params, self.arrival, queue=self.queue)
                 self.rids[rid], self.open[rid] = j, params.n
-        except (TypeError, ValueError) as e:  # e.g. longer than the page pool holds
-            self.close()
-            raise APIError(400, str(e), param="max_tokens" if "too long" in str(e) else "prompt") from None
         except EngineDead as e:
             self.close()
             raise APIError(503, str(e)) from None
@@ -259,8 +260,10 @@ class Run:
         n = self.prep.n
         while self.open:
             out = await self.queue.get()
-            if isinstance(out, BaseException):
+            if isinstance(out, EngineDead):
                 raise APIError(503, str(out))
+            if isinstance(out, BaseException):  # the engine refused the request
+                raise APIError(400, str(out), param="prompt")
             c = self.choices[self.rids[out.request_id] * n + out.index]
             if out.finished:
                 c.engine_done = True

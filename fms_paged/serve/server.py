@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from pathlib import Path
 
 API_KEY_ENV = "FMS_PAGED_API_KEY"
@@ -52,51 +53,58 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    help="run every step eagerly: no compiled graphs and no warm-up")
 
 
-def build(args):
-    """-> (app, model name): the model, its engine and the FastAPI app, nothing served yet."""
-    from fms_paged import get_model, load_tokenizer
-    from fms_paged.engine import Engine
+def engine_spec(args) -> dict:
+    """What the engine process builds (`fms_paged.serve.loop.build_engine`)."""
     from fms_paged.models import default_model_path
+
+    return {"model_dir": str(args.model if args.model is not None else default_model_path()),
+            "device": args.device, "dtype": args.dtype, "page_size": args.page_size,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_model_len, "kv_memory_fraction": args.kv_memory_fraction,
+            "enable_prefix_caching": args.enable_prefix_caching, "enforce_eager": args.enforce_eager}
+
+
+def build(args):
+    """-> (app, model name): the engine process started (its model loaded and its engine built,
+    or an error) and the FastAPI app over it, nothing served yet."""
+    from fms_paged import load_tokenizer
     from fms_paged.serve.app import build_app
     from fms_paged.serve.chat import ChatTemplate, find_chat_template, special_tokens
     from fms_paged.serve.loop import EngineLoop
     from fms_paged.serve.metrics import ServerMetrics
     from fms_paged.serve.requests import ServeContext
 
-    model_dir = args.model if args.model is not None else default_model_path()
-    overrides = {} if args.page_size is None else {"page_size": args.page_size}
-    model = get_model(model_path=model_dir, attn_impl="paged", device=args.device, dtype=args.dtype,
-                      **overrides)
+    spec = engine_spec(args)
+    model_dir = spec["model_dir"]
     tokenizer = load_tokenizer(model_dir)
     source = find_chat_template(model_dir, args.chat_template)
     chat = None if source is None else ChatTemplate(source, special_tokens(model_dir))
-    engine = Engine(model, args.max_num_seqs, args.max_num_batched_tokens,
-                    kv_memory_fraction=args.kv_memory_fraction, max_model_len=args.max_model_len,
-                    enable_prefix_caching=args.enable_prefix_caching,
-                    compile=False if args.enforce_eager else "auto")
     name = args.served_model_name or Path(model_dir).name
     metrics = ServerMetrics(name)
-    loop = EngineLoop(engine, warmup=not args.enforce_eager,
-                      on_finished=lambda out: metrics.finished(out.stats, out.index == 0),
+    loop = EngineLoop(spec, on_finished=lambda out: metrics.finished(out.stats, out.index == 0),
                       on_state=metrics.engine_state, on_tokens=metrics.generation_tokens.inc,
                       on_ready=lambda s: print(f"fms-paged serve: ready (warm-up {s:.1f} s)", flush=True))
-    ctx = ServeContext(loop, tokenizer, name, engine.max_model_len, model.config.src_vocab_size,
-                       chat, args.max_waiting, str(model_dir))
+    info = loop.start()
+    ctx = ServeContext(loop, tokenizer, name, info["max_model_len"], info["vocab_size"], chat,
+                       args.max_waiting, model_dir, capacity=info["capacity"])
     return build_app(ctx, metrics, api_key=args.api_key or None), name
 
 
 def serve(args) -> int:
     import uvicorn
 
-    from fms_paged.device import keep_freed_cpu_memory
-
     if not 0 <= args.port <= 65535:
         raise ValueError(f"argument --port: {args.port} is not a port number (0..65535)")
-    keep_freed_cpu_memory()  # a serving process keeps its step buffers (see the function)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app, name = build(args)
     print(f"fms-paged serve: {name!r} on http://{args.host}:{args.port}/v1 (warming up: /health "
           "answers 503 until ready)", flush=True)
+    # uvicorn handles SIGINT / SIGTERM itself while it serves (graceful shutdown), then raises the
+    # signal again for the handler that was there before: let that one be a no-op, so the process
+    # exits 0 after its shutdown instead of dying by the signal
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    print("fms-paged serve: stopped", flush=True)
     return 0
