@@ -29,7 +29,8 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
          ratio(half_ttft["ours"], half_ttft["vllm"]), "x"),
         ("HTTP / in-process output tok/s at saturation (fms-paged)", ">=", 0.90,
          ratio(sat_tok_s["ours"], (res.get("inprocess") or {}).get("output_tok_s")), "x"),
-        ("first-byte delay (client - engine TTFT mean), fms-paged's worst load", "<=", 5.0,
+        ("first-byte delay (the server's first chunk sent after the engine's first token, mean), "
+         "fms-paged's worst load", "<=", 5.0,
          max(delays.values()) if delays else None, "ms"),
     ]
     out = []
@@ -51,6 +52,7 @@ COLUMNS = [("server", "server", ""), ("load", "load", ""), ("offered req/s", "ra
            ("out tok/s", "output_tok_s", ".0f"), ("prompt tokens", "total_input_tokens", ""),
            ("TTFT ms mean / p50 / p99", "ttft", ""), ("TPOT ms", "tpot", ""), ("ITL ms", "itl", ""),
            ("E2EL ms", "e2el", ""), ("engine TTFT / E2EL mean ms", "engine", ""),
+           ("client - engine TTFT ms", "client_minus_engine_ttft_ms", ".2f"),
            ("first-byte delay ms", "first_byte_delay_ms", ".2f")]
 
 

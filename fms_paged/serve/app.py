@@ -65,12 +65,16 @@ async def _respond_unless_disconnected(request: Request, run: Run, renderer: Ren
         run.close()
 
 
-async def _stream(request: Request, run: Run, renderer: Renderer):
+async def _stream(request: Request, run: Run, renderer: Renderer, metrics: ServerMetrics):
     watch = asyncio.ensure_future(_until_disconnect(request))
     watch.add_done_callback(lambda t: t.cancelled() or run.close())
+    first = True
     try:
         async for chunk in renderer.stream():
-            yield chunk
+            yield chunk  # resumed once the chunk is handed to the connection
+            if first and run.first_token_at is not None:
+                metrics.first_chunk_delay.observe(time.perf_counter() - run.first_token_at)
+                first = False
     finally:
         watch.cancel()
         run.close()
@@ -137,7 +141,7 @@ def build_app(ctx: ServeContext, metrics: ServerMetrics, api_key: str | None = N
         run.submit()
         renderer = Renderer(run, ctx.model_name, chat)
         if prep.stream:
-            return StreamingResponse(_stream(request, run, renderer), media_type="text/event-stream",
+            return StreamingResponse(_stream(request, run, renderer, metrics), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         body = await _respond_unless_disconnected(request, run, renderer)
         return Response(status_code=499) if body is None else JSONResponse(body)

@@ -136,7 +136,7 @@ def _serve(conn, engine) -> None:
         if now - last > METRICS_INTERVAL_S:
             state, last = engine.metrics(), now
         if outputs or state is not None:
-            conn.send(("out", outputs, state))
+            conn.send(("out", outputs, state, now))
 
 
 class _Sink:
@@ -224,8 +224,9 @@ class EngineLoop:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, arrival: float | None,
                queue: asyncio.Queue) -> int:
         """-> the request's id; its `RequestOutput`s arrive on `queue` (an asyncio queue of the
-        calling event loop; several requests may share one), or an `EngineDead` if the engine
-        stops. Checks belong to the caller: a request the engine refuses arrives as an error."""
+        calling event loop; several requests may share one) as (output, time its step ended), or
+        an `EngineDead` if the engine stops. Checks belong to the caller: a request the engine
+        refuses arrives as an error."""
         if self.state is not State.READY:
             raise EngineDead(f"the engine is {self.state.value}" + (f": {self.error}" if self.error else ""))
         fid = next(self._ids)
@@ -267,9 +268,9 @@ class EngineLoop:
             while True:
                 kind, *rest = self._conn.recv()
                 if kind == "out":
-                    outputs, state = rest
+                    outputs, state, made_at = rest
                     if outputs:
-                        self._dispatch(outputs)
+                        self._dispatch(outputs, made_at)
                     if state is not None and self._on_state is not None:
                         self._on_state(state)
                 elif kind == "state":
@@ -306,7 +307,7 @@ class EngineLoop:
         if sink is not None:
             sink.loop.call_soon_threadsafe(sink.queue.put_nowait, err)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], made_at: float) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         if self._on_tokens is not None:
             self._on_tokens(sum(len(o.new_token_ids) for o in outputs))
@@ -331,9 +332,11 @@ class EngineLoop:
                     if self._on_finished is not None:
                         self._on_finished(out)
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_deliver, batch)
+            loop.call_soon_threadsafe(_deliver, batch, made_at)
 
 
-def _deliver(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _deliver(batch: list[tuple[asyncio.Queue, RequestOutput]], made_at: float) -> None:
+    """Each output onto its request's queue, as (output, when its step ended: the
+    `time.perf_counter()` clock, which is the same monotonic clock in both processes)."""
     for queue, out in batch:
-        queue.put_nowait(out)
+        queue.put_nowait((out, made_at))

@@ -50,6 +50,10 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Between consecutive tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
+        # ours, not vLLM's: what the HTTP layer adds to a stream's first token
+        self.first_chunk_delay = histogram(
+            "first_chunk_delay_seconds", "Streams: the engine's first token made to its chunk sent.",
+            (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
         self._engine_seen = {"preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def engine_state(self, m: dict) -> None:

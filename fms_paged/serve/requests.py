@@ -234,6 +234,7 @@ class Run:
         self.rids: dict[int, int] = {}  # engine request id -> prompt index
         self.open: dict[int, int] = {}  # engine request id -> completions not finished in the engine
         self.cached_tokens = 0
+        self.first_token_at: float | None = None  # when the engine's step that made the first token ended
         tok = ctx.tokenizer
         self.choices = [Choice(j * prep.n + i, IncrementalText(tok, p, prep.stop))
                         for j, p in enumerate(prep.prompts) for i in range(prep.n)]
@@ -259,11 +260,14 @@ class Run:
     async def events(self) -> AsyncIterator[Event]:
         n = self.prep.n
         while self.open:
-            out = await self.queue.get()
-            if isinstance(out, EngineDead):
-                raise APIError(503, str(out))
-            if isinstance(out, BaseException):  # the engine refused the request
-                raise APIError(400, str(out), param="prompt")
+            item = await self.queue.get()
+            if isinstance(item, EngineDead):
+                raise APIError(503, str(item))
+            if isinstance(item, BaseException):  # the engine refused the request
+                raise APIError(400, str(item), param="prompt")
+            out, made_at = item
+            if self.first_token_at is None and out.new_token_ids:
+                self.first_token_at = made_at
             c = self.choices[self.rids[out.request_id] * n + out.index]
             if out.finished:
                 c.engine_done = True

@@ -148,7 +148,8 @@ def test_metrics_count_what_was_served(server):
     d = deltas(before, after, "fms_paged:prompt_tokens_total", "fms_paged:generation_tokens_total",
                "fms_paged:e2e_request_latency_seconds_count", "fms_paged:time_to_first_token_seconds_count",
                "fms_paged:request_queue_time_seconds_count", "fms_paged:inter_token_latency_seconds_count",
-               "fms_paged:e2e_request_latency_seconds_sum")
+               "fms_paged:e2e_request_latency_seconds_sum", "fms_paged:first_chunk_delay_seconds_count",
+               "fms_paged:first_chunk_delay_seconds_sum")
     assert d["fms_paged:prompt_tokens_total"] == prompt_tokens
     assert d["fms_paged:generation_tokens_total"] == generated
     assert d["fms_paged:e2e_request_latency_seconds_count"] == completions
@@ -156,6 +157,9 @@ def test_metrics_count_what_was_served(server):
     assert d["fms_paged:request_queue_time_seconds_count"] == completions
     assert d["fms_paged:inter_token_latency_seconds_count"] == generated - completions  # gaps
     assert d["fms_paged:e2e_request_latency_seconds_sum"] > 0
+    # one stream: its first chunk's delay after the engine's first token, observed once
+    assert d["fms_paged:first_chunk_delay_seconds_count"] == 1
+    assert 0 < d["fms_paged:first_chunk_delay_seconds_sum"] < 1.0
     for reason, k in (("length", completions), ("stop", 0), ("abort", 0)):
         got = (metric(after, "fms_paged:request_success_total", finished_reason=reason)
                - metric(before, "fms_paged:request_success_total", finished_reason=reason))
