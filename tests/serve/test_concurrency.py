@@ -72,6 +72,16 @@ def test_32_concurrent_streams_get_the_tokens_they_get_alone(server):
     wait_idle(server.url)
 
 
+def assert_aborted_soon(server, before: float, aborted: int = 1) -> None:
+    """`aborted` more requests counted as aborted, and the server idle, within ABORT_WITHIN_S of now."""
+    gone = time.monotonic()
+    m, _ = wait_idle(server.url, timeout=10, until=lambda m: metric(
+        m, "fms_paged:request_success_total", finished_reason="abort") >= before + aborted)
+    took = time.monotonic() - gone
+    assert metric(m, "fms_paged:request_success_total", finished_reason="abort") == before + aborted
+    assert took < ABORT_WITHIN_S, f"aborted and idle {took:.2f} s after the client left"
+
+
 def test_a_stream_client_that_leaves_aborts_its_request(server):
     before = metric(scrape(server.url), "fms_paged:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 1500, "ignore_eos": True, "stream": True}
@@ -83,12 +93,7 @@ def test_a_stream_client_that_leaves_aborts_its_request(server):
                 chunks += line.startswith("data: ")
                 if chunks == 2:
                     break
-    gone = time.monotonic()
-    m, _ = wait_idle(server.url, timeout=10, until=lambda m: metric(
-        m, "fms_paged:request_success_total", finished_reason="abort") >= before + 1)
-    took = time.monotonic() - gone
-    assert metric(m, "fms_paged:request_success_total", finished_reason="abort") == before + 1
-    assert took < ABORT_WITHIN_S, f"aborted and idle {took:.2f} s after the client left"
+    assert_aborted_soon(server, before)
 
 
 def test_a_waiting_client_that_times_out_aborts_its_request(server):
@@ -97,12 +102,7 @@ def test_a_waiting_client_that_times_out_aborts_its_request(server):
     with httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post(f"{server.v1}/completions", json=body)
-    gone = time.monotonic()
-    m, _ = wait_idle(server.url, timeout=10, until=lambda m: metric(
-        m, "fms_paged:request_success_total", finished_reason="abort") >= before + 1)
-    took = time.monotonic() - gone
-    assert metric(m, "fms_paged:request_success_total", finished_reason="abort") == before + 1
-    assert took < ABORT_WITHIN_S, f"aborted and idle {took:.2f} s after the client left"
+    assert_aborted_soon(server, before)
 
 
 def test_an_n3_stream_client_that_leaves_aborts_every_completion(server):
@@ -113,8 +113,7 @@ def test_an_n3_stream_client_that_leaves_aborts_every_completion(server):
         with c.stream("POST", f"{server.v1}/completions", json=body) as r:
             for _ in zip(range(4), r.iter_lines()):  # two events (and the blank lines after them)
                 pass
-    wait_idle(server.url, timeout=ABORT_WITHIN_S + 2, until=lambda m: metric(
-        m, "fms_paged:request_success_total", finished_reason="abort") >= before + 3)
+    assert_aborted_soon(server, before, aborted=3)
 
 
 # ------------------------------------------------------------------ metrics
