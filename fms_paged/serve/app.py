@@ -103,7 +103,6 @@ def build_app(ctx: ServeContext, metrics: ServerMetrics, api_key: str | None = N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # the engine process warms up meanwhile: /health says 503
-        loop.attach(asyncio.get_running_loop())
         try:
             yield
         finally:

@@ -7,9 +7,9 @@ token's chunk) and the engine's Python work between kernels would share one GIL,
 launch of the engine would wait for the front end to let go of it; vLLM splits its API server and
 its engine core into processes for the same reason. Requests get ids from the front end; the loop
 maps them to the engine's and back. A step's outputs cross the pipe in one message, with the
-engine's gauges at most every `METRICS_INTERVAL_S`; the event loop reads the pipe itself and puts
-each output on its request's queue. When every completion of a request has finished, both sides
-drop it: nothing of a finished request is kept."""
+engine's gauges at most every `METRICS_INTERVAL_S`; a reader thread in the front end hands them to
+the event loop in one `call_soon_threadsafe`. When every completion of a request has finished, both
+sides drop it: nothing of a finished request is kept."""
 
 from __future__ import annotations
 
@@ -142,10 +142,10 @@ def _serve(conn, engine) -> None:
 
 
 class _Sink:
-    __slots__ = ("queue", "n", "remaining", "started")
+    __slots__ = ("loop", "queue", "n", "remaining", "started")
 
-    def __init__(self, queue: asyncio.Queue, n: int):
-        self.queue, self.n, self.remaining, self.started = queue, n, n, False
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, n: int):
+        self.loop, self.queue, self.n, self.remaining, self.started = loop, queue, n, n, False
 
 
 class EngineLoop:
@@ -153,11 +153,9 @@ class EngineLoop:
 
     spec: what `build_engine` builds. `start()` starts the process and waits until the engine is
     built (EngineBuildError if it cannot be: a bad checkpoint or flag fails before the port opens);
-    it then warms up (`Engine.warmup`, its progress bar on stderr) and reports READY. `attach(loop)`
-    has the event loop read the pipe itself (`add_reader`): no thread of the front end waits for
-    the GIL to take the engine's outputs, so the engine never waits on a full pipe. Callbacks, in
-    the event loop: on_finished(out) for each finished completion, on_tokens(n) with the tokens a
-    step generated, on_state(metrics_dict) with `Engine.metrics()` at most every
+    it then warms up (`Engine.warmup`, its progress bar on stderr) and reports READY. Callbacks, in
+    the front end's reader thread: on_finished(out) for each finished completion, on_tokens(n) with
+    the tokens a step generated, on_state(metrics_dict) with `Engine.metrics()` at most every
     `METRICS_INTERVAL_S` while busy and once when idle, on_ready(warm-up seconds) once."""
 
     def __init__(self, spec: dict[str, Any],
@@ -172,14 +170,14 @@ class EngineLoop:
         self.info: dict[str, Any] = {}
         self._on_finished, self._on_state = on_finished, on_state
         self._on_tokens, self._on_ready = on_tokens, on_ready
-        self._send_lock = threading.Lock()  # stop() may send from another thread
+        self._lock = threading.Lock()  # the sinks, and the pipe's sending end
         self._sinks: dict[int, _Sink] = {}
         self._waiting = 0  # submitted requests that have produced nothing yet
         self._ids = itertools.count()
         self._reasons: dict[tuple[int, int], str] = {}  # (id, index) -> reason to count it under
         self._proc = None
         self._conn = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -203,15 +201,12 @@ class EngineLoop:
             self._proc.join(10)
             raise EngineBuildError(payload)
         self.info, self.state = payload, State.WARMING_UP
+        self._reader = threading.Thread(target=self._read, name="fms-paged-engine-reader", daemon=True)
+        self._reader.start()
         return self.info
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the engine's messages in `loop` (the server's event loop) from now on."""
-        self._loop = loop
-        loop.add_reader(self._conn.fileno(), self._readable)
-
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort what is running, stop the engine process, wait for it (any thread)."""
+        """Abort what is running, stop the engine process, wait for it."""
         if self._proc is None:
             return
         self._stopping = True
@@ -223,30 +218,35 @@ class EngineLoop:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        if self._reader is not None:
+            self._reader.join(5)
         self.state = State.STOPPED
 
     # ------------------------------------------------------------------ front end (event loop)
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, arrival: float | None,
                queue: asyncio.Queue) -> int:
-        """-> the request's id; its `RequestOutput`s arrive on `queue` (several requests may share
-        one) as (output, time its step ended), or an `EngineDead` if the engine stops. Checks
-        belong to the caller: a request the engine refuses arrives as a ValueError."""
+        """-> the request's id; its `RequestOutput`s arrive on `queue` (an asyncio queue of the
+        calling event loop; several requests may share one) as (output, time its step ended), or
+        an `EngineDead` if the engine stops. Checks belong to the caller: a request the engine
+        refuses arrives as an error."""
         if self.state is not State.READY:
             raise EngineDead(f"the engine is {self.state.value}" + (f": {self.error}" if self.error else ""))
         fid = next(self._ids)
-        self._sinks[fid] = _Sink(queue, params.n)
-        self._waiting += 1
-        self._send(("add", fid, list(prompt_ids), params, arrival))
+        with self._lock:
+            self._sinks[fid] = _Sink(asyncio.get_running_loop(), queue, params.n)
+            self._waiting += 1
+            self._conn.send(("add", fid, list(prompt_ids), params, arrival))
         return fid
 
     def abort(self, request_id: int, index: int | None = None, reason: str = "abort") -> None:
         """Abort a request (or only its completion `index`) if it is still running (its pages free
         at the engine's next step); else nothing. `reason`: what the metrics count it as (a
         completion ended by a stop string is "stop"; needs `index`)."""
-        if request_id not in self._sinks:
-            return
-        if reason != "abort" and index is not None:
-            self._reasons[(request_id, index)] = reason
+        with self._lock:
+            if request_id not in self._sinks:
+                return
+            if reason != "abort" and index is not None:
+                self._reasons[(request_id, index)] = reason
         try:
             self._send(("abort", request_id, index))
         except OSError:  # the engine process is gone; its requests end with EngineDead
@@ -257,86 +257,88 @@ class EngineLoop:
         return self._waiting
 
     def live_requests(self) -> int:
-        return len(self._sinks)
+        with self._lock:
+            return len(self._sinks)
 
     def _send(self, msg) -> None:
-        with self._send_lock:
+        with self._lock:
             self._conn.send(msg)
 
-    # ------------------------------------------------------------------ the engine's messages
-    def _readable(self) -> None:
+    # ------------------------------------------------------------------ reader thread
+    def _read(self) -> None:
         try:
-            while self._conn.poll():
-                if not self._handle(self._conn.recv()):
+            while True:
+                kind, *rest = self._conn.recv()
+                if kind == "out":
+                    wire, state, made_at = rest
+                    if wire:
+                        self._dispatch([RequestOutput(*w) for w in wire], made_at)
+                    if state is not None and self._on_state is not None:
+                        self._on_state(state)
+                elif kind == "state":
+                    if self._on_state is not None:
+                        self._on_state(rest[0])
+                elif kind == "ready":
+                    self.warmup_s, self.state = rest[0], State.READY
+                    if self._on_ready is not None:
+                        self._on_ready(rest[0])
+                elif kind == "reject":
+                    self._end(rest[0], ValueError(rest[1]))
+                elif kind == "dead":
+                    self.error = rest[0]
                     break
-            else:
-                return
         except (EOFError, OSError):
             pass
-        self._closed()
-
-    def _handle(self, msg) -> bool:
-        """One message from the engine process; False when it is the last."""
-        kind, *rest = msg
-        if kind == "out":
-            wire, state, made_at = rest
-            if wire:
-                self._dispatch([RequestOutput(*w) for w in wire], made_at)
-            if state is not None and self._on_state is not None:
-                self._on_state(state)
-        elif kind == "state":
-            if self._on_state is not None:
-                self._on_state(rest[0])
-        elif kind == "ready":
-            self.warmup_s, self.state = rest[0], State.READY
-            if self._on_ready is not None:
-                self._on_ready(rest[0])
-        elif kind == "reject":
-            sink = self._sinks.pop(rest[0], None)
-            if sink is not None:
-                self._waiting -= not sink.started
-                sink.queue.put_nowait(ValueError(rest[1]))
-        elif kind == "dead":
-            self.error = rest[0]
-            return False
-        return True
-
-    def _closed(self) -> None:
-        """The engine process is gone (stopped, or died): every waiting request ends with it."""
-        self._loop.remove_reader(self._conn.fileno())
         if self._stopping:
             self.state = State.STOPPED
         else:
             self.error = self.error or f"the engine process exited ({self._proc.exitcode})"
             self.state = State.DEAD
-        sinks, self._sinks = list(self._sinks.values()), {}
-        self._reasons.clear()
-        self._waiting = 0
+        with self._lock:
+            sinks, self._sinks = list(self._sinks.values()), {}
+            self._reasons.clear()
         err = EngineDead(f"the engine loop stopped: {self.error or 'shut down'}")
         for s in sinks:
-            s.queue.put_nowait(err)
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, err)
+
+    def _end(self, fid: int, err: BaseException) -> None:
+        with self._lock:
+            sink = self._sinks.pop(fid, None)
+            if sink is not None and not sink.started:
+                self._waiting -= 1
+        if sink is not None:
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, err)
 
     def _dispatch(self, outputs: list[RequestOutput], made_at: float) -> None:
-        """Each output onto its request's queue as (output, when its step ended: the
-        `time.perf_counter()` clock, which is the same monotonic clock in both processes)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         if self._on_tokens is not None:
             self._on_tokens(sum(len(o.new_token_ids) for o in outputs))
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
-                continue
-            if not sink.started:
-                sink.started = True
-                self._waiting -= 1
-            sink.queue.put_nowait((out, made_at))
-            if out.finished:
-                sink.remaining -= 1
-                reason = self._reasons.pop((out.request_id, out.index), None)
-                if sink.remaining == 0:
-                    del self._sinks[out.request_id]
-                    for i in range(sink.n):  # a reason noted after its completion ended
-                        self._reasons.pop((out.request_id, i), None)
-                if reason is not None and out.finish_reason == "abort" and out.stats:
-                    out.stats["finish_reason"] = reason
-                if self._on_finished is not None:
-                    self._on_finished(out)
+        with self._lock:
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                if not sink.started:
+                    sink.started = True
+                    self._waiting -= 1
+                batches.setdefault(sink.loop, []).append((sink.queue, out))
+                if out.finished:
+                    sink.remaining -= 1
+                    reason = self._reasons.pop((out.request_id, out.index), None)
+                    if sink.remaining == 0:
+                        del self._sinks[out.request_id]
+                        for i in range(sink.n):  # a reason noted after its completion ended
+                            self._reasons.pop((out.request_id, i), None)
+                    if reason is not None and out.finish_reason == "abort" and out.stats:
+                        out.stats["finish_reason"] = reason
+                    if self._on_finished is not None:
+                        self._on_finished(out)
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch, made_at)
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, RequestOutput]], made_at: float) -> None:
+    """Each output onto its request's queue, as (output, when its step ended: the
+    `time.perf_counter()` clock, which is the same monotonic clock in both processes)."""
+    for queue, out in batch:
+        queue.put_nowait((out, made_at))

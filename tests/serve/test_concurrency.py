@@ -185,3 +185,18 @@ def test_a_stop_string_counts_as_stop_not_abort(server):
     abort = (metric(after, "fms_paged:request_success_total", finished_reason="abort")
              - metric(before, "fms_paged:request_success_total", finished_reason="abort"))
     assert (stop, abort) == (1, 0)
+
+
+def test_a_burst_of_300_requests_all_succeed(server):
+    """Submissions far faster than the engine steps (vLLM's benchmark at --request-rate inf sends
+    hundreds at once): each one is answered 200, none is lost, and the server ends idle."""
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=400)) as c:
+            body = {"model": MODEL, "prompt": list(range(3, 200)), "max_tokens": 2, "ignore_eos": True}
+            return await asyncio.gather(*[c.post(f"{server.v1}/completions", json=body) for _ in range(300)])
+
+    replies = asyncio.run(burst())
+    assert [r.status_code for r in replies] == [200] * 300
+    assert all(r.json()["usage"]["completion_tokens"] == 2 for r in replies)
+    m, _ = wait_idle(server.url)
+    assert metric(m, "fms_paged:num_requests_running") == 0
