@@ -171,15 +171,13 @@ def warmup_waves(engine, rng: torch.Generator) -> list[tuple[list[tuple[list[int
     return waves
 
 
-def warmup(engine, progress: Callable[[int], Callable[[], None]] | None = None) -> list[int]:
-    """Run `warmup_waves` through `engine` (idle) -> the ids of the synthetic requests.
-    `progress(total)` returns a callable ticked once per finished request."""
+def warmup(engine, progress: Callable[[int], Callable[[], None]] | None = None) -> None:
+    """Run `warmup_waves` through `engine` (idle). `progress(total)` returns a callable ticked once
+    per finished request."""
     waves = warmup_waves(engine, torch.Generator().manual_seed(0))
     tick = progress(sum(len(w) + (j is not None) for w, j in waves)) if progress else None
-    ids = []
-
     def add(p: list[int], n: int) -> None:
-        ids.append(engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+        engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
 
     for wave, join in waves:
         for p, n in wave:
@@ -191,4 +189,3 @@ def warmup(engine, progress: Callable[[int], Callable[[], None]] | None = None) 
         for out in itertools.chain(outs, engine.stream()):
             if tick is not None and out.finished:
                 tick()
-    return ids

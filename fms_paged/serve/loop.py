@@ -256,10 +256,6 @@ class EngineLoop:
         """Submitted requests that have produced no token yet (waiting, or in their prefill)."""
         return self._waiting
 
-    def live_requests(self) -> int:
-        with self._lock:
-            return len(self._sinks)
-
     def _send(self, msg) -> None:
         with self._lock:
             self._conn.send(msg)

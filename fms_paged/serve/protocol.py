@@ -8,7 +8,7 @@ silently: a non-default value of one of those is a 400 naming it (`UNSUPPORTED`)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -109,5 +109,3 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
                       f"output); leave it unset" + (f" or {default!r}" if default is not None else ""))
     return req
 
-
-FinishReason = Literal["stop", "length", "abort"]

@@ -145,7 +145,7 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest) -> Prepared:
                 prompts.append(check_prompt(item, ctx.vocab_size, name=name))
             except (TypeError, ValueError) as e:
                 raise APIError(400, str(e), param="prompt") from None
-            texts.append(ctx.tokenizer.decode(prompts[-1]))
+            texts.append(ctx.tokenizer.decode(prompts[-1]) if req.echo else "")
     if req.echo and req.logprobs is not None:
         raise bad("echo", "echo with logprobs would need the prompt's log-probabilities, which this "
                   "server does not compute; ask for one of them")
@@ -208,7 +208,6 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # TokenLogprobs per token, when asked
     finish_reason: str | None = None
-    engine_done: bool = False
 
 
 @dataclass
@@ -270,7 +269,6 @@ class Run:
                 self.first_token_at = made_at
             c = self.choices[self.rids[out.request_id] * n + out.index]
             if out.finished:
-                c.engine_done = True
                 self.open[out.request_id] -= 1
                 if not self.open[out.request_id]:
                     del self.open[out.request_id]
