@@ -190,7 +190,8 @@ def cmd_ppl(args) -> int:
 def machine_info(device: str = "auto") -> dict:
     """What `fms-paged info` reports: the device and torch, whether compiled FlexAttention works
     (it compiles and runs a tiny call), which paged kernel the default model gets here (the cpp
-    kernel when it can serve it), and the KV pool an `Engine` would get."""
+    kernel when it can serve it), on the CPU which instruction set its kernels use and which path
+    each dtype's attention and projections take, and the KV pool an `Engine` would get."""
     import platform
     import warnings
 
@@ -224,6 +225,8 @@ def machine_info(device: str = "auto") -> dict:
             warnings.simplefilter("ignore")
             info["paged_kernel"] = choose_kernel("auto", dev, c.page_size, head_dim=c.head_dim,
                                                  dtype=model.dtype)
+        if dev.type == "cpu":
+            info["cpu"] = cpu_paths(c.head_dim, c.page_size)
         info["default_model"] = {
             "params": sum(p.numel() for p in model.parameters()),
             "dtype": str(model.dtype).removeprefix("torch."),
@@ -236,6 +239,31 @@ def machine_info(device: str = "auto") -> dict:
     except FileNotFoundError as e:
         info["default_model"] = f"unavailable: {e}"
     return info
+
+
+def cpu_paths(head_dim: int, page_size: int) -> dict:
+    """The CPU's features that matter to the kernels, what they are built for here, and per dtype
+    the paged kernel (for a model of `head_dim` and `page_size`) and how projections run."""
+    import warnings
+
+    import torch
+
+    from fms_paged import native
+    from fms_paged.kv.kernels import choose_kernel
+    from fms_paged.modules.linear import gemm_paths
+
+    flags = native.cpu_flags()
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "asimd")
+    out = {"features": " ".join(f for f in wanted if f in flags) or "unknown",
+           "kernel_isa": f"{native.isa()}: {native.kernel_isa()}"}
+    for dt in native.ELEM_TYPES:
+        with warnings.catch_warnings():  # a fallback's reason is `cpp_kernel_reason`'s
+            warnings.simplefilter("ignore")
+            kernel = choose_kernel("auto", torch.device("cpu"), page_size, head_dim=head_dim, dtype=dt)
+        paths = gemm_paths(dt)
+        name = str(dt).removeprefix("torch.")
+        out[name] = f"attention {kernel}; decode GEMMs: {paths['decode']}; prefill GEMMs: {paths['prefill']}"
+    return out
 
 
 def cmd_info(args) -> int:

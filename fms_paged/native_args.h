@@ -11,13 +11,25 @@
 #include <string>
 #include <type_traits>
 
-// a field's kind in the layout string: i32, i64, f32, or a pointer's pointee kind followed by *
+// the half-precision storage types a kernel may read and write (as torch.bfloat16 and
+// torch.float16 store them): distinct types, so a bf16 pointer cannot pass for an fp16 one
+struct fms_bf16 {
+  uint16_t bits;
+};
+struct fms_f16 {
+  uint16_t bits;
+};
+
+// a field's kind in the layout string: i32, i64, f32, bf16, f16, or a pointer's pointee kind
+// followed by *
 template <class T>
 std::string fms_paged_kind() {
   using U = std::remove_cv_t<T>;
   if constexpr (std::is_pointer_v<U>) return fms_paged_kind<std::remove_pointer_t<U>>() + "*";
   else if constexpr (std::is_same_v<U, int32_t>) return "i32";
   else if constexpr (std::is_same_v<U, int64_t>) return "i64";
+  else if constexpr (std::is_same_v<U, fms_bf16>) return "bf16";
+  else if constexpr (std::is_same_v<U, fms_f16>) return "f16";
   else {
     static_assert(std::is_same_v<U, float>, "a field of another type: give it a kind here and in native.py");
     return "f32";

@@ -3,8 +3,9 @@
 The kernel attends prefill chunks and decode rows of one step in a single call, reading K and V in
 place through the page table (no GATHER into logical order, no BlockMask), with the step's rows
 spread over the intra-op threads. It is the paged backend's `kernel="cpp"`, chosen by `"auto"` on
-the CPU for fp32 models whose head dim is a multiple of 16 and whose pages hold a multiple of 8
-tokens, when no `score_mod` is asked for. One library per head dim.
+the CPU for fp32, bf16 and fp16 models whose head dim is a multiple of 16 and whose pages hold a
+multiple of 8 tokens, when no `score_mod` is asked for. One library per head dim and dtype; in
+bf16 and fp16 it reads the half-precision pools and computes in fp32 (`cpu_attention.cpp`).
 
 In a compiled graph the kernel is the opaque op `fms_paged::paged_attention`.
 """
@@ -32,48 +33,54 @@ _LIB.define(
 )
 
 
-_f32p, _i32p, _i64p = native.pointer("f32"), native.pointer("i32"), native.pointer("i64")
+_i32p, _i64p = native.pointer("i32"), native.pointer("i64")
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
-class FmsPagedAttentionArgs(ctypes.Structure):
-    """The kernel's argument struct (`cpu_attention.cpp`, which says what each field holds), field
-    for field; `native.bind` checks the library's layout against it. Set fields by name: an unknown
-    name (`__slots__`) or a value of the wrong type raises."""
-
-    __slots__ = ()
-    _fields_ = [
-        ("q", _f32p), ("q_st", _i64), ("q_sh", _i64), ("n_tokens", _i64),
-        ("k", _f32p), ("v", _f32p), ("pool_tokens", _i64),
+@functools.cache
+def attention_args(dtype: torch.dtype) -> type[ctypes.Structure]:
+    """The kernel's argument struct for tensors of `dtype` (`cpu_attention.cpp`, which says what each
+    field holds), field for field; `native.bind` checks the library's layout against it. Set fields
+    by name: an unknown name (`__slots__`) or a value of the wrong type raises."""
+    tp = native.pointer(native.elem(dtype)[1])
+    fields = [
+        ("q", tp), ("q_st", _i64), ("q_sh", _i64), ("n_tokens", _i64),
+        ("k", tp), ("v", tp), ("pool_tokens", _i64),
         ("pages", _i32p), ("n_seqs", _i64), ("pages_st", _i64),
-        ("chunks", _i64p), ("n_chunks", _i64), ("out", _f32p),
+        ("chunks", _i64p), ("n_chunks", _i64), ("out", tp),
         ("H", _i32), ("Hkv", _i32), ("P", _i32), ("scale", _f32), ("threads", _i32),
     ]
+    return type("FmsPagedAttentionArgs", (ctypes.Structure,), {"__slots__": (), "_fields_": fields})
+
+
+def _build(head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[ctypes._CFuncPtr | None, str | None]:
+    """The kernel for `head_dim` and `dtype`, built for `native.isa()` -> (function of an
+    `attention_args(dtype)`, None) or (None, why not); raises `native.LayoutMismatch` for a library
+    whose struct is not the mirror's."""
+    return _built(head_dim, dtype, native.isa())
 
 
 @functools.cache
-def _build(head_dim: int) -> tuple[ctypes._CFuncPtr | None, str | None]:
-    """The kernel for `head_dim` -> (function of a `FmsPagedAttentionArgs`, None) or (None, why
-    not); raises `native.LayoutMismatch` for a library whose struct is not the mirror's."""
-    lib, why = native.load(SOURCE, HEAD_DIM=head_dim)
+def _built(head_dim: int, dtype: torch.dtype, which: str) -> tuple[ctypes._CFuncPtr | None, str | None]:
+    lib, why = native._load(SOURCE, which, HEAD_DIM=head_dim, FMS_ELEM=native.elem(dtype)[0])
     if lib is None:
         return None, why
-    return native.bind(lib, "fms_paged_attention", FmsPagedAttentionArgs), None
+    return native.bind(lib, "fms_paged_attention", attention_args(dtype)), None
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> str | None:
     """Why the kernel cannot serve this model here (None if it can; builds it if need be)."""
     if device.type != "cpu":
         return f"it runs on the CPU, the model is on {device.type}"
-    if dtype != torch.float32:
-        return f"it computes in float32, the model is {dtype}"
+    if dtype not in native.ELEM_TYPES:
+        return f"it takes {', '.join(str(d) for d in native.ELEM_TYPES)}, the model is {dtype}"
     if head_dim % HEAD_DIM_MULTIPLE:
         return f"head_dim={head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
     if page_size % PAGE_MULTIPLE:
         return f"page_size={page_size} is not a multiple of {PAGE_MULTIPLE}"
     if os.environ.get("FMS_PAGED_FORCE_GATHER"):
         return "FMS_PAGED_FORCE_GATHER is set"
-    return _build(head_dim)[1]
+    return _build(head_dim, dtype)[1]
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -90,14 +97,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """Causal attention of a step's query tokens over their sequences' pages.
 
     q: [B, H, S, D] (its B * S tokens in the chunks' offsets; D contiguous); k_pool, v_pool:
-    [1, Hkv, NP, D] contiguous; page_table: [seqs, max_pages] int32; chunks: [n, 4] int64 rows
-    (seq, first position, tokens, offset of the first token), seq -1 for rows to leave at zero
-    -> [B, S, H, D] contiguous. The step's own keys and values are in the pools already (ASSIGN:
-    `fms_paged.kv._pool_ops.write_slots`).
+    [1, Hkv, NP, D] contiguous, of q's dtype (fp32, bf16 or fp16); page_table: [seqs, max_pages]
+    int32; chunks: [n, 4] int64 rows (seq, first position, tokens, offset of the first token), seq
+    -1 for rows to leave at zero -> [B, S, H, D] contiguous, of q's dtype (computed in fp32). The
+    step's own keys and values are in the pools already (ASSIGN: `fms_paged.kv._pool_ops.write_slots`).
     """
     B, H, S, D = q.shape
-    f32, i64 = torch.float32, torch.int64
-    want = [("q", q, f32, 4), ("k_pool", k_pool, f32, 4), ("v_pool", v_pool, f32, 4),
+    dt, i64 = q.dtype, torch.int64
+    if dt not in native.ELEM_TYPES:
+        raise ValueError(f"paged_attention: q is {dt}; the kernel takes {', '.join(map(str, native.ELEM_TYPES))}")
+    want = [("q", q, dt, 4), ("k_pool", k_pool, dt, 4), ("v_pool", v_pool, dt, 4),
             ("page_table", page_table, torch.int32, 2), ("chunks", chunks, i64, 2)]
     for name, t, dtype, dims in want:
         if t.dtype != dtype or t.dim() != dims or t.device.type != "cpu":
@@ -109,14 +118,14 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          f"{tuple(chunks.shape)}: expected two pools [1, Hkv, NP, {D}] and chunks [n, 4]")
     if not all(t.is_contiguous() for t in (k_pool, v_pool, page_table, chunks)):
         raise ValueError("paged_attention: the pools, the page table and the chunks must be contiguous")
-    kernel, why = _build(D)
+    kernel, why = _build(D, dt)
     if kernel is None:
         raise RuntimeError(f"fms_paged CPU attention kernel unavailable: {why}")
     Hkv = k_pool.shape[1]
     rows, q_st, q_sh = _rows(q)
     out = torch.empty(B, S, H, D, dtype=q.dtype)
     n = chunks.shape[0]
-    args = FmsPagedAttentionArgs(
+    args = attention_args(dt)(
         q=rows.data_ptr(), q_st=q_st, q_sh=q_sh, n_tokens=B * S,
         k=k_pool.data_ptr(), v=v_pool.data_ptr(), pool_tokens=k_pool.shape[2],
         pages=page_table.data_ptr(), n_seqs=page_table.shape[0], pages_st=page_table.shape[1],

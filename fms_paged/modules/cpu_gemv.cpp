@@ -1,6 +1,9 @@
-// fp32 products of a few rows with row-major weights, y = x W^T, for decode steps: each
-// weight row is streamed from memory once and dotted with every row of x. Built and loaded by
-// fms_paged/native.py; see fms_paged/modules/linear.py.
+// Products of a few rows with row-major weights, y = x W^T, for decode steps: each weight row is
+// streamed from memory once and dotted with every row of x. Built and loaded by
+// fms_paged/native.py once per storage type T of x, the weights and y (-DFMS_ELEM: float, fms_bf16
+// or fms_f16); half-precision values are converted to fp32 as they are loaded and the dot products
+// accumulate in fp32 (fms_paged/native_vec.h), so a bf16 / fp16 model's decode reads half the
+// bytes of fp32. See fms_paged/modules/linear.py.
 //
 // The weights of one call may be several matrices sharing K (q/k/v, gate/up): their outputs sit
 // side by side in y. Output columns go in blocks of NR weight rows, split over the threads. While
@@ -10,34 +13,52 @@
 #include <omp.h>
 
 #include "native_args.h"
+#include "native_vec.h"
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#ifndef FMS_ELEM
+#error "compile with -DFMS_ELEM=<float, fms_bf16 or fms_f16>: the storage type of x, the weights and y"
+#endif
 
 namespace {
 
-constexpr int W = 16;  // floats per vector
+using fms_vec::from_f32;
+using fms_vec::to_f32;
+using T = FMS_ELEM;
+constexpr int W = fms_vec::NATIVE;  // floats per vector: one register
+// A register tile holds MR x NR accumulators, NR weight vectors and one of x: within the 32 vector
+// registers of AVX-512, the 16 of AVX2. A half-precision weight vector costs a conversion each time
+// it is loaded, so those tiles take more rows of x and fewer weight rows: each weight is converted
+// once for up to MR rows (all of a decode batch of GEMV_MAX_ROWS, with AVX-512).
+constexpr bool kF32 = std::is_same_v<T, float>;
 #ifdef __AVX512F__
-constexpr int MR = 4;  // rows of x per register tile (NR x MR accumulators)
+constexpr int MR = kF32 ? 4 : 8;  // rows of x per register tile
 #else
-constexpr int MR = 2;
+constexpr int MR = kF32 ? 2 : 4;
 #endif
-constexpr int NR = 4;  // weight rows per register tile
+constexpr int NR = kF32 ? 4 : 2;  // weight rows per register tile
 
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-
-inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+using vf = fms_vec::vec<W>;
+inline vf load(const T* p) { return fms_vec::load<W>(p); }
+inline vf splat(float x) { return fms_vec::splat<W>(x); }
 
 inline float hsum(vf v) {
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-  typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
   typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+#ifdef __AVX512F__
+  typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
   const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+  const v8 a = v;
+#endif
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 #else
@@ -48,19 +69,19 @@ inline float hsum(vf v) {
 }
 
 struct Segment {
-  const float* w;  // [n, K]
+  const T* w;      // [n, K]
   int64_t n, col;  // rows, first column in y
 };
 
 // y[m0 .. m0 + mr, col + j] for weight rows j0 .. j0 + nr of one segment; `next` (or null): the
 // next block's weights [nr, K], prefetched at the pace this block is read
 template <int mr, int nr>
-void tile(const float* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, float* y, int64_t y_st,
-          const float* next) {
+void tile(const float* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st,
+          const T* next) {
   vf acc[mr][nr];
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) acc[i][j] = splat(0.0f);
-  const float* w = s.w + j0 * K;
+  const T* w = s.w + j0 * K;
   const int64_t kv = K / W * W;
   for (int64_t k = 0; k < kv; k += W) {
     vf wv[nr];
@@ -68,30 +89,46 @@ void tile(const float* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0,
     if (next)
       for (int j = 0; j < nr; ++j) __builtin_prefetch(next + k * nr + j * W, 0, 1);
     for (int i = 0; i < mr; ++i) {
-      const vf xv = load(x + i * x_st + k);
+      const vf xv = fms_vec::load<W>(x + i * x_st + k);
       for (int j = 0; j < nr; ++j) acc[i][j] += xv * wv[j];
     }
   }
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) {
       float sum = hsum(acc[i][j]);
-      for (int64_t k = kv; k < K; ++k) sum += x[i * x_st + k] * w[j * K + k];
-      y[i * y_st + s.col + j0 + j] = sum;
+      for (int64_t k = kv; k < K; ++k) sum += x[i * x_st + k] * to_f32(w[j * K + k]);
+      y[i * y_st + s.col + j0 + j] = from_f32<T>(sum);
     }
 }
 
+// the last rows (fewer than MR): one tile of `left` rows
+template <int mr, int nr>
+void rest(int64_t left, const float* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y,
+          int64_t y_st, const T* next) {
+  if constexpr (mr > 0) {
+    if (left == mr) return tile<mr, nr>(x, x_st, K, s, j0, y, y_st, next);
+    rest<mr - 1, nr>(left, x, x_st, K, s, j0, y, y_st, next);
+  }
+}
+
 template <int nr>
-void columns(const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, float* y,
-             int64_t y_st, const float* next) {
+void columns(const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
+             int64_t y_st, const T* next) {
   int64_t m = 0;  // the first tile reads the block from memory (and prefetches), later ones from L1
   for (; m + MR <= M; m += MR, next = nullptr) tile<MR, nr>(x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st, next);
-  const float* xm = x + m * x_st;
-  float* ym = y + m * y_st;
-  switch (M - m) {
-    case 3: tile<3, nr>(xm, x_st, K, s, j0, ym, y_st, next); break;
-    case 2: tile<2, nr>(xm, x_st, K, s, j0, ym, y_st, next); break;
-    case 1: tile<1, nr>(xm, x_st, K, s, j0, ym, y_st, next); break;
-  }
+  rest<MR - 1, nr>(M - m, x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st, next);
+}
+
+// x [M, K] (row stride x_st) in fp32: x itself, or converted once into buf (M x K values: far
+// fewer than the weights'), x_st then K
+inline const float* rows_f32(const float* x, int64_t, int64_t, int64_t&, std::vector<float>&) { return x; }
+template <class U>
+const float* rows_f32(const U* x, int64_t M, int64_t K, int64_t& x_st, std::vector<float>& buf) {
+  buf.resize(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) buf[m * K + k] = to_f32(x[m * x_st + k]);
+  x_st = K;
+  return buf.data();
 }
 
 }  // namespace
@@ -104,9 +141,9 @@ void columns(const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& 
 // y [M, sum of rows] = x [M, K] (row stride x_st) times each weight weights[i] [rows[i], K]^T
 // (i < n_weights, each row-major), side by side; threads: at most this many.
 #define FMS_PAGED_GEMV_FIELDS(X)                                                                \
-  X(const float*, x) X(int64_t, M) X(int64_t, K) X(int64_t, x_st)                               \
-  X(const float* const*, weights) X(const int64_t*, rows) X(int64_t, n_weights)                 \
-  X(float*, y) X(int32_t, threads)
+  X(const T*, x) X(int64_t, M) X(int64_t, K) X(int64_t, x_st)                                   \
+  X(const T* const*, weights) X(const int64_t*, rows) X(int64_t, n_weights)                     \
+  X(T*, y) X(int32_t, threads)
 
 extern "C" {
 
@@ -114,8 +151,10 @@ FMS_PAGED_ARGS(FmsGemvArgs, FMS_PAGED_GEMV_FIELDS, fms_paged_gemv_layout)
 
 int fms_paged_gemv(const FmsGemvArgs* args) {
   const FmsGemvArgs& a = *args;
-  const float* x = a.x;
-  const int64_t M = a.M, K = a.K, x_st = a.x_st;
+  const int64_t M = a.M, K = a.K;
+  std::vector<float> xf;
+  int64_t x_st = a.x_st;
+  const float* x = rows_f32(a.x, M, K, x_st, xf);
   std::vector<Segment> segs;
   std::vector<std::pair<int, int64_t>> blocks;  // (segment, first weight row) of each column block
   int64_t col = 0;
@@ -124,16 +163,16 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
     for (int64_t j = 0; j < a.rows[i]; j += NR) blocks.emplace_back(i, j);
     col += a.rows[i];
   }
-  float* y = a.y;
+  T* y = a.y;
   const int64_t nb = (int64_t)blocks.size();
 #pragma omp parallel for schedule(static) num_threads((int)std::max<int64_t>(1, std::min<int64_t>(a.threads, nb)))
   for (int64_t b = 0; b < nb; ++b) {
     const Segment& s = segs[blocks[b].first];
     const int64_t j0 = blocks[b].second;
-    const float* next = b + 1 < nb ? segs[blocks[b + 1].first].w + blocks[b + 1].second * K : nullptr;
+    const T* next = b + 1 < nb ? segs[blocks[b + 1].first].w + blocks[b + 1].second * K : nullptr;
     switch (std::min<int64_t>(NR, s.n - j0)) {
-      case 4: columns<4>(x, x_st, M, K, s, j0, y, col, next); break;
-      case 3: columns<3>(x, x_st, M, K, s, j0, y, col, next); break;
+      case 4: columns<(NR >= 4 ? 4 : 1)>(x, x_st, M, K, s, j0, y, col, next); break;
+      case 3: columns<(NR >= 3 ? 3 : 1)>(x, x_st, M, K, s, j0, y, col, next); break;
       case 2: columns<2>(x, x_st, M, K, s, j0, y, col, next); break;
       default: columns<1>(x, x_st, M, K, s, j0, y, col, next); break;
     }

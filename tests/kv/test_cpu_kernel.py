@@ -145,8 +145,10 @@ def test_bad_inputs_raise():
     k, v, table, _ = make_pool([20], H, Hkv, D, P)
     chunks = torch.tensor([(0, 0, 20, 0)])
     q = torch.randn(1, H, 20, D)
-    with pytest.raises(ValueError, match="q must be a 4-D torch.float32 CPU tensor, got torch.float64"):
+    with pytest.raises(ValueError, match=r"q is torch.float64; the kernel takes torch.float32, torch.bfloat16"):
         run(q.double(), k, v, table, chunks, P)
+    with pytest.raises(ValueError, match="k_pool must be a 4-D torch.bfloat16 CPU tensor, got torch.float32"):
+        run(q.bfloat16(), k, v.bfloat16(), table, chunks, P)  # one dtype for q, the pools and out
     with pytest.raises(ValueError, match="page_table must be a 2-D torch.int32"):
         run(q, k, v, table.long(), chunks, P)
     with pytest.raises(ValueError, match="page_size=12"):
@@ -165,8 +167,11 @@ def test_kernel_choice():
     assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=torch.float32) == "cpp"
     assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=torch.float32,
                          score_mod=lambda s, b, h, q, k: s) != "cpp"  # the kernel has no score_mod
+    for dt in (torch.bfloat16, torch.float16):
+        assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=dt) == "cpp"
     for kw, why in [(dict(head_dim=24, dtype=torch.float32), "head_dim=24 is not a multiple of 16"),
-                    (dict(head_dim=32, dtype=torch.bfloat16), "it computes in float32"),
+                    (dict(head_dim=32, dtype=torch.float64), "it takes torch.float32, torch.bfloat16, "
+                                                             "torch.float16, the model is torch.float64"),
                     (dict(head_dim=32, dtype=torch.float32, score_mod=lambda *a: a[0]), "score_mod")]:
         with pytest.raises(ValueError, match=why):
             choose_kernel("cpp", cpu, 16, **kw)
@@ -180,22 +185,23 @@ def test_built_once_per_head_dim_into_the_cache_dir(tmp_path, monkeypatch):
     """The library is built into $FMS_PAGED_CACHE_DIR, keyed by what it was built from, and a second
     request loads the file built (no rebuild)."""
     monkeypatch.setenv("FMS_PAGED_CACHE_DIR", str(tmp_path))
-    native.load.cache_clear()
+    native._load.cache_clear()
     try:
-        lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=48)
+        lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=48, FMS_ELEM="float")
         assert why is None and lib is not None
-        (built,) = tmp_path.glob("cpu_attention_head_dim48_*.so")
+        (built,) = tmp_path.glob("cpu_attention_fms_elemfloat_head_dim48_*.so")
         mtime = built.stat().st_mtime_ns
-        native.load.cache_clear()
-        assert native.load(cpu_kernel.SOURCE, HEAD_DIM=48)[1] is None
+        native._load.cache_clear()
+        assert native.load(cpu_kernel.SOURCE, HEAD_DIM=48, FMS_ELEM="float")[1] is None
         assert built.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 1
     finally:
-        native.load.cache_clear()
+        native._load.cache_clear()
 
 
 def test_struct_is_typed():
-    """Fields are set by name and type-checked by ctypes; the kernel takes only its own struct."""
-    Args = cpu_kernel.FmsPagedAttentionArgs
+    """Fields are set by name and type-checked by ctypes; the kernel takes only its own struct, and
+    a library built for one dtype refuses the struct of another (its pointers' kinds differ)."""
+    Args = cpu_kernel.attention_args(torch.float32)
     with pytest.raises(AttributeError):
         Args(n_heads=4)  # not a field
     with pytest.raises(TypeError):
@@ -210,15 +216,20 @@ def test_struct_is_typed():
 
     with pytest.raises(ctypes.ArgumentError):
         kernel(Other())
+    lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=16, FMS_ELEM="fms_bf16")
+    assert why is None
+    with pytest.raises(native.LayoutMismatch, match=r"first difference: 'q:bf16\*@0' where 'q:f32\*@0'"):
+        native.bind(lib, "fms_paged_attention", Args)
+    assert native.bind(lib, "fms_paged_attention", cpu_kernel.attention_args(torch.bfloat16)) is not None
 
 
 def test_library_with_another_layout_is_refused(monkeypatch):
     """A library whose struct is laid out otherwise than the Python mirror (two same-typed fields
     swapped: the same kinds, other offsets) is refused naming the first differing field, and
     paged_attention raises rather than calling it."""
-    lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=16)
+    lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=16, FMS_ELEM="float")
     assert why is None
-    fields = list(cpu_kernel.FmsPagedAttentionArgs._fields_)
+    fields = list(cpu_kernel.attention_args(torch.float32)._fields_)
     fields[1], fields[2] = fields[2], fields[1]  # q_sh before q_st
     swapped = type("FmsPagedAttentionArgs", (ctypes.Structure,), {"_fields_": fields})
     with pytest.raises(native.LayoutMismatch,
@@ -228,10 +239,10 @@ def test_library_with_another_layout_is_refused(monkeypatch):
     k, v, table, _ = make_pool([20], H, Hkv, D, P)
     real = native.layout
     monkeypatch.setattr(native, "layout", lambda struct: real(struct) + " extra:i64@192")  # one more field
-    cpu_kernel._build.cache_clear()
+    cpu_kernel._built.cache_clear()
     try:
         with pytest.raises(native.LayoutMismatch, match="first difference: 'nothing' where 'extra:i64@192'"):
             run(torch.randn(1, H, 20, D), k, v, table, torch.tensor([(0, 0, 20, 0)]), P)
     finally:
         monkeypatch.undo()
-        cpu_kernel._build.cache_clear()
+        cpu_kernel._built.cache_clear()

@@ -237,7 +237,8 @@ def test_gemv_refuses_wrong_dtypes_and_widths():
     """The kernel reads rows x K floats of each weight: a tensor of another dtype or width, for x or
     any weight of the stack, is a typed error naming it, before the kernel runs."""
     w, x = torch.randn(64, 32), torch.randn(2, 32)
-    with pytest.raises(ValueError, match=r"x must be a torch.float32 CPU tensor .* got torch.float64"):
+    with pytest.raises(ValueError, match=r"x must be a CPU tensor \[..., K\] of torch.float32, torch.bfloat16, "
+                                         r"torch.float16, got torch.float64"):
         L.gemv(x.double(), [w])
     with pytest.raises(ValueError, match=r"weight 1 must be a 2-D torch.float32 CPU tensor \[N, 32\] .* got "
                                          r"torch.float32 \(64, 16\)"):
@@ -245,22 +246,23 @@ def test_gemv_refuses_wrong_dtypes_and_widths():
     with pytest.raises(ValueError, match=r"weight 0 must be .* got torch.bfloat16 \(64, 32\)"):
         L.gemv(x, [w.bfloat16()])
     torch.testing.assert_close(L.gemv(x, [w]), F.linear(x, w), **TOL)
-    with pytest.raises(ValueError, match=r"\[N, 16\] \(x's width\), got torch.float32 \(64, 32\)"):
+    with pytest.raises(ValueError, match=r"\[N, 16\] \(x's dtype and width\), got torch.float32 \(64, 32\)"):
         L.gemv(x[:, :16], [w])  # the same weight, kept from the call before, with a narrower x
 
 
 def test_gemv_struct_is_typed():
     """Fields are set by name and type-checked by ctypes; the kernel takes only its own struct."""
+    Args = L.gemv_args(torch.float32)
     with pytest.raises(AttributeError):
-        L.FmsGemvArgs(x_stride=4)  # not a field
+        Args(x_stride=4)  # not a field
     with pytest.raises(TypeError):
-        L.FmsGemvArgs(M=4.0)  # an int64 field
+        Args(M=4.0)  # an int64 field
     with pytest.raises(TypeError):
-        L.FmsGemvArgs(x=torch.randn(4))  # a pointer field takes an address, not a tensor
+        Args(x=torch.randn(4))  # a pointer field takes an address, not a tensor
     fn = L._gemv_kernel()
 
     class Other(ctypes.Structure):
-        _fields_ = L.FmsGemvArgs._fields_
+        _fields_ = Args._fields_
 
     with pytest.raises(ctypes.ArgumentError):
         fn(Other())
@@ -269,23 +271,24 @@ def test_gemv_struct_is_typed():
 def test_gemv_library_with_another_layout_is_refused(monkeypatch):
     """A library whose struct is laid out otherwise than the Python mirror (two fields swapped: the
     same kinds, other offsets) is refused with the first differing field named, not called."""
-    lib, why = native.load(L.GEMV_SOURCE)
+    lib, why = native.load(L.GEMV_SOURCE, FMS_ELEM="float")
     assert why is None
-    assert native.bind(lib, "fms_paged_gemv", L.FmsGemvArgs) is not None
+    Args = L.gemv_args(torch.float32)
+    assert native.bind(lib, "fms_paged_gemv", Args) is not None
 
-    fields = list(L.FmsGemvArgs._fields_)
+    fields = list(Args._fields_)
     fields[1], fields[2] = fields[2], fields[1]  # K before M
     Swapped = type("FmsGemvArgs", (ctypes.Structure,), {"_fields_": fields})
     with pytest.raises(native.LayoutMismatch, match=r"first difference: 'M:i64@8' where 'K:i64@8' was"):
         native.bind(lib, "fms_paged_gemv", Swapped)
     with pytest.raises(native.LayoutMismatch, match="exports no fms_paged_gemv_layout"):
-        native.bind(ctypes.CDLL(None), "fms_paged_gemv", L.FmsGemvArgs)
+        native.bind(ctypes.CDLL(None), "fms_paged_gemv", Args)
     # gemv itself refuses such a build loudly (no silent fallback to F.linear)
     monkeypatch.setattr(native, "layout", lambda struct: "FmsGemvArgs 72: x:f32*@0")
-    L._gemv_kernel.cache_clear()
+    L._gemv_built.cache_clear()
     try:
         with pytest.raises(native.LayoutMismatch, match="laid out as 'FmsGemvArgs 72: x:f32\\*@0 M:i64@8"):
             L.gemv(torch.randn(1, 8), [torch.randn(4, 8)])
     finally:
         monkeypatch.undo()
-        L._gemv_kernel.cache_clear()
+        L._gemv_built.cache_clear()

@@ -1,0 +1,158 @@
+// Vectors of floats for the project's C++ kernels, and loads and stores that convert the storage
+// types of weights, activations and KV pages (fp32, bf16, fp16) to and from fp32 in registers: a
+// kernel reads half the bytes in half precision and accumulates in fp32.
+//
+// `vec<N>` is GCC's generic vector of N floats, which -march=native maps onto the machine's
+// registers: `NATIVE` lanes (16 with AVX-512, else 8: one AVX2 register, two NEON registers) fill
+// one register; a kernel that keeps many accumulators uses `vec<NATIVE>` so that they stay in
+// registers. Conversions:
+// - bf16 -> fp32: the 16 bits are the fp32's upper half: a zero-extending widen and a shift;
+// - fp32 -> bf16: round to nearest even, a NaN kept a quiet NaN (torch's rounding: a kernel's bf16
+//   output equals torch's cast of its fp32 result);
+// - fp16 <-> fp32: F16C's vcvtph2ps / vcvtps2ph where the CPU has it (AVX-512F's 16-wide forms
+//   where it has that), else the compiler's _Float16 conversion lane by lane.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "native_args.h"
+
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace fms_vec {
+
+#if defined(__AVX512F__)
+constexpr int NATIVE = 16;
+#else
+constexpr int NATIVE = 8;
+#endif
+
+// N lanes of float, int32, uint32 and uint16 (GCC's vector_size cannot depend on a template
+// parameter directly: one specialization per width)
+template <int N>
+struct lanes;
+#define FMS_VEC_LANES(N)                                                    \
+  template <>                                                               \
+  struct lanes<N> {                                                         \
+    typedef float f __attribute__((vector_size(N * sizeof(float))));       \
+    typedef int32_t i __attribute__((vector_size(N * sizeof(int32_t))));   \
+    typedef uint32_t u __attribute__((vector_size(N * sizeof(uint32_t)))); \
+    typedef uint16_t h __attribute__((vector_size(N * sizeof(uint16_t)))); \
+  };
+FMS_VEC_LANES(8)
+FMS_VEC_LANES(16)
+#undef FMS_VEC_LANES
+
+template <int N>
+using vec = typename lanes<N>::f;
+template <int N>
+using ivec = typename lanes<N>::i;
+template <int N>
+using uvec = typename lanes<N>::u;
+template <int N>
+using hvec = typename lanes<N>::h;
+
+template <int N>
+inline vec<N> splat(float x) {
+  return vec<N>{} + x;
+}
+
+template <class To, class From>
+inline To bits(const From& x) {
+  static_assert(sizeof(To) == sizeof(From), "a bit cast between types of one size");
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+
+// ---- scalars
+inline float to_f32(float x) { return x; }
+inline float to_f32(fms_bf16 x) { return bits<float>((uint32_t)x.bits << 16); }
+inline float to_f32(fms_f16 x) {
+#if defined(__F16C__)
+  return _cvtsh_ss(x.bits);
+#else
+  return (float)bits<_Float16>(x.bits);
+#endif
+}
+
+template <class T>
+inline T from_f32(float x);
+template <>
+inline float from_f32<float>(float x) { return x; }
+template <>
+inline fms_bf16 from_f32<fms_bf16>(float x) {
+  const uint32_t u = bits<uint32_t>(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40)};  // NaN: a quiet NaN
+  return {(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+template <>
+inline fms_f16 from_f32<fms_f16>(float x) {
+#if defined(__F16C__)
+  return {(uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)};
+#else
+  return {bits<uint16_t>((_Float16)x)};
+#endif
+}
+
+// ---- N lanes (N = 8 or 16)
+template <int N>
+inline vec<N> load(const float* p) {
+  vec<N> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <int N>
+inline vec<N> load(const fms_bf16* p) {
+#if defined(__AVX512F__)
+  if constexpr (N == 16)
+    return (vec<N>)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#endif
+#if defined(__AVX2__)
+  if constexpr (N == 8)
+    return (vec<N>)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#endif
+  hvec<N> h;
+  std::memcpy(&h, p, sizeof h);
+  return (vec<N>)(__builtin_convertvector(h, uvec<N>) << 16);  // a vector cast keeps the bits
+}
+template <int N>
+inline vec<N> load(const fms_f16* p) {
+#if defined(__AVX512F__)
+  if constexpr (N == 16) return (vec<N>)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
+#if defined(__F16C__)
+  if constexpr (N == 8) {
+    return (vec<N>)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    vec<N> v;
+    for (int i = 0; i < N; i += 8) {
+      const vec<8> part = load<8>(p + i);
+      std::memcpy(reinterpret_cast<float*>(&v) + i, &part, sizeof part);
+    }
+    return v;
+  }
+#else
+  vec<N> v;
+  for (int i = 0; i < N; ++i) v[i] = to_f32(p[i]);
+  return v;
+#endif
+}
+
+template <int N>
+inline void store(float* p, vec<N> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+template <int N>
+inline void store(fms_bf16* p, vec<N> v) {
+  for (int i = 0; i < N; ++i) p[i] = from_f32<fms_bf16>(v[i]);
+}
+template <int N>
+inline void store(fms_f16* p, vec<N> v) {
+  for (int i = 0; i < N; ++i) p[i] = from_f32<fms_f16>(v[i]);
+}
+
+}  // namespace fms_vec
