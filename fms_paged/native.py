@@ -116,7 +116,8 @@ def bind(lib: ctypes.CDLL, name: str, struct: type[ctypes.Structure]) -> ctypes.
 ISAS = ("native", "avx2", "baseline")
 _MARCH = {  # (x86-64, Arm) flags of each
     "native": ("-march=native", "-mcpu=native"),
-    "avx2": ("-march=x86-64-v3", None),  # AVX2, FMA, F16C: a CPU without AVX-512 (AMD Zen 3, Intel before Skylake-X)
+    # AVX2, FMA, F16C: a CPU without AVX-512 (AMD Zen 3, Intel before Skylake-X)
+    "avx2": ("-march=x86-64-v3", None),
     "baseline": ("-march=x86-64", "-march=armv8-a"),  # SSE2 (no F16C, no FMA) / plain Armv8
 }
 
@@ -213,7 +214,8 @@ def _load(source: Path, which: str, **defines: int | str) -> tuple[ctypes.CDLL |
         return None, f"{cxx} --version failed: {e}"
     made_from = [source.read_text(), *(h.read_text() for h in HEADERS), " ".join(flags), version, _cpu_id()]
     key = hashlib.sha256("\n".join(made_from).encode())
-    tag = "".join(f"_{k.lower()}{v}" for k, v in sorted(defines.items())) + ("" if which == "native" else f"_{which}")
+    tag = "".join(f"_{k.lower()}{v}" for k, v in sorted(defines.items()))
+    tag += "" if which == "native" else f"_{which}"
     path = cache_dir() / f"{source.stem}{tag}_{key.hexdigest()[:16]}.so"
     if not path.exists():
         try:

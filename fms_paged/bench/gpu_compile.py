@@ -106,12 +106,9 @@ def check_kernel_pick(model: torch.nn.Module, log: Callable[[str], None]) -> dic
     if device.type == "cuda":
         want = "FlexAttention's decoding template (inductor chose it, and a triton_tem_ kernel ran)"
         ok = any(choices) and any(n.startswith("triton_tem") for n in names)
-    elif model.dtype == torch.float32:  # the CPU's kernel for fp32
+    else:  # the CPU's kernel, in every dtype
         want = "the C++ kernel fms_paged::paged_attention"
         ok = eng.backend.kernel == "cpp" and "fms_paged::paged_attention" in names
-    else:
-        want = f"any kernel ({eng.backend.kernel} ran): the C++ kernel serves fp32 only"
-        ok = True
     log(f"[kernels] decode on {device.type} ({eng.backend.kernel}, cuda_graphs={eng.runner.cuda_graphs}): "
         f"{'ok' if ok else 'WRONG'}; top kernels {names[:4]}")
     return {"name": "decode kernel", "kernel": eng.backend.kernel, "cuda_graphs": eng.runner.cuda_graphs,

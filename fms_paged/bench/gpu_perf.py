@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from fms_paged.bench import environment as bench_env
-from fms_paged.bench import peers, serve
+from fms_paged.bench import peers, serve, vs_vllm
 from fms_paged.bench.latency import final_lengths, random_prompts, run_plan
 from fms_paged.bench.report import fmt, table
 from fms_paged.device import default_page_size
@@ -266,8 +266,8 @@ def serving(model, size: Result, specs, log) -> Result:
 
     def ours() -> Result:
         eng = _engine(model, size, specs)
-        peers.offline_runs(eng, prompts, new, 1)  # untimed: the buckets this traffic meets compile
-        r = peers.offline_runs(eng, prompts, new, 1)[0]
+        vs_vllm.offline_runs(eng, prompts, new, 1)  # untimed: the buckets this traffic meets compile
+        r = vs_vllm.offline_runs(eng, prompts, new, 1)[0]
         return {k: r[k] for k in ("duration_s", "output_tok_s", "decode_steps_s")}
 
     engine = {"system": "engine", **_attempt(ours, model.device)}

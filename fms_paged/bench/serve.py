@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from fms_paged.bench import peers
+from fms_paged.bench import peers, vs_vllm
 from fms_paged.bench.environment import kv_bytes_per_token
 from fms_paged.bench.latency import with_rope_len
 from fms_paged.bench.report import fmt, table
@@ -212,7 +212,7 @@ def run(args, model, spec: dict[str, Any], res: dict[str, Any], log=print) -> di
         elif name == "capacity":
             res["capacity"] = [capacity(model, args, n) for n in args.capacity_lens]
         else:
-            res["vs_vllm"] = peers.vs_vllm(args, model, spec.get("model_path"), args.out, log=log)
+            res["vs_vllm"] = vs_vllm.vs_vllm(args, model, spec.get("model_path"), args.out, log=log)
         phase[name] = time.perf_counter() - t
     for name, runs in res["workloads"].items():  # greedy tokens across the runs of a workload
         toks = [r["tokens"] if name != "parallel" else [r["tokens"][0]]  # greedy: completions equal
@@ -297,7 +297,7 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['config']['scale']}, model {res['model']['source']}", "", table(runs, COLUMNS), "",
              *_notes(res)]
     if "vs_vllm" in res:
-        lines += peers.vs_vllm_markdown(res["vs_vllm"])
+        lines += vs_vllm.vs_vllm_markdown(res["vs_vllm"])
     parts = ", ".join(f"{k} {v:.0f}" for k, v in res["phase_s"].items())
     return "\n".join([*lines, "", f"Wall time of each part (s): {parts}"]) + "\n"
 

@@ -105,7 +105,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     B, H, S, D = q.shape
     dt, i64 = q.dtype, torch.int64
     if dt not in native.ELEM_TYPES:
-        raise ValueError(f"paged_attention: q is {dt}; the kernel takes {', '.join(map(str, native.ELEM_TYPES))}")
+        kinds = ", ".join(map(str, native.ELEM_TYPES))
+        raise ValueError(f"paged_attention: q is {dt}; the kernel takes {kinds}")
     want = [("q", q, dt, 4), ("k_pool", k_pool, dt, 4), ("v_pool", v_pool, dt, 4),
             ("page_table", page_table, torch.int32, 2), ("chunks", chunks, i64, 2)]
     for name, t, dtype, dims in want:

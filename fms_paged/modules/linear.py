@@ -147,7 +147,8 @@ def gemv_args(dtype: torch.dtype) -> type[ctypes.Structure]:
     tp = native.pointer(kind)
     fields = [
         ("x", tp), ("M", ctypes.c_int64), ("K", ctypes.c_int64), ("x_st", ctypes.c_int64),
-        ("weights", native.pointer(kind + "*")), ("rows", native.pointer("i64")), ("n_weights", ctypes.c_int64),
+        ("weights", native.pointer(kind + "*")), ("rows", native.pointer("i64")),
+        ("n_weights", ctypes.c_int64),
         ("y", tp), ("threads", ctypes.c_int32),
     ]
     return type("FmsGemvArgs", (ctypes.Structure,), {"__slots__": (), "_fields_": fields})
@@ -209,7 +210,8 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     be built). x and the weights [N_i, K]: one dtype of fp32, bf16 and fp16, on the CPU (ValueError
     otherwise); the dot products accumulate in fp32."""
     if x.dtype not in native.ELEM_TYPES or not x.is_cpu or not x.dim():
-        raise ValueError(f"gemv: x must be a CPU tensor [..., K] of {', '.join(map(str, native.ELEM_TYPES))}, "
+        kinds = ", ".join(map(str, native.ELEM_TYPES))
+        raise ValueError(f"gemv: x must be a CPU tensor [..., K] of {kinds}, "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
     fn = _gemv_kernel(x.dtype)
     if fn is None:

@@ -8,7 +8,7 @@ import json
 from types import SimpleNamespace
 
 from fms_paged import generate, get_model
-from fms_paged.bench import cli, peers, serve
+from fms_paged.bench import cli, serve, vs_vllm
 
 
 def test_tiny_serve_run_is_consistent(tmp_path, device):
@@ -84,14 +84,35 @@ def test_engine_offline_runs_account_for_every_token(device):
     dense = get_model(variant="micro", device=device, seed=0)
     paged = get_model(variant="micro", device=device, seed=0, attn_impl="paged")
     prompts = [[5, 6, 7], list(range(3, 40))]
-    eng, warm = peers.offline_engine(paged, 4, 64, False, 64)
-    runs = peers.offline_runs(eng, prompts, 6, 3) + peers.offline_runs(eng, prompts, 6, 2)
-    e = {"compile": False, "warmup_s": warm, **peers.median_run(runs)}
+    eng, warm = vs_vllm.offline_engine(paged, 4, 64, False, 64)
+    runs = vs_vllm.offline_runs(eng, prompts, 6, 3) + vs_vllm.offline_runs(eng, prompts, 6, 2)
+    e = {"compile": False, "warmup_s": warm, **vs_vllm.median_run(runs)}
     assert e["tokens"] == [generate(dense, [p], 6, eos_id=None)[0] for p in prompts]
     assert e["tokens_equal_runs"] and len(e["output_tok_s_runs"]) == 5
     assert e["output_tok_s"] == sorted(e["output_tok_s_runs"])[2] == 2 * 6 / e["duration_s"]
     assert e["decode_steps_s"] > 0
-    vs = {"read_bandwidth_gbs": 20.0, "workloads": {"w": {
-        "roofline_steps_s": 100.0, "engine": e, "vllm": {"error": "no venv\nnot found"}}}}
-    table = "\n".join(peers.vs_vllm_markdown(vs))
-    assert "| w | engine compile=False | " in table and "| w | vLLM CPU | did not run: not found" in table
+    vs = {"read_bandwidth_gbs": 20.0, "workloads": {"w": {"bfloat16": {
+        "roofline_steps_s": 100.0, "engine": e, "vllm": {"error": "no venv\nnot found"}}}}}
+    table = "\n".join(vs_vllm.vs_vllm_markdown(vs))
+    assert "| w | bfloat16 | engine compile=False | " in table
+    assert "| w | bfloat16 | vLLM CPU | did not run: not found" in table
+
+
+def test_vs_vllm_targets_are_judged_from_the_runs():
+    """Each half-precision target is reported with what was measured: ratios of the engine's bf16
+    rate to vLLM's bf16 rate, the one-request decode's share of its roofline, and the warm starts."""
+    def run(tok_s, tokens, steps=None):
+        return {"output_tok_s": tok_s, "tokens": tokens, "decode_steps_s": steps}
+
+    one, many = [[1] * 4], [[1] * 4, [2] * 4]
+    vs = {"workloads": {
+        "decode": {"bfloat16": {"roofline_steps_s": 100.0, "engine": run(150.0, one, 85.0),
+                                "vllm": run(100.0, one)}},
+        vs_vllm.DEFAULT_WORKLOAD: {"bfloat16": {"roofline_steps_s": 10.0, "engine": run(90.0, many),
+                                                "vllm": run(100.0, many)}}},
+        "warm_start_s": {"bfloat16": {"start_s": 11.0}, "float32": {"start_s": 10.0}}}
+    got = {r["target"].split(" (")[0]: (r["measured"], r["met"]) for r in vs_vllm.vs_vllm_targets(vs)}
+    assert got["bf16 output tok/s >= 1.0x vLLM bf16 on every workload"] == ("1.50x, 0.90x", "no")
+    assert got["bf16 >= 1.3x vLLM bf16 on the decode workloads"] == ("1.50x", "yes")
+    assert got["one-request bf16 decode >= 80% of the read roofline"] == ("85%", "yes")
+    assert got["bf16 engine's warm start <= 1.2x fp32's"] == ("1.10x", "yes")

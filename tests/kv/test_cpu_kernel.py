@@ -3,7 +3,10 @@ keys gathered into logical order, computed in float64 (an independent reference:
 pages in place, sums in another order and has its own exp).
 
 Tolerance 1e-5 absolute on outputs of magnitude ~1: fp32 round-off of softmax-weighted sums of up
-to a few hundred terms, and the kernel's exp (Cephes' polynomial, ~1 ulp).
+to a few hundred terms, and the kernel's exp (Cephes' polynomial, ~1 ulp). In bf16 and fp16 the
+reference is computed in float64 from the same half-precision inputs; the kernel computes in fp32
+and rounds its output once, so each output is within half an ulp of the reference, at most
+u * |ref| (u: the dtype's unit roundoff, 2^-8 for bf16, 2^-11 for fp16), plus that 1e-5.
 """
 
 import ctypes
@@ -22,6 +25,16 @@ from fms_paged.kv.paged import PagedBackend
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
 
 TOL = 1e-5
+UNIT_ROUNDOFF = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # beyond fp32's
+
+
+def isas() -> list[str]:
+    """The builds this CPU can run: its own, and the narrower ones forced with FMS_PAGED_CPU_ISA
+    (an AVX-512 CPU runs the AVX2 build a CPU without AVX-512 gets, and any x86 CPU the SSE2 one)."""
+    out = ["native", "baseline"]
+    if "avx2" in native.cpu_flags() and "f16c" in native.cpu_flags():
+        out.insert(1, "avx2")
+    return out
 
 
 def make_pool(lengths, H, Hkv, D, P, seed=0):
@@ -90,18 +103,51 @@ def test_prefill_chunks_and_decode_rows_match_sdpa(D, H, Hkv, P):
 
 
 @pytest.mark.parametrize("H,Hkv", [(8, 2), (1, 1), (40, 1)])
-def test_decode_batch_layout_and_thread_count(H, Hkv):
+def within_rounding(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the kernel's output is its dtype's rounding of the float64 reference (module
+    docstring)."""
+    return (out.double() - ref).abs() <= UNIT_ROUNDOFF[out.dtype] * ref.abs() + TOL
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D,H,Hkv,P", [(64, 8, 2, 16), (32, 4, 4, 8), (128, 9, 3, 64)])
+def test_half_precision_and_each_isa_match_float64(isa, dtype, D, H, Hkv, P, monkeypatch):
+    """bf16 / fp16 pools and queries (and fp32), on this CPU's build and on each narrower one:
+    prefill chunks from position 0 and continuing, decode rows, GQA and MHA, lengths that end
+    inside a page and a key block, every slot not a sequence's own NaN (stale pages the kernel must
+    never let through), and a row with no sequence (zeros)."""
+    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
+    lengths = [1, 15, 150, 77, 200, 64]
+    k, v, table, slots = make_pool(lengths, H, Hkv, D, P)
+    k, v = k.to(dtype), v.to(dtype)  # NaN stays NaN
+    parts = [(0, 0, 1), (1, 0, 15), (2, 0, 150), (3, 37, 40), (4, 199, 1), (-1, 0, 1), (5, 63, 1)]
+    offs = torch.tensor([0] + [n for _, _, n in parts]).cumsum(0)[:-1]
+    chunks = torch.tensor([(s, q0, n, int(o)) for (s, q0, n), o in zip(parts, offs)])
+    T = int(offs[-1]) + 1
+    q = torch.randn(1, T, H, D, generator=torch.Generator().manual_seed(1)).to(dtype).transpose(1, 2)
+    out = run(q, k, v, table, chunks, P)
+    assert out.dtype == dtype and out.shape == (1, T, H, D)
+    ok = within_rounding(out, reference(q, k, v, slots, chunks, H))
+    assert ok.all(), f"{(~ok).sum().item()} outputs off by more than the dtype's rounding"
+    assert (out[0, int(offs[5])] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv", [(8, 2), (1, 1), (40, 1)])
+def test_decode_batch_layout_and_thread_count(H, Hkv, dtype):
     """Decode rows as the model passes them ([B, H, 1, D], a transposed view), and the same bits
     with 1 thread as with the default count (each row is computed by one thread). Decode rows take
-    the kernel's keys-in-lanes path: lengths that end inside a 16-key lane group and a 64-key block
+    the kernel's keys-in-lanes path: lengths that end inside a lane group of keys (8 or 16) and a 64-key block
     (5, 129, 300), one head alone, and 40 query heads on one kv head (two work items per row)."""
     D, P = 32, 16
     lengths = [300, 5, 129]
     k, v, table, slots = make_pool(lengths, H, Hkv, D, P)
+    k, v = k.to(dtype), v.to(dtype)
     chunks = torch.tensor([(s, n - 1, 1, s) for s, n in enumerate(lengths)])
-    q = torch.randn(3, 1, H, D).transpose(1, 2)  # [B, H, 1, D]
+    q = torch.randn(3, 1, H, D).to(dtype).transpose(1, 2)  # [B, H, 1, D]
     out = run(q, k, v, table, chunks, P)
-    assert (out.double() - reference(q, k, v, slots, chunks, H)).abs().max().item() <= TOL
+    assert within_rounding(out, reference(q, k, v, slots, chunks, H)).all()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -145,7 +191,7 @@ def test_bad_inputs_raise():
     k, v, table, _ = make_pool([20], H, Hkv, D, P)
     chunks = torch.tensor([(0, 0, 20, 0)])
     q = torch.randn(1, H, 20, D)
-    with pytest.raises(ValueError, match=r"q is torch.float64; the kernel takes torch.float32, torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"q is torch.float64; the kernel takes torch.float32, torch.bf"):
         run(q.double(), k, v, table, chunks, P)
     with pytest.raises(ValueError, match="k_pool must be a 4-D torch.bfloat16 CPU tensor, got torch.float32"):
         run(q.bfloat16(), k, v.bfloat16(), table, chunks, P)  # one dtype for q, the pools and out

@@ -1,7 +1,9 @@
 """The packed CPU linear (`fms_paged.modules.linear`) against `F.linear` on the same weights.
 
 Tolerance: oneDNN and MKL sum the K products in different orders; fp32 round-off over K <= 1024
-terms of unit-scale values stays far below rtol 1e-5 / atol 1e-4.
+terms of unit-scale values stays far below rtol 1e-5 / atol 1e-4. In bf16 and fp16 the reference
+is float64 from the same half-precision inputs: every path sums in fp32 and rounds its output
+once, so an output is within u * |ref| of it (u: the dtype's unit roundoff) plus that fp32 term.
 """
 
 import ctypes
@@ -16,6 +18,67 @@ from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules import linear as L
 
 TOL = dict(rtol=1e-5, atol=1e-4)
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def assert_rounded_from(got: torch.Tensor, ref: torch.Tensor, rounded: torch.Tensor | None = None) -> None:
+    """`got` (half precision) is its dtype's rounding of `ref` (float64), up to fp32 round-off; with
+    `rounded`, an intermediate that was rounded to the dtype too (its error adds u * |rounded|)."""
+    err = (got.double() - ref).abs()
+    bound = UNIT_ROUNDOFF[got.dtype] * ref.abs() + TOL["rtol"] * ref.abs() + TOL["atol"]
+    if rounded is not None:
+        bound = bound + UNIT_ROUNDOFF[got.dtype] * rounded.abs()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g} beyond the dtype's rounding"
+
+
+def isas() -> list[str]:
+    """The kernel builds this CPU runs: its own and the narrower ones (see tests/kv/test_cpu_kernel.py)."""
+    flags = native.cpu_flags()
+    return ["native", "baseline"] + (["avx2"] if {"avx2", "f16c"} <= flags else [])
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 5, L.GEMV_MAX_ROWS])
+def test_gemv_in_half_precision(dtype, rows, isa, monkeypatch):
+    """The GEMV kernel on bf16 / fp16 x and weights (a stack of three, widths that are not whole
+    vectors or register tiles) on each build this CPU runs, against float64 of the same inputs."""
+    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 250, generator=g).to(dtype)
+    ws = [(torch.randn(n, 250, generator=g) / 16).to(dtype) for n in (96, 33, 7)]
+    got = L.gemv(x, ws)
+    assert got.dtype == dtype and got.shape == (rows, 136)
+    assert_rounded_from(got, torch.cat([x.double() @ w.double().T for w in ws], -1))
+
+
+@pytest.mark.parametrize("fp32_copy", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, L.GEMV_MAX_ROWS + 1, 300])
+def test_half_precision_linear_paths(dtype, rows, fp32_copy, monkeypatch):
+    """A bf16 / fp16 `Linear` takes the GEMV kernel for a decode's rows and a packed GEMM past them:
+    in its own dtype where oneDNN has that GEMM on this CPU (AVX512_BF16 / AMX), else on an fp32
+    copy of the weight. `fp32_copy` forces the second path (what a CPU without such a GEMM runs);
+    the first runs only where this CPU has it. Both against float64 of the same inputs."""
+    native_half = L.PACK_DTYPES[dtype] == dtype
+    if not fp32_copy and not native_half:
+        pytest.skip(f"oneDNN has no {dtype} GEMM on this CPU: only the fp32-copy path runs here")
+    if fp32_copy:
+        monkeypatch.setitem(L.PACK_DTYPES, dtype, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    lin = L.Linear(256, 1000, bias=True).requires_grad_(False).to(dtype)
+    x = torch.randn(rows, 256, generator=g).to(dtype)
+    path = "gemv" if rows <= L.GEMV_MAX_ROWS else "packed"
+    assert L.cpu_path(x, lin.weight) == path
+    got = lin(x)
+    assert got.dtype == dtype
+    if path == "packed":
+        assert L.packed_weight(lin.weight).dtype == (torch.float32 if fp32_copy else dtype)
+    # the GEMV path adds the bias to its rounded product (a second rounding); the packed GEMM adds it
+    # before rounding (LLaMA's projections have no bias)
+    product = x.double() @ lin.weight.double().T
+    assert_rounded_from(got, product + lin.bias.double(), product if path == "gemv" else None)
+    L._PACKED.pop(lin.weight, None)  # a forced path's copy must not outlive the monkeypatch
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -44,6 +107,7 @@ def test_cpu_paths_match_f_linear(out_f, in_f, lead, path, bias):
 
 
 def test_small_calls_and_other_dtypes_keep_f_linear():
+    """Small fp32 GEMMs keep MKL's lower per-call cost; float64 is none of the kernels' dtypes."""
     lin = L.Linear(40, 48, bias=False).requires_grad_(False)
     assert L.cpu_path(torch.randn(L.PACK_MIN_ROWS - 1, 40), lin.weight) is None
     lin(torch.randn(L.PACK_MIN_ROWS - 1, 40))
@@ -237,8 +301,8 @@ def test_gemv_refuses_wrong_dtypes_and_widths():
     """The kernel reads rows x K floats of each weight: a tensor of another dtype or width, for x or
     any weight of the stack, is a typed error naming it, before the kernel runs."""
     w, x = torch.randn(64, 32), torch.randn(2, 32)
-    with pytest.raises(ValueError, match=r"x must be a CPU tensor \[..., K\] of torch.float32, torch.bfloat16, "
-                                         r"torch.float16, got torch.float64"):
+    with pytest.raises(ValueError, match=r"x must be a CPU tensor \[..., K\] of torch.float32, "
+                                         r"torch.bfloat16, torch.float16, got torch.float64"):
         L.gemv(x.double(), [w])
     with pytest.raises(ValueError, match=r"weight 1 must be a 2-D torch.float32 CPU tensor \[N, 32\] .* got "
                                          r"torch.float32 \(64, 16\)"):
