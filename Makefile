@@ -39,7 +39,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-ppl bench-serve bench-http
+.PHONY: bench-llama bench-llama-paged bench-ppl bench-fidelity bench-serve bench-http
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -51,6 +51,12 @@ bench-llama-paged: install
 
 bench-ppl: install
 	$(PY) scripts/perplexity.py --attn-impl both --out results/bench-ppl $(BENCH_ARGS)
+
+# half-precision fidelity: bf16 / fp16 (ours paged, ours dense, HF sdpa, HF eager) against the fp32
+# model, teacher-forced over the stdlib docs: top-1 agreement, KL, perplexity, pairwise gaps and the
+# targets met or missed (BENCH_ARGS: --dtypes, --chars, --window, --chunk). A few minutes on a 2-core CPU.
+bench-fidelity: install
+	$(PY) scripts/fidelity.py --out results/bench-fidelity $(BENCH_ARGS)
 
 # the engine under serving traffic: offline / Poisson rates, shared prefix (cache on / off),
 # multi-turn, n=8, capacity under a KV budget, the engine beside vLLM (vs_vllm), and the peers on the
