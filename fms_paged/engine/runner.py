@@ -141,12 +141,17 @@ class ModelRunner:
         ids = [r.seq_id for r, _ in pre]
         if dec:
             tokens, positions, step, last = self.backend.mixed(*self._decode_rows(dec), ids, chunks, starts)
+        elif self._prefill is not None and self.backend.kernel == "cpp":
+            # a one-token step padded to two: the compiled prefill graph computes every step (eager
+            # ops would round each output to a half-precision model's dtype where the graph keeps
+            # fp32, so the same token would get other numbers than in a longer step)
+            tokens, positions, step, last = self.backend.prefill(ids, chunks, starts, min_tokens=2)
         else:
             tokens, positions, step, last = self.backend.prefill(ids, chunks, starts)
         done = [i for i, (r, n) in enumerate(pre) if r.reaches_end(n)]  # the plan's sampled chunks
         at = torch.cat([torch.arange(len(dec)), torch.tensor(done, dtype=torch.long)]).to(last.device)
         at[len(dec):] = last.index_select(0, at[len(dec):])
-        if self._prefill is None or tokens.shape[1] < 2:  # 1 token: a shape of its own, run eagerly
+        if self._prefill is None or tokens.shape[1] < 2:  # 1 token (flex, gather): run eagerly
             return self.model(tokens, positions, step, logits_at=at)
         return self.model.logits(prefill_hidden(self._prefill, self.model, tokens, positions, step), at)
 

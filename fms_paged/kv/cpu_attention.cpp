@@ -64,6 +64,7 @@ constexpr int LG = 32 / W;  // lane groups per work item
 constexpr int BK = 64;  // keys per block
 constexpr int KG = 8;   // keys per register tile of the scores (a page holds whole tiles: P % KG == 0)
 constexpr int DG = W;   // head-dim slice per register tile of the output
+constexpr int64_t GRAIN = int64_t(1) << 18;  // multiply-adds (rows x keys x D) per thread, at least
 static_assert(D % DG == 0, "the head dim must be a multiple of 16");
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
@@ -393,7 +394,14 @@ int fms_paged_attention(const FmsPagedAttentionArgs* args) {
   // the costliest items first (rows x keys), handed out one at a time
   std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   const int n_items = (int)items.size();
-#pragma omp parallel num_threads(std::max(1, std::min(c.threads, n_items)))
+  // a thread per GRAIN (row, key) pairs at most (ATen's habit of a grain size): a short step on one
+  // thread costs less than a parallel region's fork and join, and far less when another process
+  // keeps a core busy and the region waits for a thread the OS has descheduled
+  int64_t work = 0;
+  for (const Item& it : items) work += it.cost;
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)c.threads, (int64_t)n_items,
+                                                                    work * D / GRAIN}));
+#pragma omp parallel num_threads(threads)
   {
     const std::unique_ptr<Scratch> sc(new Scratch);  // off the thread's stack: up to ~200 KiB
 #pragma omp for schedule(dynamic, 1)

@@ -143,7 +143,10 @@ class PagedBackend:
                 pool.index_fill_(2, idx, 0)
         self.pm.apply_copies(copies, *self.k_pools, *self.v_pools)  # pages shared by fork
 
-    def prefill(self, seq_ids, prompts, starts=None):
+    def prefill(self, seq_ids, prompts, starts=None, min_tokens: int = 1):
+        """`CacheBackend.prefill`; `min_tokens` (cpp): a step of fewer tokens is padded to that
+        many with tokens of no sequence (zero attention output, their keys and values written to
+        the null page), so that it takes the compiled prefill graph's shape, not one of its own."""
         starts = [0] * len(prompts) if starts is None else list(starts)
         counts = [len(p) for p in prompts]
         check_chunks(seq_ids, counts, starts)
@@ -159,9 +162,16 @@ class PagedBackend:
         last = torch.from_numpy(np.cumsum(counts) - 1).to(self.device)
         tokens = torch.tensor([t for p in prompts for t in p])[None]  # [1, T]
         if self.kernel == "cpp":
-            chunks = torch.tensor([(s, st, n, o) for s, st, n, o in
-                                   zip(seq_ids, starts, counts, np.cumsum([0, *counts]).tolist())])
-            return tokens, torch.from_numpy(tok_pos)[None], CppStep(self, slots, chunks), last
+            offsets = np.cumsum([0, *counts]).tolist()
+            rows = [(s, st, n, o) for s, st, n, o in zip(seq_ids, starts, counts, offsets)]
+            T, positions = tokens.shape[1], torch.from_numpy(tok_pos)[None]
+            if T < min_tokens:  # padding of no sequence: position 0, the null page's slot 0
+                pad = min_tokens - T
+                rows.append((-1, 0, pad, T))
+                tokens = torch.cat([tokens, torch.zeros(1, pad, dtype=tokens.dtype)], dim=1)
+                positions = torch.cat([positions, torch.zeros(1, pad, dtype=positions.dtype)], dim=1)
+                slots = torch.cat([slots, torch.zeros(pad, dtype=slots.dtype, device=slots.device)])
+            return tokens, positions, CppStep(self, slots, torch.tensor(rows)), last
         if not self.flex_prefill:
             step = GatherPrefillStep(self, slots, seq_ids, counts, starts)
             return tokens.to(self.device), torch.from_numpy(tok_pos)[None].to(self.device), step, last

@@ -43,6 +43,7 @@ constexpr int MR = kF32 ? 4 : 8;  // rows of x per register tile
 constexpr int MR = kF32 ? 2 : 4;
 #endif
 constexpr int NR = kF32 ? 4 : 2;  // weight rows per register tile
+constexpr int64_t GRAIN = int64_t(1) << 18;  // multiply-adds per thread, at least (see the kernel)
 
 using vf = fms_vec::vec<W>;
 inline vf load(const T* p) { return fms_vec::load<W>(p); }
@@ -165,7 +166,12 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   }
   T* y = a.y;
   const int64_t nb = (int64_t)blocks.size();
-#pragma omp parallel for schedule(static) num_threads((int)std::max<int64_t>(1, std::min<int64_t>(a.threads, nb)))
+  // a thread per GRAIN multiply-adds at most (ATen's habit of a grain size): a small product on one
+  // thread costs less than a parallel region's fork and join, and far less when another process
+  // keeps a core busy and the region waits for a thread the OS has descheduled
+  const int64_t by_work = std::max<int64_t>(1, M * col / GRAIN);
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, nb, by_work}));
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < nb; ++b) {
     const Segment& s = segs[blocks[b].first];
     const int64_t j0 = blocks[b].second;
