@@ -169,7 +169,7 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   // a thread per GRAIN multiply-adds at most (ATen's habit of a grain size): a small product on one
   // thread costs less than a parallel region's fork and join, and far less when another process
   // keeps a core busy and the region waits for a thread the OS has descheduled
-  const int64_t by_work = std::max<int64_t>(1, M * col / GRAIN);
+  const int64_t by_work = std::max<int64_t>(1, M * col * K / GRAIN);
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, nb, by_work}));
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < nb; ++b) {

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from fms_paged import generate, get_model, load_tokenizer
 from tests.conftest import make_hf_llama
@@ -127,20 +128,9 @@ def test_chat_stream_equals_the_whole_response(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level map, byte -> printable character (what `pre_tokenizers.ByteLevel` uses)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def token_bytes(hf_tok, token_id: int) -> bytes:
-    """A byte-level BPE token's bytes (the inverse of GPT-2's byte -> printable-character map)."""
+    """A byte-level BPE token's bytes (the inverse of GPT-2's byte -> printable-character map, as
+    transformers spells it: an independent reference for the server's own map)."""
     decode = {c: b for b, c in bytes_to_unicode().items()}
     return bytes(decode[c] for c in hf_tok.convert_ids_to_tokens(token_id))
 
