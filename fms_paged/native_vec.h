@@ -24,11 +24,14 @@
 
 namespace fms_vec {
 
+#ifndef FMS_VEC_NATIVE  // (a build may set it: 16 lanes on an AVX2 CPU run the AVX-512 build's logic)
 #if defined(__AVX512F__)
-constexpr int NATIVE = 16;
+#define FMS_VEC_NATIVE 16
 #else
-constexpr int NATIVE = 8;
+#define FMS_VEC_NATIVE 8
 #endif
+#endif
+constexpr int NATIVE = FMS_VEC_NATIVE;
 
 // N lanes of float, int32, uint32 and uint16 (GCC's vector_size cannot depend on a template
 // parameter directly: one specialization per width)

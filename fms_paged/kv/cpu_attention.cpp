@@ -141,7 +141,7 @@ constexpr int bitrev(int i) {
 
 // lane j of the result: the sum of the lanes of p[bitrev(j)] (W horizontal sums in W - 1 adds)
 inline vf reduce_lanes(const vf* p) {
-#if defined(SHUFFLE) && defined(__AVX512F__)
+#if defined(SHUFFLE) && FMS_VEC_NATIVE == 16
   vf c[8], d[4], e[2];  // each level halves the lanes per vector and doubles the vectors per lane
   for (int i = 0; i < 8; ++i)
     c[i] = SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +

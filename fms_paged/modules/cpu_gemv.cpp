@@ -52,7 +52,7 @@ inline vf splat(float x) { return fms_vec::splat<W>(x); }
 inline float hsum(vf v) {
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
   typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-#ifdef __AVX512F__
+#if FMS_VEC_NATIVE == 16
   typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
   const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
