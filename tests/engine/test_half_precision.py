@@ -14,8 +14,8 @@ computed it, and the engine picks paths by the shape of each step, not by the re
 - attention: a chunk of one token (a decode row) takes the cpp kernel's keys-in-lanes path, a
   longer chunk its rows-in-lanes path (after a preemption, output tokens first computed as decode
   rows are recomputed in a prefill chunk);
-- a step of a single token runs eagerly, every other step through a compiled graph (inductor
-  keeps a fused kernel's intermediates in fp32, eager rounds each op's output to the dtype).
+- (every step, a one-token prefill padded to two included, runs a compiled graph: eager ops would
+  round each output to the dtype where inductor's fused kernels keep fp32.)
 
 Within one path a row's result does not depend on the other rows of its step
 (`test_same_paths_are_bit_identical_to_alone`). Between paths, fp32 results differ in their last
