@@ -3,9 +3,10 @@
 Each case is a random-weight `transformers.LlamaForCausalLM` (2 layers, vocab 512, norms
 randomized, weights N(0, 1/hidden) so attention scores have unit spread: neither uniform nor
 one-hot, so a misread key moves the output) loaded into ours, run as the engine runs it: kernel
-"auto" (flex on CUDA), prefill through `PagedBackend` and the model's forward, then greedy decode
-steps through the compiled decode step (`decode_fn(backend, compile=True)`), rows padded to the
-engine's decode bucket with inactive rows. Two scenarios share one backend (and its compiled kernels):
+"auto" (flex on CUDA) unless the case names one, prefill through `PagedBackend` and the model's
+forward, then greedy decode steps through the compiled decode step (`decode_fn(backend,
+compile=True)`), rows padded to the engine's decode bucket with inactive rows. Two scenarios
+share one backend (and its compiled kernels):
 - "fresh": seqs 0..3, prompts of 1, P-1, P+1 and 2P+3 tokens (ending inside a page);
 - "nan-reuse, rows 5,2,7": the fresh run's pages are filled with NaN and released; seqs 5, 2, 7 of
   an 8-row backend (rows that are not 0..B-1: attention-gym issue 189) reuse them, and decode
@@ -34,7 +35,8 @@ case compiles a flex prefill and a whole decode step, seconds each on an H100, a
 fp16 (gqa 8/2, P=16), so every dtype, head layout and page size appears, and both scenarios run in
 every case, so NaN reuse and foreign rows run in every dtype. Head dims 64 and 128, hidden =
 Hq x head_dim, prompts up to 2P+3 = 259 tokens, 16 decode steps. TINY (the CPU dry run): one case
-per dtype, head_dim 16, P=16, 8 decode steps.
+per dtype, head_dim 16, P=16, 8 decode steps; bf16 on the flex kernel (the one CUDA runs, and one
+that reads whole pages, so NaN left in them shows), fp32 and fp16 on the CPU's own (cpp).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class Case:
     kvheads: int
     head_dim: int
     page: int
+    kernel: str = "auto"
 
     @property
     def model(self) -> str:
@@ -80,7 +83,7 @@ class Case:
 
 FULL = [Case("bfloat16", 32, 8, 64, 128), Case("float32", 32, 8, 64, 16), Case("float16", 8, 2, 128, 16),
         Case("float32", 8, 2, 128, 128), Case("float32", 8, 8, 64, 16)]
-TINY = [Case("float32", 8, 2, 16, 16), Case("bfloat16", 8, 2, 16, 16), Case("float16", 4, 4, 16, 16)]
+TINY = [Case("float32", 8, 2, 16, 16), Case("bfloat16", 8, 2, 16, 16, "flex"), Case("float16", 4, 4, 16, 16)]
 
 
 def hf_llama(case: Case, seed: int = 0) -> torch.nn.Module:
@@ -217,7 +220,7 @@ def run_case(case: Case, device: torch.device, steps: int, checks: list[dict[str
     hfs = (hf32 if dtype == torch.float32 else copy.deepcopy(hf32).to(dtype), hf32)  # (dtype, fp32)
     fresh_len, rows_len = [1, P - 1, P + 1, 2 * P + 3], [2 * P + 3, P + 1, P - 1]
     max_len = max(fresh_len) + steps + 1
-    paged = make_backend(model, "paged", MAX_BATCH, max_len)
+    paged = make_backend(model, "paged", MAX_BATCH, max_len, kernel=case.kernel)
     dense = make_backend(model, "sdpa", len(FRESH_IDS), max_len)
     step_fn, kernel = decode_fn(paged, compile=True), paged.kernel
     prompts = prompts_of(fresh_len, seed=1)
