@@ -8,6 +8,9 @@ once, so an output is within u * |ref| of it (u: the dtype's unit roundoff) plus
 
 import ctypes
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -79,6 +82,33 @@ def test_half_precision_linear_paths(dtype, rows, fp32_copy, monkeypatch):
     product = x.double() @ lin.weight.double().T
     assert_rounded_from(got, product + lin.bias.double(), product if path == "gemv" else None)
     L._PACKED.pop(lin.weight, None)  # a forced path's copy must not outlive the monkeypatch
+
+
+def onednn_cap_below_this_cpu() -> tuple[str, str]:
+    """(ONEDNN_MAX_CPU_ISA value, a word oneDNN's reported ISA must then lack): one step below this
+    CPU's best GEMM unit, so a test runs the packed GEMMs on the path of the CPUs below it. AMX
+    (Intel Xeon 4th gen on) -> AVX-512 with bf16 (AMD Zen 4's path); AVX-512 -> AVX2; else SSE4.1."""
+    flags = native.cpu_flags()
+    if "amx_bf16" in flags:
+        return "AVX512_CORE_BF16", "AMX"
+    if "avx512f" in flags:
+        return "AVX2", "AVX-512"
+    return "SSE41", "AVX"
+
+
+def test_half_precision_linear_paths_below_this_cpus_gemm_unit(tmp_path):
+    """The half-precision `Linear` tests again in a process whose oneDNN is capped one ISA below this
+    CPU (`ONEDNN_MAX_CPU_ISA`, read once per process): the GEMMs' fallback from AMX, which the
+    machine would not run otherwise. oneDNN's own report shows the cap took effect."""
+    cap, absent = onednn_cap_below_this_cpu()
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA=cap, ONEDNN_VERBOSE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", f"--rootdir={tmp_path}",
+           f"{__file__}::test_half_precision_linear_paths", f"{__file__}::test_cpu_paths_match_f_linear"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    isa = [line for line in run.stdout.splitlines() if line.startswith("onednn_verbose") and ",isa:" in line]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert isa and absent not in isa[0], isa
+    assert " passed" in run.stdout.splitlines()[-1], run.stdout[-500:]
 
 
 @pytest.mark.parametrize("bias", [False, True])
