@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fms_paged.bench.environment import kv_bytes_per_token, measure_read_bandwidth, weight_bytes
-from fms_paged.bench.peers import _job, _run, around_vllm, hf_checkpoint_dir
+from fms_paged.bench.peers import _job, _run, around_vllm, hf_checkpoint_dir, offline_engine
 from fms_paged.bench.report import table
 from fms_paged.engine import Engine, SamplingParams
 from fms_paged.models import get_model
@@ -33,13 +33,6 @@ VS_VLLM = {
 SMOLLM2_135M = dict(src_vocab_size=49152, emb_dim=576, nheads=9, kvheads=3, nlayers=30,
                     hidden_grow_factor=1536 / 576, multiple_of=1, rope_theta=100000.0,
                     max_expected_seq_len=8192, tie_heads=True)
-
-
-def offline_engine(model, seqs: int, budget: int, compile, max_model_len: int) -> tuple[Engine, float]:
-    """A warmed-up engine for `offline_runs` (prefix cache off, as for vLLM) -> (engine, warm-up s)."""
-    eng = Engine(model, max_num_seqs=seqs, max_num_batched_tokens=budget, compile=compile,
-                 max_model_len=max_model_len, enable_prefix_caching=False)
-    return eng, eng.warmup(progress=False)
 
 
 def offline_runs(eng: Engine, prompts: list[list[int]], new: int, repeats: int) -> list[dict[str, Any]]:

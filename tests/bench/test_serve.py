@@ -8,7 +8,8 @@ import json
 from types import SimpleNamespace
 
 from fms_paged import generate, get_model
-from fms_paged.bench import cli, serve, vs_vllm
+from fms_paged.bench import cli, peers, serve, vs_vllm
+from fms_paged.models.hf import save_hf_llama
 
 
 def test_tiny_serve_run_is_consistent(tmp_path, device):
@@ -84,7 +85,7 @@ def test_engine_offline_runs_account_for_every_token(device):
     dense = get_model(variant="micro", device=device, seed=0)
     paged = get_model(variant="micro", device=device, seed=0, attn_impl="paged")
     prompts = [[5, 6, 7], list(range(3, 40))]
-    eng, warm = vs_vllm.offline_engine(paged, 4, 64, False, 64)
+    eng, warm = peers.offline_engine(paged, 4, 64, False, 64)
     runs = vs_vllm.offline_runs(eng, prompts, 6, 3) + vs_vllm.offline_runs(eng, prompts, 6, 2)
     e = {"compile": False, "warmup_s": warm, **vs_vllm.median_run(runs)}
     assert e["tokens"] == [generate(dense, [p], 6, eos_id=None)[0] for p in prompts]
@@ -116,3 +117,16 @@ def test_vs_vllm_targets_are_judged_from_the_runs():
     assert got["bf16 >= 1.3x vLLM bf16 on the decode workloads"] == ("1.50x", "yes")
     assert got["one-request bf16 decode >= 80% of the read roofline"] == ("85%", "yes")
     assert got["bf16 engine's warm start <= 1.2x fp32's"] == ("1.10x", "yes")
+
+
+def test_warm_start_job_times_each_part_of_a_start(tmp_path):
+    """`python -m fms_paged.bench.peers warm`: a checkpoint loaded in the job's dtype, its engine built
+    and warmed up, each part timed, the parts adding up to the start."""
+    save_hf_llama(get_model(variant="micro", seed=0), tmp_path / "ckpt")
+    job = {"model_path": str(tmp_path / "ckpt"), "dtype": "bfloat16", "device": "cpu", "max_num_seqs": 2,
+           "max_num_batched_tokens": 32, "max_model_len": 64, "compile": False, "requests": []}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    assert peers.peer_main("warm", str(tmp_path / "job.json"), str(tmp_path / "out.json")) == 0
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["kernel"] == "cpp" and min(got["load_s"], got["engine_s"], got["warmup_s"]) >= 0
+    assert abs(got["load_s"] + got["engine_s"] + got["warmup_s"] - got["start_s"]) < 1e-6
