@@ -13,10 +13,10 @@
 // Vectors are the machine's own (W = 16 lanes with AVX-512, 8 with AVX2: fms_paged/native_vec.h),
 // so that the register tiles below stay in registers. Work items are (chunk, kv head, up to
 // LG * W = 32 query rows), where a row is one query token for one of the G query heads that share
-// the kv head. Rows sit in vector lanes, so the
-// online softmax is vertical (no horizontal reductions) and K and V are read row by row from
-// their pages (no transposed copies): scores S[key][row] = sum_d K[key, d] * Q^T[d][row], then
-// O^T[d][row] += V[key, d] * P[key][row]. Keys go in blocks of BK.
+// the kv head. Rows sit in vector lanes, so the online softmax is vertical (no horizontal
+// reductions) and K and V are read row by row from their pages (no transposed copies): scores
+// S[key][row] = sum_d K[key, d] * Q^T[d][row], then O^T[d][row] += V[key, d] * P[key][row]. Keys
+// go in blocks of BK.
 //
 // A decode row (a chunk of one token) has only its G heads for rows (3 of 16 lanes for G = 3,
 // 1 for MHA), so it takes a path of its own with keys in the lanes instead: per head, W keys'

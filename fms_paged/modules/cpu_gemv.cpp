@@ -120,6 +120,16 @@ void columns(const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& 
   rest<MR - 1, nr>(M - m, x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st, next);
 }
 
+// a block of n (1 .. nr) weight rows: columns<n>
+template <int nr>
+void block(int64_t n, const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
+           int64_t y_st, const T* next) {
+  if constexpr (nr > 0) {
+    if (n == nr) return columns<nr>(x, x_st, M, K, s, j0, y, y_st, next);
+    block<nr - 1>(n, x, x_st, M, K, s, j0, y, y_st, next);
+  }
+}
+
 // x [M, K] (row stride x_st) in fp32: x itself, or converted once into buf (M x K values: far
 // fewer than the weights'), x_st then K
 inline const float* rows_f32(const float* x, int64_t, int64_t, int64_t&, std::vector<float>&) { return x; }
@@ -176,12 +186,7 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
     const Segment& s = segs[blocks[b].first];
     const int64_t j0 = blocks[b].second;
     const T* next = b + 1 < nb ? segs[blocks[b + 1].first].w + blocks[b + 1].second * K : nullptr;
-    switch (std::min<int64_t>(NR, s.n - j0)) {
-      case 4: columns<(NR >= 4 ? 4 : 1)>(x, x_st, M, K, s, j0, y, col, next); break;
-      case 3: columns<(NR >= 3 ? 3 : 1)>(x, x_st, M, K, s, j0, y, col, next); break;
-      case 2: columns<2>(x, x_st, M, K, s, j0, y, col, next); break;
-      default: columns<1>(x, x_st, M, K, s, j0, y, col, next); break;
-    }
+    block<NR>(std::min<int64_t>(NR, s.n - j0), x, x_st, M, K, s, j0, y, col, next);
   }
   return 0;
 }
