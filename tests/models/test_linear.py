@@ -69,7 +69,7 @@ def test_half_precision_linear_paths(dtype, rows, fp32_copy, monkeypatch):
     if fp32_copy:
         monkeypatch.setitem(L.PACK_DTYPES, dtype, torch.float32)
     g = torch.Generator().manual_seed(0)
-    lin = L.Linear(256, 1000, bias=True).requires_grad_(False).to(dtype)
+    lin = L.Linear(256, 1040, bias=True).requires_grad_(False).to(dtype)  # 2^18 weights and more: packs
     x = torch.randn(rows, 256, generator=g).to(dtype)
     path = "gemv" if rows <= L.GEMV_MAX_ROWS else "packed"
     assert L.cpu_path(x, lin.weight) == path
