@@ -224,7 +224,7 @@ def machine_info(device: str = "auto") -> dict:
         with warnings.catch_warnings():  # the fallback reason is reported above
             warnings.simplefilter("ignore")
             info["paged_kernel"] = choose_kernel("auto", dev, c.page_size, head_dim=c.head_dim,
-                                                 dtype=model.dtype)
+                                                 dtype=model.dtype).name
         if dev.type == "cpu":
             info["cpu"] = cpu_paths(c.head_dim, c.page_size)
         info["default_model"] = {
@@ -262,7 +262,8 @@ def cpu_paths(head_dim: int, page_size: int) -> dict:
             kernel = choose_kernel("auto", torch.device("cpu"), page_size, head_dim=head_dim, dtype=dt)
         paths = gemm_paths(dt)
         name = str(dt).removeprefix("torch.")
-        out[name] = f"attention {kernel}; decode GEMMs: {paths['decode']}; prefill GEMMs: {paths['prefill']}"
+        out[name] = (f"attention {kernel.name}; decode GEMMs: {paths['decode']}; "
+                     f"prefill GEMMs: {paths['prefill']}")
     return out
 
 

@@ -101,7 +101,7 @@ def cpu_only(device) -> None:
 def production_kernel(device: torch.device) -> str:
     """The paged kernel "auto" picks on `device` for the tests' fp32 models (head dim 16, pages of
     16): cpp on the CPU, flex on CUDA, gather where neither runs."""
-    return choose_kernel("auto", device, 16, head_dim=16, dtype=torch.float32)
+    return choose_kernel("auto", device, 16, head_dim=16, dtype=torch.float32).name
 
 
 @pytest.fixture(scope="session")

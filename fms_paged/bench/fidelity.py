@@ -162,7 +162,7 @@ def ours_cached(model: torch.nn.Module, attn_impl: str, window: int, chunk: int,
     """Our model through the `attn_impl` cache ("paged" or "sdpa"), on a twin sharing its weights."""
     twin = with_config(model, attn_impl=attn_impl)
     cache = make_cache(twin, 1, window)
-    kernel = getattr(cache, "kernel", "sdpa")
+    kernel = getattr(getattr(cache, "kernel", None), "name", "sdpa")
     name = "ours paged" if attn_impl == "paged" else "ours dense"
     path = (f"{attn_impl} cache, kernel {kernel}: first half of each window prefilled in chunks of {chunk}, "
             "then one decode step per token")

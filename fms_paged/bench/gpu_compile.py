@@ -108,10 +108,10 @@ def check_kernel_pick(model: torch.nn.Module, log: Callable[[str], None]) -> dic
         ok = any(choices) and any(n.startswith("triton_tem") for n in names)
     else:  # the CPU's kernel, in every dtype
         want = "the C++ kernel fms_paged::paged_attention"
-        ok = eng.backend.kernel == "cpp" and "fms_paged::paged_attention" in names
+        ok = eng.backend.kernel.name == "cpp" and "fms_paged::paged_attention" in names
     log(f"[kernels] decode on {device.type} ({eng.backend.kernel}, cuda_graphs={eng.runner.cuda_graphs}): "
         f"{'ok' if ok else 'WRONG'}; top kernels {names[:4]}")
-    return {"name": "decode kernel", "kernel": eng.backend.kernel, "cuda_graphs": eng.runner.cuda_graphs,
+    return {"name": "decode kernel", "kernel": eng.backend.kernel.name, "cuda_graphs": eng.runner.cuda_graphs,
             "expected": want, "flex_decoding_choices": choices, "top_kernels": names[:12], "passed": ok}
 
 

@@ -201,7 +201,7 @@ def poison_and_release(paged, seq_ids: list[int]) -> set[int]:
     """Fill every slot of the pages of `seq_ids` with NaN in every pool, then release them ->
     the pages."""
     pages = sorted({pg for s in seq_ids for pg in paged.pm.pages_of(s)})
-    idx = torch.from_numpy(page_slots(np.asarray(pages), paged.P).reshape(-1)).to(paged.device)
+    idx = torch.from_numpy(page_slots(np.asarray(pages), paged.pm.page_size).reshape(-1)).to(paged.device)
     for pool in paged.k_pools + paged.v_pools:
         pool.index_fill_(2, idx, float("nan"))
     paged.release(seq_ids)
@@ -222,7 +222,7 @@ def run_case(case: Case, device: torch.device, steps: int, checks: list[dict[str
     max_len = max(fresh_len) + steps + 1
     paged = make_backend(model, "paged", MAX_BATCH, max_len, kernel=case.kernel)
     dense = make_backend(model, "sdpa", len(FRESH_IDS), max_len)
-    step_fn, kernel = decode_fn(paged, compile=True), paged.kernel
+    step_fn, kernel = decode_fn(paged, compile=True), paged.kernel.name
     prompts = prompts_of(fresh_len, seed=1)
     run = lockstep(model, paged, dense, step_fn, FRESH_IDS, prompts, steps, bucket=4)
     checks += scenario_checks(case, kernel, "fresh", prompts, run, hfs)

@@ -22,8 +22,7 @@ import torch
 
 from fms_paged.bench.environment import kv_accounting, min_pages, sync
 from fms_paged.engine.model_step import decode_fn
-from fms_paged.kv.cache import DenseBackend
-from fms_paged.kv.paged import PagedBackend
+from fms_paged.kv.cache import DenseBackend, PagedCache
 from fms_paged.models.registry import get_model
 from fms_paged.modules import RotaryEmbedding
 
@@ -110,7 +109,7 @@ def make_backend(model, impl: str, max_batch: int, max_seq_len: int, *, kernel: 
     if impl == "sdpa":
         return DenseBackend(model, max_batch, max_seq_len)
     if impl == "paged":
-        return PagedBackend(model, max_batch, max_seq_len, num_pages=num_pages, kernel=kernel)
+        return PagedCache(model, max_batch, max_seq_len, num_pages=num_pages, kernel=kernel)
     raise ValueError(f"attn_impl={impl!r}; expected one of {IMPLS}")
 
 
@@ -210,7 +209,7 @@ def run_plan(model, impl: str, plan: dict[str, Any], *, kernel: str = "auto", wa
     generated = sum(map(len, outs))
     return {
         "scenario": plan["name"], "length": plan["length"], "attn_impl": impl,
-        "kernel": cache.kernel if impl == "paged" else impl, "batch": len(outs),
+        "kernel": cache.kernel.name if impl == "paged" else impl, "batch": len(outs),
         "prompt_lengths": plan["prompt_lengths"], "final_lengths": list(lengths), "new_tokens": n,
         "warmup_steps": warmup, "ttft_ms": 1e3 * prefill_s / len(per_turn),
         "per_token": stats_ms([s for t in per_turn for s in t["steps"][warmup:]]),

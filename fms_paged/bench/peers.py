@@ -161,7 +161,7 @@ def warm_start(job: dict[str, Any]) -> dict[str, Any]:
                                job["max_model_len"])
     t2 = time.perf_counter()
     return {"load_s": t1 - t0, "engine_s": t2 - t1 - warm, "warmup_s": warm, "start_s": t2 - t0,
-            "kernel": eng.backend.kernel}
+            "kernel": eng.backend.kernel.name}
 
 
 def peer_main(peer: str, src: str, dst: str) -> int:

@@ -46,7 +46,9 @@ class Engine:
         compiled flex kernel runs on CUDA), True (required: ValueError elsewhere) or False.
     max_model_len: longest prompt + output (default: the model's `max_expected_seq_len`).
     kernel: the paged attention kernel (`fms_paged.kv.kernels.KERNELS`).
-    backend: an existing `PagedBackend` to run on (its pool and rows) instead of a new one.
+    backend: an existing `PagedBackend` (or a `fms_paged.kv.cache.PagedCache`: its backend) to
+        run on (its pool and rows) instead of a new one; the engine's scheduler owns its page table
+        from then on.
     enable_prefix_caching: share the KV of full pages whose tokens (and `cache_salt`) a request
         starts with, computed once and kept after their requests finish until the pool needs the
         pages (`fms_paged.engine.prefix_cache`); outputs do not change.
@@ -114,7 +116,9 @@ class Engine:
                 )
             backend = PagedBackend(model, max_num_seqs, max_model_len, num_pages=num_pages,
                                    kernel=kernel)
-        elif backend.max_batch < max_num_seqs:
+        else:
+            backend = getattr(backend, "backend", backend)  # a PagedCache: its backend
+        if backend.max_batch < max_num_seqs:
             raise ValueError(f"backend has {backend.max_batch} rows, fewer than max_num_seqs={max_num_seqs}")
         self.backend, self.pm = backend, backend.pm
         self.max_model_len = min(max_model_len, self.pm.max_seq_len)
@@ -123,8 +127,7 @@ class Engine:
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}; expected a bool")
         self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching else None
-        self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, backend.release,
-                                   cache=self.prefix_cache)
+        self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, cache=self.prefix_cache)
         self.runner = ModelRunner(model, backend, max_num_seqs, compile, cuda_graphs)
         self.vocab_size = c.src_vocab_size
         self.eos = frozenset() if c.eos_token_id is None else frozenset([c.eos_token_id])
@@ -277,7 +280,7 @@ class Engine:
         dropped. Compiled code lands in torch's on-disk caches, so a second process on the same
         machine warms up in seconds. No-op (0.0) when nothing here compiles (eager steps of the
         cpp or gather kernel; the flex kernel compiles its attention even in eager steps)."""
-        if not (self.runner.compiled or self.backend.kernel == "flex"):
+        if not (self.runner.compiled or self.backend.kernel.always_compiles):
             return 0.0
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an idle engine: call it before submitting requests")

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fms_paged.kv.kernels import allow_shape_variants
+from fms_paged.kv.kernels import Kernel, allow_shape_variants
 
 
 def decode_one_token(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
@@ -37,14 +37,14 @@ def compiled_decode(static_shapes: bool, cpp_wrapper: bool = False) -> Callable:
 
 
 def decode_fn(cache: object, compile: bool) -> Callable:
-    """The decode-step function for a KV-cache backend: eager, or the shared compiled one for its
-    shapes."""
+    """The decode-step function for a KV cache (a paged one, which has a `Kernel`, or the dense
+    one): eager, or the shared compiled one for its shapes."""
     if not compile:
         return decode_one_token
-    kernel = getattr(cache, "kernel", None)
+    kernel: Kernel | None = getattr(cache, "kernel", None)
     cpu = getattr(getattr(cache, "device", None), "type", None) == "cpu"
-    fn = compiled_decode(kernel in ("cpp", "flex"), cpu)
-    return functools.partial(_rows_dynamic, fn) if kernel == "cpp" else fn
+    fn = compiled_decode(kernel is not None and kernel.static_decode, cpu)
+    return functools.partial(_rows_dynamic, fn) if kernel is not None and kernel.dynamic_shapes else fn
 
 
 def smallest_batch(fn: Callable) -> int:
@@ -56,10 +56,11 @@ def smallest_batch(fn: Callable) -> int:
 
 def _rows_dynamic(fn: Callable, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
                   step: object) -> torch.Tensor:
-    """`fn` (the compiled decode step of the cpp kernel) with the batch dimension dynamic: one graph
-    for every decode bucket past 1, rather than one per bucket (the projections pick their CPU path
-    by the rows when they run: `fms_paged::linear`). A batch of 1 would be a graph of its own (Dynamo
-    specializes sizes 0 and 1), so the engine pads a lone request to 2 rows (`smallest_batch`).
+    """`fn` (the compiled decode step of a kernel of dynamic shapes: cpp) with the batch dimension
+    dynamic: one graph for every decode bucket past 1, rather than one per bucket (the projections
+    pick their CPU path by the rows when they run: `fms_paged::linear`). A batch of 1 would be a
+    graph of its own (Dynamo specializes sizes 0 and 1), so the engine pads a lone request to 2 rows
+    (`smallest_batch`).
     Together with the backend's dynamic pool and page size (`PagedBackend`), a model shape has one
     engine decode graph, whatever its engines' pools."""
     for t in (tokens, positions, step.slots, step.chunks):
@@ -77,8 +78,8 @@ def cuda_graphs_unavailable_reason(backend: object, compiled: bool) -> str | Non
     fixed shapes per decode bucket and whose state (pools, page table) is updated in place."""
     if backend.device.type != "cuda":
         return "CUDA graphs need a CUDA device"
-    if backend.kernel != "flex":
-        return f"CUDA graphs need the flex kernel, not {backend.kernel!r}"
+    if not backend.kernel.cuda_graphs:
+        return f"CUDA graphs need the flex kernel, not {backend.kernel.name!r}"
     if not compiled:
         return "CUDA graphs need the compiled decode step (compile=False was asked for)"
     return None
@@ -135,7 +136,7 @@ class GraphedDecode:
 
     def _record(self, model: torch.nn.Module, tokens: torch.Tensor, step: object) -> tuple:
         static_tokens, static_meta = tokens.clone(), step.decode_meta.clone()  # [B, 1], [6, B]
-        static_step = type(step)(step.b, static_meta)  # the same backend, over the static buffer
+        static_step = type(step)(step.view, step.kernel, static_meta)  # same pools, static buffer
         B = static_tokens.shape[0]
 
         def run() -> torch.Tensor:

@@ -1,10 +1,11 @@
 """The model runner: the one part of the engine that touches the device (nano-vllm's ModelRunner).
 
-`ModelRunner.run(plan)` turns a scheduler plan into model inputs through the paged backend
-(RESERVE, slots, the step's `AttentionStep`), pads decode rows to a bucket, picks the eager or
-compiled step, runs the model once, and samples every token the plan asks for with its request's
-own settings (and, for the requests that ask, the tokens' log-probabilities, read back in the same
-host sync). `warmup(engine)` compiles the shapes serving will meet before the first request does.
+`ModelRunner.run(plan)` prepares the pages the plan's RESERVE handed out, turns the plan into
+model inputs through the paged backend (slots, the step's `AttentionStep`), pads decode rows to a
+bucket, picks the eager or compiled step, runs the model once, and samples every token the plan
+asks for with its request's own settings (and, for the requests that ask, the tokens'
+log-probabilities, read back in the same host sync). `warmup(engine)` compiles the shapes serving
+will meet before the first request does.
 """
 
 from __future__ import annotations
@@ -30,14 +31,12 @@ from fms_paged.kv.paged import PagedBackend
 from fms_paged.models.llama import LLaMA
 
 COMPILE_MODES = ("auto", True, False)
-# kernels whose steps compile ("auto" compiles where one runs)
-COMPILED_KERNELS = ("cpp", "flex")
 
 
 def decode_buckets(max_num_seqs: int, smallest: int = 1) -> list[int]:
     """Decode batch sizes compiled: 1, 4, 8, 16, 32, ... up to max_num_seqs. A lone request gets
     a bucket of its own: on the CPU a GEMM over 8 rows costs more than the GEMV over one.
-    `smallest=2` (the cpp kernel's compiled step, one graph for every batch past 1 row): a lone
+    `smallest=2` (a kernel whose compiled step is one graph for every batch past 1 row: cpp): a lone
     request decodes beside an inactive row instead, in that graph; the GEMV kernel reads each
     weight once for all the rows."""
     sizes = [1, 4] + [8 << i for i in range(max_num_seqs.bit_length())]
@@ -57,9 +56,9 @@ class ModelRunner:
     packed after the decode rows in one forward (`PagedBackend.mixed`).
 
     compile: True compiles the decode step (one graph per decode bucket, or one for all of them
-    with the cpp kernel) and, for our LLaMA, the prefill and mixed steps around their attention
-    (`model_step.compiled_prefill`: one graph for every token count); "auto" does where a compiled
-    kernel runs (cpp, flex), False runs eagerly.
+    with a kernel of dynamic shapes: cpp) and, for our models, the prefill and mixed steps around
+    their attention (`model_step.compiled_prefill`: one graph for every token count); "auto" does
+    where the kernel's steps compile (`Kernel.compiles`: cpp, flex), False runs eagerly.
 
     cuda_graphs: replay the compiled decode step from a CUDA graph per decode bucket
     (`model_step.GraphedDecode`); "auto" does where it can (compiled flex on CUDA), True insists
@@ -69,7 +68,8 @@ class ModelRunner:
                  compile: bool | str = "auto", cuda_graphs: bool | str = "auto"):
         check_modes(compile, cuda_graphs)
         self.model, self.backend = model, backend
-        self.compiled = backend.kernel in COMPILED_KERNELS if compile == "auto" else bool(compile)
+        self.kernel = backend.kernel
+        self.compiled = self.kernel.compiles if compile == "auto" else bool(compile)
         self._decode = decode_fn(backend, self.compiled)
         why_not = cuda_graphs_unavailable_reason(backend, self.compiled)
         if cuda_graphs is True and why_not:
@@ -79,11 +79,14 @@ class ModelRunner:
             self._decode = GraphedDecode(self._decode)
         self._prefill = compiled_prefill() if self.compiled and isinstance(model, LLaMA) else None
         self.buckets = decode_buckets(max_num_seqs, smallest_batch(self._decode))
+        # the fewest tokens of a prefill step run by the compiled prefill graph (shorter: padded)
+        self.min_prefill_tokens = self.kernel.min_prefill_tokens if self._prefill is not None else 1
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """One forward over `plan` -> (the token sampled for each of `plan.sampled`, and each one's
         `TokenLogprobs` where its request asks (None elsewhere), or None when no request asks)."""
+        self.backend.prepare_pages(plan.reservation)
         if plan.prefills:
             logits = self._forward_mixed(plan.decodes, plan.prefills)
         else:
@@ -131,7 +134,7 @@ class ModelRunner:
                 [r.num_computed for r in reqs] + [0] * pad, [True] * n + [False] * pad)
 
     def _forward_decode(self, reqs: list[Request]) -> torch.Tensor:
-        tokens, positions, step = self.backend.decode(*self._decode_rows(reqs))
+        tokens, positions, step = self.backend.decode_inputs(*self._decode_rows(reqs))
         return self._decode(self.model, tokens, positions, step)[: len(reqs)]
 
     def _forward_mixed(self, dec: list[Request], pre: list[tuple[Request, int]]) -> torch.Tensor:
@@ -140,14 +143,15 @@ class ModelRunner:
         chunks = [r.token_slice(s, s + n) for (r, n), s in zip(pre, starts)]
         ids = [r.seq_id for r, _ in pre]
         if dec:
-            tokens, positions, step, last = self.backend.mixed(*self._decode_rows(dec), ids, chunks, starts)
-        elif self._prefill is not None and self.backend.kernel == "cpp":
-            # a one-token step padded to two: the compiled prefill graph computes every step (eager
-            # ops would round each output to a half-precision model's dtype where the graph keeps
-            # fp32, so the same token would get other numbers than in a longer step)
-            tokens, positions, step, last = self.backend.prefill(ids, chunks, starts, min_tokens=2)
+            tokens, positions, step, last = self.backend.mixed_inputs(*self._decode_rows(dec), ids, chunks,
+                                                                      starts)
         else:
-            tokens, positions, step, last = self.backend.prefill(ids, chunks, starts)
+            # a one-token step padded to `min_prefill_tokens` (cpp: two): the compiled prefill graph
+            # computes every step (eager ops would round each output to a half-precision model's
+            # dtype where the graph keeps fp32, so the same token would get other numbers than in
+            # a longer step)
+            tokens, positions, step, last = self.backend.prefill_inputs(ids, chunks, starts,
+                                                                        self.min_prefill_tokens)
         done = [i for i, (r, n) in enumerate(pre) if r.reaches_end(n)]  # the plan's sampled chunks
         at = torch.cat([torch.arange(len(dec)), torch.tensor(done, dtype=torch.long)]).to(last.device)
         at[len(dec):] = last.index_select(0, at[len(dec):])

@@ -14,8 +14,11 @@ decodes of running requests, so a long prompt never stalls them.
 
 3. The other completions of an `n > 1` request whose prompt this step finishes FORK its pages
    while rows are free (they sample their first token from its logits), else wait in the queue.
-The scheduler decides from host counts alone (`PageManager.pages_needed`, `num_free_pages`); the
-backend then RESERVEs exactly what was planned, which cannot fail.
+The scheduler decides from host counts alone (`PageManager.pages_needed`, `num_free_pages`), then
+RESERVEs exactly what it planned, which cannot fail: it is the one owner of the page table (RESERVE
+in `schedule()`, FORK and ERASE in `update()` and `finish()`), and the plan carries what the
+reservation handed out (`SchedulerOutput.reservation`: the pages to prepare, the copy-on-write
+copies) to the model runner, which only reads the table.
 
 `update(plan, tokens, logprobs)` books the forward's results: tokens computed, full pages into the
 prefix cache, forks, each sampled token appended and checked against its request's stop
@@ -28,13 +31,12 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, Status, TokenLogprobs
 from fms_paged.kv.geometry import pages_for
-from fms_paged.kv.page_manager import PageManager
+from fms_paged.kv.page_manager import PageManager, Reservation
 
 
 @dataclass
@@ -49,17 +51,17 @@ class SchedulerOutput:
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
     sampled: list[tuple[Request, int]] = field(default_factory=list)
     forks: list[tuple[Request, Request]] = field(default_factory=list)  # (parent, child) to FORK
+    # what this step's RESERVE handed out: pages to prepare and copy-on-write copies to run
+    reservation: Reservation = field(default_factory=Reservation)
 
 
 class Scheduler:
     def __init__(self, pm: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 release: Callable[[list[int]], None], watermark: float = 0.01,
-                 cache: PrefixCache | None = None):
+                 watermark: float = 0.01, cache: PrefixCache | None = None):
         self.pm = pm
         self.cache = cache  # prefix caching: admissions share cached pages; evictable pages count as free
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.release = release  # frees the pages of page-table rows (the backend's ERASE)
         self.watermark_pages = max(1, int(watermark * (pm.num_pages - 1)))
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
@@ -100,8 +102,11 @@ class Scheduler:
         if not out.preempted:
             planned_pages = self._admit(out, budget, planned_pages, now)
         short = planned_pages - self.pm.num_free_pages
-        if short > 0:  # the backend's RESERVE takes free pages: evict cached ones to make them
+        if short > 0:  # RESERVE takes free pages: evict cached ones to make them
             self.cache.evict(short)
+        if out.scheduled:  # what was planned: it cannot fail
+            out.reservation = self.pm.reserve([r.seq_id for r, _ in out.scheduled],
+                                              [r.num_computed + n for r, n in out.scheduled])
         self._plan_rows(out, now)
         return out
 
@@ -226,7 +231,7 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         if req.seq_id is not None:
             pages = self.pm.pages_of(req.seq_id) if self.cache else []
-            self.release([req.seq_id])
+            self.pm.erase([req.seq_id])
             if self.cache:
                 self.cache.release(pages)  # listed pages nobody holds now: evictable
             self.free_rows.append(req.seq_id)

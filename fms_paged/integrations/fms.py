@@ -7,7 +7,7 @@ FMS model then runs it per forward call with `attn_name="paged_flex"`:
 - compute op: the device's paged kernel (cpp on the CPU, compiled FlexAttention elsewhere, or the
   GATHER + SDPA fallback) over those pools through the block table, with the step's metadata
   shared by every layer.
-The step itself (slots, chunk list or BlockMask: `fms_paged.kv.steps.PoolStep`) travels in the
+The step itself (slots, chunk list or BlockMask: `fms_paged.kv.kernels.PoolStep`) travels in the
 attention kwargs as `paged_step`, built once per forward by our `PagedBackend` from its `PageManager`.
 
 Two ways to drive it:
@@ -25,15 +25,15 @@ ibm-fms is imported lazily: `pip install 'fms_paged[fms]'` (ImportError naming t
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import MutableMapping, Sequence
 
 import torch
 from torch import nn
 
 from fms_paged.device import default_page_size
-from fms_paged.kv.paged import PagedBackend
-from fms_paged.kv.steps import PoolStep
+from fms_paged.kv.cache import PagedCache
+from fms_paged.kv.kernels import PoolStep
+from fms_paged.kv.spec import AttentionSpec
 
 ATTN_NAME = "paged_flex"
 STEP_KWARG = "paged_step"
@@ -107,16 +107,12 @@ def _compute_op(query, key_cache, value_cache, nheads, kvheads, p_dropout, scale
     d = query.shape[-1]
     if p_dropout:
         raise ValueError(f"attn_name={ATTN_NAME!r} is for inference: p_dropout={p_dropout}, expected 0")
-    if scale_factor is not None and not math.isclose(scale_factor, d**-0.5, rel_tol=1e-6):
-        raise ValueError(
-            f"attn_name={ATTN_NAME!r} uses the default softmax scale 1/sqrt(head_dim)={d**-0.5:.6g}, "
-            f"the model asks for scale_factor={scale_factor}"
-        )
+    spec = AttentionSpec(scale=d**-0.5 if scale_factor is None else scale_factor)
     # a 4-D buffer of its own: under torch.compile, FMS's RoPE leaves q as a view of a 5-D buffer,
     # which inductor's CPU flex_attention lowering rejects (it reads q's storage layout as 4-D);
     # a plain clone is dropped as a no-op, a clone to another memory format is not
     query = query.detach().clone(memory_format=torch.channels_last).contiguous()
-    return step.attention(query.transpose(1, 2), key_cache, value_cache).transpose(1, 2).contiguous()
+    return step.attention(query.transpose(1, 2), key_cache, value_cache, spec).transpose(1, 2).contiguous()
 
 
 def _update_attn_kwargs_op(**kwargs):
@@ -143,7 +139,7 @@ class _Relayout(PoolStep):
 
     def __init__(self, step: PoolStep, src: torch.Tensor, dst: torch.Tensor, shape: tuple[int, int]):
         self.step, self.src, self.dst, self.shape = step, src, dst, shape
-        self.b, self.slots = step.b, step.slots
+        self.view, self.slots = step.view, step.slots
 
     def _to_backend(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, H, S, D] -> [B', H, S', D]
@@ -155,9 +151,9 @@ class _Relayout(PoolStep):
     def store(self, kp, vp, k, v) -> None:
         self.step.store(kp, vp, self._to_backend(k), self._to_backend(v))
 
-    def attention(self, q, kp, vp) -> torch.Tensor:
+    def attention(self, q, kp, vp, spec) -> torch.Tensor:
         B, H, S, D = q.shape
-        out = self.step.attention(self._to_backend(q), kp, vp)  # [B', H, S', D]
+        out = self.step.attention(self._to_backend(q), kp, vp, spec)  # [B', H, S', D]
         flat = out.transpose(1, 2).reshape(-1, H, D).index_select(0, self.dst)
         back = flat.new_zeros(B * S, H, D).index_copy_(0, self.src, flat)
         return back.view(B, S, H, D).transpose(1, 2)
@@ -223,7 +219,7 @@ class PagedFMSModel(nn.Module):
             x, _ = m.base_model(tokens, positions, None, False)
         else:
             step = step.prepare()
-            pools = list(zip(step.b.k_pools, step.b.v_pools))
+            pools = list(zip(step.view.k_pools, step.view.v_pools))
             x, _ = m.base_model(tokens, positions, pools, True, attn_name=ATTN_NAME,
                                 **{STEP_KWARG: step})
         if logits_at is not None:
@@ -261,8 +257,8 @@ class PagedFMSCache:
     def __init__(self, model: nn.Module, max_batch: int, max_seq_len: int, *, page_size: int | None = None,
                  num_pages: int | None = None, kernel: str = "auto"):
         self.model = paged_model(model, page_size)
-        self.backend = PagedBackend(self.model, max_batch, max_seq_len, num_pages=num_pages,
-                                    kernel=kernel)
+        self.cache = PagedCache(self.model, max_batch, max_seq_len, num_pages=num_pages, kernel=kernel)
+        self.backend = self.cache.backend
         self.lengths: list[int] = []  # tokens cached per row of the current batch
         self._pending: list[torch.Tensor] | None = None  # prompts of a batch not yet prefilled
 
@@ -283,7 +279,7 @@ class PagedFMSCache:
         for i, p in enumerate(prompts):
             if p.numel() == 0:
                 raise ValueError(f"prompt {i} is empty: each prompt needs >= 1 token")
-        self.backend.reset()
+        self.cache.reset()
         self.lengths, self._pending = [], prompts
         input_ids, extra = pad_input_ids(prompts)
         extra.pop("mask")  # ours is the BlockMask, built from the page table
@@ -308,7 +304,7 @@ class PagedFMSCache:
             raise ValueError(f"input width {width} < the longest prompt ({max(counts)} tokens)")
         # the backend's layout [B', S'] (flex: one packed row; GATHER: a right-padded row per
         # sequence); `last`: each sequence's last token in it, its tokens being contiguous
-        tokens, _, step, last = self.backend.prefill(list(range(B)), [p.tolist() for p in prompts])
+        tokens, _, step, last = self.cache.prefill(list(range(B)), [p.tolist() for p in prompts])
         step = step.prepare()
         dev = self.model.device
         src = torch.cat([torch.arange(width - n, width) + b * width for b, n in enumerate(counts)])
@@ -321,7 +317,7 @@ class PagedFMSCache:
         B = len(self.lengths)
         if not B:
             raise ValueError("no batch to decode: prefill one first")
-        _, _, step = self.backend.decode(list(range(B)), torch.zeros(B, dtype=torch.long),
-                                         self.lengths, [True] * B)
+        _, _, step = self.cache.decode(list(range(B)), torch.zeros(B, dtype=torch.long),
+                                       self.lengths, [True] * B)
         self.lengths = [n + 1 for n in self.lengths]
         return step.prepare()

@@ -164,28 +164,3 @@ def read_slots(k_pool: torch.Tensor, v_pool: torch.Tensor,
     L, H, _, D = k_pool.shape
     flat = slots.reshape(-1)
     return tuple(pool.index_select(2, flat).view(L, H, *slots.shape, D) for pool in (k_pool, v_pool))
-
-
-def gather_slots(
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    layer: int,
-    slot_idx: np.ndarray,
-    valid: np.ndarray,
-    lens: np.ndarray,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Padded, logically contiguous K/V of a batch of sequences (`PageManager.gather`).
-
-    # slot_idx, valid: [B, S] host (slot per logical position; valid = position < length)
-    # returns k, v: [B, Hkv, S, D] (zeros where not valid), lens: [B] int64 on the pool device
-    """
-    check_pool_pair(k_pool, v_pool)
-    B, S = slot_idx.shape
-    dev = k_pool.device
-    packed = to_device(np.concatenate([slot_idx.reshape(-1), valid.reshape(-1).astype(np.int64), lens]), dev)
-    idx, mask, lens_t = packed[: B * S].view(B, S), packed[B * S : 2 * B * S], packed[2 * B * S :]
-    keep = mask.view(B, 1, S, 1).bool()
-    layer_pools = (k_pool[layer : layer + 1], v_pool[layer : layer + 1])
-    k, v = (x[0].transpose(0, 1) for x in read_slots(*layer_pools, idx))  # [B, Hkv, S, D]
-    zero = torch.zeros((), dtype=k.dtype, device=dev)
-    return torch.where(keep, k, zero), torch.where(keep, v, zero), lens_t

@@ -10,6 +10,22 @@
 // chunk sits at position q0 + i and sees keys 0 .. q0 + i of its sequence (causal; a decode row is
 // a chunk of one token). The pool holds every key already, the step's own included.
 //
+// Three per-layer variants, each computing what Hugging Face transformers computes for the model
+// families that use it (all off by default, and then the kernel runs as without them):
+// - a sliding window of `window` keys (Mistral, Gemma 2 and 3, gpt-oss): a query at position p
+//   sees keys max(0, p - window + 1) .. p (HF: key k visible iff k <= p and p - k < window). The
+//   key loops start at the window of the item's oldest row (in prefill rounded down to a score
+//   tile, within its page: those few keys' scores are computed and masked, their values never
+//   read), so no page wholly older than the window is touched; a key masked for a row (causal
+//   or window) gets exactly zero weight;
+// - a logit soft-cap `softcap` (Gemma 2): each scaled score s becomes softcap * tanh(s / softcap)
+//   before the mask and the softmax (vtanh: Cephes' tanhf on vectors);
+// - attention sinks `sinks` (gpt-oss): one learned logit per query head that joins the softmax's
+//   denominator but adds nothing to the output, out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)):
+//   the online softmax starts from the sink (running max sink, running sum 1) instead of empty.
+// The online softmax's running max starts finite (LOW, or the sink) rather than at -inf: with a
+// window, a block may hold no key a row sees, and exp(m_old - m_new) must then be 1, not NaN.
+//
 // Vectors are the machine's own (W = 16 lanes with AVX-512, 8 with AVX2: fms_paged/native_vec.h),
 // so that the register tiles below stay in registers. Work items are (chunk, kv head, up to
 // LG * W = 32 query rows), where a row is one query token for one of the G query heads that share
@@ -88,6 +104,27 @@ inline vf vexp(vf x) {
   return y * bits<vf>(e) * keep;
 }
 
+// tanh(x), Cephes' tanhf on vectors (a few ulps): for |x| < 0.625 its odd polynomial (no
+// cancellation near 0), else (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.29 (vexp takes x <= 0)
+// and x's sign put back; +-1 where e underflows. Both halves are computed, the lanes select.
+inline vf vtanh(vf x) {
+  const vf ax = x < 0.0f ? -x : x, z = x * x;
+  vf p = splat(-5.70498872745e-3f);
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const vf small = x + x * z * p;
+  const vf e = vexp(-2.0f * ax), big = (1.0f - e) / (1.0f + e);
+  return ax < 0.625f ? small : (x < 0.0f ? -big : big);
+}
+
+// the running max of a row's online softmax before its first key (without a sink): below any
+// score, yet finite, so that a block whose keys a row does not see (a window) leaves the row's
+// max, its sum and its output as they were (exp(-inf - LOW) = 0, alpha = exp(LOW - LOW) = 1)
+// where -inf would give exp(-inf + inf) = NaN
+constexpr float LOW = -1e30f;
+
 struct Args {
   const T* q;
   int64_t q_st, q_sh;  // q[t, h, :] at q + t * q_st + h * q_sh
@@ -100,7 +137,30 @@ struct Args {
   T* out;                 // [tokens, H, D]
   int H, Hkv, P;
   float scale;
+  int64_t window;      // keys seen per query (0: all; see the top)
+  float softcap;       // 0: none
+  const float* sinks;  // [H], or null: none
 };
+
+// the oldest key the query at position pos sees
+inline int64_t first_key(const Args& a, int64_t pos) {
+  return a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+}
+
+// scores s[0 .. n) (n a multiple of W) soft-capped: softcap * tanh(s / softcap), before they
+// are masked (a masked -inf would become -softcap)
+inline void soft_cap(const Args& a, float* s, int n) {
+  const float c = a.softcap, inv = 1.0f / a.softcap;
+  for (int j = 0; j < n; j += W) store(s + j, vtanh(load(s + j) * inv) * c);
+}
+
+// where head h's online softmax starts: (running max, running sum) = (sink, e^0 = 1) with a
+// sink (its e^sink in the denominator), (LOW, 0) without; a sink of -inf (no weight) starts at
+// (LOW, 0) as well
+inline void softmax_start(const Args& a, int h, float& m, float& l) {
+  m = a.sinks ? std::max(a.sinks[h], LOW) : LOW;
+  l = a.sinks ? std::exp(a.sinks[h] - m) : 0.0f;
+}
 
 struct Item {
   int chunk, kvh, r0, r1;  // rows r0 .. r1 - 1 of the chunk: row r = token r / G, head r % G
@@ -174,7 +234,7 @@ inline vf reduce_lanes(const vf* p) {
 }
 
 // a decode row: heads r0 .. r1 - 1 of the item's kv head for one token at position q0, which sees
-// keys 0 .. q0; keys in lanes (see the top)
+// keys first_key(q0) .. q0 (all of them from 0 without a window); keys in lanes (see the top)
 void run_decode(const Args& a, const Item& it, Scratch& sc) {
   const int G = a.H / a.Hkv, nh = it.r1 - it.r0;
   const int64_t* c = a.chunks + 4 * it.chunk;
@@ -183,15 +243,16 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   const T* kh = a.k + (int64_t)it.kvh * a.pool_tokens * D;
   const T* vh = a.v + (int64_t)it.kvh * a.pool_tokens * D;
   const T* q = a.q + off * a.q_st + (int64_t)(it.kvh * G + it.r0) * a.q_sh;
+  const float inv_cap = 1.0f / a.softcap;  // (used only when softcap > 0)
   float m[LG * W], l[LG * W];  // per head: running max and sum of the softmax
-  for (int g = 0; g < nh; ++g) m[g] = -INFINITY, l[g] = 0.0f;
+  for (int g = 0; g < nh; ++g) softmax_start(a, it.kvh * G + it.r0 + g, m[g], l[g]);
   std::memset(sc.ot, 0, sizeof(float) * nh * D);  // O per head, [nh, D] (unnormalised)
   vf lane;
   for (int i = 0; i < W; ++i) lane[i] = (float)i;
   const T* krow[BK];
   const T* vrow[BK];
   float* s = sc.s;
-  for (int64_t k0 = 0; k0 < n_keys; k0 += BK) {
+  for (int64_t k0 = first_key(a, c[1]); k0 < n_keys; k0 += BK) {  // every key of a block is seen
     const int nk = (int)std::min<int64_t>(BK, n_keys - k0), nkt = (nk + W - 1) / W * W;
     key_rows(a, pt, k0, nk, kh, vh, krow, vrow);
     for (int g = 0; g < nh; ++g) {
@@ -206,14 +267,15 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
             for (int i = 0; i < D / W; ++i) acc += load(krow[j0 + j] + i * W) * qv[i];
           part[bitrev(j)] = acc;
         }
-        const vf sv = reduce_lanes(part);
+        vf sv = reduce_lanes(part);
+        if (a.softcap > 0.0f) sv = vtanh(sv * inv_cap) * a.softcap;
         store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
       }
       vf mv = load(s);
       for (int j0 = W; j0 < nkt; j0 += W) mv = vmax(mv, load(s + j0));
       float mx = mv[0];
       for (int i = 1; i < W; ++i) mx = std::max(mx, mv[i]);
-      const float mnew = std::max(m[g], mx), alpha = std::exp(m[g] - mnew);  // finite: key 0 is seen
+      const float mnew = std::max(m[g], mx), alpha = std::exp(m[g] - mnew);  // m[g] is finite
       m[g] = mnew;
       vf sum = splat(0.0f);
       for (int j0 = 0; j0 < nkt; j0 += W) {
@@ -241,6 +303,8 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   }
 }
 
+// rows r0 .. r1 - 1 of a prefill chunk (or of a decode row: run_decode), rows in lanes: row r
+// (token t = r / G) sees keys first_key(q0 + t) .. q0 + t
 void run_item(const Args& a, const Item& it, Scratch& sc) {
   const int G = a.H / a.Hkv;
   if (a.chunks[4 * it.chunk + 2] == 1) return run_decode(a, it, sc);
@@ -250,7 +314,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
   const int32_t* pt = a.pages + c[0] * a.pages_st;
   const T* kh = a.k + (int64_t)it.kvh * a.pool_tokens * D;
   const T* vh = a.v + (int64_t)it.kvh * a.pool_tokens * D;
-  vf qpos[LG], m[LG], l[LG];
+  vf qpos[LG], qold[LG], m[LG], l[LG];  // qold: the newest key too old for the row (window)
   int64_t qmin[LG], qmax[LG];
   for (int g = 0; g < groups; ++g) {  // lanes past the last row repeat it (their output is dropped)
     qmin[g] = INT64_MAX;
@@ -260,21 +324,26 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       const T* src = a.q + (off + t) * a.q_st + (int64_t)h * a.q_sh;
       for (int d = 0; d < D; ++d) sc.qt[(g * D + d) * W + e] = to_f32(src[d]) * a.scale;
       qpos[g][e] = (float)(q0 + t);
+      qold[g][e] = (float)(q0 + t - a.window);
       qmin[g] = std::min<int64_t>(qmin[g], q0 + t);
       qmax[g] = std::max<int64_t>(qmax[g], q0 + t);
+      softmax_start(a, h, m[g][e], l[g][e]);
     }
-    m[g] = splat(-INFINITY);
-    l[g] = splat(0.0f);
   }
   std::memset(sc.ot, 0, sizeof(float) * groups * D * W);
-  const int64_t kv_end = q0 + (it.r1 - 1) / G + 1;  // keys 0 .. kv_end - 1
+  // keys k_first .. kv_end - 1: from the oldest row's window to the newest row. The blocks start
+  // on a score tile (KG keys of one page) at or before k_first; keys before k_first are masked
+  // (their scores are computed, their values never read)
+  const int64_t k_first = first_key(a, q0 + it.r0 / G), kv_end = q0 + (it.r1 - 1) / G + 1;
+  const bool softcap = a.softcap > 0.0f;
   const T* trow[BK];
   const T* tvrow[BK];
   const float* krow[BK];
   const float* vrow[BK];
-  for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
+  for (int64_t k0 = k_first / KG * KG; k0 < kv_end; k0 += BK) {
     const int nk = (int)std::min<int64_t>(BK, kv_end - k0);
     const int nkt = (nk + KG - 1) / KG * KG;  // keys nk .. nkt - 1: stale rows of the last page, masked
+    const int jv = (int)std::max<int64_t>(0, k_first - k0);  // keys read for their values: jv .. nk - 1
     key_rows(a, pt, k0, nk, kh, vh, trow, tvrow);
     if constexpr (kF32) {
       std::copy(trow, trow + nk, krow);
@@ -283,13 +352,16 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       for (int j0 = 0; j0 < nkt; j0 += KG)  // a tile's KG keys lie in one page, in order
         for (int i = 0; i < KG * D; i += W) store(sc.kf + j0 * D + i, load(trow[j0] + i));
       for (int j = 0; j < nk; ++j) {
-        for (int i = 0; i < D; i += W) store(sc.vf32 + j * D + i, load(tvrow[j] + i));
+        if (j >= jv)
+          for (int i = 0; i < D; i += W) store(sc.vf32 + j * D + i, load(tvrow[j] + i));
         krow[j] = sc.kf + j * D;
         vrow[j] = sc.vf32 + j * D;
       }
     }
     for (int g = 0; g < groups; ++g) {
-      if (qmax[g] < k0) continue;  // no row of the group sees a key of this block
+      // no row of the group sees a key of this block: all past the newest row, or all older than
+      // the oldest row's window
+      if (qmax[g] < k0 || k0 + nk <= first_key(a, qmin[g])) continue;
       const float* qt = sc.qt + g * D * W;
       float* s = sc.s;
       for (int j0 = 0; j0 < nk; j0 += KG) {  // S[j0 .. j0 + KG): KG keys of one page
@@ -302,16 +374,27 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
         }
         for (int u = 0; u < KG; ++u) store(s + (j0 + u) * W, acc[u]);
       }
-      if (k0 + nkt - 1 > qmin[g])  // the block reaches past some row's position: causal mask
+      if (softcap) soft_cap(a, s, nkt * W);
+      if (a.window > 0 && k0 <= qmax[g] - a.window) {  // keys too old for some row: both masks
+        for (int j = 0; j < nkt; ++j) {
+          const vf kp = splat((float)(k0 + j));
+          store(s + j * W, (kp > qpos[g]) | (kp <= qold[g]) ? splat(-INFINITY) : load(s + j * W));
+        }
+      } else if (k0 + nkt - 1 > qmin[g]) {  // the block reaches past some row's position: causal
         for (int j = 0; j < nkt; ++j)
           store(s + j * W, splat((float)(k0 + j)) > qpos[g] ? splat(-INFINITY) : load(s + j * W));
+      }
       vf mx = load(s);
       for (int j = 1; j < nkt; ++j) mx = vmax(mx, load(s + j * W));
-      const vf mnew = vmax(m[g], mx);  // finite: key 0 (block 0) is visible to every row
+      // m[g] is finite (LOW or the sink), so mnew is, even in lanes whose keys here are all masked
+      const vf mnew = vmax(m[g], mx);
       const vf alpha = vexp(m[g] - mnew);
       m[g] = mnew;
+      // the keys some row of the group sees: j0v .. j1v - 1 (the others have weight 0 in every lane)
+      const int j0v = (int)std::clamp<int64_t>(first_key(a, qmin[g]) - k0, jv, nk);
+      const int j1v = (int)std::min<int64_t>(nk, qmax[g] - k0 + 1);
       vf sum = splat(0.0f);
-      for (int j = 0; j < nk; ++j) {
+      for (int j = j0v; j < j1v; ++j) {
         const vf p = vexp(load(s + j * W) - mnew);
         sum += p;
         store(s + j * W, p);
@@ -321,7 +404,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       for (int d0 = 0; d0 < D; d0 += DG) {
         vf o[DG];
         for (int i = 0; i < DG; ++i) o[i] = load(ot + (d0 + i) * W) * alpha;
-        for (int j = 0; j < nk; ++j) {
+        for (int j = j0v; j < j1v; ++j) {
           const vf p = load(s + j * W);
           const float* vr = vrow[j] + d0;
           for (int i = 0; i < DG; ++i) o[i] += splat(vr[i]) * p;
@@ -349,27 +432,32 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 //
 // q[t, h, :] (t < n_tokens, the step's query tokens) at q + t * q_st + h * q_sh; k, v: the pools
 // [Hkv, pool_tokens, D]; pages: the page table [n_seqs, pages_st]; chunks: [n_chunks, 4] (seq, q0,
-// n, offset); out: [n_tokens, H, D]; P: tokens per page; threads: at most this many. The step's own
-// keys and values are in the pools already (written by the caller's ASSIGN).
+// n, offset); out: [n_tokens, H, D]; P: tokens per page; scale: the scores' factor; threads: at
+// most this many; softcap: the logit soft-cap (0: none); window: keys seen per query (0: all);
+// sinks: [H] fp32 logits, one per query head (null: none). The step's own keys and values are in
+// the pools already (written by the caller's ASSIGN).
 #define FMS_PAGED_ATTENTION_FIELDS(X)                                                          \
   X(const T*, q) X(int64_t, q_st) X(int64_t, q_sh) X(int64_t, n_tokens)                        \
   X(T*, k) X(T*, v) X(int64_t, pool_tokens)                                                    \
   X(const int32_t*, pages) X(int64_t, n_seqs) X(int64_t, pages_st)                             \
   X(const int64_t*, chunks) X(int64_t, n_chunks) X(T*, out)                                    \
-  X(int32_t, H) X(int32_t, Hkv) X(int32_t, P) X(float, scale) X(int32_t, threads)
+  X(int32_t, H) X(int32_t, Hkv) X(int32_t, P) X(float, scale) X(int32_t, threads)              \
+  X(float, softcap) X(int64_t, window) X(const float*, sinks)
 
 extern "C" {
 
 FMS_PAGED_ARGS(FmsPagedAttentionArgs, FMS_PAGED_ATTENTION_FIELDS, fms_paged_attention_layout)
 
-// 0, or 1: heads or page size the kernel cannot take; 2 + i: chunk i is outside the page table or
-// the step's tokens (nothing read or written)
+// 0, or 1: heads, page size, window or soft-cap the kernel cannot take; 2 + i: chunk i is outside
+// the page table or the step's tokens (nothing read or written)
 int fms_paged_attention(const FmsPagedAttentionArgs* args) {
   const FmsPagedAttentionArgs& c = *args;
   const int H = c.H, Hkv = c.Hkv, P = c.P;
   const int n_chunks = (int)c.n_chunks;
   const int64_t* chunks = c.chunks;
-  if (H <= 0 || Hkv <= 0 || P <= 0 || H % Hkv || P % KG) return 1;
+  if (H <= 0 || Hkv <= 0 || P <= 0 || H % Hkv || P % KG || c.window < 0 || !(c.softcap >= 0.0f) ||
+      std::isinf(c.softcap))
+    return 1;
   for (int i = 0; i < n_chunks; ++i) {
     const int64_t* ch = chunks + 4 * i;
     if (ch[0] >= c.n_seqs || ch[1] < 0 || ch[2] < 0 || ch[3] < 0 || ch[3] + ch[2] > c.n_tokens ||
@@ -377,7 +465,7 @@ int fms_paged_attention(const FmsPagedAttentionArgs* args) {
       return 2 + i;
   }
   const Args a{c.q, c.q_st, c.q_sh, c.k, c.v, c.pool_tokens, c.pages, c.pages_st, chunks, c.out, H, Hkv, P,
-               c.scale};
+               c.scale, c.window, c.softcap, c.sinks};
   const int G = H / Hkv, rows = LG * W;
   std::vector<Item> items;
   for (int i = 0; i < n_chunks; ++i) {
@@ -388,10 +476,12 @@ int fms_paged_attention(const FmsPagedAttentionArgs* args) {
     }
     for (int r0 = 0; r0 < n * G; r0 += rows) {
       const int r1 = (int)std::min<int64_t>(n * G, r0 + rows);
-      for (int h = 0; h < Hkv; ++h) items.push_back({i, h, r0, r1, (int64_t)(r1 - r0) * (q0 + r1 / G)});
+      // rows x the keys they read: from the first row's window to the last row
+      const int64_t keys = q0 + (r1 - 1) / G + 1 - first_key(a, q0 + r0 / G);
+      for (int h = 0; h < Hkv; ++h) items.push_back({i, h, r0, r1, (r1 - r0) * keys});
     }
   }
-  // the costliest items first (rows x keys), handed out one at a time
+  // the costliest items first (rows x keys read), handed out one at a time
   std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   const int n_items = (int)items.size();
   // a thread per GRAIN (row, key) pairs at most (ATen's habit of a grain size): a short step on one

@@ -7,6 +7,18 @@ the CPU for fp32, bf16 and fp16 models whose head dim is a multiple of 16 and wh
 multiple of 8 tokens, when no `score_mod` is asked for. One library per head dim and dtype; in
 bf16 and fp16 it reads the half-precision pools and computes in fp32 (`cpu_attention.cpp`).
 
+Besides the causal mask and the softmax scale, a call may ask for the per-layer attention variants
+of the model families the project serves, each the function Hugging Face transformers computes:
+
+- `window` (0: none): a sliding window, as Mistral, Gemma 2 / 3 and gpt-oss layers have: the query
+  at position p sees keys max(0, p - window + 1) .. p. The kernel touches no page wholly older
+  than its queries' windows, so a long sequence's windowed layers cost what the window holds.
+- `softcap` (0.0: none): Gemma 2's logit soft-cap: each scaled score s becomes
+  softcap * tanh(s / softcap) before the mask and the softmax.
+- `sinks` (None: none): gpt-oss's attention sinks, one learned logit per query head ([H] fp32) that
+  joins the softmax's denominator and adds nothing to the output:
+  out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)).
+
 In a compiled graph the kernel is the opaque op `fms_paged::paged_attention`.
 """
 
@@ -29,11 +41,11 @@ PAGE_MULTIPLE = 8
 _LIB = torch.library.Library("fms_paged", "FRAGMENT")
 _LIB.define(
     "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor chunks, "
-    "SymInt page_size, float scale) -> Tensor"
+    "SymInt page_size, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor"
 )
 
 
-_i32p, _i64p = native.pointer("i32"), native.pointer("i64")
+_i32p, _i64p, _f32p = native.pointer("i32"), native.pointer("i64"), native.pointer("f32")
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
@@ -49,6 +61,7 @@ def attention_args(dtype: torch.dtype) -> type[ctypes.Structure]:
         ("pages", _i32p), ("n_seqs", _i64), ("pages_st", _i64),
         ("chunks", _i64p), ("n_chunks", _i64), ("out", tp),
         ("H", _i32), ("Hkv", _i32), ("P", _i32), ("scale", _f32), ("threads", _i32),
+        ("softcap", _f32), ("window", _i64), ("sinks", _f32p),
     ]
     return type("FmsPagedAttentionArgs", (ctypes.Structure,), {"__slots__": (), "_fields_": fields})
 
@@ -92,8 +105,31 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return rows, rows.stride(0) if S == 1 else rows.stride(1), rows.stride(2)
 
 
+_F32 = torch.finfo(torch.float32)
+
+
+def _check_variants(H: int, window: int, softcap: float, sinks: torch.Tensor | None) -> None:
+    """ValueError naming the value unless window is an int >= 0, softcap 0.0 or a normal finite
+    float32 (its reciprocal must be finite too), and sinks None or a contiguous fp32 CPU [H]."""
+    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < 2**63:
+        raise ValueError(f"paged_attention: window={window!r}; expected an int >= 0 (0: no window)")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            softcap == 0 or _F32.tiny <= softcap <= _F32.max):
+        raise ValueError(f"paged_attention: softcap={softcap!r}; expected 0.0 (none) or a finite float32 "
+                         f"in [{_F32.tiny:.4g}, {_F32.max:.4g}]")
+    if sinks is not None and not (isinstance(sinks, torch.Tensor) and sinks.dtype == torch.float32
+                                  and tuple(sinks.shape) == (H,) and sinks.device.type == "cpu"
+                                  and sinks.is_contiguous()):
+        got = (f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+               f"{'' if sinks.is_contiguous() else ', not contiguous'}"
+               if isinstance(sinks, torch.Tensor) else type(sinks).__name__)
+        raise ValueError(f"paged_attention: sinks must be None or a contiguous torch.float32 CPU tensor "
+                         f"[{H}] (one logit per query head), got {got}")
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
-                    chunks: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+                    chunks: torch.Tensor, page_size: int, scale: float, window: int = 0,
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a step's query tokens over their sequences' pages.
 
     q: [B, H, S, D] (its B * S tokens in the chunks' offsets; D contiguous); k_pool, v_pool:
@@ -101,12 +137,17 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     int32; chunks: [n, 4] int64 rows (seq, first position, tokens, offset of the first token), seq
     -1 for rows to leave at zero -> [B, S, H, D] contiguous, of q's dtype (computed in fp32). The
     step's own keys and values are in the pools already (ASSIGN: `fms_paged.kv._pool_ops.write_slots`).
+
+    Scores are q k^T * scale. The layer's variants (module docstring), each off by default:
+    window: keys seen per query (0: all); softcap: the logit soft-cap (0.0: none); sinks: [H] fp32,
+    one sink logit per query head (None: none).
     """
     B, H, S, D = q.shape
     dt, i64 = q.dtype, torch.int64
     if dt not in native.ELEM_TYPES:
         kinds = ", ".join(map(str, native.ELEM_TYPES))
         raise ValueError(f"paged_attention: q is {dt}; the kernel takes {kinds}")
+    _check_variants(H, window, softcap, sinks)
     want = [("q", q, dt, 4), ("k_pool", k_pool, dt, 4), ("v_pool", v_pool, dt, 4),
             ("page_table", page_table, torch.int32, 2), ("chunks", chunks, i64, 2)]
     for name, t, dtype, dims in want:
@@ -132,6 +173,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         pages=page_table.data_ptr(), n_seqs=page_table.shape[0], pages_st=page_table.shape[1],
         chunks=chunks.data_ptr(), n_chunks=n, out=out.data_ptr(),
         H=H, Hkv=Hkv, P=page_size, scale=scale, threads=torch.get_num_threads(),
+        softcap=softcap, window=window, sinks=None if sinks is None else sinks.data_ptr(),
     )
     err = kernel(args)
     if err == 1:
@@ -146,14 +188,15 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out
 
 
-def _op(q, k_pool, v_pool, page_table, chunks, page_size, scale):
-    return paged_attention(q, k_pool, v_pool, page_table, chunks, page_size, scale)
+def _op(q, k_pool, v_pool, page_table, chunks, page_size, scale, window=0, softcap=0.0, sinks=None):
+    return paged_attention(q, k_pool, v_pool, page_table, chunks, page_size, scale, window, softcap, sinks)
 
 
 _LIB.impl("paged_attention", _op, "CPU")
 
 
 @torch.library.register_fake("fms_paged::paged_attention")
-def _paged_attention_fake(q, k_pool, v_pool, page_table, chunks, page_size, scale):
+def _paged_attention_fake(q, k_pool, v_pool, page_table, chunks, page_size, scale, window=0, softcap=0.0,
+                          sinks=None):
     B, H, S, D = q.shape
     return q.new_empty(B, S, H, D)

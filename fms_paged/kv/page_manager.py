@@ -1,10 +1,17 @@
 """PageManager: a lock-free, ref-counted page allocator for a paged KV cache (vLLM-style).
 
 Bookkeeping lives on the host (a `collections.deque` free pool, numpy mirrors of the page table,
-lengths, refcounts and page->logical index); the device holds read-only views of the same state
-(`page_table`, `seq_lens`, `phys_to_logical`) for the attention kernels. Every device write is an
-index op fed by one host->device copy, so nothing on the hot path waits for the device.
-Tensor math on the pools (and input conversion) lives in `fms_paged.kv._pool_ops`.
+lengths, refcounts and page->logical index); the device holds the two views the attention kernels
+read (`page_table`, `phys_to_logical`). Every device write is an index op fed by one host->device
+copy, so nothing on the hot path waits for the device.
+
+Its operations are the ones the engine runs: RESERVE (`reserve`, which also reports the pages it
+handed out), ASSIGN (`assign` = the slots of the new tokens (`slots`), then `write_slots` at them:
+the engine computes a step's slots once and writes each layer's keys and values through
+`write_slots`), GATHER (`gather` = `slots`, then `read_slots`, which the GATHER + SDPA kernel
+runs), ERASE (`erase`, and `release_prefix` for the pages a sliding window has left behind) and
+FORK (`fork`, plus `share` / `hold` / `unhold` for a prefix cache). Tensor math on the pools (and
+input conversion) lives in `fms_paged.kv._pool_ops`.
 """
 
 from __future__ import annotations
@@ -17,10 +24,26 @@ import numpy as np
 import torch
 
 from fms_paged.kv import _pool_ops as ops
-from fms_paged.kv._pool_ops import write_slots
+from fms_paged.kv._pool_ops import read_slots, write_slots
 from fms_paged.kv.geometry import NULL_PAGE, grows_into_partial_page, pages_for, slot
 
-__all__ = ["OutOfPages", "PageManager", "write_slots"]
+__all__ = ["OutOfPages", "PageManager", "Reservation", "read_slots", "write_slots"]
+
+
+class Reservation(list):
+    """What a RESERVE did: the list of copy-on-write copies, (src_page, dst_page) pairs the caller
+    runs (`PageManager.apply_copies`) before the next operation on those sequences (a plain list,
+    as `reserve` has always returned), and `opened`: every page it handed out (copy destinations
+    included), which a kernel that reads whole pages zeroes before use."""
+
+    def __init__(self, copies=(), opened=()):
+        super().__init__(copies)
+        self.opened: list[int] = list(opened)
+
+    def extend_with(self, other: Reservation) -> None:
+        """Append another reservation's copies and pages (a step that reserves in several calls)."""
+        self.extend(other)
+        self.opened.extend(other.opened)
 
 
 class OutOfPages(RuntimeError):
@@ -43,11 +66,15 @@ class PageManager:
     Page 0 is the NULL page: never free, never owned; unused page-table entries point to it.
     Sequence ids are ints in [0, max_seqs) and are the rows of the page table. All ops take a batch.
 
-    Device views (read-only, on `device`):
-        page_table:      [max_seqs, max_pages_per_seq] int32, 0 where unused
-        seq_lens:        [max_seqs] int32, 0 for sequences that are not live
+    Device views (read-only, on `device`), what the attention kernels read:
+        page_table:      [max_seqs, max_pages_per_seq] int32, 0 where unused or released
         phys_to_logical: [num_pages] int32, logical page index of an owned page, -1 otherwise
     Slot of token `pos` of seq `s`: page_table[s, pos // P] * P + pos % P.
+    `seq_lens` ([max_seqs] int32 on `device`) is made from the host lengths when read.
+
+    Sliding windows: `release_prefix` gives back a sequence's pages that lie wholly before a
+    position no query of it will look behind again; the sequence keeps its length, and those
+    entries of its table point to the null page.
 
     Errors: bad ids, lengths or positions raise ValueError (never IndexError); wrong k/v dtype or
     device raise TypeError, wrong shape ValueError; an unservable reserve raises OutOfPages. A call
@@ -65,8 +92,8 @@ class PageManager:
     used at once, not cycled through end to end.
 
     Concurrency contract (no locks anywhere):
-        Any number of threads may call reserve / erase / fork / slots / assign / gather /
-        apply_copies concurrently provided each sequence id, and every sequence forked from it (its
+        Any number of threads may call reserve / erase / release_prefix / fork / slots / assign /
+        gather / apply_copies concurrently provided each sequence id, and every sequence forked from it (its
         "family": they share pages and refcounts), is used by one thread at a time. This rests on
         three things only:
         - the free pool is a `collections.deque`, whose `pop` and `extend` are atomic in CPython
@@ -116,9 +143,6 @@ class PageManager:
         self._free: collections.deque[int] = collections.deque(range(num_pages - 1, 0, -1))
         # device views
         self._page_table_d = torch.zeros((max_seqs, C), dtype=torch.int32, device=self.device)
-        self._seq_lens_d = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
-        # on the CPU the device view is host memory: _write_seq_lens writes it through numpy
-        self._seq_lens_np = self._seq_lens_d.numpy() if self.device.type == "cpu" else None
         self._p2l_d = torch.full((num_pages,), -1, dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ read-only views
@@ -129,8 +153,15 @@ class PageManager:
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        """[max_seqs] int32 on device; 0 for sequences that are not live."""
-        return self._seq_lens_d
+        """[max_seqs] int32 on device, 0 for sequences that are not live: a copy of the host
+        lengths made now (no kernel reads it, so it is not kept up to date on every step)."""
+        return ops.to_device(self._lens.astype(np.int32), self.device)
+
+    @property
+    def host_table(self) -> np.ndarray:
+        """[max_seqs, max_pages_per_seq] int32, the host page table (the source of the device one);
+        read it, never write it (a step's slots are read off it)."""
+        return self._table
 
     @property
     def phys_to_logical(self) -> torch.Tensor:
@@ -170,6 +201,7 @@ class PageManager:
             n = self._num_pages_for(self._lens[s])
             counts = np.clip(self._lens[s] - np.arange(n) * P, 0, P)
             np.maximum.at(fill, self._table[s, :n], counts)
+        fill[NULL_PAGE] = 0  # entries a sliding window released
         used = int(np.count_nonzero(self._refcount))
         return float(fill.sum()) / (used * P) if used else 0.0
 
@@ -178,7 +210,8 @@ class PageManager:
         return int(self._lens[self._check_ids([seq_id], "seq_id")[0]])
 
     def pages_of(self, seq_id: int) -> list[int]:
-        """Host list of the physical pages of a sequence, in logical order."""
+        """Host list of the physical pages of a sequence, in logical order (the null page, 0, for
+        pages `release_prefix` gave back)."""
         s = int(self._check_ids([seq_id], "seq_id")[0])
         return self._table[s, : self._num_pages_for(self._lens[s])].tolist()
 
@@ -249,17 +282,25 @@ class PageManager:
         return taken
 
     # ------------------------------------------------------------------ ops
-    def reserve(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> list[tuple[int, int]]:
+    def reserve(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> Reservation:
         """Make each seq hold new_lengths[i] token slots (all-or-nothing); see class docstring.
 
         Takes only the missing pages (ceil(len / P) in all) plus one private page per seq whose
-        shared, partly-filled last page it grows into (copy-on-write). Returns those copies,
-        (src_page, dst_page) pairs, for the caller to run with `apply_copies` ([] almost always).
-        Raises ValueError on bad input and OutOfPages when the pool is short; nothing changes then.
+        shared, partly-filled last page it grows into (copy-on-write). Returns a `Reservation`:
+        the copies, (src_page, dst_page) pairs, for the caller to run with `apply_copies` ([]
+        almost always), and the pages handed out (`opened`). Raises ValueError on bad input and
+        OutOfPages when the pool is short; nothing changes then.
+
+        A decode step (every sequence grows by a token, none opens a page or grows into a shared
+        one) is a plain Python pass over the batch: numpy calls cost more than the bookkeeping of
+        a handful of rows.
         """
+        fast = self._reserve_in_place(seq_ids, new_lengths)
+        if fast is not None:
+            return fast
         ids, lens = self._check_reserve(seq_ids, new_lengths)
         if ids.size == 0:
-            return []
+            return Reservation()
         P = self.page_size
         cur = self._lens[ids]
         have = self._num_pages_for(cur)
@@ -271,59 +312,37 @@ class PageManager:
                 cow = self._plan_cow(ids, have, cow)
         need = grow + cow
         total = int(need.sum())
-        if total == 0:  # no page changes hands (most decode steps): only the lengths move
+        if total == 0:  # no page changes hands: only the lengths move
             self._lens[ids] = lens
             self._live[ids] = True
-            self._write_seq_lens(ids.tolist(), lens.tolist())
-            return []
+            return Reservation()
         pages = self._take(total, ids[need > 0])
         copies = self._copy_on_write(ids, have, cow, need, pages) if cow.any() else []
         self._commit(ids, lens, have - cow, need, np.asarray(pages, dtype=np.int64))
-        return copies
+        return Reservation(copies, pages)
 
-    def reserve_next(self, seq_ids: Sequence[int],
-                     lengths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """RESERVE one more token slot for each sequence (a decode step).
-
-        `lengths[i]` must be the tokens seq `seq_ids[i]` holds now (0 for a sequence that is not
-        live). Same effect and errors as `reserve(seq_ids, [n + 1 for n in lengths])`, but the
-        common case, where no sequence opens a page or grows into a shared one, is a plain Python
-        pass over the batch (numpy calls cost more than the bookkeeping for a handful of rows).
-        Returns the pool slot of each sequence's new token (position `lengths[i]`, host ints) and
-        the copy-on-write copies to run, as `reserve` returns them.
-        """
-        ids = ops.as_int_list(seq_ids, "seq_ids")
-        lens = ops.as_int_list(lengths, "lengths")
-        if len(ids) != len(lens):
-            raise ValueError(f"got {len(ids)} seq_ids but {len(lens)} lengths")
-        P, held, table, refs = self.page_size, self._lens, self._table, self._refcount
-        slow = False
-        for s, n in zip(ids, lens):
-            if not 0 <= s < self.max_seqs:
-                raise ValueError(f"seq id {s} out of range, expected 0 <= id < {self.max_seqs}")
-            if held[s] != n:
-                raise ValueError(f"seq {s} holds {held[s]} tokens, but the step says {n}")
-            if n % P == 0 or n >= self.max_seq_len or refs[table[s, n // P]] > 1:
-                slow = True  # opens a page, out of range (reserve raises), or copy-on-write
-        if len(set(ids)) != len(ids):
-            self._check_ids(ids)  # raises, naming the duplicate
-        copies: list[tuple[int, int]] = []
-        if slow:
-            copies = self.reserve(ids, [n + 1 for n in lens])
-        elif ids:
-            for s in ids:
-                held[s] += 1
-            self._write_seq_lens(ids, [n + 1 for n in lens])
-        return [slot(int(table[s, n // P]), n, P) for s, n in zip(ids, lens)], copies
-
-    def _write_seq_lens(self, ids: list[int], lens: list[int]) -> None:
-        """Device `seq_lens[ids] = lens`, entry by entry (safe alongside other threads' sequences):
-        on the CPU through the view's numpy memory, elsewhere one scatter."""
-        if self._seq_lens_np is not None:
-            self._seq_lens_np[ids] = lens
-        else:
-            packed = ops.to_device(np.asarray(ids + lens, dtype=np.int64), self.device)
-            ops.scatter_int32(self._seq_lens_d, packed[: len(ids)], packed[len(ids) :])
+    def _reserve_in_place(self, seq_ids, new_lengths) -> Reservation | None:
+        """`reserve` when no page changes hands: a short batch of live sequences, each growing
+        within its own last page (not shared). -> an empty Reservation, or None where the general
+        path must run (which also validates)."""
+        if len(seq_ids) > 16 or len(seq_ids) != len(new_lengths):
+            return None
+        P, lens, live, table, refs = self.page_size, self._lens, self._live, self._table, self._refcount
+        try:
+            for s, n in zip(seq_ids, new_lengths):
+                if type(s) is not int or type(n) is not int or not 0 <= s < self.max_seqs:
+                    return None
+                cur = lens[s]
+                if not live[s] or n < cur or n > self.max_seq_len or cur == 0 or (
+                        n > (cur + P - 1) // P * P) or (n > cur and refs[table[s, (cur - 1) // P]] > 1):
+                    return None  # opens a page, grows into a shared one, or a case to validate
+        except TypeError:
+            return None
+        if len(set(seq_ids)) != len(seq_ids):
+            return None
+        for s, n in zip(seq_ids, new_lengths):
+            lens[s] = n
+        return Reservation()
 
     def _plan_cow(self, ids: np.ndarray, have: np.ndarray, grows: np.ndarray) -> np.ndarray:
         """Which seqs need a private copy of their last page (loop over candidates only).
@@ -358,11 +377,10 @@ class PageManager:
         self._p2l[pages] = cols
         self._lens[ids] = lens
         self._live[ids] = True
-        C, k, b = self.max_pages_per_seq, pages.size, ids.size
-        packed = ops.to_device(np.concatenate([rows * C + cols, pages, cols, ids, lens]), self.device)
+        C, k = self.max_pages_per_seq, pages.size
+        packed = ops.to_device(np.concatenate([rows * C + cols, pages, cols]), self.device)
         ops.scatter_int32(self._page_table_d, packed[:k], packed[k : 2 * k])
-        ops.scatter_int32(self._p2l_d, packed[k : 2 * k], packed[2 * k : 3 * k])
-        ops.scatter_int32(self._seq_lens_d, packed[3 * k : 3 * k + b], packed[3 * k + b :])
+        ops.scatter_int32(self._p2l_d, packed[k : 2 * k], packed[2 * k :])
 
     def erase(self, seq_ids: Sequence[int]) -> None:
         """Drop the sequences: refcount -1 per page, pages reaching 0 return to the free pool."""
@@ -375,7 +393,47 @@ class PageManager:
         held = np.arange(m) < n[:, None]  # [B, m]
         rows = np.broadcast_to(ids[:, None], held.shape)[held]
         cols = np.broadcast_to(np.arange(m), held.shape)[held]
+        self._lens[ids] = 0
+        self._live[ids] = False
+        self._drop(rows, cols)
+
+    def release_prefix(self, seq_ids: Sequence[int], positions: Sequence[int]) -> list[int]:
+        """ERASE the pages of each sequence that lie wholly before `positions[i]` (a sliding
+        window: no query of the sequence looks behind that position again). The sequences keep
+        their lengths; those entries of their tables point to the null page, and a later
+        `slots` of a position on them raises. -> the pages whose reference was dropped (a prefix
+        cache may hold some of them still). ValueError for a sequence that is not live or a
+        position past its length; nothing changes then."""
+        ids = self._check_ids(seq_ids)
+        self._check_live(ids)
+        pos = ops.as_int_array(positions, "positions")
+        if ids.size != pos.size:
+            raise ValueError(f"got {ids.size} seq_ids but {pos.size} positions")
+        bad = (pos < 0) | (pos > self._lens[ids])
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"release_prefix: position {pos[i]} of seq {ids[i]} out of range, expected "
+                             f"0 <= position <= length {self._lens[ids[i]]}")
+        n = pos // self.page_size  # pages wholly before each position
+        m = int(n.max()) if n.size else 0
+        if m == 0:
+            return []
+        before = np.arange(m) < n[:, None]  # [B, m]
+        rows = np.broadcast_to(ids[:, None], before.shape)[before]
+        cols = np.broadcast_to(np.arange(m), before.shape)[before]
+        held = self._table[rows, cols] != NULL_PAGE  # (released by an earlier call: skipped)
+        rows, cols = rows[held], cols[held]
+        pages = self._table[rows, cols].tolist()
+        self._drop(rows, cols)
+        return pages
+
+    def _drop(self, rows: np.ndarray, cols: np.ndarray) -> None:
+        """Drop the references of table entries (rows, cols) (null entries skipped): refcount -1,
+        entries -> null page, pages reaching 0 back to the free pool."""
         pages = self._table[rows, cols].astype(np.int64)
+        real = pages != NULL_PAGE
+        if not real.all():
+            rows, cols, pages = rows[real], cols[real], pages[real]
         if (self._refcount[pages] > 1).any():  # forked pages: may repeat within the batch
             np.subtract.at(self._refcount, pages, 1)
             freed = np.unique(pages[self._refcount[pages] == 0])
@@ -385,14 +443,11 @@ class PageManager:
         # state of freed pages first, THEN push them on the free pool (concurrency contract)
         self._p2l[freed] = -1
         self._table[rows, cols] = NULL_PAGE
-        self._lens[ids] = 0
-        self._live[ids] = False
         C = self.max_pages_per_seq
-        packed = ops.to_device(np.concatenate([rows * C + cols, freed, ids]), self.device)
-        k, f = rows.size, freed.size
+        packed = ops.to_device(np.concatenate([rows * C + cols, freed]), self.device)
+        k = rows.size
         ops.fill_int32(self._page_table_d, packed[:k], NULL_PAGE)
-        ops.fill_int32(self._p2l_d, packed[k : k + f], -1)
-        ops.fill_int32(self._seq_lens_d, packed[k + f :], 0)
+        ops.fill_int32(self._p2l_d, packed[k:], -1)
         self._free.extend(freed.tolist())
 
     def fork(self, parent: int, child: int) -> None:
@@ -409,17 +464,17 @@ class PageManager:
         self._adopt(c, self._table[p, :n].astype(np.int64), length)
 
     def _adopt(self, s: int, pages: np.ndarray, length: int) -> None:
-        """Seq `s` (checked: not live) takes `pages` (checked: owned) as its logical pages
-        0..k-1 and holds `length` tokens: refcount +1 each, host and device tables."""
+        """Seq `s` (checked: not live) takes `pages` (checked: owned, or the null page where a
+        window released one) as its logical pages 0..k-1 and holds `length` tokens: refcount +1
+        each, host and device tables."""
         n = pages.size
-        self._refcount[pages] += 1
+        np.add.at(self._refcount, pages[pages != NULL_PAGE], 1)
         self._table[s, :n] = pages
         self._lens[s] = length
         self._live[s] = True
         flat = s * self.max_pages_per_seq + np.arange(n, dtype=np.int64)
-        packed = ops.to_device(np.concatenate([flat, pages, [s, length]]), self.device)
-        ops.scatter_int32(self._page_table_d, packed[:n], packed[n : 2 * n])
-        ops.scatter_int32(self._seq_lens_d, packed[2 * n : 2 * n + 1], packed[2 * n + 1 :])
+        packed = ops.to_device(np.concatenate([flat, pages]), self.device)
+        ops.scatter_int32(self._page_table_d, packed[:n], packed[n:])
 
     def share(self, seq_id: int, pages: Sequence[int]) -> None:
         """Seq `seq_id` (not live) starts with the full pages `pages` as its logical pages
@@ -496,7 +551,6 @@ class PageManager:
         self._free.clear()  # same deque object: references to the pool stay valid
         self._free.extend(range(self.num_pages - 1, 0, -1))
         self._page_table_d.zero_()
-        self._seq_lens_d.zero_()
         self._p2l_d.fill_(-1)
 
     # ------------------------------------------------------------------ slots / KV data
@@ -520,7 +574,13 @@ class PageManager:
                 f"position {pos[i]} of seq {seqs[i]} out of range, expected 0 <= position < length {lens[i]}"
             )
         P = self.page_size
-        return ops.to_device(slot(self._table[seqs, pos // P].astype(np.int64), pos, P), self.device)
+        pages = self._table[seqs, pos // P].astype(np.int64)
+        gone = pages == NULL_PAGE
+        if gone.any():
+            i = int(np.argmax(gone))
+            raise ValueError(f"position {pos[i]} of seq {seqs[i]} lies on a page released outside its "
+                             "sliding window (release_prefix)")
+        return ops.to_device(slot(pages, pos, P), self.device)
 
     def assign(
         self,
@@ -559,12 +619,19 @@ class PageManager:
             raise ValueError(f"layer {layer} out of range, pool has {k_pool.shape[0]} layers")
         lens = self._lens[ids]
         S = int(lens.max()) if ids.size else 0
-        P = self.page_size
-        pos = np.arange(S, dtype=np.int64)
-        valid = pos < lens[:, None]  # [B, S]
-        slot_idx = slot(self._table[ids[:, None], pos // P].astype(np.int64), pos, P)  # [B, S]
-        slot_idx[~valid] = 0  # the null page's first slot: always a valid index
-        return ops.gather_slots(k_pool, v_pool, layer, slot_idx, valid, lens)
+        valid = np.arange(S, dtype=np.int64) < lens[:, None]  # [B, S]
+        seqs = np.broadcast_to(ids[:, None], valid.shape)[valid]
+        pos = np.broadcast_to(np.arange(S, dtype=np.int64), valid.shape)[valid]
+        slots = self.slots(seqs, pos)  # [sum(lens)], sequence by sequence
+        k, v = read_slots(k_pool[layer : layer + 1], v_pool[layer : layer + 1], slots)  # [1, Hkv, T, D]
+        dev = k_pool.device
+        flat = ops.to_device(np.flatnonzero(valid.reshape(-1)), dev)  # where each token goes in [B * S]
+        out = []
+        for x in (k, v):
+            H, D = x.shape[1], x.shape[3]
+            padded = x.new_zeros(ids.size * S, H, D).index_copy_(0, flat, x[0].transpose(0, 1))
+            out.append(padded.view(ids.size, S, H, D).transpose(1, 2))  # [B, Hkv, S, D]
+        return out[0], out[1], ops.to_device(lens, dev)
 
     def _check_pool_size(self, pool: torch.Tensor) -> None:
         want = self.num_pages * self.page_size

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fms_paged.bench import gpu_exact
-from fms_paged.kv import steps
+from fms_paged.kv.kernels import base as steps
 from fms_paged.kv.paged import PagedBackend
 
 CPU = torch.device("cpu")
@@ -66,10 +66,10 @@ def test_keys_written_off_by_one_percent_fail(monkeypatch):
 
 
 def test_nan_left_in_reused_pages_fails(monkeypatch):
-    def no_zeroing(self, opened, copies):  # the RESERVE no longer zeroes the pages it hands out
-        self.pm.apply_copies(copies, *self.k_pools, *self.v_pools)
+    def no_zeroing(self, reservation):  # the pages a RESERVE hands out are no longer zeroed
+        self.pm.apply_copies(reservation, *self.k_pools, *self.v_pools)
 
-    monkeypatch.setattr(PagedBackend, "_after_reserve", no_zeroing)
+    monkeypatch.setattr(PagedBackend, "prepare_pages", no_zeroing)
     result = gpu_exact.run(CPU, True, lambda m: None, dtypes=("bfloat16",))  # flex: reads whole pages
     reuse = [c for c in result["checks"] if c["name"].startswith("nan-reuse")]
     assert reuse and all(not c["passed"] and c["value"] is None for c in reuse), reuse

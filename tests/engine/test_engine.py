@@ -233,10 +233,10 @@ def test_bad_sampling_params_name_the_value(field):
 
 
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(models):
-    from fms_paged.kv.paged import PagedBackend
+    from fms_paged.kv.cache import PagedCache
 
     dense, paged = models
-    small = PagedBackend(paged, 8, MAX_LEN, num_pages=10, kernel=kernel_for(paged))  # 9 pages: 144 tokens
+    small = PagedCache(paged, 8, MAX_LEN, num_pages=10, kernel=kernel_for(paged))  # 9 pages: 144 tokens
     eng = engine(paged, backend=small)
     ok = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
     cases = [
@@ -412,11 +412,11 @@ def test_generate_paged_runs_on_the_engine_and_equals_dense(models):
 
 def test_generate_through_a_small_cache_queues_the_rest(models):
     """A backend with 2 rows serves 5 prompts: the engine queues what does not fit."""
-    from fms_paged.kv.paged import PagedBackend
+    from fms_paged.kv.cache import PagedCache
 
     dense, paged = models
     prompts = [[3 + i] * (4 + 7 * i) for i in range(5)]
-    cache = PagedBackend(paged, 2, 128, num_pages=40, kernel=kernel_for(paged))
+    cache = PagedCache(paged, 2, 128, num_pages=40, kernel=kernel_for(paged))
     assert generate(paged, prompts, 9, eos_id=None, cache=cache) == generate(dense, prompts, 9, eos_id=None)
     assert cache.pm.live_seqs == []
 
@@ -612,6 +612,7 @@ def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel, req
     from torch._dynamo.utils import counters
 
     from fms_paged.engine.model_step import compiled_prefill, prefill_hidden
+    from fms_paged.kv.cache import PagedCache
     from fms_paged.modules.linear import PACK_MIN_ROWS
 
     require_kernel(kernel)
@@ -621,7 +622,7 @@ def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel, req
     eng = engine(paged, kernel=kernel, compile=True, max_num_seqs=4, max_num_batched_tokens=512,
                  num_pages=120, max_model_len=600)
     assert eng.runner._prefill is compiled_prefill()
-    b = eng.backend
+    b = PagedCache.on(eng.backend)  # static steps over the engine's pools
 
     def same_logits(tokens, positions, step, at):
         want = paged(tokens, positions, step, logits_at=at)  # eager; writes the step's K/V

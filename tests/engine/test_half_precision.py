@@ -212,7 +212,7 @@ def test_preemption_prefix_hits_chunks_and_forks_match_each_request_alone(model_
     budget = 64
     assert sum(len(p) > budget for p, _ in reqs) >= 2  # prefilled in chunks over several steps
     eng = engine(model, max_num_batched_tokens=budget)
-    assert eng.backend.kernel == "cpp" and eng.runner.compiled
+    assert eng.backend.kernel.name == "cpp" and eng.runner.compiled
     got, stats, ids = serve(eng, reqs, after_step=check_pool)
     m = eng.metrics()
     assert m["preemptions"] > 0, "the pool never forced a preemption"
@@ -277,7 +277,7 @@ def test_zero_recompiles_over_500_bf16_engine_steps(model_of):
     vocab = model.config.src_vocab_size
     rng = random.Random(3)
     eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, num_pages=160, max_model_len=160)
-    assert eng.backend.kernel == "cpp" and eng.runner.compiled and eng.runner.buckets == [2, 4]
+    assert eng.backend.kernel.name == "cpp" and eng.runner.compiled and eng.runner.buckets == [2, 4]
     wanted: dict[int, int] = {}
 
     def submit():
@@ -314,9 +314,9 @@ def test_half_precision_engine_gets_the_cpp_kernel_and_pools_of_half_the_bytes(
     fp32 = get_model(attn_impl="paged", device="cpu", page_size=P)  # the checkpoint's dtype
     assert half.dtype == dtype and fp32.dtype == torch.float32
     c = half.config
-    assert choose_kernel("auto", torch.device("cpu"), P, head_dim=c.head_dim, dtype=dtype) == "cpp"
+    assert choose_kernel("auto", torch.device("cpu"), P, head_dim=c.head_dim, dtype=dtype).name == "cpp"
     eng, ref = engine(half), engine(fp32)
-    assert eng.backend.kernel == ref.backend.kernel == "cpp" and eng.runner.compiled
+    assert eng.backend.kernel.name == ref.backend.kernel.name == "cpp" and eng.runner.compiled
     pools = eng.backend.k_pools + eng.backend.v_pools
     ref_pools = ref.backend.k_pools + ref.backend.v_pools
     assert len(pools) == 2 * c.nlayers and all(p.dtype == dtype for p in pools)

@@ -12,8 +12,7 @@ import torch
 
 from fms_paged import generate, get_model
 from fms_paged.engine.model_step import compiled_decode
-from fms_paged.kv.cache import make_cache
-from fms_paged.kv.paged import PagedBackend
+from fms_paged.kv.cache import PagedCache, make_cache
 
 TOL = 1e-5  # fp32: the backends sum the same products in different orders
 B, NUM_PAGES, MAX_LEN = 4, 160, 160
@@ -38,7 +37,7 @@ def test_compiled_paged_step_matches_dense_logits(device):
     step_fn = compiled_decode(static_shapes=True)
     prompts = prompts_of([15, 1, 33, 16])
     dc = make_cache(dense, B, MAX_LEN)
-    pc = PagedBackend(paged, B, MAX_LEN, num_pages=NUM_PAGES, kernel="flex")
+    pc = PagedCache(paged, B, MAX_LEN, num_pages=NUM_PAGES, kernel="flex")
     t, p, s, last = dc.prefill(list(range(B)), prompts)
     tok = dense(t, p, s).flatten(0, 1)[last].argmax(-1)
     t, p, s, _ = pc.prefill(list(range(B)), prompts)

@@ -1,15 +1,19 @@
-"""The CPU paged-attention kernel (`fms_paged.kv.cpu_kernel`) against SDPA over each sequence's
-keys gathered into logical order, computed in float64 (an independent reference: the kernel reads
-pages in place, sums in another order and has its own exp).
+"""The CPU paged-attention kernel (`fms_paged.kv.cpu_kernel`) against attention computed by its
+definition in float64 over each sequence's keys gathered into logical order (an independent
+reference: the kernel reads pages in place, runs an online softmax, sums in another order and has
+its own exp and tanh), with the variants as Hugging Face transformers defines them: a sliding
+window, a logit soft-cap and attention sinks.
 
 Tolerance 1e-5 absolute on outputs of magnitude ~1: fp32 round-off of softmax-weighted sums of up
-to a few hundred terms, and the kernel's exp (Cephes' polynomial, ~1 ulp). In bf16 and fp16 the
-reference is computed in float64 from the same half-precision inputs; the kernel computes in fp32
-and rounds its output once, so each output is within half an ulp of the reference, at most
+to a few hundred terms, and the kernel's exp and tanh (Cephes' polynomials, a few ulps; a
+soft-capped score of magnitude up to the cap, 5, is off by a few of its ulps). In bf16 and fp16
+the reference is computed in float64 from the same half-precision inputs; the kernel computes in
+fp32 and rounds its output once, so each output is within half an ulp of the reference, at most
 u * |ref| (u: the dtype's unit roundoff, 2^-8 for bf16, 2^-11 for fp16), plus that 1e-5.
 """
 
 import ctypes
+import re
 
 import pytest
 import torch
@@ -59,31 +63,47 @@ def make_pool(lengths, H, Hkv, D, P, seed=0):
     return k, v, table, slots
 
 
-def reference(q, k, v, slots, chunks, H):
-    """float64 SDPA per chunk over its sequence's keys 0 .. q0 + n - 1 in logical order."""
+def reference(q, k, v, slots, chunks, H, window=0, softcap=0.0, sinks=None):
+    """float64 attention per chunk over its sequence's keys 0 .. q0 + n - 1 in logical order, as HF's
+    eager attention computes it: scores q k^T / sqrt(D), soft-capped (softcap * tanh(s / softcap)),
+    masked (key k seen by the query at p iff k <= p and, with a window, p - k < window), a softmax
+    over the keys and the head's sink logit as one more column, the sink's column dropped, @ v.
+    q: [B, H, S, D]; k, v: [1, Hkv, NP, D]; sinks: [H] or None -> [B, S, H, D] float64."""
     B, _, S, D = q.shape
+    G = H // k.shape[1]
     rows = q.transpose(1, 2).reshape(B * S, H, D).double()
     out = torch.zeros_like(rows)
     for seq, q0, n, off in chunks.tolist():
         if seq < 0:
             continue
-        sl = slots[seq][: q0 + n]
-        kk, vv = k[0, :, sl].double(), v[0, :, sl].double()  # [Hkv, L, D]
+        L = q0 + n
+        sl = slots[seq][:L]
+        kk = k[0, :, sl].double().repeat_interleave(G, 0)  # [H, L, D]
+        vv = v[0, :, sl].double().repeat_interleave(G, 0)
         qq = rows[off : off + n].transpose(0, 1)  # [H, n, D]
-        mask = torch.arange(q0 + n)[None, :] <= torch.arange(q0, q0 + n)[:, None]
-        out[off : off + n] = F.scaled_dot_product_attention(
-            qq, kk, vv, attn_mask=mask, enable_gqa=True).transpose(0, 1)
+        s = qq @ kk.transpose(1, 2) * D**-0.5  # [H, n, L]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        qp, kp = torch.arange(q0, L)[:, None], torch.arange(L)[None, :]  # [n, 1], [1, L]
+        seen = kp <= qp
+        if window:
+            seen &= qp - kp < window
+        s = s.masked_fill(~seen, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None, None].expand(H, n, 1)], dim=-1)  # [H, n, L + 1]
+        p = torch.softmax(s, dim=-1)[..., :L]
+        out[off : off + n] = (p @ vv).transpose(0, 1)
     return out.view(B, S, H, D)
 
 
-def run(q, k, v, table, chunks, P):
-    return torch.ops.fms_paged.paged_attention(q, k, v, table, chunks, P, q.shape[-1] ** -0.5)
+def run(q, k, v, table, chunks, P, **variants):
+    return torch.ops.fms_paged.paged_attention(q, k, v, table, chunks, P, q.shape[-1] ** -0.5, **variants)
 
 
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (9, 3), (8, 2)])
 @pytest.mark.parametrize("P", [8, 16, 64])
-def test_prefill_chunks_and_decode_rows_match_sdpa(D, H, Hkv, P):
+def test_prefill_chunks_and_decode_rows_match_float64(D, H, Hkv, P):
     """One call: prompts from position 0 (lengths not multiples of the page or the key block), a
     chunk continuing a prompt, decode rows at several positions and a row with no sequence."""
     lengths = [1, 15, 150, 77, 200, 64]
@@ -102,7 +122,6 @@ def test_prefill_chunks_and_decode_rows_match_sdpa(D, H, Hkv, P):
     assert (out[0, int(offs[5])] == 0).all()  # the row with no sequence
 
 
-@pytest.mark.parametrize("H,Hkv", [(8, 2), (1, 1), (40, 1)])
 def within_rounding(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Elementwise: the kernel's output is its dtype's rounding of the float64 reference (module
     docstring)."""
@@ -156,6 +175,136 @@ def test_decode_batch_layout_and_thread_count(H, Hkv, dtype):
         torch.set_num_threads(threads)
 
 
+def test_reference_is_sdpa_without_variants():
+    """The float64 reference, written out by the definition, is torch's SDPA (causal, GQA) when no
+    variant is asked for: the variants' tests extend a reference that is checked itself."""
+    H, Hkv, D = 4, 2, 16
+    k, v, _, slots = make_pool([30, 9], H, Hkv, D, 8)
+    chunks = torch.tensor([(0, 0, 30, 0), (1, 8, 1, 30)])
+    q = torch.randn(1, H, 31, D, dtype=torch.float64)
+    ref = reference(q, k, v, slots, chunks, H)
+    for seq, q0, n, off in chunks.tolist():
+        sl = slots[seq][: q0 + n]
+        mask = torch.arange(q0 + n)[None, :] <= torch.arange(q0, q0 + n)[:, None]
+        kk, vv = k[0, :, sl].double(), v[0, :, sl].double()  # [Hkv, L, D]
+        sdpa = F.scaled_dot_product_attention(q[0, :, off : off + n], kk, vv, attn_mask=mask,
+                                              enable_gqa=True)  # [H, n, D]
+        torch.testing.assert_close(ref[0, off : off + n], sdpa.transpose(0, 1), rtol=0, atol=1e-12)
+
+
+# one call of the variant tests: (seq, first position, tokens), each sequence as long as its chunk
+# reaches: a prompt from 0 (two work items for GQA, one with keys before its window), a chunk
+# continuing at 50 (past every window tested), decode rows at 70 (past the windows) and at 3 (inside
+# them), and a short chunk continuing at 9
+VARIANT_PARTS = [(0, 0, 37), (1, 50, 23), (2, 70, 1), (3, 3, 1), (4, 9, 3)]
+
+
+def sink_logits(kind, H):
+    """[H] fp32 sink logits: "small" ~ N(0, 1); "big" ~ 5 (they dominate the softmax), one head's
+    -inf (no weight: as if it had none)."""
+    g = torch.Generator().manual_seed(2)
+    if kind == "small":
+        return torch.randn(H, generator=g)
+    big = 5.0 + 0.5 * torch.randn(H, generator=g)
+    big[1] = float("-inf")
+    return big
+
+
+def variant_call(isa, dtype, H, Hkv, P, window, softcap, sinks, monkeypatch):
+    """The kernel's output for VARIANT_PARTS in one call and the reference's. The kernel's pools hold
+    NaN, besides the stale slots, at every key older than all its sequence's queries' windows: it
+    must neither read their values nor let their scores through. With a soft-cap, q is scaled by 4
+    so that scores reach well past the cap (the tanh matters)."""
+    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
+    D = 32
+    k, v, table, slots = make_pool([q0 + n for _, q0, n in VARIANT_PARTS], H, Hkv, D, P)
+    k, v = k.to(dtype), v.to(dtype)
+    offs = torch.tensor([0] + [n for _, _, n in VARIANT_PARTS]).cumsum(0)
+    chunks = torch.tensor([(s, q0, n, int(o)) for (s, q0, n), o in zip(VARIANT_PARTS, offs)])
+    q = torch.randn(1, int(offs[-1]), H, D, generator=torch.Generator().manual_seed(1))
+    q = (q * (4.0 if softcap else 1.0)).to(dtype).transpose(1, 2)  # [1, H, T, D], a view
+    sinks = None if sinks is None else sink_logits(sinks, H)
+    kp, vp = k.clone(), v.clone()
+    if window:
+        for s, q0, _ in VARIANT_PARTS:
+            old = slots[s][: max(0, q0 - window + 1)]
+            kp[0, :, old] = float("nan")
+            vp[0, :, old] = float("nan")
+    out = run(q, kp, vp, table, chunks, P, window=window, softcap=softcap, sinks=sinks)
+    return out, reference(q, k, v, slots, chunks, H, window, softcap, sinks)
+
+
+VARIANTS = [  # window, softcap, sinks, page size
+    pytest.param(1, 0.0, None, 8, id="window1"),
+    pytest.param(5, 0.0, None, 8, id="window5<page"),
+    pytest.param(16, 0.0, None, 16, id="window16=page"),
+    pytest.param(16, 0.0, None, 8, id="window16>page"),
+    pytest.param(40, 0.0, None, 16, id="window40>page"),
+    pytest.param(0, 5.0, None, 16, id="softcap"),
+    pytest.param(0, 0.0, "small", 8, id="sinks"),
+    pytest.param(0, 0.0, "big", 16, id="big-sinks"),
+    pytest.param(5, 5.0, "small", 8, id="all-window5"),
+    pytest.param(40, 5.0, "big", 16, id="all-window40"),
+]
+
+
+@pytest.mark.parametrize("window,softcap,sinks,P", VARIANTS)
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", isas())
+def test_window_softcap_and_sinks_match_float64(isa, dtype, H, Hkv, window, softcap, sinks, P, monkeypatch):
+    """Sliding windows shorter than, as long as and longer than a page (and than some sequences),
+    the soft-cap, sinks (small, and big enough to take most of the weight) and all three at once,
+    on prefill chunks from 0 and continuing past the window, and decode rows, in one call; GQA and
+    MHA; fp32 and bf16 on each build this CPU runs."""
+    out, ref = variant_call(isa, dtype, H, Hkv, P, window, softcap, sinks, monkeypatch)
+    assert torch.isfinite(out).all()
+    ok = within_rounding(out, ref)
+    assert ok.all(), f"{(~ok).sum().item()} outputs off by more than the dtype's rounding"
+
+
+def test_variants_off_are_the_plain_kernel():
+    """A window no query outgrows and sinks of -inf (no weight) leave every output bit as without
+    them: masked keys get exactly zero weight and the softmax's start changes nothing; the
+    defaults are the plain kernel's."""
+    H, Hkv, D, P = 4, 2, 32, 8
+    k, v, table, _ = make_pool([q0 + n for _, q0, n in VARIANT_PARTS], H, Hkv, D, P)
+    offs = torch.tensor([0] + [n for _, _, n in VARIANT_PARTS]).cumsum(0)
+    chunks = torch.tensor([(s, q0, n, int(o)) for (s, q0, n), o in zip(VARIANT_PARTS, offs)])
+    q = torch.randn(1, H, int(offs[-1]), D)
+    plain = run(q, k, v, table, chunks, P)
+    assert torch.equal(run(q, k, v, table, chunks, P, window=0, softcap=0.0, sinks=None), plain)
+    assert torch.equal(run(q, k, v, table, chunks, P, window=74), plain)
+    assert torch.equal(run(q, k, v, table, chunks, P, sinks=torch.full((H,), float("-inf"))), plain)
+
+
+def test_bad_variants_raise():
+    """window, softcap and sinks are checked where they enter: a ValueError naming the value."""
+    H, Hkv, D, P = 4, 2, 16, 16
+    k, v, table, _ = make_pool([20], H, Hkv, D, P)
+    chunks = torch.tensor([(0, 0, 20, 0)])
+    q = torch.randn(1, H, 20, D)
+    with pytest.raises(ValueError, match=r"window=-1; expected an int >= 0"):
+        run(q, k, v, table, chunks, P, window=-1)
+    for window in (2.0, True):
+        with pytest.raises(ValueError, match=rf"window={window}; expected an int"):
+            cpu_kernel.paged_attention(q, k, v, table, chunks, P, 0.25, window=window)
+    for softcap in (-1.0, float("inf"), float("nan"), 1e39, 1e-40):
+        with pytest.raises(ValueError, match=re.escape(f"softcap={softcap}; expected 0.0 (none) or a fin")):
+            run(q, k, v, table, chunks, P, softcap=softcap)
+    bad_sinks = [(torch.zeros(H, dtype=torch.float64), r"got torch.float64 \(4,\) on cpu"),
+                 (torch.zeros(H + 1), r"got torch.float32 \(5,\) on cpu"),
+                 (torch.zeros(1, H), r"got torch.float32 \(1, 4\) on cpu"),
+                 (torch.zeros(2 * H)[::2], r"got torch.float32 \(4,\) on cpu, not contiguous")]
+    for sinks, got in bad_sinks:
+        with pytest.raises(ValueError, match=r"sinks must be None or a contiguous torch.float32 CPU tensor "
+                                             r"\[4\] \(one logit per query head\), " + got):
+            run(q, k, v, table, chunks, P, sinks=sinks)
+    for sinks, got in [(torch.zeros(H, device="meta"), "on meta"), ([0.0] * H, "got list")]:
+        with pytest.raises(ValueError, match=got):
+            cpu_kernel.paged_attention(q, k, v, table, chunks, P, 0.25, sinks=sinks)
+
+
 def test_assign_through_write_slots_then_attend():
     """The engine's order: the step's keys and values (strided views, as the model passes them)
     are ASSIGNed by the page manager's `write_slots`, then the kernel attends (a prompt's tokens
@@ -174,13 +323,15 @@ def test_assign_through_write_slots_then_attend():
 
 
 def test_op_inside_a_compiled_graph():
-    """The op is opaque to torch.compile (fullgraph): its fake gives the shape, the kernel runs."""
+    """The op is opaque to torch.compile (fullgraph): its fake gives the shape, the kernel runs;
+    with its defaults and with a window, a soft-cap and sinks."""
     H, Hkv, D, P = 4, 2, 16, 16
     k, v, table, slots = make_pool([40, 9], H, Hkv, D, P)
     chunks = torch.tensor([(0, 0, 40, 0), (1, 8, 1, 40)])
-    q = torch.randn(1, H, 41, D)
-    f = torch.compile(lambda q: run(q, k, v, table, chunks, P) * 2, fullgraph=True, backend="eager")
-    assert torch.equal(f(q), run(q, k, v, table, chunks, P) * 2)
+    q, sinks = torch.randn(1, H, 41, D), torch.randn(H)
+    variants = dict(window=5, softcap=5.0, sinks=sinks)
+    both = lambda q: run(q, k, v, table, chunks, P) * 2 + run(q, k, v, table, chunks, P, **variants)
+    assert torch.equal(torch.compile(both, fullgraph=True, backend="eager")(q), both(q))
 
 
 def test_bad_inputs_raise():
@@ -210,11 +361,11 @@ def test_bad_inputs_raise():
 
 def test_kernel_choice():
     cpu = torch.device("cpu")
-    assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=torch.float32) == "cpp"
+    assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=torch.float32).name == "cpp"
     assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=torch.float32,
-                         score_mod=lambda s, b, h, q, k: s) != "cpp"  # the kernel has no score_mod
+                         score_mod=lambda s, b, h, q, k: s).name != "cpp"  # the kernel has no score_mod
     for dt in (torch.bfloat16, torch.float16):
-        assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=dt) == "cpp"
+        assert choose_kernel("auto", cpu, 16, head_dim=32, dtype=dt).name == "cpp"
     for kw, why in [(dict(head_dim=24, dtype=torch.float32), "head_dim=24 is not a multiple of 16"),
                     (dict(head_dim=32, dtype=torch.float64), "it takes torch.float32, torch.bfloat16, "
                                                              "torch.float16, the model is torch.float64"),
@@ -224,7 +375,7 @@ def test_kernel_choice():
     with pytest.raises(ValueError, match="page_size=12 is not a multiple of 8"):
         choose_kernel("cpp", cpu, 12, head_dim=32, dtype=torch.float32)
     assert PagedBackend(get_model(variant="micro", attn_impl="paged", page_size=16, device="cpu"),
-                        2, 64).kernel == "cpp"
+                        2, 64).kernel.name == "cpp"
 
 
 def test_built_once_per_head_dim_into_the_cache_dir(tmp_path, monkeypatch):

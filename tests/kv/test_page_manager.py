@@ -482,50 +482,54 @@ def test_hot_path_has_no_host_sync(where, device, no_host_sync):
 
 
 @pytest.mark.parametrize("P", [1, 4, 16])
-def test_reserve_next_equals_reserve_by_one(P, device):
-    """The decode fast path against `reserve(ids, lengths + 1)` on a twin manager: same state after
-    every step (host mirror, device views, copy-on-write copies) through page openings, a forked sequence
-    growing into its shared partial page (copy-on-write), a sequence joining from length 0 and
-    random subsets of rows; the returned slots follow the architecture's slot rule."""
+def test_decode_fast_path_equals_the_general_reserve(P, device, monkeypatch):
+    """`reserve` of one more token per row takes a plain-Python path when no page changes hands:
+    against a twin manager forced down the general (numpy) path, the same state after every step
+    (host mirror, device views, copy-on-write copies, pages handed out) through page openings, a
+    forked sequence growing into its shared partial page (copy-on-write), a sequence joining
+    from length 0 and random subsets of rows."""
     rng = np.random.default_rng(P)
     fast, ref = (PageManager(96, P, max_seqs=6, max_seq_len=20 * P, device=device) for _ in range(2))
+    monkeypatch.setattr(ref, "_reserve_in_place", lambda *a: None)
     for pm in (fast, ref):
         pm.reserve([0, 1], [P + 1, 3])
         pm.fork(0, 2)  # 2 shares 0's pages, the last one partly filled when P > 1
     lens = {0: P + 1, 1: 3, 2: P + 1}
-    copies = 0
+    copies, opened = 0, []
+    in_use = set(range(1, 96)) - set(ref.free_pages)
     for step in range(3 * P + 8):
         if step == 5:
             lens[4] = 0  # joins: its first token opens its first page
         ids = [s for s in lens if rng.random() < 0.8] or [1]
         rng.shuffle(ids)
-        got, got_copies = fast.reserve_next(ids, [lens[s] for s in ids])
-        ref_copies = ref.reserve(ids, [lens[s] + 1 for s in ids])
-        assert got == ref_slots(ref, ids, [lens[s] for s in ids]).tolist()
-        assert got_copies == ref_copies
+        got = fast.reserve(ids, [lens[s] + 1 for s in ids])
+        want = ref.reserve(ids, [lens[s] + 1 for s in ids])
+        assert got == want and got.opened == want.opened
         for s in ids:
             lens[s] += 1
         assert_same(snapshot(fast), snapshot(ref))
-        copies += len(ref_copies)
+        copies, opened = copies + len(want), opened + want.opened
     assert copies == (1 if P > 1 else 0)  # the shared partial page was copied once
+    # every page taken from the pool was reported as opened, once
+    assert len(set(opened)) == len(opened) and in_use | set(opened) == set(range(1, 96)) - set(ref.free_pages)
 
 
-def test_reserve_next_rejects_bad_rows_and_changes_nothing(device):
+def test_reserve_rejects_bad_rows_and_changes_nothing(device):
+    """Batches that would take the decode fast path but are wrong are refused by the general
+    path's checks, naming the value; nothing changes."""
     pm = PageManager(32, 4, max_seqs=4, max_seq_len=40, device=device)
     pm.reserve([0, 1], [5, 2])
     before = snapshot(pm)
-    for ids, lens, match in (
-        ([0, 1], [5, 3], "seq 1 holds 2 tokens, but the step says 3"),
-        ([0, 7], [5, 0], "seq id 7 out of range"),
-        ([1, 1], [2, 2], "duplicate seq id 1"),
-        ([0, 1], [5], "got 2 seq_ids but 1 lengths"),
+    for ids, lens, err, match in (
+        ([0, 1], [6, 1], ValueError, "reserve cannot shrink: seq 1 has length 2, asked for 1"),
+        ([0, 7], [6, 1], ValueError, "seq id 7 out of range"),
+        ([1, 1], [3, 3], ValueError, "duplicate seq id 1"),
+        ([0, 1], [6], ValueError, "got 2 seq_ids but 1 new_lengths"),
+        ([0, 1], [6, 41], ValueError, "length 41 for seq 1 out of range"),
     ):
-        with pytest.raises(ValueError, match=match):
-            pm.reserve_next(ids, lens)
+        with pytest.raises(err, match=match):
+            pm.reserve(ids, lens)
         assert_same(before, snapshot(pm))
-    pm.reserve([2], [40])
-    with pytest.raises(ValueError, match="length 41 for seq 2 out of range"):
-        pm.reserve_next([2], [40])  # past max_seq_len: the full reserve's error
 
 
 def test_share_and_hold_keep_pages_past_their_sequence(device):

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from fms_paged import generate, get_model
-from fms_paged.kv.cache import make_cache
+from fms_paged.kv.cache import PagedCache, make_cache
 from fms_paged.kv.kernels import flex_kernel_options, flex_unavailable_reason
-from fms_paged.kv.paged import PagedBackend
 
 TOL = 1e-5
 NUM_PAGES = 160  # compiled cases all use this pool so they share kernels
@@ -57,9 +56,9 @@ def lockstep(
     seq_ids = seq_ids or list(range(B))
     max_len = max(map(len, prompts)) + steps + 1
     dc = make_cache(dense, B, max_len)
-    pc = PagedBackend(paged, max_batch or B, max_len, num_pages=num_pages, kernel=kernel)
+    pc = PagedCache(paged, max_batch or B, max_len, num_pages=num_pages, kernel=kernel)
     if flex_prefill is not None:
-        pc.flex_prefill = flex_prefill
+        pc.kernel.blockmask_prefill = flex_prefill
     if before is not None:
         before(pc)
     t, p, s, _ = dc.prefill(list(range(B)), prompts)
@@ -182,9 +181,9 @@ def test_chunked_prefill_through_pages(kernel, flex_prefill, device, require_ker
     require_kernel(kernel)
     dense, paged = pair(device, page_size=16)
     x = prompts_of([150])[0]
-    pc = PagedBackend(paged, 1, 160, num_pages=NUM_PAGES, kernel=kernel)
+    pc = PagedCache(paged, 1, 160, num_pages=NUM_PAGES, kernel=kernel)
     if flex_prefill is not None:
-        pc.flex_prefill = flex_prefill
+        pc.kernel.blockmask_prefill = flex_prefill
     outs = []
     with torch.inference_mode():
         for start in range(0, 150, 37):
@@ -201,9 +200,9 @@ def test_mixed_step_decodes_and_chunks_match_dense(kernel, flex_prefill, device,
     require_kernel(kernel)
     dense, paged = pair(device, page_size=16)
     prompts = prompts_of([20, 33, 16, 50, 70], seed=4)
-    pc = PagedBackend(paged, 8, 160, num_pages=NUM_PAGES, kernel=kernel)
+    pc = PagedCache(paged, 8, 160, num_pages=NUM_PAGES, kernel=kernel)
     if flex_prefill is not None:
-        pc.flex_prefill = flex_prefill
+        pc.kernel.blockmask_prefill = flex_prefill
     with torch.inference_mode():
         t, p, s, _ = pc.prefill([0, 1, 2], prompts[:3])  # the decoding sequences' prompts
         paged(t, p, s)
@@ -233,7 +232,7 @@ def test_forked_sequences_diverge_correctly(kernel, device, require_kernel):
     require_kernel(kernel)
     dense, paged = pair(device, page_size=16)
     prompt = prompts_of([21])[0]
-    pc = PagedBackend(paged, 8, 64, num_pages=NUM_PAGES, kernel=kernel)
+    pc = PagedCache(paged, 8, 64, num_pages=NUM_PAGES, kernel=kernel)
     with torch.inference_mode():
         t, p, s, _ = pc.prefill([0], [prompt])
         paged(t, p, s)
@@ -269,7 +268,7 @@ def test_zero_recompiles_over_500_decode_steps(kernel, whole_step, device, requi
     _, paged = pair(device, page_size=16)
     step_fn = compiled_decode(static_shapes=True) if whole_step else decode_one_token
     B, max_len = 4, 160
-    pc = PagedBackend(paged, B, max_len, num_pages=NUM_PAGES, kernel=kernel)
+    pc = PagedCache(paged, B, max_len, num_pages=NUM_PAGES, kernel=kernel)
     rng = np.random.default_rng(0)
     lengths, budget = [0] * B, [0] * B
 
@@ -307,7 +306,7 @@ def test_decode_with_wrong_lengths_raises_and_changes_nothing(device):
     """A decode step whose lengths disagree with what the sequences hold is refused with a typed
     error naming the sequence, before any page or length changes (row 0 alone would be fine)."""
     _, paged = pair(device, page_size=16)
-    pc = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="gather")
+    pc = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="gather")
     pc.prefill([0, 1], prompts_of([5, 16]))
     free, lens, table = pc.pm.num_free_pages, pc.pm.seq_lens.clone(), pc.pm.page_table.clone()
     with pytest.raises(ValueError, match="seq 1 holds 16 tokens"):
@@ -322,7 +321,7 @@ def test_forced_fallback_is_announced_and_equal(monkeypatch, device):
     prompts = prompts_of([5, 30, 12])
     with pytest.warns(UserWarning, match="falls back to GATHER"):
         cache = make_cache(paged, 3, 64)
-    assert cache.kernel == "gather"
+    assert cache.kernel.name == "gather"
     assert generate(paged, prompts, 16, eos_id=None, cache=cache) == generate(
         dense, prompts, 16, eos_id=None
     )
@@ -344,7 +343,7 @@ def test_python_without_headers_falls_back_before_compiling(monkeypatch, tmp_pat
     assert f"no Python.h in {tmp_path}" in reason and "python3-dev" in reason
     assert paged_mod.probe_compiled_flex(torch.device("cpu")) == reason
     with pytest.warns(UserWarning, match="falls back to GATHER \\+ SDPA: no Python.h"):
-        assert paged_mod.choose_kernel("auto", torch.device("cpu")) == "gather"
+        assert paged_mod.choose_kernel("auto", torch.device("cpu")).name == "gather"
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 48, 64, 96, 128, 256, 384])
@@ -438,16 +437,16 @@ def test_user_score_mod_same_in_packed_decode_and_prefill(device, require_kernel
     require_kernel("flex")
     x = prompts_of([40])[0]
     with torch.inference_mode():
-        full = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", score_mod=bias)
+        full = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", score_mod=bias)
         t, p, s, _ = full.prefill([0], [x])
         ref = paged(t, p, s)[0, len(x) - 1]
-        inc = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", score_mod=bias)
+        inc = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex", score_mod=bias)
         t, p, s, _ = inc.prefill([0], [x[:-1]])
         paged(t, p, s)
         t, p, s = inc.decode([0, 1], torch.tensor([x[-1], 0], device=device), [len(x) - 1, 0],
                              [True, False])
         got = paged(t, p, s)[0, -1]
-        plain = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex")
+        plain = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex")
         t, p, s, _ = plain.prefill([0], [x])
         unbiased = paged(t, p, s)[0, len(x) - 1]
     assert (got - ref).abs().max().item() <= TOL
@@ -460,17 +459,17 @@ def test_prefill_path_choice_and_score_mod_errors(device, require_kernel):
     apply it is refused."""
     require_kernel("flex")
     _, paged = pair(device, page_size=16)
-    plain = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex")
-    assert plain.flex_prefill == (device.type != "cpu")
-    with_mod = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex",
+    plain = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex")
+    assert plain.kernel.blockmask_prefill == (device.type != "cpu")
+    with_mod = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex",
                             score_mod=lambda score, b, h, q, kv: score)
-    assert with_mod.flex_prefill
+    assert with_mod.kernel.blockmask_prefill
     for kernel in ("gather", "cpp"):
         with pytest.raises(ValueError, match="score_mod"):
-            PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel=kernel,
+            PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel=kernel,
                          score_mod=lambda score, b, h, q, kv: score)
     with pytest.raises(ValueError, match="kernel='flex-eager'"):
-        PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex-eager")
+        PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex-eager")
 
 
 @pytest.mark.parametrize("kernel", ["cpp", "flex", "gather"])
@@ -480,7 +479,7 @@ def test_steps_assign_through_the_checked_write_and_gather_reads_it_back(kernel,
     GATHER reads back exactly what was written, in logical order."""
     require_kernel(kernel)
     _, paged = pair(device, page_size=16)
-    pc = PagedBackend(paged, 2, 64, num_pages=NUM_PAGES, kernel=kernel)
+    pc = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel=kernel)
     step = pc.prefill([1], [prompts_of([21])[0]])[2].prepare()
     kp, vp = pc.k_pools[0], pc.v_pools[0]
     k = torch.randn(1, kp.shape[1], 21, kp.shape[3], device=device)

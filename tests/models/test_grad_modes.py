@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fms_paged import get_model
-from fms_paged.kv.paged import PagedBackend
+from fms_paged.kv.cache import PagedCache
 from fms_paged.modules import linear as L
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -70,8 +70,8 @@ def test_paged(load, run, reference, device, paged_kernel):
     with MODES[load]():
         model = get_model(variant="micro", device=device, seed=0, attn_impl="paged", page_size=16)
     with MODES[run]():
-        backend = PagedBackend(model, 2, LONG + 2)
-        assert backend.kernel == paged_kernel  # "auto": cpp on the CPU, flex on CUDA
+        backend = PagedCache(model, 2, LONG + 2)
+        assert backend.kernel.name == paged_kernel  # "auto": cpp on the CPU, flex on CUDA
         ps = prompts()
         for seq, (p, (want, _, _)) in enumerate(zip(ps, reference)):  # one prefill per prompt
             tokens, positions, step, _ = backend.prefill([seq], [p])

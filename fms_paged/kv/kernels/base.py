@@ -1,0 +1,126 @@
+"""What every paged kernel is (`Kernel`: capabilities and the step builders) and what its steps share
+(`PoolStep`: ASSIGN, then attention over the pools; `MixedStep`: decode rows and prefill chunks in
+one forward).
+
+Callers ask a kernel what it can do instead of testing its name: whether its steps compile, whether
+its compiled decode step can be replayed from CUDA graphs, whether a page must be zeroed before use,
+the fewest rows and tokens its compiled graphs take.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from fms_paged.kv._pool_ops import write_slots
+from fms_paged.kv.spec import AttentionSpec
+from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
+
+
+class PoolStep:
+    """A prepared step over a view's per-layer pools: the slots of its new tokens and whatever its
+    kernel needs to find each sequence's pages. `attend` runs ASSIGN (`store`) and `attention` on
+    layer `layer`'s pools with the layer's spec; FMS's attention op calls `store` and `attention`
+    on the pools and spec it is handed (`fms_paged.integrations.fms`)."""
+
+    view: PoolView
+    slots: torch.Tensor  # [B' * S'] pool slot of every new token, in the step's token order
+
+    def prepare(self) -> PoolStep:
+        """Device-side metadata built once per forward, before the layers (see AttentionStep)."""
+        return self
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B', H, S', D]; k, v: [B', Hkv, S', D]
+        kp, vp = self.view.k_pools[layer], self.view.v_pools[layer]
+        self.store(kp, vp, k, v)
+        return self.attention(q, kp, vp, self.view.specs[layer])
+
+    def store(self, kp: torch.Tensor, vp: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """ASSIGN the step's new k/v ([B', Hkv, S', D]) to their slots of pools kp, vp
+        ([1, Hkv, NP, D]), in place (`write_slots`: the page manager's ASSIGN at precomputed slots)."""
+        B, H, S, D = k.shape  # -> [B' * S', Hkv, D], the token order of the slots
+        write_slots(kp, vp, self.slots, k.transpose(1, 2).reshape(B * S, H, D),
+                    v.transpose(1, 2).reshape(B * S, H, D))
+
+    def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
+                  spec: AttentionSpec) -> torch.Tensor:
+        """q: [B', H, S', D] over pools kp, vp (already written), under `spec` -> [B', H, S', D]"""
+        raise NotImplementedError
+
+
+class MixedStep(PoolStep):
+    """Decodes and prefill chunks in one forward: the packed row holds `rows` decode tokens (one per
+    row of a decode batch, padded) and then the prefill tokens. Linear layers run on all of them at
+    once; attention runs each part on its own (decode rows through their own pages; the prefill
+    part through its chunks' pages), so a decode token never scans the union of pages of the
+    sequences sharing its query block. (The cpp kernel needs none of this: one chunk list.)"""
+
+    def __init__(self, decode, prefill: PoolStep, rows: int, slots: torch.Tensor | None = None):
+        self.decode, self.prefill, self.rows = decode, prefill, rows
+        self.view = prefill.view
+        self.slots = slots  # [B + Tp] pool slot of every token of the row (set by prepare)
+
+    def prepare(self) -> MixedStep:
+        if self.slots is not None:
+            return self
+        decode = self.decode.prepare()
+        return MixedStep(decode, self.prefill, self.rows, torch.cat([decode.slots, self.prefill.slots]))
+
+    def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
+                  spec: AttentionSpec) -> torch.Tensor:
+        # q: [1, H, B + Tp, D], a view of [1, B + Tp, H, D]. Compiled flex kernels are specialised
+        # on strides: each part gets the strides a pure decode / pure prefill step gives it, so
+        # mixed steps reuse their kernels (a plain slice's strides would depend on the other
+        # part's length: one recompilation per new (B, Tp) pair)
+        B = self.rows
+        rows = q.transpose(1, 2)  # [1, B + Tp, H, D]
+        qd = rows[0, :B].unsqueeze(1).transpose(1, 2)  # [B, H, 1, D], no copy
+        od = self.decode.attention(qd, kp, vp, spec)
+        qp = rows[:, B:].clone(memory_format=torch.contiguous_format).transpose(1, 2)  # [1, H, Tp, D]
+        op = self.prefill.attention(qp, kp, vp, spec)
+        return torch.cat([od.squeeze(2).transpose(0, 1).unsqueeze(0), op], dim=2)
+
+
+class Kernel:
+    """A paged-attention kernel: its capabilities, and the steps it builds from a step's host data
+    over a `PoolView`. Each builder returns (tokens, positions, step) in the layout the kernel
+    takes: decode rows [B, 1]; prefill and mixed steps one packed row [1, T'] (T' >= T: a kernel
+    may pad; padding tokens belong to no sequence and write to the null page)."""
+
+    name: ClassVar[str]
+    compiles: ClassVar[bool] = False  # compile="auto" compiles the engine's steps around it
+    always_compiles: ClassVar[bool] = False  # compiles its attention even in eager steps (warm-up)
+    cuda_graphs: ClassVar[bool] = False  # its compiled decode step can be replayed from CUDA graphs
+    zero_new_pages: ClassVar[bool] = True  # reads whole pages: a page handed out is zeroed first
+    static_decode: ClassVar[bool] = True  # a decode step's shapes never change (compiled static)
+    # its compiled decode graph takes the rows, the pools' size and the page size as dynamic inputs:
+    # one graph per model shape, whatever the batch and the pool (Dynamo specializes a dim of 1,
+    # so a lone request is padded to `min_rows` = 2 rows)
+    dynamic_shapes: ClassVar[bool] = False
+    min_rows: ClassVar[int] = 1  # fewest rows of a compiled decode batch (a lone request is padded)
+    min_prefill_tokens: ClassVar[int] = 1  # fewest tokens of a compiled prefill step (padded)
+    takes_score_mod: ClassVar[bool] = False  # applies a user score_mod (in logical positions)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, PoolStep]:
+        raise NotImplementedError
+
+    def decode(self, view: PoolView, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor, object]:
+        raise NotImplementedError
+
+    def mixed(self, view: PoolView, dec: DecodeBatch,
+              pre: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, PoolStep]:
+        """Decode rows, then the prefill chunks, in one packed row [1, B + T']."""
+        B = len(dec.seq_ids)
+        tok_d, pos_d, dstep = self.decode(view, dec)
+        tok_p, pos_p, pstep = self.prefill(view, pre)
+        tokens = torch.cat([tok_d.view(1, B), tok_p.to(tok_d.device)], dim=1)
+        positions = torch.cat([pos_d.view(1, B), pos_p.to(pos_d.device)], dim=1)
+        return tokens, positions, MixedStep(dstep, pstep, B)
