@@ -178,6 +178,71 @@ def hf_checkpoint(tmp_path):
     return build
 
 
+# One small random-weight checkpoint per family we load, made with transformers' own config and
+# model classes: 3 layers, head_dim 16 (the cpp kernel's multiple), a window of FAMILY_WINDOW
+# tokens on the sliding layers (every layer for Mistral; some for Qwen2/3, Gemma 2/3), a small
+# attention soft-cap for Gemma 2 (so that it bends the scores of a random model), Granite's four
+# multipliers at their published sizes.
+FAMILY_WINDOW = 24
+HF_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=FAMILY_WINDOW)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(use_sliding_window=True, sliding_window=FAMILY_WINDOW, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(head_dim=16, use_sliding_window=True, sliding_window=FAMILY_WINDOW, max_window_layers=2)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=12.0, attention_multiplier=0.05, residual_multiplier=0.22,
+                     logits_scaling=8.0)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=FAMILY_WINDOW,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0, tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=FAMILY_WINDOW,
+                    sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                    tie_word_embeddings=True)),
+}
+
+
+def make_hf_family(family: str, seed: int = 0, **overrides):
+    """A random-weight transformers model of `family` (fp32, eval mode, eager attention: the
+    reference that applies windows and soft-caps as written). Norms and biases are randomised so
+    that they are tested too (Gemma's norms scale by 1 + w: around 0)."""
+    import transformers
+
+    config_cls, model_cls, kw = HF_FAMILIES[family]
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**base, **kw, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5) if family.startswith("gemma") else p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_family(tmp_path_factory):
+    """Factory: family -> (hf_model, checkpoint_dir), made once per session (save_pretrained,
+    safetensors). The HF model stays on the CPU in fp32."""
+    made = {}
+
+    def build(family: str):
+        if family not in made:
+            model = make_hf_family(family)
+            path = tmp_path_factory.mktemp(f"hf_{family}")
+            model.save_pretrained(path, safe_serialization=True)
+            made[family] = (model, path)
+        return made[family]
+
+    return build
+
+
 @pytest.fixture
 def hf_greedy():
     """HF `generate` on a batch of mixed-length prompts (left-padded, as HF batches): new tokens."""

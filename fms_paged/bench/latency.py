@@ -57,9 +57,9 @@ def with_rope_len(model: torch.nn.Module, max_len: int) -> torch.nn.Module:
         return model
     twin = with_config(model, max_expected_seq_len=max_len)
     twin._modules = dict(model._modules)  # don't touch the original's submodules
-    c = twin.config
-    twin.rot_emb = RotaryEmbedding(c.head_dim, max_len, c.rope_theta, c.rope_scaling)
-    twin.rot_emb.reset_buffers(model.device)
+    twin.ropes = torch.nn.ModuleList(RotaryEmbedding(r.head_dim, max_len, r.theta, r.scaling)
+                                     for r in model.ropes)
+    twin.reset_buffers()
     return twin
 
 

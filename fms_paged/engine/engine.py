@@ -28,8 +28,9 @@ from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Sta
 from fms_paged.engine.runner import ModelRunner, check_modes
 from fms_paged.engine.scheduler import Scheduler
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
-from fms_paged.kv.geometry import pool_pages
-from fms_paged.kv.paged import PagedBackend
+from fms_paged.kv.geometry import pages_held
+from fms_paged.kv.paged import PagedBackend, attention_specs
+from fms_paged.kv.spec import release_horizon
 
 
 class Engine:
@@ -100,6 +101,9 @@ class Engine:
             )
         self.model = model
         self.budget = None
+        # every layer windowed: pages behind the widest window are released (`Scheduler`), and a
+        # request holds at most the pages of a step and the window before it
+        horizon = release_horizon(attention_specs(model))
         if backend is None:
             if num_pages is None:
                 self.budget = kv_cache_budget(model, max_num_batched_tokens, max_model_len,
@@ -107,7 +111,8 @@ class Engine:
                 num_pages = self.budget.num_pages
             elif isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
                 raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
-            need = pool_pages(1, max_model_len, c.page_size)  # one sequence + the null page
+            # one sequence (at its most pages at once) + the null page
+            need = pages_held(max_model_len, c.page_size, horizon, max_num_batched_tokens) + 1
             if num_pages < need:
                 raise KVBudgetError(
                     f"num_pages={num_pages} cannot hold one sequence of max_model_len={max_model_len} "
@@ -122,15 +127,22 @@ class Engine:
             raise ValueError(f"backend has {backend.max_batch} rows, fewer than max_num_seqs={max_num_seqs}")
         self.backend, self.pm = backend, backend.pm
         self.max_model_len = min(max_model_len, self.pm.max_seq_len)
-        self.capacity = (self.pm.num_pages - 1) * self.pm.page_size  # tokens the pool can ever hold
+        # the longest request the pool can hold: every token's page, or with pages released behind
+        # a window, any request whose step and window fit
+        P, usable = self.pm.page_size, self.pm.num_pages - 1
+        fits_any = pages_held(self.max_model_len, P, horizon, max_num_batched_tokens) <= usable
+        self.capacity = self.max_model_len if horizon is not None and fits_any else usable * P
+        self.horizon = horizon
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}; expected a bool")
         self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching else None
-        self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, cache=self.prefix_cache)
+        self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, cache=self.prefix_cache,
+                                   horizon=horizon)
         self.runner = ModelRunner(model, backend, max_num_seqs, compile, cuda_graphs)
         self.vocab_size = c.src_vocab_size
-        self.eos = frozenset() if c.eos_token_id is None else frozenset([c.eos_token_id])
+        eos = c.eos_token_id
+        self.eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
         # submission: any thread appends (deque.append is atomic); the loop drains in step()
         self._submitted: collections.deque[Request] = collections.deque()
         # (request id, completion index or None: all of them), applied at the next step

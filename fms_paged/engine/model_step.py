@@ -196,13 +196,14 @@ def _block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torc
 
 def prefill_layers(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The layers of a prefill step around deferred attention -> hidden states [B, S, D]. Compiled,
-    each block is a nested compile region: the blocks of a model are alike but for their weights
-    and their layer index (both inputs of the region), so inductor compiles one block and calls it
+    each block is a nested compile region: the blocks of a model are alike but for their weights,
+    their layer index and the RoPE table they read (inputs of the region; a layer's attention
+    spec is applied inside the opaque attention op), so inductor compiles one block and calls it
     for every layer: the graph compiles in about half the time of one traced layer by layer."""
-    x, cos, sin = model.embed(tokens, positions)
+    x, ropes = model.embed(tokens, positions)
     index = torch.arange(len(model.layers))
     for i, block in enumerate(model.layers):
-        x = _block(block, x, cos, sin, index[i])
+        x = _block(block, x, *ropes[block.rope_index], index[i])
     return x
 
 

@@ -17,6 +17,7 @@ import collections
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from fms_paged.kv.geometry import NULL_PAGE
 from fms_paged.kv.page_manager import PageManager
 
 HashFn = Callable[[int | None, tuple[int, ...], Hashable], int]
@@ -96,6 +97,8 @@ class PrefixCache:
             return
         own = self.pm.pages_of(seq_id)
         for j in range(len(chain), n):
+            if own[j] == NULL_PAGE:  # released behind a sliding window: the chain stops here
+                return
             parent_key, parent = chain[-1] if chain else (None, None)
             chunk = tuple(tokens[j * P : (j + 1) * P])
             key = self.hash_fn(parent_key, chunk, extra)

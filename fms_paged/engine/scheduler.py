@@ -12,6 +12,9 @@ Host only: no tensors. Each step gets a token budget (`max_num_batched_tokens`):
 Prompts longer than what is left of the budget are prefilled in chunks, in the same forward as the
 decodes of running requests, so a long prompt never stalls them.
 
+0. When every layer of the model is windowed (`horizon`: the widest window), the pages of each
+   running request that lie wholly before the first position its next query sees are released
+   first (they go back to the pool, or stay with the prefix cache, evictable).
 3. The other completions of an `n > 1` request whose prompt this step finishes FORK its pages
    while rows are free (they sample their first token from its logits), else wait in the queue.
 The scheduler decides from host counts alone (`PageManager.pages_needed`, `num_free_pages`), then
@@ -57,8 +60,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pm: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01, cache: PrefixCache | None = None):
+                 watermark: float = 0.01, cache: PrefixCache | None = None, horizon: int | None = None):
         self.pm = pm
+        self.horizon = horizon  # every layer windowed: keys this far back are all any layer reads
+        self.released = [0] * max_num_seqs  # per row: pages given back behind the window so far
         self.cache = cache  # prefix caching: admissions share cached pages; evictable pages count as free
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -75,6 +80,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out, now = SchedulerOutput(), time.perf_counter()
+        if self.horizon is not None:
+            self._release_behind_windows()
         budget = self.max_num_batched_tokens
         planned: dict[Request, tuple[int, int]] = {}  # scheduled this step: (tokens, pages)
         planned_pages = 0
@@ -109,6 +116,23 @@ class Scheduler:
                                               [r.num_computed + n for r, n in out.scheduled])
         self._plan_rows(out, now)
         return out
+
+    def _release_behind_windows(self) -> None:
+        """ERASE the pages of running requests that no layer's window reaches again: those wholly
+        before the first key their next query sees (num_computed - horizon + 1)."""
+        P, ids, first = self.pm.page_size, [], []
+        for r in self.running:
+            keep = r.num_computed - self.horizon + 1
+            if keep // P > self.released[r.seq_id]:  # a page fell behind since the last release
+                ids.append(r.seq_id)
+                first.append(keep)
+        if not ids:
+            return
+        dropped = self.pm.release_prefix(ids, first)
+        for s, keep in zip(ids, first):
+            self.released[s] = keep // P
+        if self.cache is not None:
+            self.cache.release(dropped)  # those the cache alone holds now: evictable
 
     def _plan_rows(self, out: SchedulerOutput, now: float) -> None:
         """Split the plan into decodes and prefill chunks, list the tokens to sample (logits rows),
@@ -151,6 +175,7 @@ class Scheduler:
                              r.cache_chain, r.cache_salt)
         for parent, child in plan.forks:  # the parent's prompt is computed: share its pages
             self.pm.fork(parent.seq_id, child.seq_id)
+            self.released[child.seq_id] = self.released[parent.seq_id]
             child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)
             child.arrival = parent.arrival
         now = time.perf_counter()
@@ -235,4 +260,5 @@ class Scheduler:
             if self.cache:
                 self.cache.release(pages)  # listed pages nobody holds now: evictable
             self.free_rows.append(req.seq_id)
+            self.released[req.seq_id] = 0
             req.seq_id, req.cache_chain = None, []

@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fms_paged.kv.geometry import pool_pages
+from fms_paged.kv.geometry import pages_held
+from fms_paged.kv.paged import attention_specs
+from fms_paged.kv.spec import release_horizon
 from fms_paged.modules.linear import unpacked_bytes
 
 
@@ -99,7 +101,8 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
     `kv_memory_fraction` of the available RAM if given, else 4 GiB (at most half the available
     RAM), the available RAM counted less the packed weight copies still to be made; the pool is
     allocated untouched, so RAM is used only as pages are.
-    Raises KVBudgetError if one sequence of `max_model_len` tokens does not fit."""
+    Raises KVBudgetError if one sequence of `max_model_len` tokens does not fit (with every layer
+    windowed: the pages it holds at once, `fms_paged.kv.geometry.pages_held`)."""
     if kv_memory_fraction is not None and not (
         isinstance(kv_memory_fraction, (int, float)) and 0 < kv_memory_fraction <= 1
     ):
@@ -131,7 +134,10 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
         source = (f"kv_memory_fraction={fraction} of {_gib(free)} free on {dev} after the weights, "
                   f"less a {_gib(activation)} activation peak")
     num_pages = max(0, kv // per_page)
-    need_pages = pool_pages(1, max_model_len, c.page_size)  # one sequence + the null page
+    # one sequence at its most pages at once (behind a window on every layer: its step and window)
+    # + the null page
+    horizon = release_horizon(attention_specs(model))
+    need_pages = pages_held(max_model_len, c.page_size, horizon, max_num_batched_tokens) + 1
     if num_pages < need_pages:
         need = need_pages * per_page
         fix = (f"set {CPU_KV_SPACE_ENV}={math.ceil(need / GiB * 100) / 100} (GiB)" if dev.type == "cpu"

@@ -3,7 +3,8 @@
 A sequence's token at logical position `pos` lives on its logical page `pos // P`, at offset
 `pos % P`; the physical page holding that logical page comes from the page table, and the token's
 pool slot is `page * P + pos % P` (slot axis of a pool `[L, Hkv, num_pages * P, D]`). Page 0 is the
-null page: never owned, the target of padding writes. Everything else (page manager, scheduler,
+null page: never owned, the target of padding writes (and of the table entries of pages a sliding
+window released). Everything else (page manager, scheduler,
 budget, backends, kernels' Python side, benchmarks) calls these functions instead of writing the
 arithmetic again. Each works on Python ints, numpy arrays and torch tensors alike.
 """
@@ -47,3 +48,15 @@ def grows_into_partial_page(old_len, new_len, page_size: int):
 def pool_pages(max_seqs: int, max_seq_len: int, page_size: int) -> int:
     """Pages for `max_seqs` sequences of `max_seq_len` tokens each, plus the null page."""
     return max_seqs * pages_for(max_seq_len, page_size) + 1
+
+
+def pages_held(num_tokens: int, page_size: int, horizon: int | None = None, chunk: int = 1) -> int:
+    """The most pages a sequence of `num_tokens` tokens holds at once: all of them; or, when every
+    layer is windowed (`horizon`: the widest window, `fms_paged.kv.spec.release_horizon`) and
+    the pages behind the window are released, those of a step of at most `chunk` new tokens and
+    of the window before it: positions s - horizon + 1 .. s + chunk - 1, at most
+    pages_for(horizon - 1 + chunk) + 1 pages."""
+    full = pages_for(num_tokens, page_size)
+    if horizon is None:
+        return full
+    return min(full, pages_for(horizon - 1 + chunk, page_size) + 1)

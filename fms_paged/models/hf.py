@@ -1,8 +1,10 @@
-"""Hugging Face LLaMA checkpoint adapter: config.json -> LLaMAConfig, safetensors -> our state dict.
+"""Hugging Face checkpoint adapter: config.json -> LLaMAConfig (by the family it names:
+`fms_paged.models.families`), safetensors -> our state dict.
 
-Adapter steps (FMS style): read config, map tensor names, undo HF's q/k RoPE permutation, check every
-name and shape, then load in place into a model built on the meta device (no second copy in memory).
-`save_hf_llama` does the reverse, so our models are loadable by `transformers` too.
+Adapter steps (FMS style): read config, pick the family, map tensor names, undo HF's q/k RoPE
+permutation (of the q/k weights, biases and per-head norms), check every name and shape, then load
+in place into a model built on the meta device (no second copy in memory). `save_hf_llama` does
+the reverse for LLaMA, so our models are loadable by `transformers` too.
 """
 
 from __future__ import annotations
@@ -17,33 +19,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fms_paged.models.families import COMMON_NAMES, FAMILIES, CheckpointError, Family, config_fields
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 
+__all__ = ["CheckpointError", "config_from_hf", "config_to_hf", "hf_to_ours_name", "load_hf", "load_hf_llama",
+           "ours_to_hf_name", "permute_rope", "read_hf_config", "save_hf_llama", "unpermute_rope"]
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded (bad names, shapes, files or config)."""
-
-
-# (Hugging Face name, our name); "{}" is the layer index
-_NAME_MAP = [
-    ("model.embed_tokens.weight", "embedding.weight"),
-    ("model.norm.weight", "dec_norm.weight"),
-    ("lm_head.weight", "head.weight"),
-    ("model.layers.{}.input_layernorm.weight", "layers.{}.ln.weight"),
-    ("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ff_ln.weight"),
-    ("model.layers.{}.self_attn.q_proj.weight", "layers.{}.attn.in_proj.query.weight"),
-    ("model.layers.{}.self_attn.k_proj.weight", "layers.{}.attn.in_proj.key.weight"),
-    ("model.layers.{}.self_attn.v_proj.weight", "layers.{}.attn.in_proj.value.weight"),
-    ("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attn.dense.weight"),
-    ("model.layers.{}.mlp.gate_proj.weight", "layers.{}.ff_sub_module.wg.weight"),
-    ("model.layers.{}.mlp.up_proj.weight", "layers.{}.ff_sub_module.w1.weight"),
-    ("model.layers.{}.mlp.down_proj.weight", "layers.{}.ff_sub_module.w2.weight"),
-]
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def _translate(name: str, src: int) -> str | None:
-    for pair in _NAME_MAP:
+def _translate(name: str, src: int, names: tuple[tuple[str, str], ...]) -> str | None:
+    for pair in names:
         pattern = re.escape(pair[src]).replace(r"\{\}", r"(\d+)")
         m = re.fullmatch(pattern, name)
         if m:
@@ -51,19 +37,26 @@ def _translate(name: str, src: int) -> str | None:
     return None
 
 
-def hf_to_ours_name(name: str) -> str | None:
-    return _translate(name, 0)
+def _names(family: Family) -> tuple[tuple[str, str], ...]:
+    return family.names + COMMON_NAMES
 
 
-def ours_to_hf_name(name: str) -> str:
-    hf = _translate(name, 1)
+def hf_to_ours_name(name: str, family: str = "llama") -> str | None:
+    return _translate(name, 0, _names(FAMILIES[family]))
+
+
+def ours_to_hf_name(name: str, family: str = "llama") -> str:
+    hf = _translate(name, 1, _names(FAMILIES[family]))
     if hf is None:
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
     return hf
 
 
 def unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """HF "rotate half" q/k layout -> interleaved pairs. w: [heads * D, C]."""
+    """HF "rotate half" q/k layout -> interleaved pairs. w: [heads * D, C], or [heads * D] (a
+    bias, a per-head norm with heads=1)."""
+    if w.dim() == 1:
+        return unpermute_rope(w[:, None], heads)[:, 0]
     out_dim, in_dim = w.shape
     d = out_dim // heads
     return w.view(heads, 2, d // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
@@ -71,63 +64,39 @@ def unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Interleaved pairs -> HF "rotate half" layout (inverse of `unpermute_rope`)."""
+    if w.dim() == 1:
+        return permute_rope(w[:, None], heads)[:, 0]
     out_dim, in_dim = w.shape
     d = out_dim // heads
     return w.view(heads, d // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
-def _rope_fields(cfg: dict[str, Any]) -> tuple[float, dict | None]:
-    """RoPE theta and scaling from either `rope_theta` + `rope_scaling` or `rope_parameters`."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10_000.0))
-        kind = params.get("rope_type", "default")
-        scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
-        return float(theta), scaling
-    scaling = cfg.get("rope_scaling")
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    return float(cfg.get("rope_theta", 10_000.0)), scaling
+def _rope_heads(name: str, config: LLaMAConfig) -> int | None:
+    """How many RoPE heads a tensor of ours holds in HF's rotate-half layout (None: not rotated)."""
+    if name.endswith(("attn.in_proj.query.weight", "attn.in_proj.query.bias")):
+        return config.nheads
+    if name.endswith(("attn.in_proj.key.weight", "attn.in_proj.key.bias")):
+        return config.kvheads
+    if name.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):  # one head's worth, per head
+        return 1
+    return None
 
 
 def config_from_hf(cfg: dict[str, Any], **overrides: Any) -> LLaMAConfig:
-    def need(key: str):
-        if key not in cfg:
-            raise CheckpointError(f"config.json has no {key!r} (is this a LLaMA checkpoint?)")
-        return cfg[key]
-
-    if cfg.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"config.json model_type={cfg['model_type']!r}; expected 'llama'")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act={cfg['hidden_act']!r}; only 'silu' is supported")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise CheckpointError("attention_bias / mlp_bias checkpoints are not supported")
-    hidden, nheads = need("hidden_size"), need("num_attention_heads")
-    head_dim = cfg.get("head_dim") or hidden // nheads
-    if head_dim != hidden // nheads:
-        raise CheckpointError(f"head_dim={head_dim} != hidden_size/num_attention_heads")
-    theta, scaling = _rope_fields(cfg)
-    fields: dict[str, Any] = dict(
-        src_vocab_size=need("vocab_size"),
-        emb_dim=hidden,
-        nheads=nheads,
-        kvheads=cfg.get("num_key_value_heads") or nheads,
-        nlayers=need("num_hidden_layers"),
-        hidden_grow_factor=need("intermediate_size") / hidden,
-        multiple_of=1,
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_expected_seq_len=cfg.get("max_position_embeddings", 2048),
-        tie_heads=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=cfg.get("eos_token_id"),
-    )
+    """config.json (a dict) -> our config for the family it names; CheckpointError for a
+    checkpoint we cannot compute exactly, naming the field."""
+    _, fields = config_fields(cfg)
     fields.update(overrides)
-    return LLaMAConfig(**fields)
+    try:
+        return LLaMAConfig(**fields)
+    except ValueError as e:
+        raise CheckpointError(f"config.json: {e}") from None
 
 
 def config_to_hf(config: LLaMAConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """A LLaMA config as config.json (`save_hf_llama`)."""
+    if config.family != "llama":
+        raise ValueError(f"config_to_hf writes LLaMA checkpoints, this model is {config.family!r}")
     hf = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -186,16 +155,18 @@ def read_hf_config(model_path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"cannot read {cfg_file}: {e}") from None
 
 
-def load_hf_llama(
+def load_hf(
     model_path: str | os.PathLike,
     attn_impl: str = "sdpa",
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     **config_overrides: Any,
 ) -> LLaMA:
+    """A Hugging Face checkpoint of a family we load (`fms_paged.models.families`) as our model."""
     path = Path(model_path)
     hf_cfg = read_hf_config(path)
     config = config_from_hf(hf_cfg, attn_impl=attn_impl, **config_overrides)
+    names = _names(FAMILIES[config.family])
     with torch.device("meta"):
         model = LLaMA(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -211,7 +182,7 @@ def load_hf_llama(
             for hf_name in f.keys():
                 if _IGNORED.fullmatch(hf_name):
                     continue
-                name = hf_to_ours_name(hf_name)
+                name = _translate(hf_name, 0, names)
                 if name is None or name not in expected:
                     raise CheckpointError(f"unexpected tensor {hf_name!r} in {file.name}")
                 t = f.get_tensor(hf_name)
@@ -220,10 +191,9 @@ def load_hf_llama(
                         f"tensor {hf_name!r} has shape {tuple(t.shape)}, "
                         f"expected {tuple(expected[name])} for this config"
                     )
-                if name.endswith("attn.in_proj.query.weight"):
-                    t = unpermute_rope(t, config.nheads)
-                elif name.endswith("attn.in_proj.key.weight"):
-                    t = unpermute_rope(t, config.kvheads)
+                heads = _rope_heads(name, config)
+                if heads is not None:
+                    t = unpermute_rope(t, heads)
                 target_dtype = dtype if dtype is not None else t.dtype
                 state[name] = t.to(device=device, dtype=target_dtype).contiguous()
     missing = sorted(set(expected) - set(state))
@@ -236,8 +206,13 @@ def load_hf_llama(
     return model.eval()
 
 
+load_hf_llama = load_hf  # (its name from when LLaMA was the one family)
+
+
 def save_hf_llama(model: LLaMA, model_path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
     """Write config.json + model.safetensors in Hugging Face LLaMA format."""
+    if model.config.family != "llama":
+        raise ValueError(f"save_hf_llama writes LLaMA checkpoints, this model is {model.config.family!r}")
     path = Path(model_path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config
@@ -247,10 +222,9 @@ def save_hf_llama(model: LLaMA, model_path: str | os.PathLike, dtype: torch.dtyp
         if config.tie_heads and name == "head.weight":
             continue
         t = t.detach().to("cpu", dtype)
-        if name.endswith("attn.in_proj.query.weight"):
-            t = permute_rope(t, config.nheads)
-        elif name.endswith("attn.in_proj.key.weight"):
-            t = permute_rope(t, config.kvheads)
+        heads = _rope_heads(name, config)
+        if heads is not None:
+            t = permute_rope(t, heads)
         tensors[ours_to_hf_name(name)] = t.contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")

@@ -1,8 +1,25 @@
-"""An FMS-style LLaMA: config with FMS field names, RMSNorm, SwiGLU, RoPE (+llama3 scaling), GQA."""
+"""The decoder: an FMS-style LLaMA (config with FMS field names, RMSNorm, SwiGLU, RoPE with llama3
+scaling, GQA) whose config also carries what the other families change, each a field that is off
+for LLaMA:
+
+- attention: q/k/v bias (Qwen2), an RMSNorm over each head of q and k (Qwen3, Gemma 3), the softmax
+  scale (Gemma's query_pre_attn_scalar, Granite's attention multiplier), a logit soft-cap (Gemma 2),
+  a sliding window on all layers (Mistral) or on some (`layer_types`: Qwen2/3, Gemma 2/3), and a
+  RoPE base of their own for the sliding layers (Gemma 3);
+- the block: GeGLU (Gemma), norms after attention and after the MLP too (Gemma's "sandwich"),
+  a residual multiplier (Granite);
+- the ends: an embedding scale (Gemma: sqrt(emb_dim), Granite: its multiplier), norms with a unit
+  offset (Gemma), a logits divisor (Granite) and a final logit soft-cap (Gemma 2).
+
+Which fields a family sets, and how its Hugging Face checkpoints map onto them, is the family's
+adapter (`fms_paged.models.families`). Each layer declares its `AttentionSpec`
+(`LLaMA.attention_specs()`), which every KV backend and kernel applies.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fms_paged.kv.spec import AttentionSpec
 from fms_paged.modules import (
     LINEAR_IMPLS,
     GatedLinearUnit,
@@ -19,9 +37,10 @@ from fms_paged.modules import (
     RotaryEmbedding,
 )
 from fms_paged.modules.attention import AttentionStep
-from fms_paged.modules.feedforward import swiglu_hidden_dim
+from fms_paged.modules.feedforward import ACTIVATIONS, swiglu_hidden_dim
 
 ATTN_IMPLS = ("sdpa", "paged")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -46,19 +65,42 @@ class LLaMAConfig:
     # (`fms_paged.device.DEFAULT_PAGE_SIZE`: 64 on the CPU, 16 elsewhere) unless one is given
     page_size: int = 16
     bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
+    eos_token_id: int | tuple[int, ...] | None = 2  # a tuple: each of them ends a sequence
     extra: dict[str, Any] = field(default_factory=dict)
+    # ---- what the other families change (off for LLaMA); see the module docstring
+    family: str = "llama"  # the checkpoint family (`fms_paged.models.families`)
+    head_dim: int = 0  # 0: emb_dim // nheads
+    attn_bias: bool = False  # q/k/v projections with a bias
+    qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # attention logit soft-cap
+    sliding_window: int | None = None  # the window of the sliding layers
+    # per layer "full_attention" or "sliding_attention"; None: every layer sliding when
+    # `sliding_window` is set, else every layer full
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sandwich_norm: bool = False  # norms after attention and after the MLP too, before the residual
+    norm_unit_offset: bool = False  # norms scale by (1 + w), in fp32
+    emb_scale: float = 1.0  # embeddings times this
+    emb_scale_in_dtype: bool = False  # ... rounded to the model's dtype first (Gemma's normalizer)
+    residual_multiplier: float = 1.0  # each block's output times this before the residual add
+    logits_scaling: float = 1.0  # logits divided by this
+    final_softcap: float | None = None  # final logit soft-cap
 
     def __post_init__(self) -> None:
         if self.kvheads == 0:
             self.kvheads = self.nheads
+        if self.head_dim == 0:
+            if not isinstance(self.nheads, int) or self.nheads <= 0 or self.emb_dim % self.nheads:
+                raise ValueError(f"emb_dim={self.emb_dim} is not divisible by nheads={self.nheads} "
+                                 "(or give head_dim)")
+            self.head_dim = self.emb_dim // self.nheads
         for name in ("src_vocab_size", "emb_dim", "nheads", "kvheads", "nlayers", "page_size",
-                     "max_expected_seq_len", "multiple_of"):
+                     "max_expected_seq_len", "multiple_of", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LLaMAConfig.{name} must be a positive int, got {value!r}")
-        if self.emb_dim % self.nheads:
-            raise ValueError(f"emb_dim={self.emb_dim} is not divisible by nheads={self.nheads}")
         if self.nheads % self.kvheads:
             raise ValueError(f"nheads={self.nheads} is not a multiple of kvheads={self.kvheads}")
         if self.head_dim % 2:
@@ -67,38 +109,83 @@ class LLaMAConfig:
             raise ValueError(f"attn_impl={self.attn_impl!r}; expected one of {ATTN_IMPLS}")
         if self.linear_impl not in LINEAR_IMPLS:
             raise ValueError(f"linear_impl={self.linear_impl!r}; expected one of {LINEAR_IMPLS}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.emb_dim // self.nheads
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}; expected one of {sorted(ACTIVATIONS)}")
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"sliding_window={w!r}; expected an int >= 1 or None")
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if len(self.layer_types) != self.nlayers or bad:
+                raise ValueError(f"layer_types={list(self.layer_types)}; expected {self.nlayers} entries of "
+                                 f"{LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and w is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        for name in ("attn_scale", "attn_softcap", "final_softcap"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"LLaMAConfig.{name}={v!r}; expected a finite float > 0 or None")
 
     @property
     def hidden_dim(self) -> int:
         return swiglu_hidden_dim(self.emb_dim, self.hidden_grow_factor, self.multiple_of)
+
+    def sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        if self.layer_types is not None:
+            return self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window is not None
+
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        """Layer `layer`'s scale, window and soft-cap."""
+        scale = self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
+        return AttentionSpec(scale=scale, window=self.sliding_window if self.sliding(layer) else None,
+                             softcap=self.attn_softcap)
 
     def updated(self, **overrides: Any) -> LLaMAConfig:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             known = sorted(f.name for f in dataclasses.fields(self))
             raise TypeError(f"unknown LLaMAConfig field(s) {sorted(unknown)}; known fields: {known}")
+        if "head_dim" not in overrides and self.head_dim == self.emb_dim // self.nheads:
+            overrides["head_dim"] = 0  # derived: derived again from the new emb_dim / nheads
         return dataclasses.replace(self, **overrides)
 
 
 class LLaMABlock(nn.Module):
     def __init__(self, config: LLaMAConfig, layer_idx: int):
         super().__init__()
-        self.ln = RMSNorm(config.emb_dim, config.norm_eps)
-        self.attn = MultiHeadAttention(config.emb_dim, config.nheads, config.kvheads, layer_idx)
-        self.ff_ln = RMSNorm(config.emb_dim, config.norm_eps)
-        self.ff_sub_module = GatedLinearUnit(config.emb_dim, config.hidden_dim)
+        c = config
+
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, c.norm_eps, c.norm_unit_offset)
+
+        self.ln = norm(c.emb_dim)
+        self.attn = MultiHeadAttention(
+            c.emb_dim, c.nheads, c.kvheads, layer_idx, head_dim=c.head_dim, bias=c.attn_bias,
+            qk_norm=norm(c.head_dim) if c.qk_norm else None, spec=c.attention_spec(layer_idx))
+        self.ff_ln = norm(c.emb_dim)
+        self.ff_sub_module = GatedLinearUnit(c.emb_dim, c.hidden_dim, c.activation)
+        self.post_attn_ln = norm(c.emb_dim) if c.sandwich_norm else None
+        self.post_ff_ln = norm(c.emb_dim) if c.sandwich_norm else None
+        self.residual_multiplier = c.residual_multiplier
+        # which of the model's RoPE tables the layer reads (1: the sliding layers' own base)
+        self.rope_index = int(c.rope_local_theta is not None and c.sliding(layer_idx))
 
     def forward(self, x, cos, sin, step: AttentionStep | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln(x), cos, sin, step)
-        return x + self.ff_sub_module(self.ff_ln(x))
+        h = self.attn(self.ln(x), cos, sin, step)
+        if self.post_attn_ln is not None:
+            h = self.post_attn_ln(h)
+        x = x + h * self.residual_multiplier if self.residual_multiplier != 1.0 else x + h
+        h = self.ff_sub_module(self.ff_ln(x))
+        if self.post_ff_ln is not None:
+            h = self.post_ff_ln(h)
+        return x + h * self.residual_multiplier if self.residual_multiplier != 1.0 else x + h
 
 
 class LLaMA(nn.Module):
-    """Decoder-only LLaMA. `forward(tokens, positions, step)` -> logits.
+    """Decoder-only model of every family we load. `forward(tokens, positions, step)` -> logits.
 
     The KV cache is not hidden inside the model: a backend (`fms_paged.kv`) builds an
     `AttentionStep` for each forward call and the caller passes it in explicitly.
@@ -106,31 +193,45 @@ class LLaMA(nn.Module):
 
     def __init__(self, config: LLaMAConfig):
         super().__init__()
-        self.config = config
-        self.embedding = nn.Embedding(config.src_vocab_size, config.emb_dim)
-        self.layers = nn.ModuleList(LLaMABlock(config, i) for i in range(config.nlayers))
-        self.dec_norm = RMSNorm(config.emb_dim, config.norm_eps)
-        self.head = Linear(config.emb_dim, config.src_vocab_size, bias=False)
-        if config.tie_heads:
+        self.config = c = config
+        self.embedding = nn.Embedding(c.src_vocab_size, c.emb_dim)
+        self.layers = nn.ModuleList(LLaMABlock(c, i) for i in range(c.nlayers))
+        self.dec_norm = RMSNorm(c.emb_dim, c.norm_eps, c.norm_unit_offset)
+        self.head = Linear(c.emb_dim, c.src_vocab_size, bias=False)
+        if c.tie_heads:
             self.head.weight = self.embedding.weight
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack = config.linear_impl == "auto"
-        self.rot_emb = RotaryEmbedding(
-            config.head_dim, config.max_expected_seq_len, config.rope_theta, config.rope_scaling
-        )
+                module.pack = c.linear_impl == "auto"
+        ropes = [RotaryEmbedding(c.head_dim, c.max_expected_seq_len, c.rope_theta, c.rope_scaling)]
+        if c.rope_local_theta is not None:  # the sliding layers' own base, unscaled
+            ropes.append(RotaryEmbedding(c.head_dim, c.max_expected_seq_len, c.rope_local_theta, None))
+        self.ropes = nn.ModuleList(ropes)
+
+    @property
+    def rot_emb(self) -> RotaryEmbedding:
+        """The RoPE table of the full-attention layers."""
+        return self.ropes[0]
+
+    def attention_specs(self) -> tuple[AttentionSpec, ...]:
+        """Each layer's `AttentionSpec`: what every KV backend and kernel applies for it."""
+        return tuple(layer.attn.spec for layer in self.layers)
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Random init (normal(0, std) for matrices, ones for norms); deterministic under a seed."""
+        """Random init (normal(0, std) for matrices and biases, a norm's identity scale);
+        deterministic under a seed."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.normal_(module.bias, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+                module.reset_parameters()
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        self.rot_emb.reset_buffers(self.embedding.weight.device)
+        for rope in self.ropes:
+            rope.reset_buffers(self.embedding.weight.device)
 
     def forward(
         self,
@@ -147,29 +248,41 @@ class LLaMA(nn.Module):
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                step: AttentionStep | None = None) -> torch.Tensor:
         """The layers' output before the final norm: tokens, positions [B, S] -> [B, S, D]."""
-        x, cos, sin = self.embed(tokens, positions)
+        x, ropes = self.embed(tokens, positions)
         if step is not None:
             step = step.prepare()  # per-step metadata (slots, masks), built once for all layers
         for layer in self.layers:
-            x = layer(x, cos, sin, step)
+            x = layer(x, *ropes[layer.rope_index], step)
         return x
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first layer's input [B, S, D] and the RoPE tables (cos, sin) of `positions`."""
+              ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
+        """The first layer's input [B, S, D] and, per RoPE table, its (cos, sin) at `positions`
+        (a layer reads table `layer.rope_index`)."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        cos, sin = self.rot_emb(positions)
+        ropes = tuple(rope(positions) for rope in self.ropes)
         # the lookup alone: nn.Embedding.forward hands F.embedding its float `norm_type`, which a
         # graph compiled with dynamic shapes (the prefill step) first traced as a symbolic float
         # and then traced again (a restart, seconds per 30-layer graph)
-        return F.embedding(tokens, self.embedding.weight), cos, sin
+        x = F.embedding(tokens, self.embedding.weight)
+        c = self.config
+        if c.emb_scale != 1.0:
+            scale = torch.tensor(c.emb_scale, dtype=x.dtype) if c.emb_scale_in_dtype else c.emb_scale
+            x = x * scale
+        return x, ropes
 
     def logits(self, x: torch.Tensor, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """`hidden`'s output [B, S, D] -> logits [B, S, V], or [K, V] at `logits_at`."""
         if logits_at is not None:
             x = x.flatten(0, 1).index_select(0, logits_at)  # [K, D]
-        return self.head(self.dec_norm(x))
+        logits = self.head(self.dec_norm(x))
+        c = self.config
+        if c.logits_scaling != 1.0:
+            logits = logits / c.logits_scaling
+        if c.final_softcap is not None:
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
 
     @property
     def device(self) -> torch.device:

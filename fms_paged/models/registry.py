@@ -50,7 +50,8 @@ def get_model(
     seed: int | None = 0,
     **config_overrides: Any,
 ) -> nn.Module:
-    """Build a registered variant with random weights, or load a Hugging Face checkpoint directory.
+    """Build a registered variant with random weights, or load a Hugging Face checkpoint directory
+    of a family we load (its config.json's `architectures` decides: `fms_paged.models.families`).
 
     With neither `variant` nor `model_path`, loads the project's embedded default model.
     The weights do not depend on `attn_impl`; only the attention backend does. The KV page size
@@ -73,12 +74,13 @@ def get_model(
                 f"no variant or model_path given and the default model is missing at {model_path}; "
                 f"pass variant= one of {list_models(architecture) if architecture in _REGISTRY else []}"
             )
-    if model_path is not None:
-        if architecture != "llama":
-            raise ValueError(f"checkpoint loading supports architecture 'llama', got {architecture!r}")
-        from fms_paged.models.hf import load_hf_llama
+    if model_path is not None:  # config.json names the family; `architecture` must not contradict it
+        from fms_paged.models.hf import load_hf
 
-        model = load_hf_llama(model_path, attn_impl=attn_impl, device=dev, dtype=dt, **config_overrides)
+        model = load_hf(model_path, attn_impl=attn_impl, device=dev, dtype=dt, **config_overrides)
+        if architecture not in ("llama", model.config.family):
+            raise ValueError(f"architecture={architecture!r}, but {model_path} holds a "
+                             f"{model.config.family!r} checkpoint (config.json decides: leave it out)")
         return _frozen_if_inference(model)
 
     if architecture not in _REGISTRY:

@@ -338,17 +338,19 @@ class Linear(nn.Linear):
 
 
 def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
-    """[m(x) for m in linears] (bias-free, same input width), through one kernel call over their
-    stacked weights where a CPU path applies (vLLM's fused q/k/v and gate/up projections: fewer,
-    wider GEMMs); the outputs are views of that call's result."""
+    """[m(x) for m in linears] (same input width; all with a bias or none), through one kernel call
+    over their stacked weights where a CPU path applies (vLLM's fused q/k/v and gate/up
+    projections: fewer, wider GEMMs); the outputs are views of that call's result."""
     weights = [m.weight for m in linears]
-    if not (all(m.pack and m.bias is None for m in linears) and _cpu_inference(x, weights[0])):
+    with_bias = [m.bias is not None for m in linears]
+    if not (all(m.pack for m in linears) and len(set(with_bias)) == 1 and _cpu_inference(x, weights[0])):
         return [m(x) for m in linears]
+    bias = torch.cat([m.bias for m in linears]) if with_bias[0] else None  # [sum N_i]
     if torch.compiler.is_compiling():
-        y = torch.ops.fms_paged.linear(x, weights, None)
+        y = torch.ops.fms_paged.linear(x, weights, bias)
     else:
         path = _rows_path(x, weights[0], sum(w.shape[0] for w in weights))
         if path is None:
-            return [F.linear(x, w) for w in weights]  # eager: no copy into one output
-        y = _linear(x, weights, None, path)
+            return [m(x) for m in linears]  # eager: no copy into one output
+        y = _linear(x, weights, bias, path)
     return list(y.split([w.shape[0] for w in weights], dim=-1))

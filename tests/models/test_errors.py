@@ -71,12 +71,20 @@ def test_missing_tensor(hf_checkpoint, device):
         get_model(model_path=path, device=device)
 
 
-def test_not_llama(hf_checkpoint, device):
+def test_architecture_we_do_not_load(hf_checkpoint, device):
+    """An architecture no family of ours computes is refused, naming it and listing what loads; a
+    model_type that contradicts the architecture is refused too."""
+    from fms_paged.models.families import supported_architectures
+
     _, path = hf_checkpoint("mha")
     cfg = json.loads((path / "config.json").read_text())
-    cfg["model_type"] = "gpt2"
-    (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="gpt2"):
+    gpt2 = dict(cfg, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (path / "config.json").write_text(json.dumps(gpt2))
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel") as e:
+        get_model(model_path=path, device=device)
+    assert all(a in str(e.value) for a in supported_architectures())
+    (path / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt2")))
+    with pytest.raises(CheckpointError, match="model_type='gpt2'"):
         get_model(model_path=path, device=device)
 
 

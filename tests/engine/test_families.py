@@ -1,0 +1,94 @@
+"""The engine on every family we load: under preemption, prefix-cache hits and chunked prefill,
+each request gets the tokens it gets alone (dense `generate`, which test_families ties to
+transformers), and the page pool accounts for every page after every step. For a model whose every
+layer is windowed (Mistral), the pages behind the window are released as requests grow: a request
+holds at most the pages of a step and the window before it, and the outputs do not change.
+
+The device's production kernel (cpp on the CPU), eager steps; pages of 16 tokens, a token budget
+of 32 (prompts of up to 70 tokens are prefilled in chunks), a pool small enough to preempt, four
+prompts sharing a 32-token prefix (two full pages: prefix hits).
+"""
+
+import pytest
+import torch
+
+from fms_paged import Engine, SamplingParams, generate, get_model
+from fms_paged.kv.geometry import NULL_PAGE, pages_held
+from tests.conftest import FAMILY_WINDOW, HF_FAMILIES
+
+P, BUDGET, NEW = 16, 32, 24
+LENGTHS = (40, 70, 45, 36)  # each after the shared 32-token prefix
+
+
+def kernel_for(device: torch.device) -> str:
+    return "cpp" if device.type == "cpu" else "auto"
+
+
+def check_pool(eng: Engine) -> None:
+    """Every page is free, held by a running request or by the prefix cache, and the pages behind
+    a windowed request's window are released."""
+    pm, cache = eng.pm, eng.prefix_cache
+    used = set(cache.pages) if cache is not None else set()
+    for r in eng.scheduler.running:
+        pages = pm.pages_of(r.seq_id)
+        used |= {p for p in pages if p != NULL_PAGE}
+        if eng.horizon is not None:
+            # released at the start of the step, which added at most BUDGET tokens
+            behind = max(0, r.num_computed - BUDGET - eng.horizon + 1) // P
+            assert all(p == NULL_PAGE for p in pages[:behind]), (r.num_computed, pages)
+            held = sum(p != NULL_PAGE for p in pages)
+            assert held <= pages_held(r.num_tokens, P, eng.horizon, BUDGET), (held, r.num_tokens)
+    assert len(used) + pm.num_free_pages == pm.num_pages - 1
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+def test_each_request_gets_its_tokens_alone(family, hf_family, device):
+    _, path = hf_family(family)
+    dense = get_model(model_path=path, device=device, page_size=P)
+    paged = get_model(model_path=path, device=device, page_size=P, attn_impl="paged")
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 256, (32,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 256, (n - 32,), generator=g).tolist() for n in LENGTHS]
+    alone = [generate(dense, [p], NEW, eos_id=None)[0] for p in prompts]
+    windowed = family == "mistral"
+    eng = Engine(paged, max_num_seqs=3, max_num_batched_tokens=BUDGET, num_pages=8 if windowed else 10,
+                 max_model_len=128, compile=False, kernel=kernel_for(device))
+    assert (eng.horizon == FAMILY_WINDOW) == windowed
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+    got: dict[int, list[int]] = {}
+    most = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        check_pool(eng)
+        most = max([most] + [sum(p != NULL_PAGE for p in eng.pm.pages_of(r.seq_id))
+                             for r in eng.scheduler.running])
+    assert [got[i] for i in ids] == alone
+    m = eng.metrics()
+    assert m["preemptions"] > 0 and m["prefix_cache_hits"] > 0
+    if windowed:  # a whole request would hold 7 pages; behind the window it held at most 5
+        assert most <= pages_held(70 + NEW, P, FAMILY_WINDOW, BUDGET) < pages_held(70 + NEW, P)
+    eng.reset_prefix_cache()
+    assert eng.pm.num_free_pages == eng.pm.num_pages - 1
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_compiled_steps_give_the_eager_tokens(family, hf_family, device):
+    """compile=True (the compiled decode and prefill graphs) on the families whose layers differ
+    most (windows on some layers, Gemma 2's soft-caps, Gemma 3's two RoPE tables and q/k norms):
+    the tokens of the eager engine, through chunked prefill and a mixed step."""
+    _, path = hf_family(family)
+    paged = get_model(model_path=path, device=device, page_size=P, attn_impl="paged")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (45, 3, 70)]
+    outs = []
+    for compile in (False, True):
+        eng = Engine(paged, max_num_seqs=3, max_num_batched_tokens=BUDGET, num_pages=32, max_model_len=128,
+                     compile=compile, kernel=kernel_for(device))
+        assert eng.runner.compiled == compile
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
+        got: dict[int, list[int]] = {}
+        for out in eng.stream():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outs.append([got[i] for i in ids])
+    assert outs[0] == outs[1]
