@@ -39,7 +39,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-ppl bench-fidelity bench-serve bench-http
+.PHONY: bench-llama bench-llama-paged bench-families bench-ppl bench-fidelity bench-serve bench-http
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -48,6 +48,11 @@ bench-llama: install
 # the main job: the same for the paged cache against the dense cache and no cache, on the same weights
 bench-llama-paged: install
 	$(PY) scripts/benchmark_inference.py --attn-impl all --out results/bench-llama-paged $(BENCH_ARGS)
+
+# per family (random-weight micro presets, 256-token windows on their sliding layers): the KV the paged
+# and dense caches hold against the KV the next token needs, 16 sequences up to 4x the window
+bench-families: install
+	$(PY) -m fms_paged.bench.families --out results/bench-families $(BENCH_ARGS)
 
 bench-ppl: install
 	$(PY) scripts/perplexity.py --attn-impl both --out results/bench-ppl $(BENCH_ARGS)

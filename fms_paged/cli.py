@@ -39,8 +39,9 @@ def _positive_int(text: str) -> int:
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model-path", type=Path, default=None,
-                   help="Hugging Face LLaMA dir (config.json, *.safetensors, tokenizer.model or "
-                        "tokenizer.json). Default: the embedded default model.")
+                   help="Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer.model or "
+                        "tokenizer.json) of a family we load (`fms-paged info` lists them). Default: the "
+                        "embedded default model.")
     g.add_argument("--variant", default=None,
                    help="a registered variant with random weights instead (e.g. micro); needs "
                         "--prompt-ids since it has no tokenizer")
@@ -207,6 +208,7 @@ def machine_info(device: str = "auto") -> dict:
         "device": str(dev),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "architectures": supported_architectures(),
         "compiled_flex_available": reason is None,
         "paged_kernel": "flex" if reason is None else "gather",
         "fallback_reason": reason,
@@ -239,6 +241,24 @@ def machine_info(device: str = "auto") -> dict:
     except FileNotFoundError as e:
         info["default_model"] = f"unavailable: {e}"
     return info
+
+
+def supported_architectures() -> dict:
+    """The checkpoints `--model-path` loads: per family, the transformers architectures config.json
+    may name and what the family adds to LLaMA; and whether IBM FMS's loader is there for the
+    rest (`fms-paged serve --loader fms`)."""
+    from fms_paged.models.families import FAMILIES
+
+    out = {f.name: f"{', '.join(f.architectures)}: {f.summary}" for f in FAMILIES.values()}
+    try:
+        import fms
+        from fms.models import list_models
+
+        version = getattr(fms, "__version__", "")
+        out["fms (serve --loader fms)"] = f"ibm-fms {version}: {', '.join(list_models())}"
+    except ImportError:
+        out["fms (serve --loader fms)"] = "not installed (pip install 'fms_paged[fms]')"
+    return out
 
 
 def cpu_paths(head_dim: int, page_size: int) -> dict:

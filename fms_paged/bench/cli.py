@@ -25,8 +25,8 @@ from fms_paged.bench.report import write_report
 from fms_paged.device import resolve_device
 from fms_paged.models.registry import default_model_path
 
-MODEL_FIELDS = ("src_vocab_size", "emb_dim", "nheads", "kvheads", "nlayers", "head_dim", "page_size",
-                "max_expected_seq_len")
+MODEL_FIELDS = ("family", "src_vocab_size", "emb_dim", "nheads", "kvheads", "nlayers", "head_dim",
+                "page_size", "max_expected_seq_len", "sliding_window", "layer_types")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenario", default="all", help="single,mixed,chat | all | none (ppl only) | serve")
     g = p.add_argument_group("model")
     m = g.add_mutually_exclusive_group()
-    m.add_argument("--variant", help="a registered variant (random weights), e.g. micro, 7b, 3-8b")
-    m.add_argument("--model-path", help="a Hugging Face LLaMA checkpoint (default: the embedded model)")
+    m.add_argument("--variant", help="a registered variant (random weights) of --architecture, e.g. micro, "
+                                     "7b, 3-8b")
+    m.add_argument("--model-path", help="a Hugging Face checkpoint of a family we load (default: the "
+                                        "embedded model)")
+    g.add_argument("--architecture", default="llama",
+                   help="with --variant: the family (llama, mistral, qwen2, qwen3, granite, gemma2, gemma3)")
     g.add_argument("--nlayers", type=int, help="with --variant: its first N layers only")
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the model's)")
@@ -110,8 +114,8 @@ def model_spec(args, device: torch.device) -> tuple[dict[str, Any], str]:
                             "page_size": args.page_size}
     if args.variant:
         layers = f", first {args.nlayers} layers" if args.nlayers else ""
-        return {**spec, "variant": args.variant, "nlayers": args.nlayers}, \
-            f"variant {args.variant}{layers} (random weights)"
+        variant = {"architecture": args.architecture, "variant": args.variant, "nlayers": args.nlayers}
+        return {**spec, **variant}, f"{args.architecture} variant {args.variant}{layers} (random weights)"
     if args.model_path:
         return {**spec, "model_path": str(args.model_path)}, f"checkpoint {args.model_path}"
     if ((path := default_model_path()) / "config.json").is_file():

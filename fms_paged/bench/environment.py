@@ -79,13 +79,19 @@ def min_pages(lengths: Sequence[int], page_size: int) -> int:
     return int(sum(pages_for(int(n), page_size) for n in lengths))
 
 
-def kv_accounting(cache, lengths: Sequence[int], config, dtype: torch.dtype) -> dict[str, Any]:
-    """KV bytes held for the live sequences against the bytes of K and V of the tokens stored. Held:
-    paged, the distinct pages of the page table; dense, the preallocated rows (B * max_seq_len); no
-    cache, nothing. `kv_pool_bytes`: the whole preallocated buffer, whatever is in use."""
+def kv_accounting(cache, lengths: Sequence[int], config, dtype: torch.dtype,
+                  windows: Sequence[int | None] | None = None) -> dict[str, Any]:
+    """KV bytes held for the live sequences against the bytes of K and V the next token needs:
+    every token's on each layer, or on a layer with a sliding window (`windows`: each layer's,
+    None for a full one) the last `window` tokens'. Held: paged, the distinct pages of the page
+    table; dense, the preallocated rows (B * max_seq_len); no cache, nothing. `kv_pool_bytes`: the
+    whole preallocated buffer, whatever is in use."""
     per_token, stored = kv_bytes_per_token(config, dtype), int(sum(int(n) for n in lengths))
+    windows = list(windows) if windows is not None else [None] * config.nlayers
+    per_layer = per_token // len(windows)
+    needed = sum(per_layer * sum(int(n) if w is None else min(int(n), w) for n in lengths) for w in windows)
     out: dict[str, Any] = {"bytes_per_token": per_token, "tokens_stored": stored,
-                           "kv_bytes_needed": per_token * stored, "kv_pool_bytes": int(cache.kv_bytes)}
+                           "kv_bytes_needed": needed, "kv_pool_bytes": int(cache.kv_bytes)}
     if hasattr(cache, "pm"):
         table = cache.pm.page_table  # [max_seqs, max_pages] int32, 0 = unused (null page)
         pages = int(torch.unique(table[table > 0]).numel())

@@ -23,6 +23,7 @@ import torch
 from fms_paged.bench.environment import kv_accounting, min_pages, sync
 from fms_paged.engine.model_step import decode_fn
 from fms_paged.kv.cache import DenseBackend, PagedCache
+from fms_paged.kv.paged import attention_specs
 from fms_paged.models.registry import get_model
 from fms_paged.modules import RotaryEmbedding
 
@@ -36,9 +37,10 @@ NO_CACHE_STEPS = 4  # timed decode steps of no cache in a sweep: each is a whole
 
 
 def load_model(spec: dict[str, Any], attn_impl: str = "sdpa") -> torch.nn.Module:
-    """spec: {"variant" | "model_path" | neither (the default model), "device", "dtype", "seed",
-    optional "page_size", and "nlayers" (with a variant)}."""
-    return get_model(variant=spec.get("variant"), model_path=spec.get("model_path"), attn_impl=attn_impl,
+    """spec: {"variant" (of "architecture", default llama) | "model_path" | neither (the default
+    model), "device", "dtype", "seed", optional "page_size", and "nlayers" (with a variant)}."""
+    return get_model(spec.get("architecture", "llama"), variant=spec.get("variant"),
+                     model_path=spec.get("model_path"), attn_impl=attn_impl,
                      device=spec.get("device", "auto"), dtype=spec.get("dtype"), seed=spec.get("seed", 0),
                      **{k: spec[k] for k in ("page_size", "nlayers") if spec.get(k)})
 
@@ -188,7 +190,7 @@ def run_plan(model, impl: str, plan: dict[str, Any], *, kernel: str = "auto", wa
              seed: int = 0, compile: bool = False) -> dict[str, Any]:
     """One run of `plan` on backend `impl` -> its figures (JSON-ready) and "outputs" (token ids).
     The paged pool holds exactly the workload (+ the null page); the dense rows, the longest."""
-    finals, n = final_lengths(plan), plan["new_tokens"]
+    finals, n, specs = final_lengths(plan), plan["new_tokens"], attention_specs(model)
     pages = min_pages(finals, model.config.page_size) + 1 if impl == "paged" else None
     cache = make_backend(model, impl, len(finals), max(finals) + 1, kernel=kernel, num_pages=pages)
     step_fn = cache.decode_step if impl == "no-cache" else decode_fn(cache, compile)
@@ -202,7 +204,7 @@ def run_plan(model, impl: str, plan: dict[str, Any], *, kernel: str = "auto", wa
         got, ttft, steps = _turn(model, cache, step_fn, prompts, lengths, n)
         for o, g in zip(outs, got):
             o += g
-        kv = kv_accounting(cache, lengths, model.config, model.dtype)
+        kv = kv_accounting(cache, lengths, model.config, model.dtype, [s.window for s in specs])
         per_turn.append({"context": context, "ttft_s": ttft, "steps": steps, "kv": kv})
     cache.release(list(range(len(finals))))
     prefill_s, decode_s = sum(t["ttft_s"] for t in per_turn), sum(sum(t["steps"]) for t in per_turn)

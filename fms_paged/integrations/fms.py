@@ -6,7 +6,9 @@ FMS model then runs it per forward call with `attn_name="paged_flex"`:
   `past_key_value_state` is its pair of pools);
 - compute op: the device's paged kernel (cpp on the CPU, compiled FlexAttention elsewhere, or the
   GATHER + SDPA fallback) over those pools through the block table, with the step's metadata
-  shared by every layer.
+  shared by every layer, under the attention FMS asks for in the call: its `scale_factor`
+  (Granite's attention multiplier), and where FMS passes them (models with attention sinks:
+  gpt-oss) the `sinks` and the layer's `sliding_window`.
 The step itself (slots, chunk list or BlockMask: `fms_paged.kv.kernels.PoolStep`) travels in the
 attention kwargs as `paged_step`, built once per forward by our `PagedBackend` from its `PageManager`.
 
@@ -104,15 +106,25 @@ def _store_op(keys, values, key_cache, value_cache, **kwargs):
 def _compute_op(query, key_cache, value_cache, nheads, kvheads, p_dropout, scale_factor, **kwargs):
     # query: [b, q, h, d] -> [b, q, h, d]
     step = _step(kwargs)
-    d = query.shape[-1]
     if p_dropout:
         raise ValueError(f"attn_name={ATTN_NAME!r} is for inference: p_dropout={p_dropout}, expected 0")
-    spec = AttentionSpec(scale=d**-0.5 if scale_factor is None else scale_factor)
+    spec = call_spec(query.shape[-1], scale_factor, kwargs)
     # a 4-D buffer of its own: under torch.compile, FMS's RoPE leaves q as a view of a 5-D buffer,
     # which inductor's CPU flex_attention lowering rejects (it reads q's storage layout as 4-D);
     # a plain clone is dropped as a no-op, a clone to another memory format is not
     query = query.detach().clone(memory_format=torch.channels_last).contiguous()
     return step.attention(query.transpose(1, 2), key_cache, value_cache, spec).transpose(1, 2).contiguous()
+
+
+def call_spec(head_dim: int, scale_factor: float | None, kwargs: MutableMapping) -> AttentionSpec:
+    """The attention an FMS layer asks for in a call: its scale (None: 1/sqrt(head_dim)), and the
+    sinks and sliding window FMS passes to models with sinks (a window of 0: none)."""
+    window = kwargs.get("sliding_window") or None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attn_name={ATTN_NAME!r}: sliding_window={window!r}; expected an int >= 0")
+    sinks = kwargs.get("sinks")
+    return AttentionSpec(scale=head_dim**-0.5 if scale_factor is None else float(scale_factor), window=window,
+                         sinks=None if sinks is None else sinks.detach())
 
 
 def _update_attn_kwargs_op(**kwargs):
@@ -172,36 +184,74 @@ class FMSPagedConfig:
     src_vocab_size: int
     max_expected_seq_len: int
     page_size: int = 16
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
     attn_impl: str = "paged"
 
 
-class PagedFMSModel(nn.Module):
-    """An FMS LLaMA behind our model's interface (`forward(tokens, positions, step, logits_at)`),
-    with its attention run by the `"paged_flex"` op, so that `PagedBackend` and `Engine` drive it.
-    The FMS model itself is unchanged (and still serves other attention ops)."""
+def refusal(model: nn.Module) -> str | None:
+    """Why our adapter cannot compute an FMS model exactly (None if it can): a model that is not a
+    decoder of attention layers (base_model + head), a multimodal one (its text decoder, the
+    `language_model`, can be served on its own), layers without attention (Mamba: their
+    recurrent state is not a page pool), or blocks that replace an attention op named like ours
+    by one of their own."""
+    name = f"{type(model).__module__}.{type(model).__name__}"
+    if hasattr(model, "language_model") and hasattr(model, "vision_tower"):
+        return (f"{name} is multimodal (vision_tower + language_model): Engine serves its text decoder, "
+                "`model.language_model`, on token prompts")
+    mha = _fms_attention().MultiHeadAttention
+    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    if layers is None or not hasattr(model, "head") or not any(isinstance(m, mha) for m in model.modules()):
+        return (f"expected an FMS decoder model (base_model.layers + head, with fms MultiHeadAttention "
+                f"layers), got {name}")
+    plain = [i for i, block in enumerate(layers) if not any(isinstance(m, mha) for m in block.modules())]
+    if plain:
+        return (f"{name}: layers {plain[:8]} have no attention (Mamba mixers, attn_layer_indices): their "
+                "recurrent state is not held in a KV page pool")
+    if any(hasattr(block, "window_length") for block in layers):
+        return (f"{name}: its blocks (window_length) run their own attention op in place of any op whose "
+                "name contains 'paged' (spyre_paged_attn_with_sinks), not ours")
+    return None
 
-    def __init__(self, model: nn.Module, page_size: int | None = None, eos_token_id: int | None = None):
+
+class PagedFMSModel(nn.Module):
+    """An FMS decoder behind our model's interface (`forward(tokens, positions, step, logits_at)`),
+    with its attention run by the `"paged_flex"` op, so that `PagedBackend` and `Engine` drive it.
+    The FMS model itself is unchanged (and still serves other attention ops). Each layer's
+    `AttentionSpec` (`attention_specs`) is what its FMS attention module asks for: its
+    `scale_factor`, its sinks, and its block's sliding window (gpt-oss's `layer_sliding_window`),
+    so that a step prepares the masks of every window the layers use. TypeError for a model it
+    cannot compute exactly (`refusal`)."""
+
+    def __init__(self, model: nn.Module, page_size: int | None = None,
+                 eos_token_id: int | tuple[int, ...] | None = None):
         super().__init__()
         register()
+        why = refusal(model)
+        if why is not None:
+            raise TypeError(why)
         mha = _fms_attention().MultiHeadAttention
         attns = [m for m in model.modules() if isinstance(m, mha)]
-        if not attns or not hasattr(model, "base_model") or not hasattr(model, "head"):
-            raise TypeError(
-                f"expected an FMS decoder model (base_model + head, with fms MultiHeadAttention "
-                f"layers), got {type(model).__module__}.{type(model).__name__}"
-            )
         if page_size is None:
             page_size = default_page_size(next(model.parameters()).device)
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size={page_size!r}; expected an int >= 1 or None (the device's default)")
         a, c = attns[0], model.config
         self.fms_model = model
+        windows = [getattr(block, "layer_sliding_window", 0) or None for block in model.base_model.layers]
+        self._specs = tuple(
+            AttentionSpec(scale=m.emb_kq_per_head**-0.5 if m.scale_factor is None else float(m.scale_factor),
+                          window=w, sinks=m.sinks.detach() if getattr(m, "has_sinks", False) else None)
+            for m, w in zip(attns, windows))
+        # logits divided by this after the head (Granite's forward does so; base_model + head don't)
+        self.logits_scaling = float(getattr(c, "logits_scaling", 1.0) or 1.0)
         self.config = FMSPagedConfig(
             nlayers=len(attns), nheads=a.nheads, kvheads=a.kvheads, head_dim=a.emb_kq_per_head,
             src_vocab_size=c.src_vocab_size, max_expected_seq_len=c.max_expected_seq_len,
             page_size=page_size, eos_token_id=eos_token_id,
         )
+
+    def attention_specs(self) -> tuple[AttentionSpec, ...]:
+        return self._specs
 
     @property
     def device(self) -> torch.device:
@@ -224,11 +274,12 @@ class PagedFMSModel(nn.Module):
                                 **{STEP_KWARG: step})
         if logits_at is not None:
             x = x.flatten(0, 1).index_select(0, logits_at)  # [K, D]
-        return m.head(x)
+        logits = m.head(x)
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 
 
 def paged_model(model: nn.Module, page_size: int | None = None,
-                eos_token_id: int | None = None) -> PagedFMSModel:
+                eos_token_id: int | tuple[int, ...] | None = None) -> PagedFMSModel:
     """An FMS model -> the adapter our `Engine` and backends drive (the model is shared, not
     copied)."""
     return model if isinstance(model, PagedFMSModel) else PagedFMSModel(model, page_size, eos_token_id)

@@ -18,6 +18,7 @@ import torch
 
 from fms_paged.kv.contiguous import ContiguousKVCache, DenseStep
 from fms_paged.kv.paged import PagedBackend, attention_specs, check_chunks
+from fms_paged.kv.spec import release_horizon
 
 
 class KVCacheBackend(Protocol):
@@ -99,8 +100,9 @@ class DenseBackend:
 
 class PagedCache:
     """A `PagedBackend` driven by static batches: it RESERVEs each step's pages (the one owner of
-    its page table), prepares them, then builds the step. `backend`, `pm` and `kernel` are its
-    backend's."""
+    its page table), prepares them, then builds the step; with every layer windowed, it first
+    releases the pages behind the window (as the engine's scheduler does). `backend`, `pm` and
+    `kernel` are its backend's."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, **kwargs):
         self._attach(PagedBackend(model, max_batch, max_seq_len, **kwargs))
@@ -116,6 +118,18 @@ class PagedCache:
     def _attach(self, backend: PagedBackend) -> None:
         self.backend, self.pm, self.kernel = backend, backend.pm, backend.kernel
         self.device, self.max_batch = backend.device, backend.max_batch
+        self.horizon = release_horizon(backend.specs)
+
+    def _release_behind_windows(self, seq_ids: Sequence[int], first: Sequence[int]) -> None:
+        """With every layer windowed: ERASE the pages of each live sequence wholly before the first
+        position its next query sees (`first[i]`: the step's first new position)."""
+        if self.horizon is None:
+            return
+        live = set(self.pm.live_seqs)
+        rows = [(s, p - self.horizon + 1) for s, p in zip(seq_ids, first) if s in live]
+        rows = [(s, keep) for s, keep in rows if keep >= self.pm.page_size]
+        if rows:
+            self.pm.release_prefix(*zip(*rows))
 
     @property
     def kv_bytes(self) -> int:
@@ -146,6 +160,7 @@ class PagedCache:
             have = self.pm.length(s) if s in live else 0
             if start != have:
                 raise ValueError(f"prefill of seq {s} starts at {start}, but it holds {have} tokens")
+        self._release_behind_windows(seq_ids, starts)
         self.backend.prepare_pages(self.pm.reserve(seq_ids, [s + len(p) for s, p in zip(starts, prompts)]))
         return starts
 
@@ -156,6 +171,7 @@ class PagedCache:
             have = self.pm.length(s)
             if have != n:
                 raise ValueError(f"seq {s} holds {have} tokens, but the step says {n}")
+        self._release_behind_windows(ids, held)
         self.backend.prepare_pages(self.pm.reserve(ids, [n + 1 for n in held]))
 
     def prefill(self, seq_ids, prompts, starts=None, min_tokens: int = 1):

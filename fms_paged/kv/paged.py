@@ -78,7 +78,7 @@ class PagedBackend:
         self.num_pages = num_pages or pool_pages(max_batch, max_seq_len, P)
         self.specs = attention_specs(model)
         self.kernel = choose_kernel(kernel, self.device, P, head_dim=c.head_dim, dtype=model.dtype,
-                                    score_mod=score_mod)
+                                    score_mod=score_mod, sinks=any(s.sinks is not None for s in self.specs))
         self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
         shape = (1, c.kvheads, self.num_pages * P, c.head_dim)
         # one pool per layer: [1, Hkv, num_pages * P, D]. Left uninitialised: a page is zeroed when

@@ -48,12 +48,11 @@ class EngineBuildError(ValueError):
 
 def build_engine(spec: dict[str, Any]):
     """The model and `Engine` a spec describes (`serve.server.engine_spec`)."""
-    from fms_paged import get_model
     from fms_paged.engine import Engine
+    from fms_paged.models.loaders import load_for_engine
 
-    overrides = {} if spec["page_size"] is None else {"page_size": spec["page_size"]}
-    model = get_model(model_path=spec["model_dir"], attn_impl="paged", device=spec["device"],
-                      dtype=spec["dtype"], **overrides)
+    model = load_for_engine(spec["model_dir"], spec.get("loader", "auto"), spec["device"], spec["dtype"],
+                            spec["page_size"])
     return Engine(model, spec["max_num_seqs"], spec["max_num_batched_tokens"],
                   kv_memory_fraction=spec["kv_memory_fraction"], max_model_len=spec["max_model_len"],
                   enable_prefix_caching=spec["enable_prefix_caching"],

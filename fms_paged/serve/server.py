@@ -19,7 +19,8 @@ API_KEY_ENV = "FMS_PAGED_API_KEY"
 
 def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
     p.add_argument("model", nargs="?", type=Path, default=None,
-                   help="Hugging Face LLaMA checkpoint dir (config.json, *.safetensors, tokenizer). "
+                   help="Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer) of a family "
+                        "we load (`fms-paged info` lists them), or any decoder IBM FMS loads (--loader). "
                         "Default: the embedded default model.")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -37,6 +38,10 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     g = p.add_argument_group("engine")
+    g.add_argument("--loader", default="auto", choices=["auto", "ours", "fms"],
+                   help="who builds the model: ours (fms_paged's families), fms (IBM FMS's "
+                        "get_model('hf_pretrained'), served through its paged attention op), or auto: "
+                        "ours when config.json names a family we load, else FMS's (default)")
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     g.add_argument("--max-num-seqs", type=positive_int, default=16, help="requests running at once")
@@ -58,7 +63,7 @@ def engine_spec(args) -> dict:
     from fms_paged.models import default_model_path
 
     return {"model_dir": str(args.model if args.model is not None else default_model_path()),
-            "device": args.device, "dtype": args.dtype, "page_size": args.page_size,
+            "loader": args.loader, "device": args.device, "dtype": args.dtype, "page_size": args.page_size,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "kv_memory_fraction": args.kv_memory_fraction,
             "enable_prefix_caching": args.enable_prefix_caching, "enforce_eager": args.enforce_eager}

@@ -50,8 +50,9 @@ def run_fms_generate(model, prompts, cache=None, new_tokens=DECODE_STEPS + 1):
     """FMS generate (greedy), with sdpa_causal (cache=None) or our op; -> (tokens [B, S + new],
     logits of each forward: the real positions of the prefill [sum(len), V], then [B, V] per
     decode step)."""
-    logits = []
-    hook = model.head.register_forward_hook(lambda mod, args, out: logits.append(out.detach().clone()))
+    logits = []  # the model's own output: its head's, and whatever its forward does after (Granite scales)
+    hook = model.register_forward_hook(
+        lambda mod, args, out: logits.append((out[0] if isinstance(out, tuple) else out).detach().clone()))
     try:
         if cache is None:
             ids, extra = pad_input_ids(prompts)
@@ -211,3 +212,125 @@ def test_bad_use_is_a_clear_error(device):
         cache.prefill(4)
     with pytest.raises(TypeError, match="expected an FMS decoder model"):
         plugin.paged_model(torch.nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------------------ every FMS decoder
+# Each architecture of `fms.models.list_models()`: served by `Engine(fms_model)` with FMS's tokens
+# (small random-weight instances of FMS's own classes, FMS's own `generate` as the reference), or
+# refused by name with why; encoders and vision towers are not causal LMs.
+TINY = dict(src_vocab_size=256, nheads=4, kvheads=2, nlayers=2, max_expected_seq_len=512)
+SERVED = {
+    "llama": dict(TINY, emb_dim=64),
+    "gpt_bigcode": {k: v for k, v in dict(TINY, emb_dim=64).items() if k != "kvheads"},  # multi-query
+    # sliding (128 tokens) and full layers, attention sinks
+    "gpt_oss": dict(TINY, emb_dim=64, head_dim=16, num_experts=4,
+                    layer_types=["sliding_attention", "full_attention"]),
+    # its attention multiplier is FMS's scale_factor
+    "granite": dict(TINY, emb_dim=64, head_dim=16, attention_multiplier=0.05, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, logits_scaling=8.0),
+    # (FMS 1.13's is Granite 4's dense model: Granite's class)
+    "granite_moe_hybrid": dict(TINY, emb_dim=64, pad_id=0, attention_multiplier=0.05, logits_scaling=8.0),
+    "mistral": dict(TINY, emb_dim=64, head_dim=16),
+    "mixtral": dict(TINY, dim=64, hidden_dim=96, num_experts=4),
+    "qwen3": dict(TINY, emb_dim=64, head_dim=16),
+}
+REFUSED = {  # architecture -> (tiny overrides, words the refusal names)
+    "bamba": (dict(TINY, emb_dim=64, head_dim=16, attn_layer_indices=[1], mamba_n_heads=4, n_groups=1,
+                   state_size=16), "no attention"),
+    "granite_swa": (dict(TINY, emb_dim=64, head_dim=16, is_swa_layer=[False, True], pad_id=0),
+                    "window_length"),
+}
+MULTIMODAL = {"llava_next", "mistral3", "ministral3"}
+NOT_CAUSAL_LM = {"roberta", "roberta_classification", "roberta_question_answering", "bert",
+                 "bert_classification", "mpnet", "siglip_vision"}
+
+
+def tiny_fms(arch: str, overrides: dict, device) -> torch.nn.Module:
+    from fms.models import list_variants
+
+    torch.manual_seed(0)
+    model = get_model(arch, list_variants(arch)[0], device_type=device.type, data_type=torch.float32,
+                      **overrides).eval()
+    # FMS's init is not one to test with: it leaves some of gpt-oss's norms and expert biases and
+    # gpt_bigcode's embedding uninitialised, zeroes the sinks, and makes scores so small that the
+    # softmax is uniform whatever its scale. Norm scales around 1, small biases, matrices giving
+    # activations and scores of order 1, random sinks:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+            elif p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model
+
+
+def test_every_fms_architecture_is_classified():
+    from fms.models import list_models
+
+    assert set(list_models()) == set(SERVED) | set(REFUSED) | MULTIMODAL | NOT_CAUSAL_LM
+
+
+SERVED_CASES = [(arch, "auto") for arch in SERVED] + [("gpt_oss", "flex"), ("gpt_oss", "gather")]
+
+
+@pytest.mark.parametrize("arch,kernel", SERVED_CASES, ids=[f"{a}-{k}" for a, k in SERVED_CASES])
+def test_engine_serves_every_fms_decoder(arch, kernel, device, require_kernel):
+    """Prompts past gpt-oss's 128-token window, decoding across it: each request's tokens are those
+    FMS's generate gives it alone (with FMS's own attention: sdpa_causal, or sdpa_with_sinks), and
+    so are the log-probabilities of every step (the 5 largest, to 1e-4: tokens alone may not tell a
+    small random model's variants apart). gpt-oss's sinks and windows on every kernel."""
+    if kernel != "auto":
+        require_kernel(kernel)
+    model = tiny_fms(arch, SERVED[arch], device)
+    if kernel == "flex" and device.type == "cpu":  # refused: no log-sum-exp from inductor's CPU flex
+        with pytest.raises(ValueError, match="flex.*sinks.*log-sum-exp"):
+            Engine(model, max_num_seqs=2, num_pages=64, max_model_len=256, kernel="flex")
+        return
+    prompts = prompts_for(256, lengths=(150, 9, 131), seed=4, device=device)
+    new = 10
+    ref = []
+    for p in prompts:
+        out, logits = run_fms_generate(model, [p], new_tokens=new)
+        steps = [logits[0][-1]] + [x[0] for x in logits[1:new]]  # the logits each token came from
+        top = [torch.log_softmax(x.float(), -1).topk(5).values for x in steps]
+        ref.append((out[0, len(p):].tolist(), top))
+    engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=64, num_pages=64, max_model_len=256,
+                    compile=False, kernel=kernel)
+    windows = {s.window for s in engine.backend.specs}
+    assert windows == ({None, 128} if arch == "gpt_oss" else {None})
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True, logprobs=5)
+    ids = [engine.add_request(p.tolist(), params) for p in prompts]
+    got = {i: ([], []) for i in ids}
+    for o in engine.stream():
+        got[o.request_id][0].extend(o.new_token_ids)
+        got[o.request_id][1].extend(o.logprobs)
+    for i, (tokens, top) in zip(ids, ref):
+        assert got[i][0] == tokens
+        for lp, want in zip(got[i][1], top):
+            torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), want.cpu(), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", list(REFUSED))
+def test_fms_models_we_cannot_compute_are_refused_by_name(arch, device):
+    overrides, why = REFUSED[arch]
+    model = tiny_fms(arch, overrides, device)
+    with pytest.raises(TypeError, match=why) as e:
+        Engine(model, max_num_seqs=2, num_pages=16, max_model_len=64)
+    assert type(model).__name__ in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ["llava_next", "mistral3"])
+def test_multimodal_fms_models_point_to_their_language_model(arch):
+    """(Built from their classes on the meta device: FMS's `get_model` cannot make them small.)"""
+    import fms.models as fms_models
+
+    module = getattr(fms_models, arch)
+    cls = {"llava_next": "LlavaNext", "mistral3": "Mistral3"}[arch]
+    with torch.device("meta"):
+        model = getattr(module, cls)(getattr(module, cls + "Config")())
+    with pytest.raises(TypeError, match="multimodal.*language_model"):
+        plugin.paged_model(model)

@@ -18,6 +18,7 @@ import torch
 from fms_paged import generate, get_model
 from fms_paged.kv.cache import PagedCache, make_cache
 from fms_paged.kv.kernels import flex_kernel_options, flex_unavailable_reason
+from fms_paged.kv.spec import AttentionSpec
 
 TOL = 1e-5
 NUM_PAGES = 160  # compiled cases all use this pool so they share kernels
@@ -462,12 +463,12 @@ def test_prefill_path_choice_and_score_mod_errors(device, require_kernel):
     plain = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex")
     assert plain.kernel.blockmask_prefill == (device.type != "cpu")
     with_mod = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex",
-                            score_mod=lambda score, b, h, q, kv: score)
+                          score_mod=lambda score, b, h, q, kv: score)
     assert with_mod.kernel.blockmask_prefill
     for kernel in ("gather", "cpp"):
         with pytest.raises(ValueError, match="score_mod"):
             PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel=kernel,
-                         score_mod=lambda score, b, h, q, kv: score)
+                       score_mod=lambda score, b, h, q, kv: score)
     with pytest.raises(ValueError, match="kernel='flex-eager'"):
         PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex-eager")
 
@@ -493,3 +494,41 @@ def test_steps_assign_through_the_checked_write_and_gather_reads_it_back(kernel,
     got_k, got_v, lens = pc.pm.gather([1], kp, vp)
     assert lens.tolist() == [21]
     assert torch.equal(got_k[0], k[0]) and torch.equal(got_v[0], 2 * k[0])
+
+
+SPEC_CASES = {  # every variant an AttentionSpec carries, on the micro model's 2 layers
+    "window": lambda D: (AttentionSpec(D**-0.5, window=20), AttentionSpec(D**-0.5)),
+    "softcap-scale": lambda D: (AttentionSpec(0.9, softcap=1.5), AttentionSpec(0.6, window=7, softcap=2.0)),
+    "sinks": lambda D: (AttentionSpec(D**-0.5, sinks=torch.tensor([0.5, -1.0, 3.0, 0.0])),
+                        AttentionSpec(D**-0.5, window=9, sinks=torch.tensor([2.0, 1.0, -2.0, 4.0]))),
+}
+
+
+@pytest.mark.parametrize("kernel", ["cpp", "flex", "gather"])
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+def test_every_kernel_applies_the_layer_specs(case, kernel, device, require_kernel, monkeypatch):
+    """Per-layer specs (windows, soft-caps, scales, sinks) on each kernel against the dense cache,
+    whose attention is the same math written out in fp32 (`fms_paged.kv.spec.attend`): prompts
+    past the windows, decode steps across them. Flex on the CPU applies sinks only through an
+    eager flex_attention here (inductor's CPU flex returns no log-sum-exp, so `choose_kernel`
+    refuses it there): the correction itself, which CUDA runs compiled, is what is checked."""
+    require_kernel(kernel)
+    dense, paged = pair(device, page_size=16)
+    specs = SPEC_CASES[case](paged.config.head_dim)
+    for model in (dense, paged):
+        monkeypatch.setattr(model, "attention_specs", lambda: specs, raising=False)
+    before = None
+    if kernel == "flex" and case == "sinks" and device.type == "cpu":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        from fms_paged.kv.kernels import flex as flex_mod
+
+        monkeypatch.setattr(flex_mod, "compiled_flex", lambda dynamic: flex_attention)
+
+        def before(pc):  # a flex kernel where `choose_kernel` refuses one
+            pc.backend.kernel = pc.kernel = flex_mod.FlexKernel(device, 16)
+
+        kernel = "gather"
+    worst = lockstep(dense, paged, prompts_of([30, 5, 47]), steps=16, kernel=kernel, num_pages=NUM_PAGES,
+                     max_batch=8, before=before)
+    assert worst <= TOL

@@ -144,7 +144,8 @@ def published_spelling(cfg: dict) -> dict:
     """config.json as published checkpoints spell it (transformers 4.x): `rope_theta` /
     `rope_scaling` / `rope_local_base_freq` for `rope_parameters`, no `layer_types` (the family's
     rule: `max_window_layers`, `sliding_window_pattern`)."""
-    old = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types", "_sliding_window_pattern")}
+    new_only = ("rope_parameters", "layer_types", "_sliding_window_pattern")
+    old = {k: v for k, v in cfg.items() if k not in new_only}
     params = cfg.get("rope_parameters") or {}
     full = params.get("full_attention", params)
     old["rope_theta"] = full.get("rope_theta", 10_000.0)

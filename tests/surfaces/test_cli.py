@@ -62,6 +62,10 @@ def test_info_json():
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["device"] == "cpu" and "torch" in info
+    from fms_paged.models.families import supported_architectures
+
+    listed = " ".join(info["architectures"].values())
+    assert all(a in listed for a in supported_architectures())  # every checkpoint class we load
     assert info["cpp_kernel_available"] and info["paged_kernel"].startswith("cpp")  # the CPU default
     pool = info["kv_pool"]  # the engine's pool: its KV space over K+V bytes of one page
     assert pool["num_pages"] == pool["kv_bytes"] // pool["page_bytes"]

@@ -47,13 +47,17 @@ __all__ = [
 
 def choose_kernel(kernel: str, device: torch.device, page_size: int | None = None, *,
                   head_dim: int | None = None, dtype: torch.dtype | None = None,
-                  score_mod: Callable | None = None) -> Kernel:
+                  score_mod: Callable | None = None, sinks: bool = False) -> Kernel:
     """The kernel to run: `kernel` itself (checked), or for "auto" the first that serves the model
     here: cpp (needs `head_dim` and `dtype`; no score_mod), flex, gather (announced). ValueError
     for a kernel that cannot serve the model (cpp without its requirements, gather with a
-    score_mod: only flex applies one)."""
-    return _make(_choose(kernel, device, page_size, head_dim, dtype, score_mod), device, page_size or 16,
-                 score_mod)
+    score_mod: only flex applies one; flex on the CPU for a model with attention `sinks`: inductor's
+    CPU flex_attention returns no log-sum-exp, which they need)."""
+    name = _choose(kernel, device, page_size, head_dim, dtype, score_mod)
+    if name == "flex" and sinks and device.type == "cpu":
+        raise ValueError("kernel='flex' cannot apply attention sinks on the CPU: inductor's CPU "
+                         "flex_attention does not return the log-sum-exp they need (cpp and gather do)")
+    return _make(name, device, page_size or 16, score_mod)
 
 
 def _make(name: str, device: torch.device, page_size: int, score_mod: Callable | None) -> Kernel:

@@ -28,9 +28,9 @@ class CppStep(PoolStep):
                   spec: AttentionSpec) -> torch.Tensor:
         # q: [B', H, S', D]; kp, vp: [1, Hkv, NP, D] -> [B', H, S', D] (a view of [B', S', H, D])
         v = self.view
+        sinks = None if spec.sinks is None else spec.sinks.float().contiguous()  # the op takes fp32 [H]
         out = torch.ops.fms_paged.paged_attention(q, kp, vp, v.page_table, self.chunks, v.page_size_arg,
-                                                  spec.scale, spec.window or 0, spec.softcap or 0.0,
-                                                  spec.sinks)
+                                                  spec.scale, spec.window or 0, spec.softcap or 0.0, sinks)
         return out.transpose(1, 2)
 
 

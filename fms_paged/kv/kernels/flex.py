@@ -25,6 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
+try:  # how flex_attention is asked for its log-sum-exp (torch >= 2.9; `return_lse` before)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    AuxRequest = None
+
 from fms_paged import native
 from fms_paged.flex.masks import (
     decode_block_mask,
@@ -170,7 +175,9 @@ class FlexStep(PoolStep):
         if spec.softcap is not None:
             score_mod = softcap_score_mod(spec.softcap, score_mod)
         kw = dict(score_mod=score_mod, block_mask=mask, scale=spec.scale,
-                  kernel_options=self.kernel.kernel_options, return_lse=spec.sinks is not None)
+                  kernel_options=self.kernel.kernel_options)
+        if spec.sinks is not None:  # the log-sum-exp too
+            kw.update(return_aux=AuxRequest(lse=True)) if AuxRequest else kw.update(return_lse=True)
         B, H, S, D = q.shape
         if self.gqa_group:  # decode: S' = 1; query head h reads kv head h // G
             qg = q.reshape(B, H // self.gqa_group, self.gqa_group, D)  # [B, Hkv, G, D]
@@ -178,7 +185,8 @@ class FlexStep(PoolStep):
         else:
             out = attn(q, kp, vp, enable_gqa=True, **kw)
         if spec.sinks is not None:  # out, lse: [B, H, S, D], [B, H, S] (or [B, Hkv, G, ...] packed)
-            out, lse = out
+            out, aux = out
+            lse = aux if AuxRequest is None else aux.lse
             sink = spec.sinks.to(device=q.device, dtype=torch.float32)
             sink = sink.view(1, -1, self.gqa_group) if self.gqa_group else sink.view(1, H, 1)
             out = (out.float() * torch.sigmoid(lse - sink)[..., None]).to(q.dtype)
