@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args, attn_impl: str = "sdpa"):
+def _load(args, attn_impl: str = "sdpa", need_tokenizer: bool = True):
+    """The model and its tokenizer (None for a variant, or a checkpoint without one when
+    `need_tokenizer` is False: token ids in and out)."""
     from fms_paged import get_model, load_tokenizer
     from fms_paged.models import default_model_path
 
@@ -109,7 +111,11 @@ def _load(args, attn_impl: str = "sdpa"):
                       device=args.device, dtype=args.dtype)
     tok = None
     if not args.variant:
-        tok = load_tokenizer(args.model_path or default_model_path())
+        try:
+            tok = load_tokenizer(args.model_path or default_model_path())
+        except FileNotFoundError:
+            if need_tokenizer:
+                raise
     return model, tok
 
 
@@ -118,7 +124,7 @@ def cmd_generate(args) -> int:
     from fms_paged.device import keep_freed_cpu_memory
 
     keep_freed_cpu_memory()  # a generating process: glibc keeps freed buffers for the next step
-    model, tok = _load(args, args.attn_impl)
+    model, tok = _load(args, args.attn_impl, need_tokenizer=args.prompt_ids is None)
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split()]

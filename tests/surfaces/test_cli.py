@@ -47,6 +47,23 @@ def test_generate_prompt_ids_on_variant(device):
     assert compiled.stdout == r.stdout  # the compiled decode step gives the same tokens
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_generate_a_family_checkpoint(family, hf_family, device):
+    """`--model-path` of another family (a checkpoint without a tokenizer: token ids in and out) on
+    the paged engine: transformers' greedy tokens."""
+    import torch
+
+    hf, path = hf_family(family)
+    prompt = list(range(3, 43))  # past the 24-token window
+    r = run("generate", "--model-path", str(path), "--prompt-ids", " ".join(map(str, prompt)),
+            "--max-new-tokens", "8", "--device", str(device))
+    assert r.returncode == 0, r.stderr
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):]
+    assert r.stdout.split() == [str(t) for t in ref.tolist()]
+
+
 def test_ppl_both_backends_agree(device):
     r = run("ppl", "--max-chars", "3000", "--device", str(device))
     assert r.returncode == 0, r.stderr
