@@ -134,7 +134,7 @@ def cmd_generate(args) -> int:
         if tok is None:
             raise ValueError("argument --prompt: a --variant model has no tokenizer; use --prompt-ids")
         text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
-        ids = tok.encode(text)
+        ids = tok.encode(text, add_special_tokens=True)  # the checkpoint's BOS/EOS rule
         if args.stream:
             print(text, end="", flush=True)
     streamed: list[int] = []
@@ -186,7 +186,9 @@ def cmd_ppl(args) -> int:
         model, tok = _load(args, impl)
         if tok is None:
             raise ValueError("argument --variant: perplexity needs a tokenizer; use --model-path")
-        results[impl] = perplexity(model, tok.encode(text), window=args.window)
+        # BOS + the text, whatever special tokens the checkpoint's own rule adds
+        ids = ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(text, add_special_tokens=False)
+        results[impl] = perplexity(model, ids, window=args.window)
     for impl, r in results.items():
         print(f"{impl:6s} ppl {r['ppl']:.4f} over {r['tokens']} tokens")
     rel = abs(results["paged"]["ppl"] - results["sdpa"]["ppl"]) / results["sdpa"]["ppl"]

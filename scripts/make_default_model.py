@@ -7,9 +7,9 @@ running interpreter's own standard library source (offline on any machine with P
 
 Deterministic given --seed and --steps (fixed data order, fixed init, fixed step count; the optional
 --minutes is a safety stop that breaks that promise if it triggers). Writes, in Hugging Face LLaMA
-format, into --out: config.json, model.safetensors, tokenizer.model, plus README.md (model card),
-card.json (machine-readable card) and loss_curve.png. Only weights and a tokenizer trained from the
-stdlib are written; no stdlib text is copied.
+format, into --out: config.json, model.safetensors, tokenizer.model, tokenizer_config.json, plus README.md
+(model card), card.json (machine-readable card) and loss_curve.png. Only weights and a tokenizer
+trained from the stdlib are written; no stdlib text is copied.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from fms_paged.models.hf import save_hf_llama
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.models.registry import DEFAULT_MODEL_DIR, get_model
 from fms_paged.tokenizers import load_tokenizer
+
+TOKENIZER_CONFIG = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+                    "unk_token": "<unk>"}
 
 SAMPLE_PROMPT = "def fibonacci(n):"
 TEST_SLICE_CHARS = 8_000  # the held-out slice tests/models/test_default_model.py recomputes
@@ -117,6 +120,9 @@ def train_tokenizer(files: list[Path], root: Path, out_dir: Path, vocab_size: in
         input_sentence_size=0, shuffle_input_sentence=False, num_threads=threads, minloglevel=2,
     )
     model_file.write_bytes(proto.getvalue())
+    # the model is trained with a BOS before each file: its prompts get one (transformers reads the
+    # flag; without it a sentencepiece-only checkpoint gets none)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
     return model_file
 
 
@@ -128,7 +134,7 @@ def encode_files(tok: Any, files: list[Path], max_chars: int | None) -> tuple[np
     for path in files:
         n += 1
         text = path.read_text(encoding="utf-8", errors="replace")
-        ids.extend(tok.encode(text, bos=True))
+        ids.extend([tok.bos_id, *tok.encode(text, add_special_tokens=False)])
         total += len(text)
         if max_chars is not None and total >= max_chars:
             break

@@ -82,7 +82,7 @@ def doc_windows(max_chars: int, window: int) -> tuple[list[list[int]], dict[str,
     if tokenizer.bos_id is None:
         raise ValueError(f"the tokenizer at {default_model_path()} has no BOS token")
     text = doc_text(max_chars)
-    ids = tokenizer.encode(text, bos=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
     windows = bos_windows(ids, window, tokenizer.bos_id)
     info = {"source": "pydoc_data.topics (sorted keys, concatenated)", "chars": len(text),
             "text_tokens": len(ids), "windows": len(windows), "window": window,

@@ -61,7 +61,7 @@ def heldout_perplexity(model: torch.nn.Module, tokenizer: Any, max_chars: int = 
                        cache_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Perplexity on the first `max_chars` characters of the running interpreter's held-out stdlib
     files (`fms_paged.data.heldout_text`), encoded without BOS as one token stream."""
-    ids = tokenizer.encode(heldout_text(max_chars), bos=False)
+    ids = tokenizer.encode(heldout_text(max_chars), add_special_tokens=False)
     return dict(perplexity(model, ids, window=window, chunk=chunk, use_cache=use_cache,
                            cache_kwargs=cache_kwargs), max_chars=max_chars, window=window)
 
@@ -75,7 +75,7 @@ def eval_tokens(model: torch.nn.Module, model_path: str | None, text_file: str |
     else:
         text, what = heldout_text(chars)[:chars], "stdlib held-out split"
     if model_path and any((Path(model_path) / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):
-        return load_tokenizer(model_path).encode(text, bos=False), f"{what}, {len(text)} chars"
+        return load_tokenizer(model_path).encode(text, add_special_tokens=False), f"{what}, {len(text)} chars"
     vocab = model.config.src_vocab_size
     return [b % vocab for b in text.encode("utf-8")], f"{what}, {len(text)} chars as bytes"
 

@@ -192,7 +192,7 @@ def build_app(ctx: ServeContext, metrics: ServerMetrics, api_key: str | None = N
             if not isinstance(add, bool):
                 raise APIError(400, f"add_special_tokens: expected a bool, got {add!r}",
                                param="add_special_tokens")
-            ids = ctx.tokenizer.encode(prompt, bos=add) if prompt else []
+            ids = ctx.tokenizer.encode(prompt, add_special_tokens=add) if prompt else []
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -125,7 +125,7 @@ def _stops(stop) -> tuple[str, ...]:
 def _encode(ctx: ServeContext, text: str, name: str, bos: bool) -> list[int]:
     if not text:
         raise bad(name, "empty: a request needs at least one prompt token")
-    return ctx.tokenizer.encode(text, bos=bos)
+    return ctx.tokenizer.encode(text, add_special_tokens=bos)  # the checkpoint's own special tokens
 
 
 def prepare_completion(ctx: ServeContext, req: CompletionRequest) -> Prepared:

@@ -42,7 +42,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def heldout_ids(tokenizer) -> list[int]:
-    return tokenizer.encode(heldout_text(SLICE_CHARS), bos=False)
+    return tokenizer.encode(heldout_text(SLICE_CHARS), add_special_tokens=False)
 
 
 def test_default_is_loaded_without_arguments() -> None:

@@ -325,7 +325,7 @@ def test_tokenize_and_detokenize(server, tok):
     r = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()
     assert r == {"count": len(tok.encode(text)), "max_model_len": 2048, "tokens": tok.encode(text)}
     r = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
-    assert r["tokens"] == tok.encode(text, bos=False)
+    assert r["tokens"] == tok.encode(text, add_special_tokens=False)
     r = httpx.post(f"{server.url}/detokenize", json={"tokens": tok.encode(text)})
     assert r.status_code == 200 and r.json() == {"prompt": text}
     for body, param in (({"tokens": [1, tok.vocab_size]}, "tokens"), ({"tokens": "ab"}, "tokens"),

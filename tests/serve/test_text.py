@@ -41,14 +41,14 @@ def reference(tok, prompt: list[int], output: list[int]) -> str:
 @pytest.mark.parametrize("prompt", ["Say:", "ü", "x"])
 @pytest.mark.parametrize("out_text", TEXTS)
 def test_one_token_at_a_time_is_the_decoded_text(tok, prompt, out_text):
-    p, out = tok.encode(prompt), tok.encode(out_text, bos=False)
+    p, out = tok.encode(prompt), tok.encode(out_text, add_special_tokens=False)
     pieces = feed(IncrementalText(tok, p), out)
     assert not any(REPLACEMENT in s for s in pieces), pieces
     assert "".join(pieces) == reference(tok, p, out) == out_text
 
 
 def test_byte_fallback_characters_wait_for_their_last_byte(tok):
-    out = tok.encode("ü 日本", bos=False)
+    out = tok.encode("ü 日本", add_special_tokens=False)
     assert [tok.token_text(t) for t in out] == ["<0xC3>", "<0xBC>", " ", "<0xE6>", "<0x97>", "<0xA5>",
                                                 "<0xE6>", "<0x9C>", "<0xAC>"]
     pieces = feed(IncrementalText(tok, tok.encode("a")), out)
@@ -56,7 +56,7 @@ def test_byte_fallback_characters_wait_for_their_last_byte(tok):
 
 
 def test_several_tokens_per_add(tok):
-    p, out = tok.encode("Hi"), tok.encode("ü 日本 and more text", bos=False)
+    p, out = tok.encode("Hi"), tok.encode("ü 日本 and more text", add_special_tokens=False)
     text = IncrementalText(tok, p)
     pieces = [text.add(out[i:i + 4]) for i in range(0, len(out), 4)] + [text.finish()]
     assert not any(REPLACEMENT in s for s in pieces)
@@ -65,7 +65,7 @@ def test_several_tokens_per_add(tok):
 
 def test_an_unfinished_character_at_the_end_is_not_sent(tok):
     """A completion cut (max_tokens) inside a character: the complete text is sent, never U+FFFD."""
-    out = tok.encode("ok 日", bos=False)[:-1]  # 'o', 'k', ' ', <0xE6>, <0x97>
+    out = tok.encode("ok 日", add_special_tokens=False)[:-1]  # 'o', 'k', ' ', <0xE6>, <0x97>
     pieces = feed(IncrementalText(tok, tok.encode("a")), out)
     assert not any(REPLACEMENT in s for s in pieces)
     assert "".join(pieces) == "ok "
@@ -85,7 +85,7 @@ class DummyPrefix:
 
 def test_the_first_output_token_keeps_its_leading_space(tok):
     strip = DummyPrefix(tok)
-    p, out = tok.encode("Hello"), tok.encode(" world, the end.", bos=False)
+    p, out = tok.encode("Hello"), tok.encode(" world, the end.", add_special_tokens=False)
     assert strip.decode(out) == "world, the end."  # what decoding the output alone would give
     assert "".join(feed(IncrementalText(strip, p), out)) == " world, the end."
     # a prompt whose context window starts with a spaced piece: dropped from both decodes alike
@@ -97,7 +97,7 @@ def test_the_first_output_token_keeps_its_leading_space(tok):
 def stop_run(tok, out_text: str, stop: list[str], prompt: str = "Q:"):
     """-> (pieces, the text returned, the IncrementalText), checking that no text past the cut is
     ever returned: every prefix of the returned pieces is a prefix of the final text."""
-    p, out = tok.encode(prompt), tok.encode(out_text, bos=False)
+    p, out = tok.encode(prompt), tok.encode(out_text, add_special_tokens=False)
     text = IncrementalText(tok, p, stop)
     pieces = []
     for t in out:
@@ -133,7 +133,7 @@ def test_stop_strings_cut_before_the_first_occurrence(tok, out_text, stop):
     pieces, got, text = stop_run(tok, out_text, stop)
     assert text.stopped
     assert got == expected_cut(out_text, stop)
-    assert text.add(tok.encode(" more", bos=False)) == ""  # nothing after the stop
+    assert text.add(tok.encode(" more", add_special_tokens=False)) == ""  # nothing after the stop
 
 
 def test_held_back_text_is_released_by_finish(tok):
@@ -148,7 +148,7 @@ def test_held_back_text_is_released_by_finish(tok):
 
 def test_a_stop_string_never_leaks_through_held_back_text(tok):
     """Every intermediate emission stays clear of the stop string's first character."""
-    out = tok.encode("xx abc yy", bos=False)
+    out = tok.encode("xx abc yy", add_special_tokens=False)
     text = IncrementalText(tok, tok.encode("Q"), ["abc"])
     sent = ""
     for t in out:
