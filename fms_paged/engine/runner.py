@@ -10,7 +10,9 @@ will meet before the first request does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+import time
 from collections.abc import Callable
 
 import torch
@@ -26,7 +28,7 @@ from fms_paged.engine.model_step import (
 )
 from fms_paged.engine.request import Request, SamplingParams, TokenLogprobs
 from fms_paged.engine.sampling import sample_each, token_logprobs
-from fms_paged.engine.scheduler import SchedulerOutput
+from fms_paged.engine.scheduler import SchedulerOutput, StepResult
 from fms_paged.kv.paged import PagedBackend
 from fms_paged.models.llama import LLaMA
 
@@ -81,22 +83,56 @@ class ModelRunner:
         self.buckets = decode_buckets(max_num_seqs, smallest_batch(self._decode))
         # the fewest tokens of a prefill step run by the compiled prefill graph (shorter: padded)
         self.min_prefill_tokens = self.kernel.min_prefill_tokens if self._prefill is not None else 1
+        self.grammars = None  # the engine's `Grammars`, once a request has a grammar
+        self._masker: concurrent.futures.ThreadPoolExecutor | None = None
+        # seconds spent filling bitmasks (in the masker's thread) and waiting for them after the
+        # forward (what the forward did not hide), over the runner's life: `make bench-structured`
+        self.mask_fill_s = self.mask_wait_s = 0.0
 
     @torch.inference_mode()
-    def run(self, plan: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """One forward over `plan` -> (the token sampled for each of `plan.sampled`, and each one's
-        `TokenLogprobs` where its request asks (None elsewhere), or None when no request asks)."""
+    def run(self, plan: SchedulerOutput) -> StepResult:
+        """One forward over `plan` -> the token sampled for each of `plan.sampled`, each one's
+        `TokenLogprobs` where its request asks (None elsewhere; None when no request asks), and
+        the log-probabilities of the prompt tokens `plan.scored` asks for."""
         self.backend.prepare_pages(plan.reservation)
+        masks = None  # the grammars' bitmasks, filled in a thread while the forward runs
+        if self.grammars is not None and any(r.matcher is not None for r, _ in plan.sampled):
+            if self._masker is None:
+                self._masker = concurrent.futures.ThreadPoolExecutor(1, "fms-paged-grammar")
+            masks = self._masker.submit(self._fill, [r.matcher for r, _ in plan.sampled])
+        scored = None
         if plan.prefills:
-            logits = self._forward_mixed(plan.decodes, plan.prefills)
+            logits, scored = self._forward_mixed(plan.decodes, plan.prefills, plan.scored)
         else:
             logits = self._forward_decode(plan.decodes)  # [n, V]
+        prompt_lps = self._prompt_logprobs(scored, plan) if scored is not None else None
+        tokens, lps = self._sample(logits, plan, masks)
+        return StepResult(tokens, lps, prompt_lps)
+
+    def _fill(self, matchers: list) -> torch.Tensor:
+        t0 = time.perf_counter()
+        bitmask = self.grammars.fill(matchers)
+        self.mask_fill_s += time.perf_counter() - t0
+        return bitmask
+
+    def _sample(self, logits: torch.Tensor, plan: SchedulerOutput, masks=None):
+        """logits [K, V] of the sampled rows -> (tokens, their log-probabilities or None). `masks`:
+        a future of the grammars' bitmask (a row per sampled token), applied before sampling; the
+        log-probabilities are the raw ones, before it."""
         rows = [row for _, row in plan.sampled]
         if rows != list(range(logits.shape[0])):  # forked completions read their parent's row
             logits = logits[torch.tensor(rows, device=logits.device)]
         settings = [(r.params.temperature, r.params.top_k, r.params.top_p, r.generator)
                     for r, _ in plan.sampled]
-        tokens = sample_each(logits.float(), settings)  # [K]
+        x = logits.float()
+        if masks is not None:
+            x = x.clone() if x is logits else x
+            t0 = time.perf_counter()
+            bitmask = masks.result()
+            self.mask_wait_s += time.perf_counter() - t0
+            self.grammars.apply(x, bitmask, [i for i, (r, _) in enumerate(plan.sampled)
+                                                    if r.matcher is not None])
+        tokens = sample_each(x, settings)  # [K]
         asking = [i for i, (r, _) in enumerate(plan.sampled) if r.params.logprobs is not None]
         if not asking:
             return tokens.tolist(), None  # the step's one host sync
@@ -137,8 +173,37 @@ class ModelRunner:
         tokens, positions, step = self.backend.decode_inputs(*self._decode_rows(reqs))
         return self._decode(self.model, tokens, positions, step)[: len(reqs)]
 
-    def _forward_mixed(self, dec: list[Request], pre: list[tuple[Request, int]]) -> torch.Tensor:
-        """Logits of the decode rows, then of the chunks that end their request's tokens."""
+    def _prompt_logprobs(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[list[TokenLogprobs]]:
+        """logits [M, V] at the positions of `plan.scored`, in its order -> for each entry, the
+        `TokenLogprobs` of the prompt token each position predicts (the next one), with its rank and
+        the top k of its request's `prompt_logprobs`: one log-softmax, one top-k, one transfer (a
+        step with prompts to score syncs twice)."""
+        targets = [r.prompt[p + 1] for r, positions in plan.scored for p in positions]
+        k = min(max(r.params.prompt_logprobs for r, _ in plan.scored), logits.shape[-1])
+        tgt = torch.tensor(targets, device=logits.device)
+        chosen, top_lp, top_ids = token_logprobs(logits, tgt, k)
+        # rank of each prompt token: 1 + the tokens scored higher (the logits' order is the log-softmax's)
+        rank = (logits > logits.gather(1, tgt[:, None])).sum(-1) + 1
+        dtype = torch.float32 if logits.shape[-1] <= 1 << 24 else torch.float64
+        M = len(targets)
+        flat = torch.cat([t.to(dtype) for t in (chosen, rank, top_lp.flatten(), top_ids.flatten())]).tolist()
+        vals, ids = flat[2 * M : 2 * M + M * k], flat[2 * M + M * k :]
+
+        def entry(j: int, kr: int) -> TokenLogprobs:  # row j, the top kr
+            top = tuple((int(ids[j * k + c]), vals[j * k + c]) for c in range(kr))
+            return TokenLogprobs(flat[j], top, int(flat[M + j]))
+
+        out, m = [], 0
+        for r, positions in plan.scored:
+            out.append([entry(j, r.params.prompt_logprobs) for j in range(m, m + len(positions))])
+            m += len(positions)
+        return out
+
+    def _forward_mixed(self, dec: list[Request], pre: list[tuple[Request, int]],
+                       scored: list[tuple[Request, list[int]]] = ()
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (logits of the decode rows, then of the chunks that end their request's tokens and
+        sample; logits at the prompt positions `scored` asks for, or None)."""
         starts = [r.num_computed for r, _ in pre]
         chunks = [r.token_slice(s, s + n) for (r, n), s in zip(pre, starts)]
         ids = [r.seq_id for r, _ in pre]
@@ -152,12 +217,21 @@ class ModelRunner:
             # a longer step)
             tokens, positions, step, last = self.backend.prefill_inputs(ids, chunks, starts,
                                                                         self.min_prefill_tokens)
-        done = [i for i, (r, n) in enumerate(pre) if r.reaches_end(n)]  # the plan's sampled chunks
+        # the plan's sampled chunks (those that end their request's tokens and generate)
+        done = [i for i, (r, n) in enumerate(pre) if r.reaches_end(n) and r.params.max_new_tokens > 0]
         at = torch.cat([torch.arange(len(dec)), torch.tensor(done, dtype=torch.long)]).to(last.device)
         at[len(dec):] = last.index_select(0, at[len(dec):])
+        K = at.shape[0]
+        if scored:  # row index of each prompt position to score: its chunk's first token + offset
+            chunk = {id(r): j for j, (r, _) in enumerate(pre)}
+            first = last.cpu() - torch.tensor([n - 1 for _, n in pre])
+            rows = [int(first[chunk[id(r)]]) + p - starts[chunk[id(r)]] for r, ps in scored for p in ps]
+            at = torch.cat([at, torch.tensor(rows, device=at.device)])
         if self._prefill is None or tokens.shape[1] < 2:  # 1 token (flex, gather): run eagerly
-            return self.model(tokens, positions, step, logits_at=at)
-        return self.model.logits(prefill_hidden(self._prefill, self.model, tokens, positions, step), at)
+            logits = self.model(tokens, positions, step, logits_at=at)
+        else:
+            logits = self.model.logits(prefill_hidden(self._prefill, self.model, tokens, positions, step), at)
+        return logits[:K], (logits[K:] if scored else None)
 
 
 def warmup_waves(engine, rng: torch.Generator) -> list[tuple[list[tuple[list[int], int]], tuple | None]]:

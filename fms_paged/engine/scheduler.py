@@ -45,8 +45,9 @@ from fms_paged.kv.page_manager import PageManager, Reservation
 @dataclass
 class SchedulerOutput:
     """One step's plan. The forward's logits rows are `decodes`, then the chunks of `prefills`
-    that reach their request's last token; `sampled` lists (request, logits row) for each token
-    to sample, forked completions reading their parent's row."""
+    that reach their request's last token (and sample), then the prompt positions of `scored`;
+    `sampled` lists (request, logits row) for each token to sample, forked completions reading
+    their parent's row."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
@@ -56,6 +57,21 @@ class SchedulerOutput:
     forks: list[tuple[Request, Request]] = field(default_factory=list)  # (parent, child) to FORK
     # what this step's RESERVE handed out: pages to prepare and copy-on-write copies to run
     reservation: Reservation = field(default_factory=Reservation)
+    # prompt log-probabilities: (request, positions of its chunk whose logits score its prompt)
+    scored: list[tuple[Request, list[int]]] = field(default_factory=list)
+    # requests whose prompt completes now and that generate nothing (max_new_tokens=0)
+    scored_only: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """What the model runner gives back for a plan: the token sampled for each of `plan.sampled`,
+    its `TokenLogprobs` where its request asks (else None; None: no request asks), and those of
+    the prompt tokens each entry of `plan.scored` scores (prompt token p + 1 for position p)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[list[TokenLogprobs]] | None = None
 
 
 class Scheduler:
@@ -143,7 +159,11 @@ class Scheduler:
                 out.decodes.append(r)
             else:
                 out.prefills.append((r, n))
+                if positions := r.prompt_positions(n):
+                    out.scored.append((r, positions))
         done = [r for r, n in out.prefills if r.reaches_end(n)]
+        out.scored_only = [r for r in done if r.params.max_new_tokens == 0]
+        done = [r for r in done if r.params.max_new_tokens > 0]
         out.sampled = [(r, i) for i, r in enumerate(out.decodes + done)]
         for r, row in list(out.sampled):
             forks, r.forks = r.forks, []
@@ -159,14 +179,15 @@ class Scheduler:
                 out.forks.append((r, child))
                 out.sampled.append((child, row))
 
-    def update(self, plan: SchedulerOutput, tokens: list[int],
-               logprobs: list[TokenLogprobs | None] | None = None,
-               ) -> tuple[list[RequestOutput], list[Request]]:
-        """Book a forward's results: `tokens[i]` was sampled for `plan.sampled[i]`, `logprobs[i]`
-        its log-probabilities where its request asks (`logprobs` None: no request asks).
-        -> (the outputs of the requests that produced a token, the requests that finished: their
-        output is final and carries `Request.stats`)."""
-        P, cache = self.pm.page_size, self.cache
+    def update(self, plan: SchedulerOutput, result: StepResult) -> tuple[list[RequestOutput], list[Request]]:
+        """Book a forward's results (`StepResult`): the prompt log-probabilities it scored, then
+        `result.tokens[i]`, sampled for `plan.sampled[i]`, with its log-probabilities where its
+        request asks. -> (the outputs of the requests that produced a token or finished, the
+        requests that finished: their output is final and carries `Request.stats`). A request's
+        first output carries its prompt's log-probabilities, which it keeps no longer."""
+        P, cache, tokens, logprobs = self.pm.page_size, self.cache, result.tokens, result.logprobs
+        for (r, _), lps in zip(plan.scored, result.prompt_logprobs or ()):
+            r.prompt_lps.extend(lps)  # (positions start where the scored ones end, a recompute too)
         for r, n in plan.scheduled:
             self.num_prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
             r.num_computed += n
@@ -180,12 +201,19 @@ class Scheduler:
             child.arrival = parent.arrival
         now = time.perf_counter()
         outputs, finished = [], []
+        for r in plan.scored_only:  # its prompt is scored; it generates nothing
+            self.finish(r)
+            finished.append(r)
+            outputs.append(RequestOutput(r.request_id, [], True, "length", r.index, None, r.stats("length"),
+                                         self._take_prompt_logprobs(r)))
         for i, ((r, _), tok) in enumerate(zip(plan.sampled, tokens)):
             r.output.append(tok)
             r.token_times.append(now)
             self.num_output_tokens += 1
             reason = None
-            if tok in r.stop_ids:
+            if r.matcher is not None:  # its grammar masked the logits: the token is one it takes
+                r.matcher.accept_token(tok)
+            if tok in r.stop_ids or (r.matcher is not None and r.matcher.is_terminated()):
                 reason = "stop"
             elif len(r.output) >= r.params.max_new_tokens:
                 reason = "length"
@@ -196,8 +224,17 @@ class Scheduler:
                 stats = r.stats(reason)
             lps = None if r.params.logprobs is None else [logprobs[i]]
             outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason, r.index,
-                                         lps, stats))
+                                         lps, stats, self._take_prompt_logprobs(r)))
         return outputs, finished
+
+    @staticmethod
+    def _take_prompt_logprobs(r: Request) -> list[TokenLogprobs | None] | None:
+        """The prompt's log-probabilities (None first: nothing predicts the first token), handed
+        over once and then dropped by the request; None when not asked for or given already."""
+        if r.prompt_lps is None:
+            return None
+        lps, r.prompt_lps = [None, *r.prompt_lps], None
+        return lps
 
     def available_pages(self) -> int:
         """Pages a RESERVE can get: free ones, and cached ones no sequence holds (evicted first)."""
@@ -210,7 +247,10 @@ class Scheduler:
         P, cache = self.pm.page_size, self.cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            chain = cache.match(req.token_slice(0, req.num_tokens), req.cache_salt) if cache else []
+            # a request scoring its prompt computes it whole: cached pages carry no logits
+            scores = req.prompt_lps is not None
+            chain = (cache.match(req.token_slice(0, req.num_tokens), req.cache_salt)
+                     if cache and not scores else [])
             cached = len(chain) * P
             n = min(req.num_tokens - cached, budget)
             need = pages_for(cached + n, P) - len(chain)

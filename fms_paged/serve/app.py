@@ -24,6 +24,7 @@ from fms_paged.serve.metrics import ServerMetrics
 from fms_paged.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from fms_paged.serve.requests import Run, ServeContext, chat_prompt, prepare_chat, prepare_completion
 from fms_paged.serve.responses import Renderer
+from fms_paged.serve.tools import check_tools
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -182,7 +183,8 @@ def build_app(ctx: ServeContext, metrics: ServerMetrics, api_key: str | None = N
             raise APIError(400, "the request body must be a JSON object")
         if "messages" in body:
             req = parse(ChatCompletionRequest, body)
-            ids = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+            tools = None if req.tools is None else check_tools(req.tools)
+            ids = chat_prompt(ctx, req.messages, req.add_generation_prompt, tools)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):

@@ -80,10 +80,14 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template does not parse: {e}") from None
         self.tokens = dict(tokens or {})
+        self.source = source
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as text; `tools` (OpenAI's function definitions) is the template's
+        `tools` variable, None when the request has none (as transformers passes it)."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.tokens)
+            return self.template.render(messages=messages, tools=tools,
+                                        add_generation_prompt=add_generation_prompt, **self.tokens)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from None

@@ -50,11 +50,13 @@ def build_engine(spec: dict[str, Any]):
     """The model and `Engine` a spec describes (`serve.server.engine_spec`)."""
     from fms_paged.engine import Engine
     from fms_paged.models.loaders import load_for_engine
+    from fms_paged.tokenizers import load_tokenizer
 
     model = load_for_engine(spec["model_dir"], spec.get("loader", "auto"), spec["device"], spec["dtype"],
                             spec["page_size"])
     return Engine(model, spec["max_num_seqs"], spec["max_num_batched_tokens"],
-                  kv_memory_fraction=spec["kv_memory_fraction"], max_model_len=spec["max_model_len"],
+                  tokenizer=load_tokenizer(spec["model_dir"]), kv_memory_fraction=spec["kv_memory_fraction"],
+                  max_model_len=spec["max_model_len"],
                   enable_prefix_caching=spec["enable_prefix_caching"],
                   compile=False if spec["enforce_eager"] else "auto")
 
@@ -131,7 +133,7 @@ def _serve(conn, engine) -> None:
                 if not left[0]:
                     del to_front[out.request_id], to_engine[fid]
             wire.append((fid, out.new_token_ids, out.finished, out.finish_reason, out.index,
-                         out.logprobs, out.stats))
+                         out.logprobs, out.stats, out.prompt_logprobs))
         now = time.perf_counter()
         state = None
         if now - last > METRICS_INTERVAL_S:

@@ -31,6 +31,7 @@ class APIError(Exception):
 
 
 def bad(param: str, message: str) -> APIError:
+    """A 400 naming `param` (a field, or a path into one: `a.b[2].c`) in its message and `param`."""
     return APIError(400, f"{param}: {message}", param=param)
 
 
@@ -56,6 +57,14 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: `token_ids` in each choice, `prompt_token_ids`
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log-probabilities, top k of each
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one of them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -78,15 +87,16 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None  # checked by fms_paged.serve.tools, which names the bad entry
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 # fields that change the output when set to anything but their default: refused, not ignored
 UNSUPPORTED = {
     "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
-    "suffix": None, "min_tokens": 0, "best_of": None, "response_format": None, "tools": None,
-    "tool_choice": None, "functions": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "prompt_logprobs": None,
-    "min_p": 0, "bad_words": None, "allowed_token_ids": None,
+    "suffix": None, "min_tokens": 0, "best_of": None,
+    "functions": None, "function_call": None, "min_p": 0, "bad_words": None, "allowed_token_ids": None,
 }
 
 

@@ -6,6 +6,7 @@ reason, and the usage numbers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 
 from fms_paged.engine import SamplingParams
 from fms_paged.engine.request import MAX_LOGPROBS, check_prompt
+from fms_paged.engine.structured import Grammar
+from fms_paged.serve import tools as tool_calls
 from fms_paged.serve.chat import ChatTemplate, ChatTemplateError
 from fms_paged.serve.loop import EngineDead, EngineLoop
 from fms_paged.serve.protocol import (
@@ -41,6 +44,7 @@ class ServeContext:
     max_waiting: int | None = None
     model_root: str = ""
     capacity: int | None = None  # tokens the page pool can hold (None: max_model_len bounds it)
+    tool_format: str | None = None  # the tool-call format the chat template writes (tools.FORMATS)
 
 
 @dataclass
@@ -57,6 +61,14 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` (echo's logprobs ride on `logprobs`)
+    tool_format: str | None = None  # chats with tools: parse the output's calls in this format
+    tools_forced: bool = False  # tool_choice "required" / a name: the whole output is calls
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """A completion echoing its prompt with log-probabilities: the prompt's come first."""
+        return self.echo_texts is not None and self.logprobs is not None
 
 
 def check_model(ctx: ServeContext, name: str | None) -> None:
@@ -65,15 +77,17 @@ def check_model(ctx: ServeContext, name: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _max_tokens(ctx: ServeContext, name: str, value: int | None, prompt_len: int) -> int:
+def _max_tokens(ctx: ServeContext, name: str, value: int | None, prompt_len: int, echo: bool = False) -> int:
     room = min(ctx.max_model_len, ctx.capacity or ctx.max_model_len) - prompt_len
     if value is None:
         if room < 1:
             raise bad("prompt", f"a prompt of {prompt_len} tokens leaves no room for output under "
                       f"max_model_len={ctx.max_model_len}")
         return room
+    if value == 0 and echo:  # the prompt alone, echoed (and scored)
+        return 0
     if value < 1:
-        raise bad(name, f"{value}; expected an int >= 1")
+        raise bad(name, f"{value}; expected an int >= 1 (0 only with echo)")
     if prompt_len + value > ctx.max_model_len:
         raise bad(name, f"a prompt of {prompt_len} tokens + {name}={value} = {prompt_len + value} "
                   f"tokens > max_model_len={ctx.max_model_len}")
@@ -84,7 +98,8 @@ def _max_tokens(ctx: ServeContext, name: str, value: int | None, prompt_len: int
 
 
 def _sampling(ctx: ServeContext, req, max_tokens_name: str, max_tokens: int | None,
-              prompts: list[list[int]], logprobs: int | None) -> list[SamplingParams]:
+              prompts: list[list[int]], logprobs: int | None, echo: bool = False,
+              grammar: Grammar | None = None) -> list[SamplingParams]:
     t = 1.0 if req.temperature is None else req.temperature
     if not math.isfinite(t) or t < 0:
         raise bad("temperature", f"{req.temperature}; expected a number >= 0 (0 is greedy)")
@@ -105,13 +120,90 @@ def _sampling(ctx: ServeContext, req, max_tokens_name: str, max_tokens: int | No
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad("logprobs" if isinstance(req, CompletionRequest) else "top_logprobs",
                   f"{logprobs}; expected an int in [0, {MAX_LOGPROBS}]")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise bad("prompt_logprobs", f"{req.prompt_logprobs}; expected an int in [0, {MAX_LOGPROBS}]")
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options", "only allowed with stream=true")
-    return [SamplingParams(max_new_tokens=_max_tokens(ctx, max_tokens_name, max_tokens, len(p)),
-                           temperature=float(t), top_k=top_k, top_p=req.top_p, seed=req.seed,
-                           stop_token_ids=tuple(stop_ids), ignore_eos=req.ignore_eos, n=req.n,
-                           logprobs=logprobs)
-            for p in prompts]
+    # the prompt's log-probabilities: vLLM's prompt_logprobs, or a completion's echo with logprobs
+    scored = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
+    grammar = grammar or _grammar(req)
+    out = []
+    for p in prompts:
+        new = _max_tokens(ctx, max_tokens_name, max_tokens, len(p), echo)
+        if new == 0 and req.n != 1:
+            raise bad("n", f"{req.n}: max_tokens=0 echoes the prompt once; expected n=1")
+        out.append(SamplingParams(max_new_tokens=new, temperature=float(t), top_k=top_k, top_p=req.top_p,
+                                  seed=req.seed, stop_token_ids=tuple(stop_ids), ignore_eos=req.ignore_eos,
+                                  n=req.n, logprobs=logprobs, grammar=grammar,
+                                  prompt_logprobs=max(scored) if scored else (0 if new == 0 else None)))
+    return out
+
+
+def _grammar(req) -> Grammar | None:
+    """The grammar a request's output must match, from whichever of OpenAI's `response_format`,
+    vLLM's `structured_outputs` and its older `guided_*` fields it gives (400 for two at once, a
+    malformed one, or a schema / regex / grammar xgrammar refuses, naming the field)."""
+    given = [(name, getattr(req, name)) for name in ("response_format", "structured_outputs", "guided_json",
+                                                     "guided_regex", "guided_choice", "guided_grammar")]
+    given = [(name, v) for name, v in given if v is not None]
+    if len(given) > 1:
+        raise bad(given[1][0], f"only one way to constrain the output per request; {given[0][0]} is "
+                  "given too")
+    if not given:
+        return None
+    name, value = given[0]
+    param, grammar = name, None
+    if name == "response_format":
+        kind = value.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            grammar = Grammar("json_object")
+        elif kind == "json_schema":
+            schema = (value.get("json_schema") or {}).get("schema")
+            param = "response_format.json_schema.schema"
+            if not isinstance(schema, (dict, bool)):
+                raise bad(param, f"expected a JSON schema (an object), got {schema!r:.80}")
+            grammar = Grammar.json_schema(schema if isinstance(schema, dict) else {})
+        else:
+            raise bad("response_format.type", f"{kind!r}; expected 'text', 'json_object' or 'json_schema'")
+    elif name == "structured_outputs":
+        keys = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                if value.get(k) not in (None, False)]
+        if len(keys) != 1:
+            raise bad("structured_outputs", f"expected exactly one of json, regex, choice, grammar, "
+                      f"json_object, structural_tag; got {keys or sorted(value)}")
+        key, v = keys[0], value[keys[0]]
+        param = f"structured_outputs.{key}"
+        grammar = _grammar_of(param, {"json": "json_schema", "regex": "regex", "choice": "choice",
+                                      "grammar": "ebnf", "json_object": "json_object",
+                                      "structural_tag": "structural_tag"}[key], v)
+    else:
+        grammar = _grammar_of(name, {"guided_json": "json_schema", "guided_regex": "regex",
+                                     "guided_choice": "choice", "guided_grammar": "ebnf"}[name], value)
+    try:
+        grammar.check()
+    except ValueError as e:
+        raise bad(param, str(e)) from None
+    return grammar
+
+
+def _grammar_of(param: str, kind: str, value) -> Grammar:
+    if kind == "json_object":
+        return Grammar("json_object")
+    if kind in ("json_schema", "structural_tag"):
+        if isinstance(value, dict):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise bad(param, f"expected a JSON object or its text, got {type(value).__name__}")
+        return Grammar(kind, value)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad(param, f"expected a non-empty list of non-empty strings, got {value!r:.80}")
+        return Grammar.choice(value)
+    if not isinstance(value, str) or not value:
+        raise bad(param, f"expected a non-empty string, got {value!r:.80}")
+    return Grammar(kind, value)
 
 
 def _stops(stop) -> tuple[str, ...]:
@@ -125,7 +217,7 @@ def _stops(stop) -> tuple[str, ...]:
 def _encode(ctx: ServeContext, text: str, name: str, bos: bool) -> list[int]:
     if not text:
         raise bad(name, "empty: a request needs at least one prompt token")
-    return ctx.tokenizer.encode(text, add_special_tokens=bos)  # the checkpoint's own special tokens
+    return ctx.tokenizer.encode(text, add_special_tokens=bos)  # bos=True: the checkpoint's own BOS/EOS
 
 
 def prepare_completion(ctx: ServeContext, req: CompletionRequest) -> Prepared:
@@ -146,14 +238,11 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest) -> Prepared:
             except (TypeError, ValueError) as e:
                 raise APIError(400, str(e), param="prompt") from None
             texts.append(ctx.tokenizer.decode(prompts[-1]) if req.echo else "")
-    if req.echo and req.logprobs is not None:
-        raise bad("echo", "echo with logprobs would need the prompt's log-probabilities, which this "
-                  "server does not compute; ask for one of them")
-    params = _sampling(ctx, req, "max_tokens", req.max_tokens, prompts, req.logprobs)
+    params = _sampling(ctx, req, "max_tokens", req.max_tokens, prompts, req.logprobs, echo=req.echo)
     return Prepared(prompts, params, req.n, _stops(req.stop), req.logprobs,
                     echo_texts=texts if req.echo else None, stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    return_token_ids=req.return_token_ids)
+                    return_token_ids=req.return_token_ids, prompt_logprobs=req.prompt_logprobs)
 
 
 def _message(j: int, m) -> dict:
@@ -169,36 +258,66 @@ def _message(j: int, m) -> dict:
     return msg
 
 
-def chat_prompt(ctx: ServeContext, messages, add_generation_prompt: bool = True) -> list[int]:
-    """The prompt ids of a conversation, through the chat template (400 when there is none)."""
+def chat_prompt(ctx: ServeContext, messages, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> list[int]:
+    """The prompt ids of a conversation (and its tools), through the chat template (400 when
+    there is none)."""
     if ctx.chat_template is None:
         raise bad("messages", f"the model {ctx.model_name!r} has no chat template (no chat_template "
                   "in its tokenizer_config.json, no chat_template.jinja): start the server with "
                   "--chat-template FILE, or use /v1/completions")
     if not messages:
         raise bad("messages", "empty: a chat needs at least one message")
-    dicts = [_message(j, m) for j, m in enumerate(messages)]
+    dicts = tool_calls.template_messages([_message(j, m) for j, m in enumerate(messages)])
     try:
-        text = ctx.chat_template.render(dicts, add_generation_prompt)
+        text = ctx.chat_template.render(dicts, add_generation_prompt, tools)
     except ChatTemplateError as e:
         raise bad("messages", str(e)) from None
     return _encode(ctx, text, "messages", bos=False)
+
+
+def _tools(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[dict] | None, str, Grammar | None]:
+    """A chat's tools (checked), its tool_choice, and the grammar that forces the calls."""
+    tools = None if req.tools is None else tool_calls.check_tools(req.tools)
+    choice = tool_calls.tool_choice(req.tool_choice, tools)
+    if choice == "none":
+        return tools, choice, None
+    if ctx.tool_format is None:
+        raise bad("tools", f"the chat template of {ctx.model_name!r} writes no tool calls this server "
+                  "can parse: start it with --tool-call-parser hermes|llama3_json (and a "
+                  "--chat-template that renders `tools`)")
+    grammar = tool_calls.grammar(ctx.tool_format, tools, choice, req.parallel_tool_calls)
+    if grammar is not None:
+        given = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                   "guided_choice", "guided_grammar") if getattr(req, name) is not None]
+        if given:
+            raise bad("tool_choice", f"{req.tool_choice!r:.80} constrains the output to tool calls; "
+                      f"{given[0]} is given too")
+        try:
+            grammar.check()
+        except ValueError as e:
+            raise bad("tools", f"a function's parameters are not a JSON schema the grammar library "
+                      f"takes: {e}") from None
+    return tools, choice, grammar
 
 
 def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> Prepared:
     check_model(ctx, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs", "needs logprobs=true")
-    prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    tools, choice, grammar = _tools(ctx, req)
+    prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt, tools)
     if req.max_completion_tokens is not None:
         name, value = "max_completion_tokens", req.max_completion_tokens
     else:
         name, value = "max_tokens", req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling(ctx, req, name, value, [prompt], logprobs)
+    params = _sampling(ctx, req, name, value, [prompt], logprobs, grammar=grammar)
     return Prepared([prompt], params, req.n, _stops(req.stop), logprobs, stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    return_token_ids=req.return_token_ids)
+                    return_token_ids=req.return_token_ids, prompt_logprobs=req.prompt_logprobs,
+                    tool_format=ctx.tool_format if tools and choice != "none" else None,
+                    tools_forced=grammar is not None)
 
 
 @dataclass(eq=False)
@@ -234,6 +353,8 @@ class Run:
         self.open: dict[int, int] = {}  # engine request id -> completions not finished in the engine
         self.cached_tokens = 0
         self.first_token_at: float | None = None  # when the engine's step that made the first token ended
+        # each prompt's log-probabilities once they come (on its first output), when asked for
+        self.prompt_logprobs: list[list | None] = [None] * len(prep.prompts)
         tok = ctx.tokenizer
         self.choices = [Choice(j * prep.n + i, IncrementalText(tok, p, prep.stop))
                         for j, p in enumerate(prep.prompts) for i in range(prep.n)]
@@ -267,6 +388,8 @@ class Run:
             out, made_at = item
             if self.first_token_at is None and out.new_token_ids:
                 self.first_token_at = made_at
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs[self.rids[out.request_id]] = out.prompt_logprobs
             c = self.choices[self.rids[out.request_id] * n + out.index]
             if out.finished:
                 self.open[out.request_id] -= 1

@@ -9,9 +9,12 @@ the rest, and exit 0."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 API_KEY_ENV = "FMS_PAGED_API_KEY"
@@ -31,6 +34,10 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    help=f"bearer token required on /v1/* (default: ${API_KEY_ENV}, else none)")
     g.add_argument("--chat-template", type=Path, default=None,
                    help="a Jinja chat template file (default: the checkpoint's own, if any)")
+    g.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: "
+                        "Hermes, Qwen), llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.x), "
+                        "or auto: the format the chat template writes (default)")
     g.add_argument("--max-waiting", type=positive_int, default=None,
                    help="answer 429 to a request arriving while this many are waiting (default: "
                         "queue without bound)")
@@ -78,7 +85,11 @@ def build(args):
     from fms_paged.serve.loop import EngineLoop
     from fms_paged.serve.metrics import ServerMetrics
     from fms_paged.serve.requests import ServeContext
+    from fms_paged.serve.tools import template_format
 
+    if importlib.util.find_spec("xgrammar") is not None:  # structured outputs' 400s check grammars
+        # here: import it now, beside the engine's start, not on the first such request's path
+        threading.Thread(target=importlib.import_module, args=("xgrammar",), daemon=True).start()
     spec = engine_spec(args)
     model_dir = spec["model_dir"]
     tokenizer = load_tokenizer(model_dir)
@@ -90,8 +101,9 @@ def build(args):
                       on_state=metrics.engine_state, on_tokens=metrics.generation_tokens.inc,
                       on_ready=lambda s: print(f"fms-paged serve: ready (warm-up {s:.1f} s)", flush=True))
     info = loop.start()
+    fmt = template_format(source) if args.tool_call_parser == "auto" else args.tool_call_parser
     ctx = ServeContext(loop, tokenizer, name, info["max_model_len"], info["vocab_size"], chat,
-                       args.max_waiting, model_dir, capacity=info["capacity"])
+                       args.max_waiting, model_dir, capacity=info["capacity"], tool_format=fmt)
     return build_app(ctx, metrics, api_key=args.api_key or None), name
 
 

@@ -152,3 +152,65 @@ def test_logprobs_add_no_host_sync(models, no_host_sync):
         for _ in range(10):
             outs = eng.step()
             assert [o.logprobs is None for o in outs] == [False, True, False]
+
+
+@torch.no_grad()
+def dense_prompt_logprobs(dense, prompt: list[int]) -> torch.Tensor:
+    """fp32 log-softmax of the dense model over the prompt: row i predicts prompt token i + 1."""
+    logits = dense(torch.tensor([prompt], device=dense.device))[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+@pytest.mark.parametrize("budget", [256, 16], ids=["whole-prefill", "chunked-prefill"])
+def test_prompt_logprobs_equal_the_dense_log_softmax(models, budget):
+    """`prompt_logprobs=k`: each prompt token's log-probability and top k, from the forward that
+    prefills it (in chunks of 16 tokens too), equal the dense model's log-softmax at the position
+    before it; the first token gets None. Requests sharing a prompt prefix hit the prefix cache,
+    and a request scoring its prompt computes it whole all the same (cached pages carry no logits);
+    under preemption (a recompute: the chunked case) each token is scored once. max_new_tokens=0 scores and
+    generates nothing (an evaluation harness's log-likelihood request)."""
+    dense, paged = models
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 256) for _ in range(48)]  # three pages of 16
+    prompts = [shared + [rng.randrange(3, 256) for _ in range(n)] for n in (20, 7, 33, 1)]
+    eng = engine(paged, max_num_batched_tokens=budget, num_pages=9, max_model_len=128)
+    warm = eng.add_request(shared + [9, 9], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    while eng.has_unfinished():  # its full pages are cached now
+        eng.step()
+    cases = [SamplingParams(max_new_tokens=0, prompt_logprobs=5),
+             SamplingParams(max_new_tokens=6, ignore_eos=True, prompt_logprobs=0, logprobs=2),
+             SamplingParams(max_new_tokens=40, ignore_eos=True),  # hits the cache, asks for none
+             SamplingParams(max_new_tokens=30, ignore_eos=True, prompt_logprobs=20)]
+    rids = {eng.add_request(p, sp): (p, sp) for p, sp in zip(prompts, cases)}
+    firsts: dict[int, list] = {}
+    ends: dict[int, object] = {}
+    for out in eng.stream():
+        if out.prompt_logprobs is not None:
+            assert out.request_id not in firsts, "prompt log-probabilities delivered twice"
+            firsts[out.request_id] = out.prompt_logprobs
+        if out.finished:
+            ends[out.request_id] = out
+    assert warm not in firsts and eng.metrics()["prefix_cache_hits"] > 0
+    if budget == 16:  # (chunks admit requests before their pages are all there)
+        assert eng.metrics()["preemptions"] > 0, "the pool never forced a preemption"
+    for rid, (prompt, sp) in rids.items():
+        if sp.prompt_logprobs is None:
+            assert rid not in firsts
+            continue
+        lps = firsts[rid]
+        assert len(lps) == len(prompt) and lps[0] is None
+        ref = dense_prompt_logprobs(dense, prompt)
+        check(lps[1:], prompt[1:], ref, sp.prompt_logprobs)
+        ranks = [int((ref[j] > ref[j, t]).sum()) + 1 for j, t in enumerate(prompt[1:])]
+        assert [lp.rank for lp in lps[1:]] == ranks
+    scored_only = next(r for r, (_, sp) in rids.items() if sp.max_new_tokens == 0)
+    assert ends[scored_only].new_token_ids == [] and ends[scored_only].finish_reason == "length"
+
+
+def test_bad_prompt_logprobs_and_scoring_without_tokens_name_the_value():
+    with pytest.raises(ValueError, match=r"SamplingParams.prompt_logprobs=21; expected an int in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ValueError, match="SamplingParams.max_new_tokens=0.*prompt_logprobs"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="SamplingParams.max_new_tokens=0.*n=1"):
+        SamplingParams(max_new_tokens=0, prompt_logprobs=1, n=2)

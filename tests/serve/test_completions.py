@@ -292,6 +292,68 @@ def test_streamed_logprobs_equal_the_whole_response(client):
     assert lps == pytest.approx(whole.token_logprobs, abs=LOGPROB_ATOL)
 
 
+def dense_prompt_logprobs(dense_model, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1, V] fp32: row j predicts prompt token j + 1 (one dense forward)."""
+    with torch.no_grad():
+        return torch.log_softmax(dense_model(torch.tensor([ids]))[0, :-1].float(), dim=-1)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_echo_with_logprobs_scores_the_prompt(client, dense_model, tok, max_tokens, stream):
+    """An evaluation harness's log-likelihood request (lm-evaluation-harness's local-completions:
+    the prompt as token ids, echo, logprobs=1, max_tokens 1; or 0): the prompt's tokens open
+    OpenAI's logprobs, token_logprobs[0] and top_logprobs[0] null, each prompt token's
+    log-probability the dense model's, each top_logprobs entry holding the token's own; streamed,
+    the first chunk carries them with the echoed text."""
+    ids = tok.encode(PROMPTS[2])
+    kw = dict(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    if stream:
+        text, tokens, lps, tops = "", [], [], []
+        for chunk in client.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                text += c.text
+                if c.logprobs is not None:
+                    tokens += c.logprobs.tokens
+                    lps += c.logprobs.token_logprobs
+                    tops += c.logprobs.top_logprobs
+    else:
+        c = client.completions.create(**kw).choices[0]
+        lp = c.logprobs
+        text, tokens, lps, tops = c.text, lp.tokens, lp.token_logprobs, lp.top_logprobs
+    n = len(ids)
+    assert text.startswith(tok.decode(ids)) and len(tokens) == len(lps) == n + max_tokens
+    assert lps[0] is None and tops[0] is None
+    ref = dense_prompt_logprobs(dense_model, ids)
+    want = ref[torch.arange(n - 1), torch.tensor(ids[1:])]
+    assert (torch.tensor(lps[1:n]) - want).abs().max().item() <= LOGPROB_ATOL
+    for j in range(1, n):  # its own log-probability among the alternatives; at least top-1
+        assert lps[j] in tops[j].values() and len(tops[j]) in (1, 2)
+        assert max(tops[j].values()) == pytest.approx(ref[j - 1].max().item(), abs=LOGPROB_ATOL)
+
+
+def test_vllm_prompt_logprobs(client, dense_model, tok):
+    """vLLM's `prompt_logprobs=k` on a completion: per choice, None for the first prompt token, then
+    {token id: {logprob, rank, decoded_token}} for the top k and the prompt token itself."""
+    p = PROMPTS[0]
+    ids = tok.encode(p)
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got = extra(r.choices[0], "prompt_logprobs")
+    assert len(got) == len(ids) and got[0] is None
+    ref = dense_prompt_logprobs(dense_model, ids)
+    for j, t in enumerate(ids[1:]):
+        entry = got[j + 1]
+        assert str(t) in entry and len(entry) in (2, 3)
+        own = entry[str(t)]
+        assert own["logprob"] == pytest.approx(ref[j, t].item(), abs=LOGPROB_ATOL)
+        assert own["rank"] == int((ref[j] > ref[j, t]).sum()) + 1
+        top = sorted(entry.values(), key=lambda e: e["rank"])[:2]
+        assert [e["rank"] for e in top] == [1, 2] or own["rank"] <= 2
+        assert top[0]["logprob"] == pytest.approx(ref[j].max().item(), abs=LOGPROB_ATOL)
+
+
 def test_no_logprobs_unless_asked(client):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].logprobs is None
 

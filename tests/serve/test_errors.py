@@ -60,7 +60,7 @@ CASES = [
     ("n 129", {"prompt": "x", "n": 129}, 400, "n", ["128"]),
     ("top_p 0", {"prompt": "x", "top_p": 0}, 400, "top_p", []),
     ("top_k -2", {"prompt": "x", "top_k": -2}, 400, "top_k", []),
-    ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", []),
+    ("max_tokens 0 without echo", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ["echo"]),
     ("presence_penalty", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", ["0.5"]),
     ("frequency_penalty", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty", []),
     ("logit_bias", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", []),
@@ -72,7 +72,8 @@ CASES = [
     ("stop token outside the vocabulary", {"prompt": "x", "stop_token_ids": [5000]}, 400,
      "stop_token_ids", ["5000"]),
     ("logprobs 21", {"prompt": "x", "logprobs": 21}, 400, "logprobs", ["20"]),
-    ("echo with logprobs", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", []),
+    ("prompt_logprobs 21", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", ["20"]),
+    ("max_tokens 0 echoed n times", {"prompt": "x", "echo": True, "max_tokens": 0, "n": 2}, 400, "n", []),
     ("seed past 64 bits", {"prompt": "x", "seed": 1 << 64}, 400, "seed", []),
     ("wrong model", {"prompt": "x", "model": "gpt-4"}, 404, "model", ["gpt-4", MODEL]),
 ]
