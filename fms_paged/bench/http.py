@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--structured-ratio", type=float, default=0.25,
                    help="share of the mixed loads' requests held to a JSON schema (0: no such loads)")
     g.add_argument("--structured-prompts", type=int, default=64, help="requests per structured-output load")
-    g.add_argument("--structured-rounds", type=int, default=2, help="pairs of loads (free, mixed)")
+    g.add_argument("--structured-rounds", type=int, default=3, help="pairs of loads (free, mixed)")
     p.add_argument("--inprocess-repeats", type=int, default=3, help="in-process runs (median reported)")
     p.add_argument("--out", type=Path, default=Path("results/bench-http"))
     p.add_argument("--inprocess", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)

@@ -98,8 +98,9 @@ def structured_loads(base: str, model: str, args, vocab_size: int, log=print) ->
     """`args.structured_rounds` pairs of runs (free, mixed) against the server at `base` -> each run,
     the medians per kind and the mixed / free ratios."""
     work = workload(args, vocab_size)
-    rng = random.Random(args.seed + 2)
-    mixed = [rng.random() < args.structured_ratio for _ in work]
+    k = round(args.structured_ratio * len(work))  # exactly that share, at seeded places
+    chosen = set(random.Random(args.seed + 2).sample(range(len(work)), k))
+    mixed = [i in chosen for i in range(len(work))]
     runs: dict[str, list[dict[str, Any]]] = {"free": [], "mixed": []}
     for r in range(args.structured_rounds):
         for kind, structured in (("free", [False] * len(work)), ("mixed", mixed)):

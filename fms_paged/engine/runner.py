@@ -33,6 +33,10 @@ from fms_paged.kv.paged import PagedBackend
 from fms_paged.models.llama import LLaMA
 
 COMPILE_MODES = ("auto", True, False)
+# a grammar bitmask fill this short (recent fills' mean) is made inline: handing it to the masker
+# thread and back costs about as much (measured on a 2-core CPU), and a longer one runs there,
+# beside the forward
+INLINE_FILL_S = 5e-4
 
 
 def decode_buckets(max_num_seqs: int, smallest: int = 1) -> list[int]:
@@ -85,9 +89,10 @@ class ModelRunner:
         self.min_prefill_tokens = self.kernel.min_prefill_tokens if self._prefill is not None else 1
         self.grammars = None  # the engine's `Grammars`, once a request has a grammar
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None
-        # seconds spent filling bitmasks (in the masker's thread) and waiting for them after the
-        # forward (what the forward did not hide), over the runner's life: `make bench-structured`
+        # seconds spent filling bitmasks, and the part of them on the step's path (a fill made
+        # inline, or the wait for the masker's after the forward), over the runner's life
         self.mask_fill_s = self.mask_wait_s = 0.0
+        self._fill_ema = self._last_fill_s = 0.0  # recent fills' seconds (INLINE_FILL_S)
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> StepResult:
@@ -95,11 +100,17 @@ class ModelRunner:
         `TokenLogprobs` where its request asks (None elsewhere; None when no request asks), and
         the log-probabilities of the prompt tokens `plan.scored` asks for."""
         self.backend.prepare_pages(plan.reservation)
-        masks = None  # the grammars' bitmasks, filled in a thread while the forward runs
+        masks = None  # the grammars' bitmasks: filled in a thread while the forward runs, or inline
         if self.grammars is not None and any(r.matcher is not None for r, _ in plan.sampled):
-            if self._masker is None:
-                self._masker = concurrent.futures.ThreadPoolExecutor(1, "fms-paged-grammar")
-            masks = self._masker.submit(self._fill, [r.matcher for r, _ in plan.sampled])
+            matchers = [r.matcher for r, _ in plan.sampled]
+            if self._fill_ema < INLINE_FILL_S:  # a hand-off to the thread would cost what it hides
+                masks = concurrent.futures.Future()
+                masks.set_result(self._fill(matchers))
+                self.mask_wait_s += self._last_fill_s
+            else:
+                if self._masker is None:
+                    self._masker = concurrent.futures.ThreadPoolExecutor(1, "fms-paged-grammar")
+                masks = self._masker.submit(self._fill, matchers)
         scored = None
         if plan.prefills:
             logits, scored = self._forward_mixed(plan.decodes, plan.prefills, plan.scored)
@@ -112,7 +123,9 @@ class ModelRunner:
     def _fill(self, matchers: list) -> torch.Tensor:
         t0 = time.perf_counter()
         bitmask = self.grammars.fill(matchers)
-        self.mask_fill_s += time.perf_counter() - t0
+        self._last_fill_s = time.perf_counter() - t0
+        self.mask_fill_s += self._last_fill_s
+        self._fill_ema += 0.25 * (self._last_fill_s - self._fill_ema)
         return bitmask
 
     def _sample(self, logits: torch.Tensor, plan: SchedulerOutput, masks=None):

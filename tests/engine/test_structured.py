@@ -109,3 +109,29 @@ def test_the_cpu_mask_is_xgrammars(vocab, rows):
     Grammars.apply(ours, bitmask, rows)
     xgrammar.apply_token_bitmask_inplace(ref, bitmask, indices=rows)
     assert torch.equal(ours, ref) and torch.isinf(ours).any() and torch.isfinite(ours).any()
+
+
+def test_the_masker_thread_and_an_inline_fill_give_the_same_tokens(models, tok, monkeypatch):
+    """A bitmask fill runs in the masker thread beside the forward once fills get long, inline
+    while they are short (the default model's are): both paths, forced, give every completion the
+    same tokens, and the runner counts its fill seconds on either."""
+    from fms_paged.engine import runner as runner_module
+
+    _, paged = models
+    prompt = tok.encode(PROMPT)
+
+    def tokens(threshold: float) -> tuple[dict, float, float]:
+        monkeypatch.setattr(runner_module, "INLINE_FILL_S", threshold)
+        eng = Engine(paged, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=160, compile=False,
+                     tokenizer=tok)
+        for seed in range(3):
+            eng.add_request(prompt, SamplingParams(max_new_tokens=60, temperature=1.0, seed=seed,
+                                                   grammar=Grammar.json_schema(SCHEMA)))
+        eng.add_request(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+        got = {key: ids for key, (ids, _) in run(eng).items()}
+        return got, eng.runner.mask_fill_s, eng.runner.mask_wait_s
+
+    threaded, fill_t, _ = tokens(0.0)  # every fill in the thread
+    inline, fill_i, wait_i = tokens(float("inf"))  # every fill inline: all of it on the step's path
+    assert threaded == inline
+    assert fill_t > 0 and fill_i > 0 and wait_i >= fill_i
