@@ -29,6 +29,22 @@ def pytest_addoption(parser):
         help=f"torch device of the device-generic tests: cpu, cuda, cuda:N or mps (default: "
              f"${DEVICE_ENV}, else cpu). A device that is not there is a usage error. With CUDA, "
              "select the gpu-marked tests too: -m 'not slow and not docker'.")
+    parser.addoption(
+        "--device-tests-only", action="store_true",
+        help="run only the tests whose results depend on --device (those that take the `device` "
+             "fixture) and the gpu-marked ones: what a GPU run adds to the CPU suite (make gpu-check)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--device-tests-only"):
+        return
+    keep, drop = [], []
+    for item in items:
+        on_device = "device" in getattr(item, "fixturenames", ()) or item.get_closest_marker("gpu")
+        (keep if on_device else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def _parse_device(name: str) -> torch.device:

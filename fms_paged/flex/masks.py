@@ -92,9 +92,14 @@ def spanning_view(rows: torch.Tensor, num_blocks: int, lead: tuple[int, ...]) ->
     FlexAttention's kernels require the index tensors' last dim to span the whole KV axis (here:
     every page of the pool) but read only the first `num_blocks[r]` <= W entries of each row. So
     the rows overlap in one buffer of R * W + num_blocks - W entries (the tail never read) instead
-    of R * num_blocks: with a pool of 50k pages and 64 rows, 12 MB a step less to write.
+    of R * num_blocks: with a pool of 50k pages and 64 rows, 12 MB a step less to write. On the
+    CPU only: Triton's flex kernels (CUDA) read overlapping rows wrongly (a decode row past the
+    first few pages attended to the wrong pages), so off the CPU the rows are written out whole
+    (a few MB a step at most, negligible against a GPU's bandwidth).
     """
     R, W = rows.shape
+    if rows.device.type != "cpu":
+        return F.pad(rows, (0, max(0, num_blocks - W)))[:, :num_blocks].reshape(*lead, num_blocks)
     if W >= num_blocks:
         return rows[:, :num_blocks].reshape(*lead, num_blocks)
     flat = F.pad(rows.reshape(-1), (0, num_blocks - W))

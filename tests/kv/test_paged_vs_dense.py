@@ -17,7 +17,7 @@ import torch
 
 from fms_paged import generate, get_model
 from fms_paged.kv.cache import PagedCache, make_cache
-from fms_paged.kv.kernels import flex_kernel_options, flex_unavailable_reason
+from fms_paged.kv.kernels import choose_kernel, flex_kernel_options, flex_unavailable_reason
 from fms_paged.kv.spec import AttentionSpec
 
 TOL = 1e-5
@@ -369,6 +369,18 @@ def test_cuda_pages_below_a_triton_tile_fall_back(page_size):
     assert reason == f"page_size={page_size} is not a multiple of 16 (Triton's smallest KV tile)"
 
 
+def test_cuda_heads_below_16_fall_back_or_are_refused():
+    """Inductor's Triton flex lowering refuses heads under 16 wide (NotImplementedError at compile
+    time, as a GPU run found): "auto" announces GATHER + SDPA for them, "flex" is a ValueError."""
+    cuda = torch.device("cuda")
+    assert "head_dim=8" in flex_unavailable_reason(cuda, 16, head_dim=8)
+    with pytest.warns(UserWarning, match="head_dim=8"):
+        assert choose_kernel("auto", cuda, 16, head_dim=8, dtype=torch.float32).name == "gather"
+    with pytest.raises(ValueError, match="head_dim=8"):
+        choose_kernel("flex", cuda, 16, head_dim=8, dtype=torch.float32)
+    assert choose_kernel("flex", cuda, 16, head_dim=16, dtype=torch.float32).name == "flex"
+
+
 def test_generate_paged_equals_dense_and_hf(hf_checkpoint, hf_greedy, device):
     """8 mixed-length prompts x 64 new tokens: identical greedy tokens for paged, dense and HF (on
     the CPU, fp32)."""
@@ -473,27 +485,32 @@ def test_prefill_path_choice_and_score_mod_errors(device, require_kernel):
         PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex-eager")
 
 
-@pytest.mark.parametrize("kernel", ["cpp", "flex", "gather"])
-def test_steps_assign_through_the_checked_write_and_gather_reads_it_back(kernel, device, require_kernel):
+@pytest.mark.parametrize("kernel,flex_prefill", KERNEL_CASES, ids=KERNEL_IDS)
+def test_steps_assign_through_the_checked_write_and_gather_reads_it_back(kernel, flex_prefill, device,
+                                                                          require_kernel):
     """Every kernel's step ASSIGNs through the page manager's validated `write_slots` (a wrong
     dtype or shape is refused with a typed error, the pool unchanged), and the page manager's
     GATHER reads back exactly what was written, in logical order."""
     require_kernel(kernel)
     _, paged = pair(device, page_size=16)
     pc = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel=kernel)
-    step = pc.prefill([1], [prompts_of([21])[0]])[2].prepare()
+    if flex_prefill is not None:
+        pc.kernel.blockmask_prefill = flex_prefill
+    tokens, _, step, _ = pc.prefill([1], [prompts_of([21])[0]])
+    step = step.prepare()
+    T = tokens.shape[1]  # 21, or flex's BlockMask prefill bucket (its padding writes the null page)
     kp, vp = pc.k_pools[0], pc.v_pools[0]
-    k = torch.randn(1, kp.shape[1], 21, kp.shape[3], device=device)
+    k = torch.randn(1, kp.shape[1], T, kp.shape[3], device=device)
     before = kp.clone()
     with pytest.raises(TypeError, match="dtype"):
         step.store(kp, vp, k.double(), k.double())
     with pytest.raises(ValueError, match="shape"):
-        step.store(kp, vp, k[:, :, :20], k[:, :, :20])
+        step.store(kp, vp, k[:, :, : T - 1], k[:, :, : T - 1])
     torch.testing.assert_close(kp, before, rtol=0, atol=0, equal_nan=True)  # unwritten slots: stale
     step.store(kp, vp, k, 2 * k)
     got_k, got_v, lens = pc.pm.gather([1], kp, vp)
     assert lens.tolist() == [21]
-    assert torch.equal(got_k[0], k[0]) and torch.equal(got_v[0], 2 * k[0])
+    assert torch.equal(got_k[0], k[0, :, :21]) and torch.equal(got_v[0], 2 * k[0, :, :21])
 
 
 SPEC_CASES = {  # every variant an AttentionSpec carries, on the micro model's 2 layers

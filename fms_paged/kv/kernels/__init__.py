@@ -25,6 +25,7 @@ from fms_paged.kv import cpu_kernel
 from fms_paged.kv.kernels.base import Kernel, MixedStep, PoolStep
 from fms_paged.kv.kernels.cpp import CppKernel, CppStep
 from fms_paged.kv.kernels.flex import (
+    TRITON_MIN_HEAD_DIM,
     TRITON_MIN_PAGE,
     FlexKernel,
     allow_shape_variants,
@@ -39,7 +40,8 @@ from fms_paged.kv.kernels.gather import GatherKernel
 KERNELS = ("auto", "cpp", "flex", "gather")
 
 __all__ = [
-    "KERNELS", "TRITON_MIN_PAGE", "CppKernel", "CppStep", "FlexKernel", "GatherKernel", "Kernel",
+    "KERNELS", "TRITON_MIN_HEAD_DIM", "TRITON_MIN_PAGE", "CppKernel", "CppStep", "FlexKernel",
+    "GatherKernel", "Kernel",
     "MixedStep", "PoolStep", "allow_shape_variants", "choose_kernel", "compiled_flex",
     "flex_kernel_options", "flex_unavailable_reason", "prefill_bucket", "probe_compiled_flex",
 ]
@@ -79,10 +81,13 @@ def _choose(kernel: str, device: torch.device, page_size: int | None, head_dim: 
             if head_dim is not None and dtype is not None else "no head_dim / dtype given")
     if kernel == "cpp" and cpp_reason is not None:
         raise ValueError(f"kernel='cpp' cannot serve this model: {cpp_reason}")
+    if kernel == "flex" and device.type == "cuda" and head_dim is not None and head_dim < TRITON_MIN_HEAD_DIM:
+        raise ValueError(f"kernel='flex' cannot serve this model on CUDA: "
+                         f"{flex_unavailable_reason(device, page_size, head_dim)}")
     if kernel == "auto":
         if cpp_reason is None:
             return "cpp"
-        reason = flex_unavailable_reason(device, page_size)
+        reason = flex_unavailable_reason(device, page_size, head_dim)
         if reason is None:
             return "flex"
         if score_mod is None:

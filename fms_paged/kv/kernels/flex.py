@@ -50,6 +50,7 @@ from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 # a whole number of tiles; inductor's default BLOCK_N is 16..128 by GPU, dtype and head_dim, and
 # tl.dot needs tiles of at least 16 columns.
 TRITON_MIN_PAGE = 16
+TRITON_MIN_HEAD_DIM = 16  # inductor's Triton flex lowering: "embedding dimension ... at least 16"
 
 
 def allow_shape_variants() -> None:
@@ -75,26 +76,35 @@ def compiled_flex(dynamic: bool) -> Callable:
     return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
 
 
-def flex_kernel_options(device: torch.device, page_size: int) -> dict | None:
-    """`kernel_options` for flex_attention over pages of `page_size` tokens.
+def flex_kernel_options(device: torch.device, page_size: int, prefill: bool = False) -> dict | None:
+    """`kernel_options` for flex_attention over pages of `page_size` tokens (`prefill`: for the
+    prefill steps' kernel, else decode's).
 
     CUDA: unless the page is a multiple of 128 (every default tile divides it), BLOCK_N is set to
     the largest power of two dividing the page, at most 64, so that compiling does not fail on a
-    default tile wider than the page. CPU: the inductor C++ kernel takes the KV block as its tile,
-    so nothing is set."""
-    if device.type != "cuda" or page_size % 128 == 0:
+    default tile wider than the page. With pages of 128 or more, prefill's kernel pipelines 2
+    stages rather than inductor's default 3: its dynamic-shape compile in bf16 with heads of 128
+    asked 246,784 bytes of shared memory, over an H200's 232,448, and failed. CPU: the inductor
+    C++ kernel takes the KV block as its tile, so nothing is set."""
+    if device.type != "cuda":
         return None
+    if page_size % 128 == 0:
+        return {"num_stages": 2} if prefill else None
     return {"BLOCK_N": min(64, page_size & -page_size)}
 
 
-def flex_unavailable_reason(device: torch.device, page_size: int | None = None) -> str | None:
-    """Why compiled flex_attention cannot run on `device` (with pages of `page_size`) here (None if
-    it can)."""
+def flex_unavailable_reason(device: torch.device, page_size: int | None = None,
+                            head_dim: int | None = None) -> str | None:
+    """Why compiled flex_attention cannot run on `device` (with pages of `page_size`, heads of
+    `head_dim`) here (None if it can)."""
     if os.environ.get("FMS_PAGED_FORCE_GATHER"):
         return "FMS_PAGED_FORCE_GATHER is set"
     if device.type == "cuda":
         if page_size is not None and page_size % TRITON_MIN_PAGE:
             return f"page_size={page_size} is not a multiple of {TRITON_MIN_PAGE} (Triton's smallest KV tile)"
+        if head_dim is not None and head_dim < TRITON_MIN_HEAD_DIM:
+            return (f"head_dim={head_dim} is below {TRITON_MIN_HEAD_DIM}, the smallest head Triton's "
+                    "flex_attention compiles")
         try:
             import triton  # noqa: F401
         except ImportError:
@@ -174,8 +184,8 @@ class FlexStep(PoolStep):
         score_mod = self.user_mod
         if spec.softcap is not None:
             score_mod = softcap_score_mod(spec.softcap, score_mod)
-        kw = dict(score_mod=score_mod, block_mask=mask, scale=spec.scale,
-                  kernel_options=self.kernel.kernel_options)
+        options = self.kernel.kernel_options if self.gqa_group else self.kernel.prefill_options
+        kw = dict(score_mod=score_mod, block_mask=mask, scale=spec.scale, kernel_options=options)
         if spec.sinks is not None:  # the log-sum-exp too
             kw.update(return_aux=AuxRequest(lse=True)) if AuxRequest else kw.update(return_lse=True)
         B, H, S, D = q.shape
@@ -207,6 +217,12 @@ class FlexDecodeStep:
     def prepare(self) -> FlexStep:
         v, meta, G = self.view, self.decode_meta, self.view.gqa_group
         q_seq, q_pos = meta[0][:, None], meta[1][:, None]  # [B, 1]
+        if v.device.type != "cpu":
+            # int32 copies: the mask_mod then indexes the int32 page table with int32 alone, as in
+            # prefill (int64 rows of `meta` mixed with int32 tables made Triton reject the kernel:
+            # "Ternary expression ... inconsistent types int64 and int32"); inductor's CPU flex
+            # template finds no choice for such copies inside a compiled step, and needs none
+            q_seq, q_pos = q_seq.to(torch.int32), q_pos.to(torch.int32)
         masks = {}
         for w in v.windows:
             mask_mod = paged_mask_mod(v.page_table, v.phys_to_logical, q_seq, q_pos, v.page_size,
@@ -224,6 +240,7 @@ class FlexKernel(Kernel):
 
     def __init__(self, device: torch.device, page_size: int, score_mod: Callable | None = None):
         self.kernel_options = flex_kernel_options(device, page_size)
+        self.prefill_options = flex_kernel_options(device, page_size, prefill=True)
         self.score_mod = score_mod
         # prefill through the BlockMask on CUDA or with a score_mod; on the CPU one SDPA call per
         # chunk (GatherPrefillStep) beats its one-page KV blocks
