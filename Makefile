@@ -39,7 +39,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-families bench-ppl bench-fidelity bench-serve bench-http bench-structured
+.PHONY: bench-llama bench-llama-paged bench-families bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -83,6 +83,11 @@ bench-structured: install
 # own); the targets met or missed. About 10 minutes on a 2-core CPU.
 bench-http: install
 	$(PY) scripts/bench_http.py --out results/bench-http $(BENCH_ARGS)
+
+# tensor parallelism on this host's CPU: the same batch on 1 rank and on N (spawned, sharing the cores),
+# the default model and a SmolLM2-135M-shaped one: decode step time and the collectives' share of it
+bench-tp: install
+	$(PY) -m fms_paged.bench.tp --out results/bench-tp $(BENCH_ARGS)
 
 # ---- OpenAI-compatible server (fms_paged/serve): `make serve SERVE_ARGS="--port 8001 /path/to/ckpt"`;
 # `fms-paged serve --help` lists the flags (named as vLLM's where the idea is the same).

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     g.add_argument("--compile", action="store_true",
                    help="run each decode step as one compiled graph (the first step compiles)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="ranks to split the model over on this host (paged; gloo on the CPU, a GPU "
+                        "each on CUDA): docs/serving.md, tensor parallelism")
 
     s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP",
                        description="An OpenAI-compatible server on the continuous-batching engine: "
@@ -148,9 +151,12 @@ def cmd_generate(args) -> int:
             prev = tok.decode(streamed[:-1])
             print(full[len(prev):], end="", flush=True)
 
-    out = generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   on_token=on_token if args.stream else None, compile=args.compile)[0]
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.tensor_parallel_size > 1:
+        out = _generate_split(model, ids, args, sampling, on_token if args.stream else None)
+    else:
+        out = generate(model, [ids], args.max_new_tokens, on_token=on_token if args.stream else None,
+                       compile=args.compile, **sampling)[0]
     if args.stream:
         print()
     elif tok is None:
@@ -158,6 +164,31 @@ def cmd_generate(args) -> int:
     else:
         print((args.prompt or "") + tok.decode(out))
     return 0
+
+
+def _generate_split(model, ids: list[int], args, sampling: dict, on_token) -> list[int]:
+    """`generate` of one prompt on an `Engine` split over --tensor-parallel-size ranks spawned
+    here: the same tokens as one rank's (greedy, or sampled with the same seed)."""
+    from fms_paged import Engine, SamplingParams
+
+    if args.attn_impl != "paged":
+        raise ValueError("argument --tensor-parallel-size: tensor parallelism runs the paged engine; "
+                         f"got --attn-impl {args.attn_impl}")
+    eos = model.config.eos_token_id
+    engine = Engine(model, max_num_seqs=1, max_num_batched_tokens=max(len(ids), 256),
+                    max_model_len=min(model.config.max_expected_seq_len, len(ids) + args.max_new_tokens),
+                    compile=args.compile, tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        engine.add_request(ids, SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True,
+                                               stop_token_ids=() if eos is None else (eos,), **sampling))
+        out: list[int] = []
+        for o in engine.stream():
+            out += o.new_token_ids
+            for t in o.new_token_ids if on_token is not None else ():
+                on_token(0, t)
+    finally:
+        engine.shutdown()
+    return out
 
 
 def cmd_serve(args) -> int:

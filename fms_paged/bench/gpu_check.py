@@ -13,7 +13,9 @@ the next one runs):
              (`gpu_compile`)
   4. bench   an 8B-shaped model in bf16: batch-1 decode against the bandwidth roofline, the mixed
              batch and the growing chat paged vs dense, the engine against HF (`gpu_perf`)
-  5. report  OUTDIR/gpu_check.json and OUTDIR/gpu_check.md (plus tests.log and tests.xml)
+  5. tp      the engine split over every GPU against one GPU, when there are several (`gpu_tp`;
+             skipped, saying so, on one)
+  6. report  OUTDIR/gpu_check.json and OUTDIR/gpu_check.md (plus tests.log and tests.xml)
 `--device cpu --tiny` runs the same stages on a tiny model with short lengths and a few test files:
 CI's dry run, so the script cannot rot between GPU draws. Exit status 0 when every stage passed.
 """
@@ -48,7 +50,8 @@ STAGES = {
     "tests": (None, 130, 150),
     "exact": ("fms_paged.bench.gpu_exact", 90, 240),
     "kernels": ("fms_paged.bench.gpu_compile", 100, 120),
-    "bench": ("fms_paged.bench.gpu_perf", 245, 150),
+    "bench": ("fms_paged.bench.gpu_perf", 215, 150),
+    "tp": ("fms_paged.bench.gpu_tp", 40, 60),  # passes at once, skipped, on a one-GPU machine
 }
 STARTUP_S = 20  # a stage process's imports and CUDA start, before its deadline clock runs
 # the dry run's tests: two quick files (the point is the stage's plumbing; CI runs them all anyway)

@@ -19,6 +19,7 @@ import collections
 import importlib.util
 import itertools
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -31,8 +32,21 @@ from fms_paged.engine.scheduler import Scheduler
 from fms_paged.engine.structured import Grammar, Grammars
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
 from fms_paged.kv.geometry import pages_held
+from fms_paged.kv.kernels import choose_kernel
 from fms_paged.kv.paged import PagedBackend, attention_specs
 from fms_paged.kv.spec import release_horizon
+from fms_paged.parallel import TensorParallelError
+
+
+def check_pages(num_pages: int, need: int, max_model_len: int, page_size: int) -> None:
+    """KVBudgetError unless `num_pages` holds `need` pages (one sequence of max_model_len at its
+    most pages at once, and the null page)."""
+    if num_pages < need:
+        raise KVBudgetError(
+            f"num_pages={num_pages} cannot hold one sequence of max_model_len={max_model_len} "
+            f"tokens: that needs {need} pages of {page_size} tokens (the null page "
+            f"included); pass num_pages>={need} or max_model_len<={(num_pages - 1) * page_size}"
+        )
 
 
 class Engine:
@@ -57,6 +71,12 @@ class Engine:
         pages (`fms_paged.engine.prefix_cache`); outputs do not change.
     tokenizer: the model's (`fms_paged.load_tokenizer`), for requests with a grammar
         (`SamplingParams.grammar`: structured outputs), which it compiles against.
+    tensor_parallel_size: ranks to split the model over (`fms_paged.parallel`: heads and MLP,
+        each rank its kv heads' slice of every page; gloo on the CPU, NCCL on CUDA, GPU r for rank
+        r). The engine spawns ranks 1.. on this host and splits `model` (one of ours, whole, the
+        same on every rank) in place, or, under torchrun, uses the ranks there
+        (`fms_paged.engine.tensor_parallel`). A model already split (`model.tp`) brings its own
+        rank: rank 0 is driven as any engine, the others by `run_worker`.
     """
 
     def __init__(
@@ -74,6 +94,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         cuda_graphs: bool | str = "auto",
         tokenizer=None,
+        tensor_parallel_size: int = 1,
     ):
         if type(model).__module__.startswith("fms."):  # an IBM FMS model: through our plugin
             from fms_paged.integrations.fms import paged_model
@@ -96,6 +117,15 @@ class Engine:
                 "every running request needs a token of the step's budget to decode"
             )
         check_modes(compile, cuda_graphs)
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or (
+                tensor_parallel_size < 1):
+            raise TensorParallelError(f"tensor_parallel_size={tensor_parallel_size!r}; expected an int >= 1")
+        settings = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        num_pages=num_pages, kv_memory_fraction=kv_memory_fraction, compile=compile,
+                        max_model_len=max_model_len, kernel=kernel,
+                        enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
+                        tokenizer=tokenizer)
+        c = model.config
         max_model_len = c.max_expected_seq_len if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not (
             1 <= max_model_len <= c.max_expected_seq_len
@@ -104,26 +134,40 @@ class Engine:
                 f"max_model_len={max_model_len!r}; expected an int in [1, {c.max_expected_seq_len}] "
                 "(the model's max_expected_seq_len)"
             )
-        self.model = model
-        self.budget = None
         # every layer windowed: pages behind the widest window are released (`Scheduler`), and a
         # request holds at most the pages of a step and the window before it
         horizon = release_horizon(attention_specs(model))
+        # one sequence (at its most pages at once) + the null page
+        need = pages_held(max_model_len, c.page_size, horizon, max_num_batched_tokens) + 1
+        if backend is None and num_pages is not None:
+            if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
+                raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
+            check_pages(num_pages, need, max_model_len, c.page_size)
+        model, self._ranks, self.control = self._split(model, tensor_parallel_size, backend, settings)
+        try:
+            self._build(model, backend, num_pages, need, horizon, max_num_seqs, max_num_batched_tokens,
+                        max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile,
+                        cuda_graphs, tokenizer)
+        except BaseException:
+            self.shutdown()  # the ranks spawned or joined for this engine are let go
+            raise
+
+    def _build(self, model, backend, num_pages, need, horizon, max_num_seqs, max_num_batched_tokens,
+               max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile, cuda_graphs,
+               tokenizer) -> None:
+        c = model.config
+        self.model = model
+        self.budget = None
         if backend is None:
             if num_pages is None:
                 self.budget = kv_cache_budget(model, max_num_batched_tokens, max_model_len,
                                               kv_memory_fraction)
                 num_pages = self.budget.num_pages
-            elif isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
-                raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
-            # one sequence (at its most pages at once) + the null page
-            need = pages_held(max_model_len, c.page_size, horizon, max_num_batched_tokens) + 1
-            if num_pages < need:
-                raise KVBudgetError(
-                    f"num_pages={num_pages} cannot hold one sequence of max_model_len={max_model_len} "
-                    f"tokens: that needs {need} pages of {c.page_size} tokens (the null page "
-                    f"included); pass num_pages>={need} or max_model_len<={(num_pages - 1) * c.page_size}"
-                )
+            if self.control is not None:  # the fewest any rank's memory holds: one page table
+                agreed = torch.tensor([num_pages])
+                torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN, group=self.control)
+                num_pages = int(agreed)
+            check_pages(num_pages, need, max_model_len, c.page_size)
             backend = PagedBackend(model, max_num_seqs, max_model_len, num_pages=num_pages,
                                    kernel=kernel)
         else:
@@ -156,6 +200,60 @@ class Engine:
         self._ids = itertools.count()  # next() is atomic in CPython
         self.tokenizer, self._grammars = tokenizer, None
         self._reset_totals()
+
+    def _split(self, model: torch.nn.Module, size: int, backend, settings: dict):
+        """-> (the model, rank 0's `Ranks` or None, the step-message group or None): `model`
+        unchanged without tensor parallelism; else this rank's part (split here on rank 0, the
+        other ranks spawned or joined: `fms_paged.engine.tensor_parallel`)."""
+        from fms_paged.engine import tensor_parallel as tpar
+        from fms_paged.models.llama import LLaMA
+        from fms_paged.parallel import layout, shard
+
+        tp = getattr(model, "tp", None)
+        if tp is None and size == 1:
+            return model, None, None
+        if backend is not None:
+            raise TensorParallelError("tensor parallelism builds each rank's own pool: pass no backend")
+        if tp is not None:  # a split model: its rank (torchrun, or a worker spawned here)
+            if size not in (1, tp.size):
+                raise TensorParallelError(f"tensor_parallel_size={size}, but the model is split over "
+                                          f"{tp.size} ranks")
+            ranks = tpar.Ranks.joined(tp.size) if tp.rank == 0 else None
+            return model, ranks, tpar.control_group(ranks)
+        if not isinstance(model, LLaMA):
+            raise TensorParallelError(f"tensor parallelism splits fms_paged's own models; got "
+                                      f"{type(model).__name__} (an IBM FMS model keeps FMS's own: "
+                                      "distributed_strategy='tp')")
+        c = model.config
+        layout(c.nheads, c.kvheads, model.layers[0].ff_sub_module.wg.out_features, size)
+        with warnings.catch_warnings():  # the kernel every rank will build (announced by each)
+            warnings.simplefilter("ignore")
+            choose_kernel(settings["kernel"], model.device, c.page_size, head_dim=c.head_dim,
+                          dtype=model.dtype, sinks=any(s.sinks is not None for s in attention_specs(model)))
+        dev = model.device
+        if dev.type not in ("cpu", "cuda"):
+            raise TensorParallelError(f"tensor parallelism runs on CPUs (gloo) and CUDA GPUs (NCCL), "
+                                      f"not {dev.type}")
+        if dev.type == "cuda" and size > torch.cuda.device_count():
+            raise TensorParallelError(f"tensor_parallel_size={size} > the {torch.cuda.device_count()} "
+                                      "CUDA devices here (rank r runs on GPU r)")
+        if torch.distributed.is_initialized():
+            ranks = tpar.Ranks.joined(size)
+        else:
+            ranks = tpar.Ranks.spawn(model, size, settings)
+        model = shard(model, 0, size, torch.distributed.group.WORLD).to(tpar.rank_device(model, 0))
+        return model, ranks, tpar.control_group(ranks)
+
+    @property
+    def tp_ranks(self):
+        """Rank 0's handle on the other tensor-parallel ranks (`tensor_parallel.Ranks`), else None."""
+        return self._ranks
+
+    @property
+    def tp_rank(self) -> int:
+        """This engine's tensor-parallel rank (0 without tensor parallelism)."""
+        tp = getattr(self.model, "tp", None)
+        return 0 if tp is None else tp.rank
 
     @property
     def grammars(self) -> Grammars:
@@ -201,17 +299,22 @@ class Engine:
                 f"{params.max_new_tokens} = {total} tokens > {limit}, {which}"
             )
         rid = next(self._ids)
+        self._enqueue(rid, prompt, params, cache_salt, arrival_time)
+        return rid
+
+    def _enqueue(self, rid: int, prompt: list[int], params: SamplingParams, cache_salt: str | None,
+                 arrival_time: float | None) -> None:
         completions = [self._request(rid, i, params.n, prompt,
                                      params.completion(i) if params.n > 1 else params, cache_salt)
                        for i in range(params.n)]
         req = completions[0]
         req.forks = completions[1:]  # FORKed from req once its prompt is prefilled
+        req.submitted = params
         if arrival_time is not None:
             for r in completions:
                 r.arrival = float(arrival_time)
         self._live[rid] = completions
         self._submitted.append(req)
-        return rid
 
     def _request(self, rid: int, index: int, n: int, prompt: list[int], params: SamplingParams,
                  cache_salt: str | None) -> Request:
@@ -253,9 +356,14 @@ class Engine:
         """Admit submissions, apply aborts, schedule, run one forward, sample; -> the outputs of
         the requests that produced a token or finished in this step."""
         outputs = self._take_submissions()
+        if self._ranks is not None:  # the other ranks take the same step
+            self._ranks.send()
         plan = self.scheduler.schedule()
         if plan.scheduled:
-            new, finished = self.scheduler.update(plan, self.runner.run(plan))
+            result = self.runner.run(plan)
+            if self._ranks is not None:  # sent with the next step's message
+                self._ranks.pending.sampled, self._ranks.pending.tokens = len(result.tokens), result.tokens
+            new, finished = self.scheduler.update(plan, result)
             for req in finished:
                 self._forget(req)
             outputs += new
@@ -271,13 +379,18 @@ class Engine:
             yield from self.step()
 
     def _take_submissions(self) -> list[RequestOutput]:
+        pending = self._ranks.pending if self._ranks is not None else None
         while self._submitted:
             req = self._submitted.popleft()
+            if pending is not None:
+                pending.adds.append((req.request_id, req.prompt, req.submitted, req.cache_salt))
             if req.status is not Status.FINISHED:  # an abort can overtake its submission
                 self.scheduler.add(req)
         outputs = []
         while self._aborted:
             rid, index = self._aborted.popleft()
+            if pending is not None:
+                pending.aborts.append((rid, index))
             for req in list(self._live.get(rid, ())):  # (none left: it finished meanwhile)
                 if index is None or req.index == index:
                     self.scheduler.finish(req)
@@ -336,19 +449,45 @@ class Engine:
         model_runner.warmup(self, start if progress else None)
         if bar is not None:
             bar.close()
-        self._reset_totals()  # forget the synthetic requests
+        self._forget_totals()  # forget the synthetic requests
+        if self._ranks is not None:
+            self._ranks.pending.reset = True
+        return time.perf_counter() - t0
+
+    def _forget_totals(self) -> None:
+        """The totals and the prefix cache as after a start (what a warm-up's requests left)."""
+        self._reset_totals()
         self.scheduler.num_output_tokens = self.scheduler.num_prompt_computed = 0
         self.scheduler.num_preemptions = 0
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
             self.prefix_cache.queries = self.prefix_cache.hits = 0
             self.prefix_cache.evictions = self.prefix_cache.collisions = 0
-        return time.perf_counter() - t0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page: those no request holds return to the pool at once."""
+        if self._ranks is not None:
+            raise RuntimeError("reset_prefix_cache() under tensor parallelism: not supported (every "
+                               "rank's cache must stay the same)")
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+
+    def shutdown(self, result=None) -> None:
+        """Tensor parallelism (no-op without it): on rank 0, stop the other ranks' `run_worker`
+        loops (which return `result`); on every rank, release the step-message group, and the
+        process group too where this engine spawned the ranks (under torchrun it is the caller's).
+        The engine takes no more steps after."""
+        if self.control is None:
+            return
+        spawned = False
+        if self._ranks is not None:
+            spawned = bool(self._ranks.procs)
+            self._ranks.stop(result)
+            self._ranks = None
+        torch.distributed.destroy_process_group(self.control)
+        self.control = None
+        if spawned:
+            torch.distributed.destroy_process_group()
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:

@@ -36,14 +36,16 @@ def compiled_decode(static_shapes: bool, cpp_wrapper: bool = False) -> Callable:
                          options=options)
 
 
-def decode_fn(cache: object, compile: bool) -> Callable:
+def decode_fn(cache: object, compile: bool, collectives: bool = False) -> Callable:
     """The decode-step function for a KV cache (a paged one, which has a `Kernel`, or the dense
-    one): eager, or the shared compiled one for its shapes."""
+    one): eager, or the shared compiled one for its shapes. `collectives`: the model is split over
+    ranks (`fms_paged.parallel`); inductor's C++ wrapper cannot call torch's functional
+    collectives (torch 2.13), so its graph keeps the Python one."""
     if not compile:
         return decode_one_token
     kernel: Kernel | None = getattr(cache, "kernel", None)
     cpu = getattr(getattr(cache, "device", None), "type", None) == "cpu"
-    fn = compiled_decode(kernel is not None and kernel.static_decode, cpu)
+    fn = compiled_decode(kernel is not None and kernel.static_decode, cpu and not collectives)
     return functools.partial(_rows_dynamic, fn) if kernel is not None and kernel.dynamic_shapes else fn
 
 

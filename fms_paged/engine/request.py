@@ -187,6 +187,7 @@ class Request:
     # only what is missing
     prompt_lps: list[TokenLogprobs] | None = None
     matcher: Any = None  # with `SamplingParams.grammar`: its xgrammar GrammarMatcher
+    submitted: SamplingParams | None = None  # completion 0: the settings as submitted (all n)
 
     @property
     def num_tokens(self) -> int:

@@ -76,7 +76,7 @@ class ModelRunner:
         self.model, self.backend = model, backend
         self.kernel = backend.kernel
         self.compiled = self.kernel.compiles if compile == "auto" else bool(compile)
-        self._decode = decode_fn(backend, self.compiled)
+        self._decode = decode_fn(backend, self.compiled, collectives=getattr(model, "tp", None) is not None)
         why_not = cuda_graphs_unavailable_reason(backend, self.compiled)
         if cuda_graphs is True and why_not:
             raise ValueError(f"cuda_graphs=True: {why_not}")
@@ -95,13 +95,14 @@ class ModelRunner:
         self._fill_ema = self._last_fill_s = 0.0  # recent fills' seconds (INLINE_FILL_S)
 
     @torch.inference_mode()
-    def run(self, plan: SchedulerOutput) -> StepResult:
+    def run(self, plan: SchedulerOutput, sample: bool = True) -> StepResult | None:
         """One forward over `plan` -> the token sampled for each of `plan.sampled`, each one's
         `TokenLogprobs` where its request asks (None elsewhere; None when no request asks), and
-        the log-probabilities of the prompt tokens `plan.scored` asks for."""
+        the log-probabilities of the prompt tokens `plan.scored` asks for. `sample=False`: the
+        forward alone, -> None (a tensor-parallel worker: rank 0 samples)."""
         self.backend.prepare_pages(plan.reservation)
         masks = None  # the grammars' bitmasks: filled in a thread while the forward runs, or inline
-        if self.grammars is not None and any(r.matcher is not None for r, _ in plan.sampled):
+        if sample and self.grammars is not None and any(r.matcher is not None for r, _ in plan.sampled):
             matchers = [r.matcher for r, _ in plan.sampled]
             if self._fill_ema < INLINE_FILL_S:  # a hand-off to the thread would cost what it hides
                 masks = concurrent.futures.Future()
@@ -116,6 +117,8 @@ class ModelRunner:
             logits, scored = self._forward_mixed(plan.decodes, plan.prefills, plan.scored)
         else:
             logits = self._forward_decode(plan.decodes)  # [n, V]
+        if not sample:
+            return None
         prompt_lps = self._prompt_logprobs(scored, plan) if scored is not None else None
         tokens, lps = self._sample(logits, plan, masks)
         return StepResult(tokens, lps, prompt_lps)

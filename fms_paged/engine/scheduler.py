@@ -222,7 +222,8 @@ class Scheduler:
                 self.finish(r)
                 finished.append(r)
                 stats = r.stats(reason)
-            lps = None if r.params.logprobs is None else [logprobs[i]]
+            # (no logprobs at all: a tensor-parallel worker's update, which outputs nothing)
+            lps = None if r.params.logprobs is None or logprobs is None else [logprobs[i]]
             outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason, r.index,
                                          lps, stats, self._take_prompt_logprobs(r)))
         return outputs, finished

@@ -72,6 +72,9 @@ def generate(
     static batch in `cache` (made by `fms_paged.kv.make_cache`) or in a cache made for this call.
     `compile=True` runs each decode step as one compiled graph (`compiled_decode`); the first call
     compiles it (tens of seconds on a CPU), later calls with the same shapes reuse it.
+    A model split over tensor-parallel ranks (`fms_paged.parallel.shard`, under torchrun): every
+    rank calls `generate` with the same arguments and gets the same tokens; rank 0 runs the
+    engine (and `on_token`), the others follow it.
     """
     config = model.config
     # validates max_new_tokens and the sampling values, with the engine's messages
@@ -114,6 +117,12 @@ def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, co
         num_pages = 1 << held.bit_length()  # > held: the null page too
     engine = Engine(model, max_num_seqs=rows, max_num_batched_tokens=budget, compile=compile,
                     max_model_len=max_model_len, backend=cache, num_pages=num_pages)
+    if engine.tp_rank != 0:  # a split model on a rank other than 0: follow rank 0, get its tokens
+        from fms_paged.engine.tensor_parallel import run_worker
+
+        out = run_worker(engine)
+        engine.shutdown()
+        return out
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos),
                             ignore_eos=True, **sampling)
     index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
@@ -124,7 +133,10 @@ def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, co
         if on_token is not None:
             for t in o.new_token_ids:
                 on_token(i, t)
-    engine.reset_prefix_cache()  # a given cache's pages all go back to its pool
+    if engine.control is not None:  # split: every rank returns these tokens
+        engine.shutdown(result=out)
+    else:
+        engine.reset_prefix_cache()  # a given cache's pages all go back to its pool
     return out
 
 

@@ -237,6 +237,7 @@ class PagedFMSModel(nn.Module):
             raise ValueError(f"page_size={page_size!r}; expected an int >= 1 or None (the device's default)")
         a, c = attns[0], model.config
         self.fms_model = model
+        self.tp = _tensor_parallel(model)  # FMS's own split ("tp"): the Engine's ranks follow it
         windows = [getattr(block, "layer_sliding_window", 0) or None for block in model.base_model.layers]
         self._specs = tuple(
             AttentionSpec(scale=m.emb_kq_per_head**-0.5 if m.scale_factor is None else float(m.scale_factor),
@@ -276,6 +277,23 @@ class PagedFMSModel(nn.Module):
             x = x.flatten(0, 1).index_select(0, logits_at)  # [K, D]
         logits = m.head(x)
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+
+
+def _tensor_parallel(model: nn.Module):
+    """`fms_paged.parallel.TensorParallel` of an FMS model split by FMS (`distributed_strategy=
+    "tp"`, over more than one rank): its rank and group, so that `Engine(fms_model)` runs rank 0's
+    scheduler on every rank (`fms_paged.engine.tensor_parallel`) over FMS's own collectives; else
+    None."""
+    from fms.distributed.strategy import TensorParallelStrategy
+
+    from fms_paged.parallel import TensorParallel
+
+    strategy = getattr(model, "distributed_strategy", None)
+    if not isinstance(strategy, TensorParallelStrategy):
+        return None
+    group = strategy.group
+    size = torch.distributed.get_world_size(group)
+    return TensorParallel(torch.distributed.get_rank(group), size, group) if size > 1 else None
 
 
 def paged_model(model: nn.Module, page_size: int | None = None,

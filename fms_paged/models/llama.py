@@ -207,6 +207,7 @@ class LLaMA(nn.Module):
         if c.rope_local_theta is not None:  # the sliding layers' own base, unscaled
             ropes.append(RotaryEmbedding(c.head_dim, c.max_expected_seq_len, c.rope_local_theta, None))
         self.ropes = nn.ModuleList(ropes)
+        self.tp = None  # this rank's part, once split over ranks (`fms_paged.parallel.shard`)
 
     @property
     def rot_emb(self) -> RotaryEmbedding:

@@ -18,6 +18,7 @@ import enum
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 import time
@@ -52,19 +53,32 @@ def build_engine(spec: dict[str, Any]):
     from fms_paged.models.loaders import load_for_engine
     from fms_paged.tokenizers import load_tokenizer
 
-    model = load_for_engine(spec["model_dir"], spec.get("loader", "auto"), spec["device"], spec["dtype"],
-                            spec["page_size"])
+    size = spec.get("tensor_parallel_size", 1)
+    if spec.get("torchrun"):  # one of torchrun's ranks: join them, keep this rank's part
+        from fms_paged.device import resolve_device
+        from fms_paged.engine.tensor_parallel import join_torchrun
+        from fms_paged.parallel import shard
+
+        rank, size = join_torchrun(resolve_device(spec["device"]))
+        model = load_for_engine(spec["model_dir"], spec.get("loader", "auto"), spec["device"],
+                                spec["dtype"], spec["page_size"])
+        model, size = shard(model, rank, size), 1  # the model brings its rank to the Engine
+    else:
+        model = load_for_engine(spec["model_dir"], spec.get("loader", "auto"), spec["device"],
+                                spec["dtype"], spec["page_size"])
     return Engine(model, spec["max_num_seqs"], spec["max_num_batched_tokens"],
                   tokenizer=load_tokenizer(spec["model_dir"]), kv_memory_fraction=spec["kv_memory_fraction"],
                   max_model_len=spec["max_model_len"],
                   enable_prefix_caching=spec["enable_prefix_caching"],
-                  compile=False if spec["enforce_eager"] else "auto")
+                  compile=False if spec["enforce_eager"] else "auto", tensor_parallel_size=size)
 
 
 def _engine_main(conn, spec: dict[str, Any]) -> None:
     """The engine process: build, report, warm up, then serve messages and step until told to stop
     (or until the front end's end of the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when this process stops
+    logging.basicConfig(level=spec.get("log_level", "info").upper(),  # as the front end's
+                        format="%(levelname)s %(name)s: %(message)s")
     from fms_paged.device import keep_freed_cpu_memory
 
     keep_freed_cpu_memory()  # a serving process keeps its step buffers (see the function)
@@ -75,6 +89,8 @@ def _engine_main(conn, spec: dict[str, Any]) -> None:
         return
     conn.send(("built", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                          "capacity": engine.capacity}))
+    if engine.tp_ranks is not None:  # a rank gone: the front end hears why, this process ends
+        engine.tp_ranks.on_dead = lambda why: _die(conn, why)
     try:
         warmup_s = engine.warmup(progress=True) if not spec["enforce_eager"] else 0.0
         conn.send(("ready", warmup_s))
@@ -87,6 +103,18 @@ def _engine_main(conn, spec: dict[str, Any]) -> None:
             conn.send(("dead", f"{type(e).__name__}: {e}"))
         except (OSError, EOFError):
             pass
+    finally:
+        engine.shutdown()
+
+
+def _die(conn, why: str) -> None:
+    """A tensor-parallel rank died (its peers' next collective would wait for it): say why to the
+    front end and end this process at once (its own workers die with it)."""
+    try:
+        conn.send(("dead", why))
+    except (OSError, EOFError):
+        pass
+    os._exit(1)
 
 
 def _serve(conn, engine) -> None:
@@ -157,20 +185,22 @@ class EngineLoop:
     it then warms up (`Engine.warmup`, its progress bar on stderr) and reports READY. Callbacks, in
     the front end's reader thread: on_finished(out) for each finished completion, on_tokens(n) with
     the tokens a step generated, on_state(metrics_dict) with `Engine.metrics()` at most every
-    `METRICS_INTERVAL_S` while busy and once when idle, on_ready(warm-up seconds) once."""
+    `METRICS_INTERVAL_S` while busy and once when idle, on_ready(warm-up seconds) once, on_dead(why)
+    if the engine process stops unasked."""
 
     def __init__(self, spec: dict[str, Any],
                  on_finished: Callable[[RequestOutput], None] | None = None,
                  on_state: Callable[[dict], None] | None = None,
                  on_tokens: Callable[[int], None] | None = None,
-                 on_ready: Callable[[float], None] | None = None):
+                 on_ready: Callable[[float], None] | None = None,
+                 on_dead: Callable[[str], None] | None = None):
         self.spec = spec
         self.state = State.STARTING
         self.error: str | None = None
         self.warmup_s: float | None = None
         self.info: dict[str, Any] = {}
         self._on_finished, self._on_state = on_finished, on_state
-        self._on_tokens, self._on_ready = on_tokens, on_ready
+        self._on_tokens, self._on_ready, self._on_dead = on_tokens, on_ready, on_dead
         self._lock = threading.Lock()  # the sinks, and the pipe's sending end
         self._sinks: dict[int, _Sink] = {}
         self._waiting = 0  # submitted requests that have produced nothing yet
@@ -186,8 +216,11 @@ class EngineLoop:
         """Start the engine process; -> its `info` (max_model_len, vocab_size, capacity) once built."""
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads or torch state
         self._conn, child = ctx.Pipe()
+        # tensor-parallel: the engine process spawns its ranks, which a daemonic process may not
+        # (its ranks die with it: PDEATHSIG)
+        tp = self.spec.get("tensor_parallel_size", 1) > 1
         self._proc = ctx.Process(target=_engine_main, args=(child, self.spec), name="fms-paged-engine",
-                                 daemon=True)
+                                 daemon=not tp)
         self._proc.start()
         child.close()
         if not self._conn.poll(timeout):
@@ -291,6 +324,8 @@ class EngineLoop:
         else:
             self.error = self.error or f"the engine process exited ({self._proc.exitcode})"
             self.state = State.DEAD
+            if self._on_dead is not None:
+                self._on_dead(self.error)
         with self._lock:
             sinks, self._sinks = list(self._sinks.values()), {}
             self._reasons.clear()

@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -61,24 +62,51 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    help="share of free memory the KV pool may take (default: the budget's own)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV of common prompt prefixes")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="ranks to split the model over (heads and MLP; gloo on the CPU, one GPU each on "
+                        "CUDA), spawned on this host; under torchrun, the ranks torchrun started "
+                        "(rank 0 serves)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no compiled graphs and no warm-up")
 
 
 def engine_spec(args) -> dict:
     """What the engine process builds (`fms_paged.serve.loop.build_engine`)."""
+    from fms_paged.engine.tensor_parallel import torchrun_rank
     from fms_paged.models import default_model_path
 
     return {"model_dir": str(args.model if args.model is not None else default_model_path()),
             "loader": args.loader, "device": args.device, "dtype": args.dtype, "page_size": args.page_size,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "kv_memory_fraction": args.kv_memory_fraction,
-            "enable_prefix_caching": args.enable_prefix_caching, "enforce_eager": args.enforce_eager}
+            "enable_prefix_caching": args.enable_prefix_caching, "enforce_eager": args.enforce_eager,
+            "tensor_parallel_size": args.tensor_parallel_size, "log_level": args.log_level,
+            "torchrun": torchrun_rank() is not None}
 
 
-def build(args):
+def serve_worker(args) -> int:
+    """A torchrun rank other than 0: build this rank's part of the model and its engine, then
+    follow rank 0's engine (which serves) until it stops; no HTTP here."""
+    import torch
+
+    from fms_paged.engine.tensor_parallel import run_worker
+    from fms_paged.serve.loop import build_engine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the ranks stop
+        signal.signal(sig, signal.SIG_IGN)
+    engine = build_engine(engine_spec(args))
+    print(f"fms-paged serve: tensor-parallel rank {engine.tp_rank} following rank 0", flush=True)
+    run_worker(engine)
+    engine.shutdown()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def build(args, on_dead=None):
     """-> (app, model name): the engine process started (its model loaded and its engine built,
-    or an error) and the FastAPI app over it, nothing served yet."""
+    or an error) and the FastAPI app over it, nothing served yet. `on_dead(why)`: the engine
+    process stopped unasked."""
     from fms_paged import load_tokenizer
     from fms_paged.serve.app import build_app
     from fms_paged.serve.chat import ChatTemplate, find_chat_template, special_tokens
@@ -99,7 +127,8 @@ def build(args):
     metrics = ServerMetrics(name)
     loop = EngineLoop(spec, on_finished=lambda out: metrics.finished(out.stats, out.index == 0),
                       on_state=metrics.engine_state, on_tokens=metrics.generation_tokens.inc,
-                      on_ready=lambda s: print(f"fms-paged serve: ready (warm-up {s:.1f} s)", flush=True))
+                      on_ready=lambda s: print(f"fms-paged serve: ready (warm-up {s:.1f} s)", flush=True),
+                      on_dead=on_dead)
     info = loop.start()
     fmt = template_format(source) if args.tool_call_parser == "auto" else args.tool_call_parser
     ctx = ServeContext(loop, tokenizer, name, info["max_model_len"], info["vocab_size"], chat,
@@ -112,8 +141,28 @@ def serve(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"argument --port: {args.port} is not a port number (0..65535)")
+    from fms_paged.engine.tensor_parallel import torchrun_rank
+
+    ranks = torchrun_rank()
+    if ranks is not None:  # started by torchrun: its ranks split the model, rank 0 serves
+        rank, world = ranks
+        if args.tensor_parallel_size not in (1, world):
+            raise ValueError(f"argument --tensor-parallel-size: {args.tensor_parallel_size}, but torchrun "
+                             f"started {world} ranks (WORLD_SIZE)")
+        args.tensor_parallel_size = world
+        if rank != 0:
+            return serve_worker(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app, name = build(args)
+    died: list[str] = []
+    holder: list = []  # the uvicorn server, once made
+
+    def on_dead(why: str) -> None:  # the reader thread: a server without its engine stops, exit 1
+        died.append(why)
+        print(f"fms-paged serve: the engine stopped: {why}; shutting down", file=sys.stderr, flush=True)
+        if holder:
+            holder[0].should_exit = True
+
+    app, name = build(args, on_dead)
     print(f"fms-paged serve: {name!r} on http://{args.host}:{args.port}/v1 (warming up: /health "
           "answers 503 until ready)", flush=True)
     # uvicorn handles SIGINT / SIGTERM itself while it serves (graceful shutdown), then raises the
@@ -121,7 +170,11 @@ def serve(args) -> int:
     # exits 0 after its shutdown instead of dying by the signal
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug"))
+    holder.append(server)
+    server.should_exit = bool(died)  # (it died while uvicorn was being set up)
+    server.run()
     print("fms-paged serve: stopped", flush=True)
-    return 0
+    return 1 if died else 0

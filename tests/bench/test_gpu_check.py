@@ -24,12 +24,14 @@ def test_dry_run_passes_every_stage_and_writes_the_report(tmp_path):
                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    for stage in ("tests", "exact", "kernels", "bench", "report"):  # a progress line per stage
+    for stage in ("tests", "exact", "kernels", "bench", "tp", "report"):  # a progress line per stage
         assert f": {stage} " in run.stdout or f": {stage} ->" in run.stdout, stage
     result = json.loads((out / "gpu_check.json").read_text())
     assert list(result["stages"]) == list(gpu_check.STAGES)
     assert all(r["passed"] and not r.get("error") for r in result["stages"].values()), result["stages"]
     assert result["stages"]["tests"]["tests"] > 0 and not result["stages"]["tests"]["failures"]
+    tp = result["stages"]["tp"]  # the dry run splits over 2 CPU ranks (gloo): fp32 tokens equal
+    assert tp["size"] == 2 and all(c["first_difference"] is None for c in tp["checks"]) and tp["checks"]
     md = (out / "gpu_check.md").read_text()
     for heading in ("# gpu-check (dry run, tiny)", "## Test suite", "## Kernels and recompiles"):
         assert heading in md

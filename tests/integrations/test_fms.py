@@ -164,13 +164,17 @@ def run_tp(nproc: int, ckpt: Path, out: Path) -> list[dict]:
 
 def test_tensor_parallel_two_ranks_equal_one(hf_dir, tmp_path):
     """FMS tensor parallelism (torchrun, gloo): each rank's pool holds its kv heads' slice of
-    every page under one page table, and 2 ranks give the tokens of 1 (and of sdpa_causal)."""
+    every page under one page table, and 2 ranks give the tokens of 1 (and of sdpa_causal), with
+    FMS's generate and with our Engine (greedy and seeded sampling)."""
     one = run_tp(1, hf_dir, tmp_path / "one")[0]
     two = run_tp(2, hf_dir, tmp_path / "two")
     assert one["tokens"] == one["sdpa_tokens"]
+    assert [len(t) for t in one["engine_tokens"]] == [16] * 3
+    assert one["engine_tokens"][0] == one["tokens"][0]  # greedy: FMS's tokens
     for r, rank in enumerate(two):
         assert rank["world"] == 2 and rank["kvheads"] == 1 and one["kvheads"] == 2
         assert rank["tokens"] == one["tokens"] and rank["sdpa_tokens"] == one["tokens"]
+        assert rank["engine_tokens"] == one["engine_tokens"]  # every rank returns rank 0's
         assert rank["page_table"] == one["page_table"]
         for (k1, v1), (k2, v2) in zip(one["pools"], rank["pools"]):
             # the slots in use, kv head r of the whole model's pool

@@ -1,7 +1,8 @@
 """/v1/completions through the official `openai` client against `fms-paged serve` on the default
-model, each answer compared with an independent reference in this process: `fms_paged.generate()`
-for the tokens, the tokenizer for the text, the dense (SDPA) model's log-softmax for logprobs.
-Also the small routes (/tokenize, /detokenize, /version, /v1/models) as vLLM shapes them."""
+model, on one rank and split over two (`--tensor-parallel-size 2`), each answer compared with an
+independent reference in this process: `fms_paged.generate()` for the tokens, the tokenizer for
+the text, the dense (SDPA) model's log-softmax for logprobs. Also the small routes (/tokenize,
+/detokenize, /version, /v1/models) as vLLM shapes them."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ MODEL = "default_model"
 LOGPROB_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def server(serve):
-    return serve("--enforce-eager", "--max-num-seqs", "4")
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(serve, request):
+    """The server on one rank, and split over two (`--tensor-parallel-size 2`: every test of this
+    module against the same references)."""
+    return serve("--enforce-eager", "--max-num-seqs", "4", "--tensor-parallel-size", request.param)
 
 
 @pytest.fixture(scope="module")
