@@ -78,7 +78,7 @@ def logits_errors(rank: int, size: int) -> dict[str, tuple[float, bool]]:
                 model = shard(model, rank, size)
             with torch.inference_mode():
                 logits.append(model(tokens))
-            gen.append(generate(model, tokens.tolist(), 24, eos_id=None))
+            gen.append(generate(model, tokens.tolist(), 12, eos_id=None))
         out[family] = (float((logits[0] - logits[1]).abs().max() / logits[0].abs().max()), gen[0] == gen[1])
     return out
 

@@ -46,12 +46,18 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return True
 
 
+def two_rank_server(tmp_path, env: dict | None = None):
+    """A 2-rank server, healthy -> (it, {rank: pid} of its spawned ranks)."""
+    server = launch(ARGS, tmp_path / "server.log", env)
+    wait_healthy(server, 120)
+    pids = rank_pids(server)
+    assert set(pids) == {1}, server.output()
+    return server, pids
+
+
 def test_a_killed_rank_takes_the_server_down_with_its_cause(tmp_path):
-    server = launch(ARGS, tmp_path / "server.log")
+    server, pids = two_rank_server(tmp_path)
     try:
-        wait_healthy(server, 120)
-        pids = rank_pids(server)
-        assert set(pids) == {1}, server.output()
         r = httpx.post(f"{server.v1}/completions", json={"prompt": "def add(a, b):", "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200, r.text
@@ -73,11 +79,8 @@ def test_a_killed_rank_takes_the_server_down_with_its_cause(tmp_path):
 
 
 def test_sigterm_stops_every_rank(tmp_path):
-    server = launch(ARGS, tmp_path / "server.log")
+    server, pids = two_rank_server(tmp_path)
     try:
-        wait_healthy(server, 120)
-        pids = rank_pids(server)
-        assert set(pids) == {1}, server.output()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0, server.output()
         assert wait_gone(pids[1], 30), f"rank 1 (pid {pids[1]}) outlived the server:\n{server.output()}"
@@ -88,11 +91,8 @@ def test_sigterm_stops_every_rank(tmp_path):
 def test_a_hung_rank_takes_the_server_down_after_the_collective_timeout(tmp_path):
     """Rank 1 stopped (SIGSTOP: alive, silent): the next step's collective gives up after
     FMS_PAGED_TP_TIMEOUT_S and the server exits non-zero, saying so."""
-    server = launch(ARGS, tmp_path / "server.log", env={"FMS_PAGED_TP_TIMEOUT_S": "5"})
-    pids = {}
+    server, pids = two_rank_server(tmp_path, env={"FMS_PAGED_TP_TIMEOUT_S": "5"})
     try:
-        wait_healthy(server, 120)
-        pids = rank_pids(server)
         os.kill(pids[1], signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(httpx.HTTPError):  # the request's engine dies under it
