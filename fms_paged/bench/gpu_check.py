@@ -112,8 +112,8 @@ def run_pytest(cmd: list[str], xml: Path, log: Path, budget: float) -> dict[str,
     interrupted as Ctrl-C does (pytest then reports the tests that ran and writes its xml), and
     killed 30 s later if still running -> `junit_summary` + returncode (None: timed out), passed."""
     with open(log, "w") as f:
-        rc = _wait_or_interrupt(subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT),
-                                budget)
+        rc = _wait_or_interrupt(subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                                 preexec_fn=_interruptible), budget)
     summary = junit_summary(xml)
     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
     summary.update(returncode=rc, last_line=tail[0] if tail else "", timed_out=rc is None)
@@ -128,6 +128,13 @@ def run_tests(args, budget: float) -> dict[str, Any]:
     cmd = _tests_command(args.device, args.tiny, xml)
     _log(f"  {' '.join(cmd[2:])}")
     return run_pytest(cmd, xml, log, budget)
+
+
+def _interruptible() -> None:
+    """In a child before it runs: SIGINT back to its default, so that Python turns it into
+    KeyboardInterrupt there even when this process was started with SIGINT ignored (a shell's
+    background job, nohup), which children inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_or_interrupt(proc: subprocess.Popen, budget: float) -> int | None:
@@ -152,7 +159,7 @@ def run_stage_process(args, stage: str, budget: float) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "fms_paged.bench.gpu_check", tmp, "--stage", stage,
                "--device", args.device, "--deadline-s", str(max(1.0, 0.9 * budget - STARTUP_S))]
         cmd += ["--tiny"] if args.tiny else []
-        rc = _wait_or_interrupt(subprocess.Popen(cmd, cwd=REPO_ROOT), budget)
+        rc = _wait_or_interrupt(subprocess.Popen(cmd, cwd=REPO_ROOT, preexec_fn=_interruptible), budget)
         path = Path(tmp) / f"{stage}.json"
         wrote = path.is_file()
         result = json.loads(path.read_text()) if wrote else {"passed": False}
