@@ -19,7 +19,6 @@ import collections
 import importlib.util
 import itertools
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -30,9 +29,9 @@ from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Sta
 from fms_paged.engine.runner import ModelRunner, check_modes
 from fms_paged.engine.scheduler import Scheduler
 from fms_paged.engine.structured import Grammar, Grammars
+from fms_paged.engine.tensor_parallel import split_for_engine
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
 from fms_paged.kv.geometry import pages_held
-from fms_paged.kv.kernels import choose_kernel
 from fms_paged.kv.paged import PagedBackend, attention_specs
 from fms_paged.kv.spec import release_horizon
 from fms_paged.parallel import TensorParallelError
@@ -143,7 +142,7 @@ class Engine:
             if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
                 raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
             check_pages(num_pages, need, max_model_len, c.page_size)
-        model, self._ranks, self.control = self._split(model, tensor_parallel_size, backend, settings)
+        model, self._ranks, self.control = split_for_engine(model, tensor_parallel_size, backend, settings)
         try:
             self._build(model, backend, num_pages, need, horizon, max_num_seqs, max_num_batched_tokens,
                         max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile,
@@ -201,48 +200,6 @@ class Engine:
         self.tokenizer, self._grammars = tokenizer, None
         self._reset_totals()
 
-    def _split(self, model: torch.nn.Module, size: int, backend, settings: dict):
-        """-> (the model, rank 0's `Ranks` or None, the step-message group or None): `model`
-        unchanged without tensor parallelism; else this rank's part (split here on rank 0, the
-        other ranks spawned or joined: `fms_paged.engine.tensor_parallel`)."""
-        from fms_paged.engine import tensor_parallel as tpar
-        from fms_paged.models.llama import LLaMA
-        from fms_paged.parallel import layout, shard
-
-        tp = getattr(model, "tp", None)
-        if tp is None and size == 1:
-            return model, None, None
-        if backend is not None:
-            raise TensorParallelError("tensor parallelism builds each rank's own pool: pass no backend")
-        if tp is not None:  # a split model: its rank (torchrun, or a worker spawned here)
-            if size not in (1, tp.size):
-                raise TensorParallelError(f"tensor_parallel_size={size}, but the model is split over "
-                                          f"{tp.size} ranks")
-            ranks = tpar.Ranks.joined(tp.size) if tp.rank == 0 else None
-            return model, ranks, tpar.control_group(ranks)
-        if not isinstance(model, LLaMA):
-            raise TensorParallelError(f"tensor parallelism splits fms_paged's own models; got "
-                                      f"{type(model).__name__} (an IBM FMS model keeps FMS's own: "
-                                      "distributed_strategy='tp')")
-        c = model.config
-        layout(c.nheads, c.kvheads, model.layers[0].ff_sub_module.wg.out_features, size)
-        with warnings.catch_warnings():  # the kernel every rank will build (announced by each)
-            warnings.simplefilter("ignore")
-            choose_kernel(settings["kernel"], model.device, c.page_size, head_dim=c.head_dim,
-                          dtype=model.dtype, sinks=any(s.sinks is not None for s in attention_specs(model)))
-        dev = model.device
-        if dev.type not in ("cpu", "cuda"):
-            raise TensorParallelError(f"tensor parallelism runs on CPUs (gloo) and CUDA GPUs (NCCL), "
-                                      f"not {dev.type}")
-        if dev.type == "cuda" and size > torch.cuda.device_count():
-            raise TensorParallelError(f"tensor_parallel_size={size} > the {torch.cuda.device_count()} "
-                                      "CUDA devices here (rank r runs on GPU r)")
-        if torch.distributed.is_initialized():
-            ranks = tpar.Ranks.joined(size)
-        else:
-            ranks = tpar.Ranks.spawn(model, size, settings)
-        model = shard(model, 0, size, torch.distributed.group.WORLD).to(tpar.rank_device(model, 0))
-        return model, ranks, tpar.control_group(ranks)
 
     @property
     def tp_ranks(self):

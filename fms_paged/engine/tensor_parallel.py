@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,6 +259,51 @@ def _worker_main(rank: int, size: int, addr: str, port: int, model: torch.nn.Mod
     run_worker(engine)
     engine.shutdown()
     dist.destroy_process_group()
+
+
+def split_for_engine(model: torch.nn.Module, size: int, backend, settings: dict):
+    """-> (the model, rank 0's `Ranks` or None, the step-message group or None): `model`
+    unchanged without tensor parallelism; else this rank's part (split here on rank 0, the
+    other ranks spawned or joined: `fms_paged.engine.tensor_parallel`)."""
+    from fms_paged.kv.kernels import choose_kernel
+    from fms_paged.kv.paged import attention_specs
+    from fms_paged.models.llama import LLaMA
+    from fms_paged.parallel import TensorParallelError, layout, shard
+
+    tp = getattr(model, "tp", None)
+    if tp is None and size == 1:
+        return model, None, None
+    if backend is not None:
+        raise TensorParallelError("tensor parallelism builds each rank's own pool: pass no backend")
+    if tp is not None:  # a split model: its rank (torchrun, or a worker spawned here)
+        if size not in (1, tp.size):
+            raise TensorParallelError(f"tensor_parallel_size={size}, but the model is split over "
+                                      f"{tp.size} ranks")
+        ranks = Ranks.joined(tp.size) if tp.rank == 0 else None
+        return model, ranks, control_group(ranks)
+    if not isinstance(model, LLaMA):
+        raise TensorParallelError(f"tensor parallelism splits fms_paged's own models; got "
+                                  f"{type(model).__name__} (an IBM FMS model keeps FMS's own: "
+                                  "distributed_strategy='tp')")
+    c = model.config
+    layout(c.nheads, c.kvheads, model.layers[0].ff_sub_module.wg.out_features, size)
+    with warnings.catch_warnings():  # the kernel every rank will build (announced by each)
+        warnings.simplefilter("ignore")
+        choose_kernel(settings["kernel"], model.device, c.page_size, head_dim=c.head_dim,
+                      dtype=model.dtype, sinks=any(s.sinks is not None for s in attention_specs(model)))
+    dev = model.device
+    if dev.type not in ("cpu", "cuda"):
+        raise TensorParallelError(f"tensor parallelism runs on CPUs (gloo) and CUDA GPUs (NCCL), "
+                                  f"not {dev.type}")
+    if dev.type == "cuda" and size > torch.cuda.device_count():
+        raise TensorParallelError(f"tensor_parallel_size={size} > the {torch.cuda.device_count()} "
+                                  "CUDA devices here (rank r runs on GPU r)")
+    if torch.distributed.is_initialized():
+        ranks = Ranks.joined(size)
+    else:
+        ranks = Ranks.spawn(model, size, settings)
+    model = shard(model, 0, size, torch.distributed.group.WORLD).to(rank_device(model, 0))
+    return model, ranks, control_group(ranks)
 
 
 def run_worker(engine) -> Any:

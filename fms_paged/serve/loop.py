@@ -53,19 +53,18 @@ def build_engine(spec: dict[str, Any]):
     from fms_paged.models.loaders import load_for_engine
     from fms_paged.tokenizers import load_tokenizer
 
-    size = spec.get("tensor_parallel_size", 1)
-    if spec.get("torchrun"):  # one of torchrun's ranks: join them, keep this rank's part
+    size, rank = spec.get("tensor_parallel_size", 1), None
+    if spec.get("torchrun"):  # one of torchrun's ranks: join them (this rank's GPU set first)
         from fms_paged.device import resolve_device
         from fms_paged.engine.tensor_parallel import join_torchrun
-        from fms_paged.parallel import shard
 
         rank, size = join_torchrun(resolve_device(spec["device"]))
-        model = load_for_engine(spec["model_dir"], spec.get("loader", "auto"), spec["device"],
-                                spec["dtype"], spec["page_size"])
-        model, size = shard(model, rank, size), 1  # the model brings its rank to the Engine
-    else:
-        model = load_for_engine(spec["model_dir"], spec.get("loader", "auto"), spec["device"],
-                                spec["dtype"], spec["page_size"])
+    model = load_for_engine(spec["model_dir"], spec.get("loader", "auto"), spec["device"], spec["dtype"],
+                            spec["page_size"])
+    if rank is not None:  # keep this rank's part: the model brings its rank to the Engine
+        from fms_paged.parallel import shard
+
+        model, size = shard(model, rank, size), 1
     return Engine(model, spec["max_num_seqs"], spec["max_num_batched_tokens"],
                   tokenizer=load_tokenizer(spec["model_dir"]), kv_memory_fraction=spec["kv_memory_fraction"],
                   max_model_len=spec["max_model_len"],
