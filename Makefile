@@ -17,6 +17,7 @@ $(STAMP): setup.py pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PIP) install -q -e '.[bench,notebooks,dev,fms,serve]' torch==$(TORCH_VERSION)  # keeps the torch above
+	$(VENV)/bin/fms-paged build-kernels || echo "install: the C++ CPU operators did not build; they build on first use"
 	touch $(STAMP)
 
 test: install
@@ -39,7 +40,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-families bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp
+.PHONY: bench-llama bench-llama-paged bench-families bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp bench-native
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -83,6 +84,13 @@ bench-structured: install
 # own); the targets met or missed. About 10 minutes on a 2-core CPU.
 bench-http: install
 	$(PY) scripts/bench_http.py --out results/bench-http $(BENCH_ARGS)
+
+# the engine beside llama.cpp and OpenVINO GenAI (`make peer-llamacpp`, `make peer-openvino` make their
+# venvs; a peer without one is recorded as not run): SmolLM2-shaped and default-model workloads in each
+# system's dtypes, each system in its own process, start times (the engine's also cold), the decode
+# step's host time and the targets met or missed. About 20 minutes on a 2-core CPU with both peers.
+bench-native: install
+	$(PY) -m fms_paged.bench.vs_native --out results/bench-native $(BENCH_ARGS)
 
 # tensor parallelism on this host's CPU: the same batch on 1 rank and on N (spawned, sharing the cores),
 # the default model and a SmolLM2-135M-shaped one: decode step time and the collectives' share of it
@@ -162,4 +170,54 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || apt-get install -y -q libtcmalloc-minimal4 \
 		|| echo "peer-vllm: no tcmalloc (apt-get install libtcmalloc-minimal4); the peer runs without it"
+	touch $@
+
+# ---- OpenVINO GenAI CPU peer (scripts/peer_openvino.py) in its own venv, never a dependency ------
+# openvino-genai pins its openvino / openvino-tokenizers; optimum-intel's exporter (optimum-cli, run
+# by the script to make the IR) needs torch + transformers: torch first, pinned to the local CPU
+# wheel (an unpinned one pulls the multi-GB CUDA build); then drop the torchvision it pulls (a CUDA
+# build whose ops fail to load against CPU torch, which breaks the exporter's import of transformers).
+# The IR is cached under $(OV_VENV)/ir/.
+OV_VENV          := .venv-openvino
+OV_GENAI_VERSION ?= 2026.4.1.0
+OPTIMUM_INTEL_VERSION ?= 2.2.0
+.PHONY: peer-openvino
+
+peer-openvino: $(OV_VENV)/.installed
+
+$(OV_VENV)/.installed:
+	test -x $(OV_VENV)/bin/python || $(PYTHON) -m venv $(OV_VENV)
+	$(OV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OV_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(OV_VENV)/bin/python -m pip install -q openvino-genai==$(OV_GENAI_VERSION) \
+		'optimum-intel[openvino]==$(OPTIMUM_INTEL_VERSION)' torch==$(TORCH_VERSION)
+	$(OV_VENV)/bin/python -m pip uninstall -y -q torchvision 2>/dev/null || true
+	$(OV_VENV)/bin/python -c "import openvino, openvino_genai, optimum.exporters.openvino; print('openvino', openvino.__version__)"
+	touch $@
+
+# ---- llama.cpp CPU peer (scripts/peer_llamacpp.py) in its own venv, never a dependency of the project --
+# llama-cpp-python built from its PyPI sdist for this CPU (GGML_NATIVE: its AVX-512 / VNNI / BF16 kernels,
+# ~6 min on 2 cores); the sdist stays unpacked in .venv-llamacpp/src/ for the llama.cpp it vendors,
+# whose own convert_hf_to_gguf.py turns our HF checkpoints into GGUF: its requirements pinned as its
+# requirements-convert_hf_to_gguf.txt asks (torch as ours, the local CPU wheel).
+LLAMACPP_VENV    := .venv-llamacpp
+LLAMACPP_VERSION ?= 0.3.36
+LLAMACPP_SRC     := $(LLAMACPP_VENV)/src
+.PHONY: peer-llamacpp
+
+peer-llamacpp: $(LLAMACPP_VENV)/.installed
+
+$(LLAMACPP_VENV)/.installed:
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LLAMACPP_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) numpy==2.2.6 gguf==0.19.0 \
+		transformers==4.57.6 sentencepiece==0.2.1 protobuf==4.25.9
+	rm -rf $(LLAMACPP_SRC) && mkdir -p $(LLAMACPP_SRC)
+	$(LLAMACPP_VENV)/bin/python -m pip download -q --no-deps --no-binary :all: -d $(LLAMACPP_SRC) \
+		llama-cpp-python==$(LLAMACPP_VERSION)
+	tar xzf $(LLAMACPP_SRC)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_SRC)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP_VENV)/bin/python -m pip install -q --no-binary llama-cpp-python \
+		--find-links $(LLAMACPP_SRC) llama-cpp-python==$(LLAMACPP_VERSION) numpy==2.2.6
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	test -f $(LLAMACPP_SRC)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp/convert_hf_to_gguf.py
 	touch $@

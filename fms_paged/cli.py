@@ -99,7 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
                        description="What this machine gives the paged backend.")
     i.add_argument("--device", default="auto", help="device to inspect")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    b = sub.add_parser("build-kernels", help="build the C++ CPU operators and this CPU's kernels now",
+                       description="Build the PyTorch operators (native_ops.cpp) against this torch and the "
+                                   "CPU kernels for this CPU into the kernel cache ($FMS_PAGED_CACHE_DIR), "
+                                   "so that a first model starts without a compiler run (`make install` "
+                                   "runs it).")
+    b.add_argument("--head-dims", type=_positive_int, nargs="+", default=[64, 128],
+                   help="attention head dims to build kernels for (default: 64 128)")
     return p
+
+
+def cmd_build_kernels(args) -> int:
+    from fms_paged import native
+
+    return 0 if native.build_all(head_dims=tuple(args.head_dims)) else 1
 
 
 def _load(args, attn_impl: str = "sdpa", need_tokenizer: bool = True):
@@ -348,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "serve": cmd_serve, "ppl": cmd_ppl, "info": cmd_info}
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "ppl": cmd_ppl, "info": cmd_info,
+                "build-kernels": cmd_build_kernels}
     try:
         return commands[args.command](args)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:

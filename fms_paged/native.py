@@ -1,115 +1,65 @@
-"""Build and load the project's C++ CPU kernels (`fms_paged/kv/cpu_attention.cpp`,
-`fms_paged/modules/cpu_gemv.cpp`), and say which CPU paths they and the GEMMs take here.
+"""Build and load the project's C++ CPU kernels and the PyTorch operators that call them, and say
+which CPU paths they and the GEMMs take here.
 
-A kernel source is compiled on first use with the machine's C++ compiler (`$CXX`, else g++ / c++:
-the one inductor needs for compiled FlexAttention as well) into a shared library kept in
-`$FMS_PAGED_CACHE_DIR` (default `~/.cache/fms_paged/kernels`), keyed by the source, the flags,
-the compiler and the CPU, so later processes load it at once (and a changed source is built
-again). The sources include no torch headers (a build stays quick) and use OpenMP from the runtime
-torch has loaded already; they are called through ctypes, which releases the GIL.
+Two kinds of library, both kept in `$FMS_PAGED_CACHE_DIR` (default `~/.cache/fms_paged/kernels`)
+under a key of what made them (sources, flags, compiler; and the CPU, or the torch build), so a
+later process loads them at once and a changed source is built again:
+
+- the kernels (`fms_paged/kv/cpu_attention.cpp`, `fms_paged/modules/cpu_gemv.cpp`): no torch
+  header, built in a few seconds with the machine's C++ compiler (`$CXX`, else g++ / c++: the one
+  inductor needs as well) when first needed, one library per instruction set, storage type (fp32,
+  bf16, fp16: `ELEM_TYPES`) and head dim;
+- the operators (`fms_paged/native_ops.cpp`, `native_layer.cpp`): `TORCH_LIBRARY` schemas and CPU
+  implementations of `torch.ops.fms_paged.{paged_attention, gemv, linear, decoder_layers}`, built
+  against the running torch's headers and libraries once per torch build (`fms-paged
+  build-kernels` at install time, else on first use) and loaded with `torch.ops.load_library`.
+  They load each kernel library by path (`register`) and check its argument struct against their
+  own (`native_kernels.h`, one field list for both sides) before calling it. Eager mode,
+  inductor's generated code and an AOT-compiled graph reach the kernels through the dispatcher
+  alone: no Python, no ctypes.
 
 The instruction set is chosen on the machine, when a kernel is first used: by default a kernel is
 built for the CPU it runs on (`-march=native`), so its vectors are that CPU's widest (AVX-512,
 else AVX2; NEON on Arm) and its half-precision loads use the conversion instructions that CPU has
 (F16C for fp16; bf16 needs only a shift). `$FMS_PAGED_CPU_ISA` builds for less than the CPU has
-(`ISAS`): what another machine runs, tested on this one. The storage type of a kernel's tensors
-(fp32, bf16 or fp16: `ELEM_TYPES`) is a define of its build: one library per type used.
-
-Calling convention: each kernel takes one argument, a pointer to an `extern "C"` struct of named
-fields, mirrored in Python by a `ctypes.Structure` subclass with the same fields (a field set by
-name, with its type checked by ctypes: no positional list in which two swapped arguments of one
-type would pass unnoticed). The library also exports `<kernel>_layout()`, a string naming the
-struct, its size and every field's name, kind and offset; `bind` compares it with the one `layout`
-spells for the Python mirror and refuses the library (`LayoutMismatch`) when they differ.
+(`ISAS`): what another machine runs, tested on this one.
 """
 
 from __future__ import annotations
 
-import ctypes
+import concurrent.futures
 import functools
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
-import torch  # noqa: F401 - loaded first: the kernels' OpenMP resolves to the runtime torch uses
+import torch
 
-# the kernels' calling convention (argument structs and their layout functions) and their vector
-# loads and stores, included by each
-HEADERS = (Path(__file__).with_name("native_args.h"), Path(__file__).with_name("native_vec.h"))
+_HERE = Path(__file__).parent
+# the kernels' calling convention (argument structs, their field lists and layouts) and their
+# vector loads and stores, included by each
+HEADERS = (_HERE / "native_args.h", _HERE / "native_kernels.h", _HERE / "native_vec.h")
+# the operators: the registry, paged_attention, gemv and linear; decoder_layer; what both include
+OPS_SOURCES = (_HERE / "native_ops.cpp", _HERE / "native_layer.cpp")
+OPS_HEADER = _HERE / "native_ops.h"
 
-
-class LayoutMismatch(RuntimeError):
-    """A kernel library whose argument struct is not laid out as its Python mirror."""
-
-
-class Pointer(ctypes.c_void_p):
-    """A struct field holding an address (set from an int: `tensor.data_ptr()`); its subclasses
-    name what it points to, for the layout check (`pointer`)."""
-
-    _kind_ = "void*"
+# the tensor dtypes the kernels read and write -> the C++ type a kernel is built for with
+# -DFMS_ELEM=... (native_args.h)
+ELEM_TYPES = {torch.float32: "float", torch.bfloat16: "fms_bf16", torch.float16: "fms_f16"}
 
 
-@functools.cache
-def pointer(pointee: str) -> type[Pointer]:
-    """The field type of a pointer to `pointee` (a kind: "f32", "i64", "f32*", ...): kind `pointee*`."""
-    name = f"Pointer_{pointee.replace('*', 'p')}"
-    return type(name, (Pointer,), {"_kind_": pointee + "*", "__slots__": ()})
-
-
-_SCALAR_KINDS = {ctypes.c_int32: "i32", ctypes.c_int64: "i64", ctypes.c_float: "f32"}
-
-# the tensor dtypes the kernels read and write: dtype -> (the C++ type a build is made for with
-# -DFMS_ELEM=..., its kind in a layout: `pointer(kind)`); declared in native_args.h
-ELEM_TYPES = {torch.float32: ("float", "f32"), torch.bfloat16: ("fms_bf16", "bf16"),
-              torch.float16: ("fms_f16", "f16")}
-
-
-def elem(dtype: torch.dtype) -> tuple[str, str]:
-    """(C++ type, kind) of a kernel's tensors of `dtype`; ValueError for a dtype the kernels lack."""
+def elem(dtype: torch.dtype) -> str:
+    """The C++ storage type of a kernel's tensors of `dtype`; ValueError for a dtype the kernels lack."""
     if dtype not in ELEM_TYPES:
         raise ValueError(f"the CPU kernels take {', '.join(str(d) for d in ELEM_TYPES)}, not {dtype}")
     return ELEM_TYPES[dtype]
-
-
-def layout(struct: type[ctypes.Structure]) -> str:
-    """`struct`'s layout as a kernel library's `<kernel>_layout()` spells it:
-    "Name size: field:kind@offset ..." (kinds i32, i64, f32; a pointer's is its pointee's + "*",
-    pointees also bf16 and f16)."""
-    fields = []
-    for name, ctype in struct._fields_:
-        kind = ctype._kind_ if issubclass(ctype, Pointer) else _SCALAR_KINDS.get(ctype)
-        if kind is None:
-            raise TypeError(f"{struct.__name__}.{name}: a {ctype.__name__} field; the kernels' structs hold "
-                            f"{', '.join(t.__name__ for t in _SCALAR_KINDS)} and native.pointer(...) fields")
-        fields.append(f" {name}:{kind}@{getattr(struct, name).offset}")
-    return f"{struct.__name__} {ctypes.sizeof(struct)}:{''.join(fields)}"
-
-
-def bind(lib: ctypes.CDLL, name: str, struct: type[ctypes.Structure]) -> ctypes._CFuncPtr:
-    """`lib.<name>`, a kernel taking `const struct*` and returning an int, once the library's
-    `<name>_layout()` equals `layout(struct)`; raises `LayoutMismatch` naming the first field that
-    differs otherwise (the C++ struct and its Python mirror were changed apart)."""
-    layout_fn = getattr(lib, f"{name}_layout", None)
-    if layout_fn is None:
-        raise LayoutMismatch(f"{lib._name} exports no {name}_layout(): built from a source older than "
-                             f"{struct.__name__}'s typed calling convention")
-    layout_fn.argtypes, layout_fn.restype = [], ctypes.c_char_p
-    built, expected = layout_fn().decode(), layout(struct)
-    if built != expected:
-        b, e = built.split(), expected.split()
-        i = next((i for i, (x, y) in enumerate(zip(b, e)) if x != y), min(len(b), len(e)))
-        got, want = (b[i] if i < len(b) else "nothing"), (e[i] if i < len(e) else "nothing")
-        raise LayoutMismatch(
-            f"{lib._name}: the kernel's argument struct is laid out as {built!r}, its Python mirror as "
-            f"{expected!r} (first difference: {got!r} where {want!r} was expected); the C++ struct and "
-            f"the ctypes.Structure must declare the same fields in the same order")
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = [ctypes.POINTER(struct)], ctypes.c_int
-    return fn
 
 
 # what `$FMS_PAGED_CPU_ISA` may ask the kernels to be built for: this CPU's own ISA, or less
@@ -195,41 +145,173 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fms_paged" / "kernels"
 
 
-def load(source: Path, **defines: int | str) -> tuple[ctypes.CDLL | None, str | None]:
-    """The library built from `source` for `isa()` with `-DNAME=value` for each define (an int, or
-    a C++ name such as `FMS_ELEM="fms_bf16"`; built now, or found built) -> (library, None), or
+def _build(name: str, command: list[str], made_from: list[str],
+           sources: tuple[Path, ...] = ()) -> tuple[Path | None, str | None]:
+    """The library `name`_<hash of made_from>.so in `cache_dir()`: found, or built aside and renamed
+    into place (atomic: another process building the same library at once does no harm) ->
+    (path, None), or (None, why not). Built by `command` with the output path appended; with
+    `sources`, `command` compiles each of them (`-c`) at once in processes of their own, and the
+    objects are linked by `command`'s link flags (those after `-L`)."""
+    key = hashlib.sha256("\n".join(made_from).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}_{key}.so"
+    if path.exists():
+        return path, None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            steps = [[*command, "-o", str(out)]]
+            if sources:
+                link = next(i for i, a in enumerate(command) if a.startswith("-L"))
+                objs = [str(Path(tmp) / f"{src.stem}.o") for src in sources]
+                compiles = [subprocess.Popen([*command[:link], "-c", str(src), "-o", obj], text=True,
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            for src, obj in zip(sources, objs)]
+                for proc in compiles:
+                    log, _ = proc.communicate(timeout=600)
+                    if proc.returncode:
+                        return None, f"building {name} failed: {log[-600:]}"
+                steps = [[command[0], "-shared", *objs, *command[link:], "-o", str(out)]]
+            for step in steps:
+                run = subprocess.run(step, capture_output=True, text=True, timeout=600)
+                if run.returncode:
+                    return None, f"building {name} failed: {(run.stderr or run.stdout)[-600:]}"
+            os.replace(out, path)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"building {name} failed: {e}"
+    return path, None
+
+
+@functools.cache
+def _compiler_version(cxx: str) -> str | None:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def load(source: Path, **defines: int | str) -> tuple[Path | None, str | None]:
+    """The kernel library built from `source` for `isa()` with `-DNAME=value` for each define (an
+    int, or a C++ name such as `FMS_ELEM=fms_bf16`; built now, or found built) -> (path, None), or
     (None, why not)."""
     return _load(source, isa(), **defines)
 
 
 @functools.cache
-def _load(source: Path, which: str, **defines: int | str) -> tuple[ctypes.CDLL | None, str | None]:
+def _load(source: Path, which: str, **defines: int | str) -> tuple[Path | None, str | None]:
     cxx = compiler()
     if cxx is None:
         return None, "no C++ compiler found ($CXX, g++ or c++)"
-    flags = _flags(which) + [f"-I{HEADERS[0].parent}"] + [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{cxx} --version failed: {e}"
+    version = _compiler_version(cxx)
+    if version is None:
+        return None, f"{cxx} --version failed"
+    flags = _flags(which) + [f"-I{_HERE}"] + [f"-D{k}={v}" for k, v in sorted(defines.items())]
     made_from = [source.read_text(), *(h.read_text() for h in HEADERS), " ".join(flags), version, _cpu_id()]
-    key = hashlib.sha256("\n".join(made_from).encode())
     tag = "".join(f"_{k.lower()}{v}" for k, v in sorted(defines.items()))
     tag += "" if which == "native" else f"_{which}"
-    path = cache_dir() / f"{source.stem}{tag}_{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: atomic
-                out = Path(tmp) / path.name
-                run = subprocess.run([cxx, *flags, str(source), "-o", str(out)], capture_output=True,
-                                     text=True, timeout=600)
-                if run.returncode:
-                    return None, f"building {source.name} failed: {(run.stderr or run.stdout)[-600:]}"
-                os.replace(out, path)
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building {source.name} failed: {e}"
+    return _build(source.stem + tag, [cxx, *flags, str(source)], made_from)
+
+
+def _ops_command(cxx: str) -> list[str]:
+    """How the operators (`OPS_SOURCES`) are compiled against the running torch: its headers, its
+    C++ ABI, its libraries (as `torch.utils.cpp_extension` builds an extension); no -march: one
+    build for every CPU. -ffp-contract=off: products and sums rounded one by one, as ATen's
+    vectorized CPU ops do. The link flags come last, from -L on."""
+    from torch.utils import cpp_extension
+
+    lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [cxx, "-O2", "-fPIC", "-std=c++17", "-ffp-contract=off", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{_HERE}", *(f"-I{p}" for p in cpp_extension.include_paths()),
+            f"-I{sysconfig.get_paths()['include']}", f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"]
+
+
+_OPS_LOCK = threading.Lock()
+_OPS: list[str | None] = []  # [None] once loaded, [why not] once that failed
+
+
+def ops() -> str | None:
+    """Build (once per torch build and compiler) and load the operators of `native_ops.cpp` ->
+    None, or why they cannot be had here (then `torch.ops.fms_paged.*` do not exist)."""
+    with _OPS_LOCK:
+        if not _OPS:
+            _OPS.append(_load_ops())
+        return _OPS[0]
+
+
+def ops_loaded() -> bool:
+    """Whether the operators are loaded in this process (without building them)."""
+    return _OPS == [None]
+
+
+def _load_ops() -> str | None:
+    cxx = compiler()
+    if cxx is None:
+        return "no C++ compiler found ($CXX, g++ or c++)"
+    version = _compiler_version(cxx)
+    if version is None:
+        return f"{cxx} --version failed"
+    command = _ops_command(cxx)
+    made_from = [*(f.read_text() for f in (*OPS_SOURCES, OPS_HEADER, *HEADERS)), " ".join(command), version,
+                 torch.__version__, str(torch.version.git_version), sys.version]
+    path, why = _build("native_ops", command, made_from, OPS_SOURCES)
+    if path is None:
+        return why
     try:
-        return ctypes.CDLL(str(path)), None
-    except OSError as e:
-        return None, f"loading {path} failed: {e}"
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as e:
+        return f"loading {path} failed: {e}"
+    from fms_paged.native_fakes import register_fakes
+
+    register_fakes()
+    return None
+
+
+_REGISTERED: dict[tuple[str, torch.dtype, int], Path] = {}  # what the operators call, per kernel
+# builds run beside each other (a first start builds the operators and two kernels at once)
+_BUILDS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="fms-paged-build")
+
+
+def prebuild(source: Path, dtype: torch.dtype, **defines: int | str) -> None:
+    """Start building the kernel `source` for `dtype` (for `isa()`) in the background, if it is not
+    built yet: a later `register` of it finds it built, or waits for this build."""
+    _BUILDS.submit(_load, source, isa(), FMS_ELEM=elem(dtype), **defines)
+
+
+def register(kind: str, source: Path, dtype: torch.dtype, head_dim: int = 0,
+             **defines: int | str) -> str | None:
+    """Build (for `isa()`, once per machine) the `kind` kernel ("attention" or "gemv") for `dtype`
+    (and `head_dim`) from `source`, and hand it to the operators, in place of the one of another
+    ISA they may hold -> None, or why it cannot be had here."""
+    kernel = _BUILDS.submit(_load, source, isa(), FMS_ELEM=elem(dtype), **defines)  # beside the operators'
+    why = ops()
+    path, why_kernel = kernel.result()
+    if why is not None or path is None:
+        return why or why_kernel
+    key = (kind, dtype, head_dim)
+    if _REGISTERED.get(key) != path:
+        torch.ops.fms_paged._load_kernel(kind, str(path), dtype, head_dim)
+        _REGISTERED[key] = path
+    return None
+
+
+def build_all(dtypes: tuple[torch.dtype, ...] = tuple(ELEM_TYPES), head_dims: tuple[int, ...] = (64, 128),
+              log=print) -> bool:
+    """Build the operators and this CPU's kernels for `dtypes` and `head_dims` into the cache (what
+    `fms-paged build-kernels` does at install time), so that a first model starts without a
+    compiler run -> whether everything built."""
+    from fms_paged.kv import cpu_kernel
+    from fms_paged.modules import linear
+
+    why = ops()
+    log(f"operators (native_ops.cpp): {why or 'built'}")
+    ok = why is None
+    for dt in dtypes:
+        why = linear.load_gemv(dt)
+        log(f"GEMV kernel {dt}: {why or 'built'}")
+        ok &= why is None
+        for d in head_dims:
+            why = cpu_kernel.load_attention(d, dt)
+            log(f"attention kernel {dt} head_dim={d}: {why or 'built'}")
+            ok &= why is None
+    return ok

@@ -1,9 +1,9 @@
 // The calling convention of the project's C++ kernels (fms_paged/native.py builds them with this
 // folder on the include path). A kernel takes one struct of arguments, declared from one list of
-// (type, name) fields, and exports a function that spells the struct's layout: its name, its size,
-// and every field's name, kind and offset. The Python side mirrors the struct as a
-// ctypes.Structure and refuses a library whose layout is not the mirror's (fms_paged.native.bind),
-// so a field cannot be read at the wrong offset or with the wrong type.
+// (type, name) fields (native_kernels.h), and exports a function that spells the struct's layout: its
+// name, its size, and every field's name, kind and offset. The operators that call a kernel
+// (native_ops.cpp) declare the struct from the same list and refuse a library whose layout is not
+// theirs, so a field cannot be read at the wrong offset or with the wrong type.
 #pragma once
 
 #include <cstddef>
@@ -40,18 +40,21 @@ std::string fms_paged_kind() {
 #define FMS_PAGED_FIELD_LAYOUT(type, name) \
   s += std::string(" ") + #name + ":" + fms_paged_kind<type>() + "@" + std::to_string(offsetof(Self, name));
 
-// struct Struct { FIELDS }; and const char* layout_fn() returning
-// "Struct <sizeof>: <name>:<kind>@<offset> ..." (inside extern "C")
-#define FMS_PAGED_ARGS(Struct, FIELDS, layout_fn)                                 \
-  struct Struct {                                                                 \
-    FIELDS(FMS_PAGED_FIELD_DECL)                                                  \
-  };                                                                              \
-  const char* layout_fn() {                                                       \
-    static const std::string layout = [] {                                        \
-      using Self = Struct;                                                        \
-      std::string s = #Struct " " + std::to_string(sizeof(Self)) + ":";           \
-      FIELDS(FMS_PAGED_FIELD_LAYOUT)                                              \
-      return s;                                                                   \
-    }();                                                                          \
-    return layout.c_str();                                                        \
+// "Name <sizeof>: <name>:<kind>@<offset> ...", the layout of struct Struct declared from FIELDS
+#define FMS_PAGED_LAYOUT_OF(Struct, Name, FIELDS)                                 \
+  [] {                                                                            \
+    using Self = Struct;                                                          \
+    std::string s = std::string(Name) + " " + std::to_string(sizeof(Self)) + ":"; \
+    FIELDS(FMS_PAGED_FIELD_LAYOUT)                                                \
+    return s;                                                                     \
+  }()
+
+// struct Struct { FIELDS }; and const char* layout_fn() returning its layout (inside extern "C")
+#define FMS_PAGED_ARGS(Struct, FIELDS, layout_fn)                                        \
+  struct Struct {                                                                        \
+    FIELDS(FMS_PAGED_FIELD_DECL)                                                         \
+  };                                                                                     \
+  const char* layout_fn() {                                                              \
+    static const std::string layout = FMS_PAGED_LAYOUT_OF(Struct, #Struct, FIELDS);      \
+    return layout.c_str();                                                               \
   }

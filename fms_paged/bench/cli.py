@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ppl-window", type=int, default=256)
     g.add_argument("--text-file", help="evaluation text (default: held-out Python stdlib source)")
     g = p.add_argument_group("serving (--scenario serve)")
-    g.add_argument("--workloads", default="mix,shared_prefix,multi_turn,parallel,capacity,vs_vllm")
+    g.add_argument("--workloads", default="mix,shared_prefix,multi_turn,parallel,capacity,vs_vllm,vs_native")
     g.add_argument("--num-requests", type=int, help="requests of the mix (default 64)")
     g.add_argument("--rate-fractions", type=_csv(float), default=[0.25, 0.5, 1.0], help="x offline req/s")
     g.add_argument("--prefix-requests", type=int, default=64, help="requests sharing the system prompt")

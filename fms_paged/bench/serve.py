@@ -9,6 +9,8 @@ Workloads (`--workloads`):
 - `parallel`: one request with n=8 completions (FORK) against 8 separate requests;
 - `capacity`: how many mix requests run at once in the KV bytes of a dense cache;
 - `vs_vllm`: the engine beside vLLM's CPU build on the workloads vLLM was first measured on (`peers`).
+- `vs_native`: the engine beside llama.cpp and OpenVINO GenAI on those workloads, and each one's start
+  (`vs_native`).
 Then the peers on the offline mix, each in its own process. Greedy tokens are compared between the
 runs of a workload and with every peer.
 """
@@ -21,11 +23,12 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from itertools import accumulate
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fms_paged.bench import peers, vs_vllm
+from fms_paged.bench import peers, vs_native, vs_vllm
 from fms_paged.bench.environment import kv_bytes_per_token
 from fms_paged.bench.latency import with_rope_len
 from fms_paged.bench.report import fmt, table
@@ -192,7 +195,7 @@ def capacity(model, args, max_len: int) -> dict[str, Any]:
 
 
 WORKLOADS = {"mix": _mix, "shared_prefix": _shared_prefix, "multi_turn": _multi_turn, "parallel": _parallel}
-OTHERS = ("capacity", "vs_vllm")
+OTHERS = ("capacity", "vs_vllm", "vs_native")
 
 
 def run(args, model, spec: dict[str, Any], res: dict[str, Any], log=print) -> dict[str, Any]:
@@ -211,8 +214,10 @@ def run(args, model, spec: dict[str, Any], res: dict[str, Any], log=print) -> di
             res["workloads"][name] = WORKLOADS[name](args, model, res)
         elif name == "capacity":
             res["capacity"] = [capacity(model, args, n) for n in args.capacity_lens]
-        else:
+        elif name == "vs_vllm":
             res["vs_vllm"] = vs_vllm.vs_vllm(args, model, spec.get("model_path"), args.out, log=log)
+        else:
+            res["vs_native"] = vs_native.vs_native(Path(args.out) / "vs_native", log=log)
         phase[name] = time.perf_counter() - t
     for name, runs in res["workloads"].items():  # greedy tokens across the runs of a workload
         toks = [r["tokens"] if name != "parallel" else [r["tokens"][0]]  # greedy: completions equal
@@ -298,6 +303,8 @@ def markdown(res: dict[str, Any]) -> str:
              *_notes(res)]
     if "vs_vllm" in res:
         lines += vs_vllm.vs_vllm_markdown(res["vs_vllm"])
+    if "vs_native" in res:
+        lines += ["", "#" + vs_native.markdown(res["vs_native"])]
     parts = ", ".join(f"{k} {v:.0f}" for k, v in res["phase_s"].items())
     return "\n".join([*lines, "", f"Wall time of each part (s): {parts}"]) + "\n"
 

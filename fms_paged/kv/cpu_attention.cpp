@@ -41,6 +41,7 @@
 #include <omp.h>
 
 #include "native_args.h"
+#include "native_kernels.h"
 #include "native_vec.h"
 
 #include <algorithm>
@@ -425,25 +426,11 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 
 }  // namespace
 
-// The kernel's arguments, passed by pointer. fms_paged/kv/cpu_kernel.py mirrors the struct as a
-// ctypes.Structure with the same fields and, when it loads the library, compares its layout with
-// fms_paged_attention_layout()'s (every field's name, kind and offset, and the size): a build whose
-// struct differs from the Python mirror is refused instead of reading fields at the wrong offsets.
-//
-// q[t, h, :] (t < n_tokens, the step's query tokens) at q + t * q_st + h * q_sh; k, v: the pools
-// [Hkv, pool_tokens, D]; pages: the page table [n_seqs, pages_st]; chunks: [n_chunks, 4] (seq, q0,
-// n, offset); out: [n_tokens, H, D]; P: tokens per page; scale: the scores' factor; threads: at
-// most this many; softcap: the logit soft-cap (0: none); window: keys seen per query (0: all);
-// sinks: [H] fp32 logits, one per query head (null: none). The step's own keys and values are in
-// the pools already (written by the caller's ASSIGN).
-#define FMS_PAGED_ATTENTION_FIELDS(X)                                                          \
-  X(const T*, q) X(int64_t, q_st) X(int64_t, q_sh) X(int64_t, n_tokens)                        \
-  X(T*, k) X(T*, v) X(int64_t, pool_tokens)                                                    \
-  X(const int32_t*, pages) X(int64_t, n_seqs) X(int64_t, pages_st)                             \
-  X(const int64_t*, chunks) X(int64_t, n_chunks) X(T*, out)                                    \
-  X(int32_t, H) X(int32_t, Hkv) X(int32_t, P) X(float, scale) X(int32_t, threads)              \
-  X(float, softcap) X(int64_t, window) X(const float*, sinks)
-
+// The kernel's arguments, passed by pointer: the struct of FMS_PAGED_ATTENTION_FIELDS
+// (native_kernels.h, which says what each field holds). The operator that calls the kernel
+// (fms_paged/native_ops.cpp) compares its own layout of the struct with fms_paged_attention_layout()'s
+// (every field's name, kind and offset, and the size) when it loads the library, and refuses a
+// build whose struct differs instead of reading fields at the wrong offsets.
 extern "C" {
 
 FMS_PAGED_ARGS(FmsPagedAttentionArgs, FMS_PAGED_ATTENTION_FIELDS, fms_paged_attention_layout)

@@ -38,6 +38,7 @@ from fms_paged.modules import (
 )
 from fms_paged.modules.attention import AttentionStep
 from fms_paged.modules.feedforward import ACTIVATIONS, swiglu_hidden_dim
+from fms_paged.modules.linear import serves as linear_ops
 
 ATTN_IMPLS = ("sdpa", "paged")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -184,6 +185,32 @@ class LLaMABlock(nn.Module):
         return x + h * self.residual_multiplier if self.residual_multiplier != 1.0 else x + h
 
 
+    def fused_weights(self) -> list[torch.Tensor] | None:
+        """The block's weights in the order of `fms_paged::decoder_layers` (an empty tensor where
+        the family has none), or None where its projections are not this module's own packed CPU
+        `Linear`s (a rank's split ones: `fms_paged.parallel`; `linear_impl="torch"`). Read through
+        the modules' own dicts: a decode step reads every block's (nn.Module's attribute lookup
+        would cost a millisecond a step)."""
+        mods, a = self._modules, self._modules["attn"]._modules
+        f, qkv = mods["ff_sub_module"]._modules, a["in_proj"]._modules
+        projections = (qkv["query"], qkv["key"], qkv["value"], a["dense"], f["wg"], f["w1"], f["w2"])
+        if not all(type(m) is Linear and m.pack for m in projections):
+            return None
+        ln = mods["ln"]._parameters["weight"]
+        if ln.dtype not in _NONE:
+            _NONE[ln.dtype] = ln.new_empty(0)
+        none = _NONE[ln.dtype]
+        q, k, v, o, wg, w1, w2 = (m._parameters["weight"] for m in projections)
+        biases = [m._parameters["bias"] for m in projections[:3]]
+        bias = none if biases[0] is None else torch.cat(biases)
+        norms = (a.get("q_norm"), a.get("k_norm"), mods.get("post_attn_ln"), mods.get("post_ff_ln"))
+        qn, kn, pa, pf = (none if m is None else m._parameters["weight"] for m in norms)
+        return [ln, q, k, v, bias, qn, kn, o, pa, mods["ff_ln"]._parameters["weight"], wg, w1, w2, pf]
+
+
+_NONE: dict[torch.dtype, torch.Tensor] = {}  # an empty tensor per dtype: a weight a family lacks
+
+
 class LLaMA(nn.Module):
     """Decoder-only model of every family we load. `forward(tokens, positions, step)` -> logits.
 
@@ -252,9 +279,37 @@ class LLaMA(nn.Module):
         x, ropes = self.embed(tokens, positions)
         if step is not None:
             step = step.prepare()  # per-step metadata (slots, masks), built once for all layers
+        # (compiling first: a graph never reads, so never guards on, the step's decode_rows)
+        if not torch.compiler.is_compiling() and getattr(step, "decode_rows", False) and linear_ops(x.dtype):
+            fused = self._decoder_layers(x, ropes, step)
+            if fused is not None:
+                return fused
         for layer in self.layers:
             x = layer(x, *ropes[layer.rope_index], step)
         return x
+
+    def _decoder_layers(self, x: torch.Tensor, ropes, step) -> torch.Tensor | None:
+        """Every block on a decode step of the cpp kernel in one operator call
+        (`fms_paged::decoder_layers`: the function the blocks' modules compute, in C++ without a
+        Python call per operation), or None where a block cannot (`LLaMABlock.fused_weights`).
+        x: [B, 1, C]; ropes: per table (cos, sin) [B, 1, 1, D]."""
+        weights = []
+        for layer in self.layers:
+            w = layer.fused_weights()
+            if w is None:
+                return None
+            weights += w
+        B, _, C = x.shape
+        view, c = step.view, self.config
+        specs = view.specs
+        out = torch.ops.fms_paged.decoder_layers(
+            x.reshape(B, C), weights, [cos.reshape(B, -1) for cos, _ in ropes],
+            [sin.reshape(B, -1) for _, sin in ropes], [layer.rope_index for layer in self.layers],
+            view.k_pools, view.v_pools, step.slots, view.page_table, step.chunks, view.page_size,
+            [s.scale for s in specs], [s.window or 0 for s in specs], [s.softcap or 0.0 for s in specs],
+            [None if s.sinks is None else s.sinks.float().contiguous() for s in specs], c.norm_eps,
+            c.norm_unit_offset, c.residual_multiplier, int(c.activation != "silu"))
+        return out.view(B, 1, C)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:

@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include "native_args.h"
+#include "native_kernels.h"
 #include "native_vec.h"
 
 #include <algorithm>
@@ -144,18 +145,11 @@ const float* rows_f32(const U* x, int64_t M, int64_t K, int64_t& x_st, std::vect
 
 }  // namespace
 
-// The kernel's arguments, passed by pointer. fms_paged/modules/linear.py mirrors the struct as a
-// ctypes.Structure with the same fields and, when it loads the library, compares its layout with
-// fms_paged_gemv_layout()'s (every field's name, kind and offset, and the size): a build whose
-// struct differs from the Python mirror is refused instead of reading fields at the wrong offsets.
-//
-// y [M, sum of rows] = x [M, K] (row stride x_st) times each weight weights[i] [rows[i], K]^T
-// (i < n_weights, each row-major), side by side; threads: at most this many.
-#define FMS_PAGED_GEMV_FIELDS(X)                                                                \
-  X(const T*, x) X(int64_t, M) X(int64_t, K) X(int64_t, x_st)                                   \
-  X(const T* const*, weights) X(const int64_t*, rows) X(int64_t, n_weights)                     \
-  X(T*, y) X(int32_t, threads)
-
+// The kernel's arguments, passed by pointer: the struct of FMS_PAGED_GEMV_FIELDS
+// (native_kernels.h, which says what each field holds). The operator that calls the kernel
+// (fms_paged/native_ops.cpp) compares its own layout of the struct with fms_paged_gemv_layout()'s
+// (every field's name, kind and offset, and the size) when it loads the library, and refuses a
+// build whose struct differs instead of reading fields at the wrong offsets.
 extern "C" {
 
 FMS_PAGED_ARGS(FmsGemvArgs, FMS_PAGED_GEMV_FIELDS, fms_paged_gemv_layout)

@@ -1,5 +1,6 @@
 """`nn.Linear` whose CPU GEMMs run through oneDNN with a prepacked weight (vLLM's CPU path), and
-whose decode GEMVs run the project's kernel, in fp32, bf16 and fp16.
+whose decode GEMVs run the project's kernel, in fp32, bf16 and fp16: one operator,
+`torch.ops.fms_paged.linear` (`fms_paged/native_ops.cpp`), in eager mode and in compiled graphs.
 
 MKL's GEMV reads a plain row-major weight at a fraction of the memory bandwidth, and its GEMMs at
 these widths leave FLOPs unused; oneDNN's blocked weight layout does better at both ends. The
@@ -10,27 +11,24 @@ created under `torch.inference_mode()`, e.g. a model loaded there) has no versio
 only a new storage is seen for it: after an in-place write to such a weight, give the module a new
 tensor (`load_state_dict(..., assign=True)`, `module.weight = nn.Parameter(...)`) or load the
 model outside inference mode. It costs one more copy of each packed weight in memory;
-`LLaMAConfig(linear_impl="torch")` turns it off.
+`LLaMAConfig(linear_impl="torch")` turns it off. The packed copies are kept by the operator
+(`native_ops.cpp`), each with a weak reference to its weight; without a C++ compiler (no operators)
+every projection is `F.linear`.
 
 Calls of at most `GEMV_MAX_ROWS` rows (decode steps of a few sequences) take the project's GEMV
 kernel instead (`cpu_gemv.cpp`). Which other calls pack: CPU, fp32, no gradient wanted, and either
 a large weight (decode of more sequences: reading the weight dominates) or many rows (prefill: the
-GEMM is compute-bound), so small GEMMs keep MKL's lower per-call cost. Inside a compiled graph a
-projection is the opaque op `fms_paged::linear`, which picks its path by the rows when it runs (one
-graph for every row count).
+GEMM is compute-bound), so small GEMMs keep MKL's lower per-call cost. The operator picks its path
+by the rows when it runs (one compiled graph for every row count); `cpu_path` says which it takes.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fms_paged import native
 
@@ -79,130 +77,43 @@ def _onednn_native(dtype: torch.dtype) -> bool:
 PACK_DTYPES = {dt: dt if _onednn_native(dt) else torch.float32
                for dt in (torch.float32, torch.bfloat16, torch.float16)}
 
-# weight -> ((data_ptr, version) when packed, oneDNN-packed copy); see `_stamp`
-_PACKED = WeakIdKeyDictionary()
 
-# first weight of a stack -> (every weight's (data_ptr, version) when packed, packed copy of the stack)
-_PACKED_CAT = WeakIdKeyDictionary()
-
-_LIB = torch.library.Library("fms_paged", "DEF")
-_LIB.define("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor")
-
-
-def _stamp(weight: torch.Tensor) -> tuple[int, int | None]:
-    """(data_ptr, version) of `weight`: what changes when its values may have changed. An inference
-    tensor has no version counter (reading `_version` raises): None, so only a new storage counts
-    for it (see the module docstring)."""
-    return weight.data_ptr(), None if weight.is_inference() else weight._version
+def configure() -> str | None:
+    """Load the operators (`native.ops`) and hand them the path rules above (`PACK_DTYPES`, the
+    thresholds) -> None, or why there are no operators here. Called again after changing them."""
+    why = native.ops()
+    if why is None:
+        pack = [PACK_DTYPES[dt] for dt in native.ELEM_TYPES] if _ONEDNN else []
+        torch.ops.fms_paged._configure_linear(GEMV_MAX_ROWS, PACK_MIN_WEIGHT, PACK_MIN_ROWS, pack)
+    return why
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(PACK_DTYPES[weight.dtype]))
+_READY: dict[torch.dtype, bool] = {}  # dtype -> the operators and its GEMV kernel are loaded
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN-packed copy of `weight` [N, K] (in `PACK_DTYPES[weight.dtype]`), packed again if
-    the weight changed since."""
-    key = _stamp(weight)
-    known = _PACKED.get(weight)
-    if known is None or known[0] != key:
-        known = _PACKED[weight] = (key, _pack(weight))
-    return known[1]
+def load_gemv(dtype: torch.dtype) -> str | None:
+    """Load the operators and the GEMV kernel for `dtype` (built for `native.isa()` once per
+    machine) -> None, or why not (the operator then computes its few-row products with ATen)."""
+    why = (configure() if not _READY else native.ops()) or native.register("gemv", GEMV_SOURCE, dtype)
+    _READY[dtype] = True  # tried: the operators take it from here
+    return why
 
 
-def packed_weights_cat(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The oneDNN-packed copy of the weights [N_i, K] stacked [sum N_i, K], packed again if any changed."""
-    key = tuple(_stamp(w) for w in weights)
-    known = _PACKED_CAT.get(weights[0])
-    if known is None or known[0] != key:
-        known = _PACKED_CAT[weights[0]] = (key, _pack(torch.cat([w.detach() for w in weights])))
-    return known[1]
+def serves(dtype: torch.dtype) -> bool:
+    """Whether `torch.ops.fms_paged.linear` serves `dtype` here (loading it on first use)."""
+    if dtype not in _READY:
+        load_gemv(dtype)
+    return native.ops_loaded()
 
 
-def _pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # in the packed copy's dtype (fp32 for a half-precision model where oneDNN has no such GEMM),
-    # the result in x's
-    if packed.dtype == x.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    b = None if bias is None else bias.to(packed.dtype)
-    return torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, b, "none", [], "").to(x.dtype)
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The operators' packed copy of the stack `weight` heads (None: none kept)."""
+    return torch.ops.fms_paged._packed_copy(weight) if native.ops_loaded() else None
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T + bias -> [..., N], through the packed weight."""
-    return _pointwise(x, packed_weight(weight), bias)
-
-
-def packed_linear_cat(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    """x [..., K] @ [w_1; w_2; ...]^T -> [..., sum N_i]: one GEMM through the packed stack."""
-    return _pointwise(x, packed_weights_cat(weights), None)
-
-
-@functools.cache
-def gemv_args(dtype: torch.dtype) -> type[ctypes.Structure]:
-    """The GEMV kernel's argument struct for tensors of `dtype` (`cpu_gemv.cpp`, which says what each
-    field holds), field for field; `native.bind` checks the library's layout against it. Set fields
-    by name: an unknown name (`__slots__`) or a value of the wrong type raises."""
-    kind = native.elem(dtype)[1]
-    tp = native.pointer(kind)
-    fields = [
-        ("x", tp), ("M", ctypes.c_int64), ("K", ctypes.c_int64), ("x_st", ctypes.c_int64),
-        ("weights", native.pointer(kind + "*")), ("rows", native.pointer("i64")),
-        ("n_weights", ctypes.c_int64),
-        ("y", tp), ("threads", ctypes.c_int32),
-    ]
-    return type("FmsGemvArgs", (ctypes.Structure,), {"__slots__": (), "_fields_": fields})
-
-
-def _gemv_kernel(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
-    """The GEMV kernel for `dtype`, built for `native.isa()` (a function of a `gemv_args(dtype)`), or
-    None where it cannot be built (no compiler); raises `native.LayoutMismatch` for a library whose
-    struct is not the mirror's."""
-    return _gemv_built(dtype, native.isa())
-
-
-@functools.cache
-def _gemv_built(dtype: torch.dtype, which: str) -> ctypes._CFuncPtr | None:
-    lib, _ = native._load(GEMV_SOURCE, which, FMS_ELEM=native.elem(dtype)[0])
-    return None if lib is None else native.bind(lib, "fms_paged_gemv", gemv_args(dtype))
-
-
-class _Stack(NamedTuple):
-    """A stack of weights as the kernel takes it: `args`, a `gemv_args(dtype)` with the weight fields
-    set (each call copies it and sets the rest), and what its addresses point to, kept alive here."""
-
-    args: ctypes.Structure
-    width: int  # the weights' total rows: the output's width
-    arrays: tuple[ctypes.Array, ctypes.Array]  # the weights' addresses and rows
-    copies: list[torch.Tensor]  # contiguous copies of non-contiguous weights (then not cached)
-
-
-# (K, then each weight's (data_ptr, shape, dtype, contiguous)) -> its _Stack: building the arrays
-# costs more than the rest of a call's Python, and a model calls the same few stacks every step
-_GEMV_STACKS: dict[tuple, _Stack] = {}
-
-
-def _gemv_stack(key: tuple, weights: list[torch.Tensor], dtype: torch.dtype) -> _Stack:
-    """The `_Stack` of `weights` (each [N_i, K] of `dtype` on the CPU), validated; kept under `key`
-    unless a weight is not contiguous (its copy serves this call alone)."""
-    K = key[0]
-    for i, w in enumerate(weights):
-        if w.dtype != dtype or not w.is_cpu or w.dim() != 2 or w.shape[1] != K:
-            raise ValueError(f"gemv: weight {i} must be a 2-D {dtype} CPU tensor [N, {K}] (x's dtype "
-                             f"and width), got {w.dtype} {tuple(w.shape)} on {w.device}")
-    copies = [w.contiguous() for w in weights if not w.is_contiguous()]
-    if copies:
-        it = iter(copies)
-        weights = [w if w.is_contiguous() else next(it) for w in weights]
-    n, rows = len(weights), [w.shape[0] for w in weights]
-    ptrs, counts = (ctypes.c_void_p * n)(*[w.data_ptr() for w in weights]), (ctypes.c_int64 * n)(*rows)
-    args = gemv_args(dtype)(K=K, weights=ctypes.addressof(ptrs), rows=ctypes.addressof(counts), n_weights=n)
-    stack = _Stack(args, sum(rows), (ptrs, counts), copies)
-    if not copies:
-        if len(_GEMV_STACKS) >= 4096:
-            _GEMV_STACKS.clear()
-        _GEMV_STACKS[key] = stack
-    return stack
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether the operators hold a packed copy of `weight` (alone or in a stack)."""
+    return native.ops_loaded() and weight.data_ptr() in torch.ops.fms_paged._packed_data_ptrs()
 
 
 def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -213,52 +124,19 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         kinds = ", ".join(map(str, native.ELEM_TYPES))
         raise ValueError(f"gemv: x must be a CPU tensor [..., K] of {kinds}, "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-    fn = _gemv_kernel(x.dtype)
-    if fn is None:
+    if load_gemv(x.dtype) is not None and not native.ops_loaded():
         return torch.cat([F.linear(x, w) for w in weights], dim=-1)
-    K = x.shape[-1]
-    rows = x.reshape(-1, K)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    key = (K, *[(w.data_ptr(), w.shape, w.dtype, w.is_contiguous()) for w in weights])
-    stack = _GEMV_STACKS.get(key) or _gemv_stack(key, weights, x.dtype)
-    y = torch.empty(*x.shape[:-1], stack.width, dtype=x.dtype)
-    args = type(stack.args).from_buffer_copy(stack.args)
-    args.x, args.M, args.x_st, args.y = rows.data_ptr(), rows.shape[0], rows.stride(0), y.data_ptr()
-    args.threads = torch.get_num_threads()
-    fn(args)
-    return y
+    return torch.ops.fms_paged.gemv(x, weights)
 
 
 def linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ [w_1; w_2; ...]^T + bias -> [..., sum N_i] for a call the CPU paths serve (fp32,
     bf16 or fp16 on the CPU, no gradient: checked by the caller) through the path `cpu_path` picks
-    for its rows.
-    Compiled graphs call it as the op `fms_paged::linear`: the path is chosen when the step runs,
-    not when it is traced, so one graph serves every row count (no guard on the rows)."""
-    return _linear(x, weights, bias, _rows_path(x, weights[0], sum(w.shape[0] for w in weights)))
-
-
-def _linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, path: str | None
-            ) -> torch.Tensor:
-    if path == "gemv":
-        y = gemv(x, weights)
-        return y if bias is None else y + bias
-    if len(weights) == 1:
-        return packed_linear(x, weights[0], bias) if path == "packed" else F.linear(x, weights[0], bias)
-    if path == "packed":
-        y = packed_linear_cat(x, weights)
-    else:
-        y = torch.cat([F.linear(x, w) for w in weights], -1)
-    return y if bias is None else y + bias
-
-
-_LIB.impl("linear", linear, "CPU")
-
-
-@torch.library.register_fake("fms_paged::linear")
-def _linear_fake(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
+    for its rows: the operator `fms_paged::linear`, which picks it when the call runs (in a compiled
+    graph too: no guard on the rows)."""
+    if not serves(x.dtype):
+        return torch.cat([F.linear(x, w) for w in weights], -1) + (0 if bias is None else bias)
+    return torch.ops.fms_paged.linear(x, weights, bias)
 
 
 def gemm_paths(dtype: torch.dtype) -> dict[str, str]:
@@ -286,10 +164,10 @@ def unpacked_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s weights that `Linear` may still pack on the CPU (each packed copy is
     about its weight's size): memory the KV budget leaves free for them."""
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear) and m.pack}
-    in_stacks = {ptr for key, _ in _PACKED_CAT.values() for ptr, _ in key}
+    packed = set(torch.ops.fms_paged._packed_data_ptrs()) if native.ops_loaded() else set()
     return sum(w.numel() * PACK_DTYPES[w.dtype].itemsize for w in weights.values()
-               if w.device.type == "cpu" and w.dtype in PACK_DTYPES and _ONEDNN and w not in _PACKED
-               and w.data_ptr() not in in_stacks)
+               if w.device.type == "cpu" and w.dtype in PACK_DTYPES and _ONEDNN
+               and w.data_ptr() not in packed)
 
 
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -332,9 +210,9 @@ class Linear(nn.Linear):
         # x: [..., in_features] -> [..., out_features]
         if not (self.pack and _cpu_inference(x, self.weight)):
             return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():  # the op: it picks its path when the graph runs
-            return torch.ops.fms_paged.linear(x, [self.weight], self.bias)
-        return linear(x, [self.weight], self.bias)
+        if native.ops_loaded() if torch.compiler.is_compiling() else serves(x.dtype):
+            return torch.ops.fms_paged.linear(x, [self.weight], self.bias)  # picks its path as it runs
+        return F.linear(x, self.weight, self.bias)
 
 
 def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
@@ -345,12 +223,8 @@ def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
     with_bias = [m.bias is not None for m in linears]
     if not (all(m.pack for m in linears) and len(set(with_bias)) == 1 and _cpu_inference(x, weights[0])):
         return [m(x) for m in linears]
+    if not (native.ops_loaded() if torch.compiler.is_compiling() else serves(x.dtype)):
+        return [F.linear(x, m.weight, m.bias) for m in linears]
     bias = torch.cat([m.bias for m in linears]) if with_bias[0] else None  # [sum N_i]
-    if torch.compiler.is_compiling():
-        y = torch.ops.fms_paged.linear(x, weights, bias)
-    else:
-        path = _rows_path(x, weights[0], sum(w.shape[0] for w in weights))
-        if path is None:
-            return [m(x) for m in linears]  # eager: no copy into one output
-        y = _linear(x, weights, bias, path)
+    y = torch.ops.fms_paged.linear(x, weights, bias)
     return list(y.split([w.shape[0] for w in weights], dim=-1))

@@ -1,8 +1,9 @@
-"""The engine in half precision (bf16, fp16) on the CPU: the cpp kernel and the compiled steps.
+"""The engine in half precision (bf16, fp16) on the CPU: the cpp kernel and the eager steps.
 
 The model is the embedded default model (`get_model()` without a path) in the dtype under test,
 with pages of 16 tokens so that small pools come under pressure. Engines keep their defaults for
-the kernel ("auto": cpp) and compile ("auto": the compiled prefill and decode graphs).
+the kernel ("auto": cpp) and compile ("auto": eager steps; a decode step of a few rows runs each
+block as one operator, `fms_paged::decoder_layer`, which rounds where the modules round).
 
 The reference of a request is the same request alone on a fresh engine in the same dtype. Why the
 comparison is not plain token equality everywhere: a token's numbers depend on the path that
@@ -14,8 +15,6 @@ computed it, and the engine picks paths by the shape of each step, not by the re
 - attention: a chunk of one token (a decode row) takes the cpp kernel's keys-in-lanes path, a
   longer chunk its rows-in-lanes path (after a preemption, output tokens first computed as decode
   rows are recomputed in a prefill chunk);
-- (every step, a one-token prefill padded to two included, runs a compiled graph: eager ops would
-  round each output to the dtype where inductor's fused kernels keep fp32.)
 
 Within one path a row's result does not depend on the other rows of its step
 (`test_same_paths_are_bit_identical_to_alone`). Between paths, fp32 results differ in their last
@@ -70,7 +69,7 @@ def model_of():
 
 
 def engine(model, **kw) -> Engine:
-    """An engine with the default kernel and compile mode (on the CPU: cpp, compiled)."""
+    """An engine with the default kernel and compile mode (on the CPU: cpp, eager)."""
     opts = dict(max_num_seqs=6, max_num_batched_tokens=64, num_pages=20, max_model_len=MAX_LEN)
     opts.update(kw)
     return Engine(model, **opts)
@@ -195,8 +194,8 @@ def workload(rng: random.Random, vocab: int):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_preemption_prefix_hits_chunks_and_forks_match_each_request_alone(model_of, dtype):
-    """20 requests (28 completions) on a pool of 19 pages for 6 rows, the compiled cpp kernel in
-    the model's dtype: preemptions (asserted), prefix-cache hits across requests (asserted),
+    """20 requests (28 completions) on a pool of 19 pages for 6 rows, the cpp kernel in the model's
+    dtype: preemptions (asserted), prefix-cache hits across requests (asserted),
     prompts longer than the token budget (prefilled in chunks), n = 3 seeded sampling (FORK). Each
     completion is compared with its request alone on a fresh engine in the same dtype (completion
     i of an n = 3 request: the n = 1 request with seed + i) by `check_near_alone`: bit-identical
@@ -212,7 +211,7 @@ def test_preemption_prefix_hits_chunks_and_forks_match_each_request_alone(model_
     budget = 64
     assert sum(len(p) > budget for p, _ in reqs) >= 2  # prefilled in chunks over several steps
     eng = engine(model, max_num_batched_tokens=budget)
-    assert eng.backend.kernel.name == "cpp" and eng.runner.compiled
+    assert eng.backend.kernel.name == "cpp" and not eng.runner.compiled
     got, stats, ids = serve(eng, reqs, after_step=check_pool)
     m = eng.metrics()
     assert m["preemptions"] > 0, "the pool never forced a preemption"
@@ -265,7 +264,7 @@ def test_same_paths_are_bit_identical_to_alone(model_of, dtype):
 
 
 def test_zero_recompiles_over_500_bf16_engine_steps(model_of):
-    """bf16, the engine's defaults (cpp kernel, compiled steps): after warmup() (decode buckets 2
+    """bf16, the cpp kernel's compiled steps (compile=True): after warmup() (decode buckets 2
     and 4: one graph, the batch dynamic past one row; prefill chunks of every length: one graph),
     500 steps with requests joining and leaving compile no new graph (Dynamo's count of graphs is
     unchanged) and recompile nothing (`error_on_recompile`: Dynamo would raise), as
@@ -276,7 +275,8 @@ def test_zero_recompiles_over_500_bf16_engine_steps(model_of):
     model = model_of(torch.bfloat16)
     vocab = model.config.src_vocab_size
     rng = random.Random(3)
-    eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, num_pages=160, max_model_len=160)
+    eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, num_pages=160, max_model_len=160,
+                 compile=True)
     assert eng.backend.kernel.name == "cpp" and eng.runner.compiled and eng.runner.buckets == [2, 4]
     wanted: dict[int, int] = {}
 
@@ -304,7 +304,7 @@ def test_zero_recompiles_over_500_bf16_engine_steps(model_of):
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_precision_engine_gets_the_cpp_kernel_and_pools_of_half_the_bytes(
         model_of, dtype, monkeypatch):
-    """On the CPU a bf16 / fp16 model's engine gets the cpp kernel (compiled steps) by default,
+    """On the CPU a bf16 / fp16 model's engine gets the cpp kernel (eager steps) by default,
     and its K/V pools are in the model's dtype: half the bytes of the same pool in fp32; sized by
     the CPU KV space, pages of half the bytes make twice the pages (the remainder rounded down)."""
     from fms_paged.kv.budget import CPU_KV_SPACE_ENV
@@ -316,7 +316,7 @@ def test_half_precision_engine_gets_the_cpp_kernel_and_pools_of_half_the_bytes(
     c = half.config
     assert choose_kernel("auto", torch.device("cpu"), P, head_dim=c.head_dim, dtype=dtype).name == "cpp"
     eng, ref = engine(half), engine(fp32)
-    assert eng.backend.kernel.name == ref.backend.kernel.name == "cpp" and eng.runner.compiled
+    assert eng.backend.kernel.name == ref.backend.kernel.name == "cpp" and not eng.runner.compiled
     pools = eng.backend.k_pools + eng.backend.v_pools
     ref_pools = ref.backend.k_pools + ref.backend.v_pools
     assert len(pools) == 2 * c.nlayers and all(p.dtype == dtype for p in pools)

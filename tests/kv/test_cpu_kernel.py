@@ -12,7 +12,6 @@ fp32 and rounds its output once, so each output is within half an ulp of the ref
 u * |ref| (u: the dtype's unit roundoff, 2^-8 for bf16, 2^-11 for fp16), plus that 1e-5.
 """
 
-import ctypes
 import re
 
 import pytest
@@ -97,7 +96,8 @@ def reference(q, k, v, slots, chunks, H, window=0, softcap=0.0, sinks=None):
 
 
 def run(q, k, v, table, chunks, P, **variants):
-    return torch.ops.fms_paged.paged_attention(q, k, v, table, chunks, P, q.shape[-1] ** -0.5, **variants)
+    # the operator, once `paged_attention` has built and loaded the kernel for this ISA, dtype and D
+    return cpu_kernel.paged_attention(q, k, v, table, chunks, P, q.shape[-1] ** -0.5, **variants)
 
 
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
@@ -330,7 +330,10 @@ def test_op_inside_a_compiled_graph():
     chunks = torch.tensor([(0, 0, 40, 0), (1, 8, 1, 40)])
     q, sinks = torch.randn(1, H, 41, D), torch.randn(H)
     variants = dict(window=5, softcap=5.0, sinks=sinks)
-    both = lambda q: run(q, k, v, table, chunks, P) * 2 + run(q, k, v, table, chunks, P, **variants)
+    run(q, k, v, table, chunks, P)  # loads the kernel: the graph calls the operator itself
+    op = torch.ops.fms_paged.paged_attention
+    s = D**-0.5
+    both = lambda q: op(q, k, v, table, chunks, P, s) * 2 + op(q, k, v, table, chunks, P, s, **variants)
     assert torch.equal(torch.compile(both, fullgraph=True, backend="eager")(q), both(q))
 
 
@@ -395,51 +398,47 @@ def test_built_once_per_head_dim_into_the_cache_dir(tmp_path, monkeypatch):
         native._load.cache_clear()
 
 
-def test_struct_is_typed():
-    """Fields are set by name and type-checked by ctypes; the kernel takes only its own struct, and
-    a library built for one dtype refuses the struct of another (its pointers' kinds differ)."""
-    Args = cpu_kernel.attention_args(torch.float32)
-    with pytest.raises(AttributeError):
-        Args(n_heads=4)  # not a field
-    with pytest.raises(TypeError):
-        Args(H=4.0)  # an int32 field
-    with pytest.raises(TypeError):
-        Args(q=torch.randn(4))  # a pointer field takes an address, not a tensor
-    kernel, why = cpu_kernel._build(16)
+def _library(tmp_path, fields: str, elem: str = "float") -> str:
+    """A kernel library whose argument struct is declared from `fields` (an X-macro list like
+    FMS_PAGED_ATTENTION_FIELDS), exporting fms_paged_attention and its layout."""
+    src = tmp_path / "other.cpp"
+    src.write_text(f"""#include "native_args.h"
+using T = {elem};
+#define FIELDS(X) {fields}
+extern "C" {{
+FMS_PAGED_ARGS(FmsPagedAttentionArgs, FIELDS, fms_paged_attention_layout)
+int fms_paged_attention(const FmsPagedAttentionArgs*) {{ return 0; }}
+}}
+""")
+    path, why = native._build("other", [native.compiler(), "-shared", "-fPIC", "-std=c++17",
+                                        f"-I{native.OPS_HEADER.parent}", str(src)], [src.read_text()])
     assert why is None
-
-    class Other(ctypes.Structure):
-        _fields_ = Args._fields_
-
-    with pytest.raises(ctypes.ArgumentError):
-        kernel(Other())
-    lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=16, FMS_ELEM="fms_bf16")
-    assert why is None
-    with pytest.raises(native.LayoutMismatch, match=r"first difference: 'q:bf16\*@0' where 'q:f32\*@0'"):
-        native.bind(lib, "fms_paged_attention", Args)
-    assert native.bind(lib, "fms_paged_attention", cpu_kernel.attention_args(torch.bfloat16)) is not None
+    return str(path)
 
 
-def test_library_with_another_layout_is_refused(monkeypatch):
-    """A library whose struct is laid out otherwise than the Python mirror (two same-typed fields
-    swapped: the same kinds, other offsets) is refused naming the first differing field, and
-    paged_attention raises rather than calling it."""
-    lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=16, FMS_ELEM="float")
-    assert why is None
-    fields = list(cpu_kernel.attention_args(torch.float32)._fields_)
-    fields[1], fields[2] = fields[2], fields[1]  # q_sh before q_st
-    swapped = type("FmsPagedAttentionArgs", (ctypes.Structure,), {"_fields_": fields})
-    with pytest.raises(native.LayoutMismatch,
-                       match=r"first difference: 'q_st:i64@8' where 'q_sh:i64@8' was expected"):
-        native.bind(lib, "fms_paged_attention", swapped)
+def test_library_with_another_layout_is_refused(tmp_path):
+    """The operators load a kernel library only when its struct is laid out as theirs (one field
+    list, native_kernels.h): a library with two same-typed fields swapped (same kinds, other
+    offsets), one with a field more, and one built for another dtype are refused, naming both
+    layouts, and the kernel loaded before keeps serving."""
     H, Hkv, D, P = 4, 2, 16, 16
-    k, v, table, _ = make_pool([20], H, Hkv, D, P)
-    real = native.layout
-    monkeypatch.setattr(native, "layout", lambda struct: real(struct) + " extra:i64@192")  # one more field
-    cpu_kernel._built.cache_clear()
-    try:
-        with pytest.raises(native.LayoutMismatch, match="first difference: 'nothing' where 'extra:i64@192'"):
-            run(torch.randn(1, H, 20, D), k, v, table, torch.tensor([(0, 0, 20, 0)]), P)
-    finally:
-        monkeypatch.undo()
-        cpu_kernel._built.cache_clear()
+    k, v, table, slots = make_pool([20], H, Hkv, D, P)
+    chunks, q = torch.tensor([(0, 0, 20, 0)]), torch.randn(1, H, 20, D)
+    good = run(q, k, v, table, chunks, P)
+    header = (native.OPS_HEADER.parent / "native_kernels.h").read_text()
+    start = "#define FMS_PAGED_ATTENTION_FIELDS(X)"
+    fields = header[header.index(start) + len(start):header.index("// y [M")]
+    fields = fields.replace("\\\n", " ").strip()
+    swapped = fields.replace("X(int64_t, q_st) X(int64_t, q_sh)", "X(int64_t, q_sh) X(int64_t, q_st)")
+    assert swapped != fields
+    cases = [(_library(tmp_path, swapped), torch.float32, r"q_sh:i64@8 q_st:i64@16"),
+             (_library(tmp_path, fields + " X(int64_t, extra)"), torch.float32, r"extra:i64@"),
+             (_library(tmp_path, fields, "fms_bf16"), torch.float32, r"q:bf16\*@0")]
+    for path, dtype, shown in cases:
+        with pytest.raises(RuntimeError, match=r"laid out as 'FmsPagedAttentionArgs .*" + shown):
+            torch.ops.fms_paged._load_kernel("attention", path, dtype, D)
+    assert torch.equal(run(q, k, v, table, chunks, P), good)
+    with pytest.raises(ValueError, match=r"kind='other'; expected 'attention' or 'gemv'"):
+        torch.ops.fms_paged._load_kernel("other", cases[0][0], torch.float32, D)
+    with pytest.raises(ValueError, match=r"head_dim=24; expected a multiple of 16"):
+        torch.ops.fms_paged._load_kernel("attention", cases[0][0], torch.float32, 24)

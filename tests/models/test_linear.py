@@ -6,7 +6,6 @@ is float64 from the same half-precision inputs: every path sums in fp32 and roun
 once, so an output is within u * |ref| of it (u: the dtype's unit roundoff) plus that fp32 term.
 """
 
-import ctypes
 import gc
 import os
 import subprocess
@@ -68,6 +67,7 @@ def test_half_precision_linear_paths(dtype, rows, fp32_copy, monkeypatch):
         pytest.skip(f"oneDNN has no {dtype} GEMM on this CPU: only the fp32-copy path runs here")
     if fp32_copy:
         monkeypatch.setitem(L.PACK_DTYPES, dtype, torch.float32)
+        L.configure()  # the operator's rules: undone below
     g = torch.Generator().manual_seed(0)
     lin = L.Linear(256, 1040, bias=True).requires_grad_(False).to(dtype)  # 2^18 weights and more: packs
     x = torch.randn(rows, 256, generator=g).to(dtype)
@@ -76,12 +76,13 @@ def test_half_precision_linear_paths(dtype, rows, fp32_copy, monkeypatch):
     got = lin(x)
     assert got.dtype == dtype
     if path == "packed":
-        assert L.packed_weight(lin.weight).dtype == (torch.float32 if fp32_copy else dtype)
+        assert L.packed_copy(lin.weight).dtype == (torch.float32 if fp32_copy else dtype)
     # the GEMV path adds the bias to its rounded product (a second rounding); the packed GEMM adds it
     # before rounding (LLaMA's projections have no bias)
     product = x.double() @ lin.weight.double().T
     assert_rounded_from(got, product + lin.bias.double(), product if path == "gemv" else None)
-    L._PACKED.pop(lin.weight, None)  # a forced path's copy must not outlive the monkeypatch
+    monkeypatch.undo()  # the operator back to this CPU's rules
+    L.configure()
 
 
 def onednn_cap_below_this_cpu() -> tuple[str, str]:
@@ -132,7 +133,7 @@ def test_cpu_paths_match_f_linear(out_f, in_f, lead, path, bias):
     x = torch.randn(*lead, in_f)
     assert L.cpu_path(x, lin.weight) == path
     got = lin(x)
-    assert (lin.weight in L._PACKED) == (path == "packed")
+    assert L.is_packed(lin.weight) == (path == "packed")
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), **TOL)
 
 
@@ -141,7 +142,7 @@ def test_small_calls_and_other_dtypes_keep_f_linear():
     lin = L.Linear(40, 48, bias=False).requires_grad_(False)
     assert L.cpu_path(torch.randn(L.PACK_MIN_ROWS - 1, 40), lin.weight) is None
     lin(torch.randn(L.PACK_MIN_ROWS - 1, 40))
-    assert lin.weight not in L._PACKED
+    assert not L.is_packed(lin.weight)
     big = L.Linear(256, 1024, bias=False).to(torch.float64).requires_grad_(False)
     x = torch.randn(3, 256, dtype=torch.float64)
     assert L.cpu_path(x, big.weight) is None
@@ -181,10 +182,10 @@ def test_packed_copy_goes_with_its_weight():
     lin = L.Linear(256, 1024, bias=False).requires_grad_(False)
     lin(torch.randn(L.GEMV_MAX_ROWS + 1, 256))
     gc.collect()
-    before = len(L._PACKED)
+    before = len(torch.ops.fms_paged._packed_data_ptrs())
     del lin
     gc.collect()
-    assert len(L._PACKED) == before - 1
+    assert len(torch.ops.fms_paged._packed_data_ptrs()) == before - 1
 
 
 def test_gradients_take_f_linear():
@@ -258,8 +259,9 @@ def test_linear_impl_torch_keeps_every_weight_unpacked():
     plain.reset_buffers()
     x = torch.randint(0, 4096, (1, 300))
     torch.testing.assert_close(auto(x), plain(x), **TOL)
-    assert auto.head.weight in L._PACKED and auto.layers[0].attn.in_proj.query.weight in L._PACKED_CAT
-    assert not any(p in L._PACKED or p in L._PACKED_CAT for p in plain.parameters())
+    assert L.packed_copy(auto.head.weight) is not None
+    assert L.packed_copy(auto.layers[0].attn.in_proj.query.weight) is not None  # q/k/v stacked
+    assert not any(L.is_packed(p) for p in plain.parameters())
     with pytest.raises(ValueError, match="linear_impl='onednn'"):
         LLaMAConfig(linear_impl="onednn")
 
@@ -284,7 +286,7 @@ def test_stacked_projections_are_one_gemm_and_follow_each_weight():
             torch.testing.assert_close(out, F.linear(x, m.weight), **TOL)
 
     check(L.linear_cat(x, lins))
-    assert lins[0].weight in L._PACKED_CAT and lins[1].weight not in L._PACKED
+    assert L.packed_copy(lins[0].weight) is not None and L.packed_copy(lins[1].weight) is None
     lins[2].load_state_dict({"weight": torch.randn(32, 64)})  # the last weight of the stack
     check(L.linear_cat(x, lins))
     graphs: list[set] = []
@@ -319,7 +321,7 @@ def test_inference_tensor_weights_pack_and_follow_a_new_storage():
     for mode in (torch.inference_mode, torch.no_grad):
         with mode():
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
-    assert lin.weight in L._PACKED
+    assert L.is_packed(lin.weight)
     with torch.inference_mode():
         lin.load_state_dict({"weight": torch.randn(1024, 256)}, assign=True)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
@@ -342,47 +344,3 @@ def test_gemv_refuses_wrong_dtypes_and_widths():
     torch.testing.assert_close(L.gemv(x, [w]), F.linear(x, w), **TOL)
     with pytest.raises(ValueError, match=r"\[N, 16\] \(x's dtype and width\), got torch.float32 \(64, 32\)"):
         L.gemv(x[:, :16], [w])  # the same weight, kept from the call before, with a narrower x
-
-
-def test_gemv_struct_is_typed():
-    """Fields are set by name and type-checked by ctypes; the kernel takes only its own struct."""
-    Args = L.gemv_args(torch.float32)
-    with pytest.raises(AttributeError):
-        Args(x_stride=4)  # not a field
-    with pytest.raises(TypeError):
-        Args(M=4.0)  # an int64 field
-    with pytest.raises(TypeError):
-        Args(x=torch.randn(4))  # a pointer field takes an address, not a tensor
-    fn = L._gemv_kernel()
-
-    class Other(ctypes.Structure):
-        _fields_ = Args._fields_
-
-    with pytest.raises(ctypes.ArgumentError):
-        fn(Other())
-
-
-def test_gemv_library_with_another_layout_is_refused(monkeypatch):
-    """A library whose struct is laid out otherwise than the Python mirror (two fields swapped: the
-    same kinds, other offsets) is refused with the first differing field named, not called."""
-    lib, why = native.load(L.GEMV_SOURCE, FMS_ELEM="float")
-    assert why is None
-    Args = L.gemv_args(torch.float32)
-    assert native.bind(lib, "fms_paged_gemv", Args) is not None
-
-    fields = list(Args._fields_)
-    fields[1], fields[2] = fields[2], fields[1]  # K before M
-    Swapped = type("FmsGemvArgs", (ctypes.Structure,), {"_fields_": fields})
-    with pytest.raises(native.LayoutMismatch, match=r"first difference: 'M:i64@8' where 'K:i64@8' was"):
-        native.bind(lib, "fms_paged_gemv", Swapped)
-    with pytest.raises(native.LayoutMismatch, match="exports no fms_paged_gemv_layout"):
-        native.bind(ctypes.CDLL(None), "fms_paged_gemv", Args)
-    # gemv itself refuses such a build loudly (no silent fallback to F.linear)
-    monkeypatch.setattr(native, "layout", lambda struct: "FmsGemvArgs 72: x:f32*@0")
-    L._gemv_built.cache_clear()
-    try:
-        with pytest.raises(native.LayoutMismatch, match="laid out as 'FmsGemvArgs 72: x:f32\\*@0 M:i64@8"):
-            L.gemv(torch.randn(1, 8), [torch.randn(4, 8)])
-    finally:
-        monkeypatch.undo()
-        L._gemv_built.cache_clear()

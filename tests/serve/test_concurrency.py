@@ -179,7 +179,10 @@ def test_a_stop_string_counts_as_stop_not_abort(server):
         r = c.completions.create(model=MODEL, prompt="import os\nimport sys\n", max_tokens=12,
                                  temperature=0, stop=[full[3:6]], extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop"
-    after, _ = wait_idle(server.url)
+    counted = lambda m, reason: metric(m, "fms_paged:request_success_total", finished_reason=reason)  # noqa: E731
+    # the counters are updated as the request is finished, which may come just after the reply
+    after, _ = wait_idle(server.url, until=lambda m: counted(m, "stop") + counted(m, "abort")
+                         > counted(before, "stop") + counted(before, "abort"))
     stop = (metric(after, "fms_paged:request_success_total", finished_reason="stop")
             - metric(before, "fms_paged:request_success_total", finished_reason="stop"))
     abort = (metric(after, "fms_paged:request_success_total", finished_reason="abort")

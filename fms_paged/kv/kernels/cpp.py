@@ -16,13 +16,16 @@ from fms_paged.kv import cpu_kernel  # noqa: F401 - registers the op torch.ops.f
 from fms_paged.kv.kernels.base import Kernel, PoolStep
 from fms_paged.kv.spec import AttentionSpec
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
+from fms_paged.modules.linear import GEMV_MAX_ROWS
 
 
 class CppStep(PoolStep):
-    """A step of the cpp kernel: the slots of its new tokens and its chunk list."""
+    """A step of the cpp kernel: the slots of its new tokens and its chunk list. `decode_rows`: a
+    decode step of few enough rows for the GEMV kernel, which an eager forward runs block by block
+    through the operator `fms_paged::decoder_layer` (`LLaMABlock.forward`)."""
 
-    def __init__(self, view: PoolView, slots: torch.Tensor, chunks: torch.Tensor):
-        self.view, self.slots, self.chunks = view, slots, chunks
+    def __init__(self, view: PoolView, slots: torch.Tensor, chunks: torch.Tensor, decode_rows: bool = False):
+        self.view, self.slots, self.chunks, self.decode_rows = view, slots, chunks, decode_rows
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                   spec: AttentionSpec) -> torch.Tensor:
@@ -36,7 +39,11 @@ class CppStep(PoolStep):
 
 class CppKernel(Kernel):
     name = "cpp"
-    compiles = True
+    # compile="auto" runs its steps eagerly: a decode step is one C++ operator call per layer
+    # (`fms_paged::decoder_layer`), a prefill step's GEMMs and attention are C++ operators, so a
+    # compiled graph would save little and cost its build (tens of seconds per shape) at start-up;
+    # compile=True compiles them all the same
+    compiles = False
     zero_new_pages = False  # reads no slot past a row's position
     # one compiled decode graph for every batch past one row (`model_step._rows_dynamic`), pool
     # and page size; its compiled prefill graph takes every step of two tokens or more
@@ -64,7 +71,7 @@ class CppKernel(Kernel):
         B = len(rows)
         chunks = torch.tensor([(s if n >= 0 else -1, max(n, 0), 1, i) for i, (s, n, _) in enumerate(rows)])
         slots = torch.tensor([slot for _, _, slot in rows])
-        return batch.tokens.view(B, 1), chunks[:, 1:2], CppStep(view, slots, chunks)
+        return batch.tokens.view(B, 1), chunks[:, 1:2], CppStep(view, slots, chunks, B <= GEMV_MAX_ROWS)
 
     def mixed(self, view: PoolView, dec: DecodeBatch,
               pre: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:

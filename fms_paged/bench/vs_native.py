@@ -1,0 +1,456 @@
+"""`vs_native`: the engine beside the native CPU engines a user would pick instead, on the workloads
+the engine was first measured against vLLM on (`vs_vllm.VS_VLLM`), plus each system's start.
+
+- llama.cpp (`scripts/peer_llamacpp.py` in `.venv-llamacpp`, made by `make peer-llamacpp`: built
+  from the `llama-cpp-python` sdist for this CPU, the model converted by its own
+  `convert_hf_to_gguf.py`), in f32, bf16 and f16;
+- OpenVINO GenAI (`scripts/peer_openvino.py` in `.venv-openvino`, made by `make peer-openvino`: its
+  `ContinuousBatchingPipeline` on an IR exported by optimum-intel), in f32 and bf16 (its inference
+  precision hint);
+- the engine (this module's `engine` job), in bf16, fp16 and fp32.
+
+Every system runs in a process of its own on the same token ids (prefix caching off, greedy, every
+request making all its tokens), warms up once, then times `repeats` runs (the median reported), and
+reports its start: from the start of its process to its first token (a peer's model conversion is
+cached and not counted). The engine's start is also measured cold, with empty kernel and compile
+caches (`FMS_PAGED_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`). A peer that is not installed or fails is
+recorded with why, and the rest goes on.
+
+    python -m fms_paged.bench.vs_native --out results/bench-native     # `make bench-native`
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.perf_counter()  # this process's start, for an engine job's start time (imports below)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from fms_paged.bench.environment import REPO_ROOT  # noqa: E402
+
+PEERS = {  # name -> (python, script, the dtypes it runs, what its jobs add)
+    # llama.cpp keeps its own default KV cache type (f16) at every weight dtype: its CPU flash
+    # attention has no fast bf16 path (a bf16 cache ran the default-model workload ~3x slower)
+    "llama.cpp": (
+        REPO_ROOT / ".venv-llamacpp" / "bin" / "python",
+        REPO_ROOT / "scripts" / "peer_llamacpp.py",
+        ("float32", "bfloat16", "float16"),
+        {"kv_cache_dtype": "float16"},
+    ),
+    "OpenVINO GenAI": (
+        REPO_ROOT / ".venv-openvino" / "bin" / "python",
+        REPO_ROOT / "scripts" / "peer_openvino.py",
+        ("float32", "bfloat16"),
+        {},
+    ),
+}
+ENGINE = "fms_paged"
+ENGINE_DTYPES = ("bfloat16", "float16", "float32")
+# the targets (issue: ahead of the native CPU engines): output tok/s against the best peer at its
+# best dtype on each workload; one request's decode against the read roofline; start-up seconds
+PEER_RATIO, ROOFLINE_SHARE, COLD_START_S, WARM_START_S = 1.0, 0.8, 10.0, 3.0
+ONE_REQUEST = "SmolLM2-135M shape, 1 prompt of 64, 64 new"
+
+
+def engine_job(job: dict[str, Any]) -> dict[str, Any]:
+    """The engine on `job` (the peers' IN.json) in this fresh process -> the peers' OUT.json
+    figures: a first run (its first token gives the start: from this process's start, and from
+    `Engine(...)`), then `repeats` timed runs."""
+    import torch
+
+    from fms_paged.engine import Engine, SamplingParams
+    from fms_paged.models import get_model
+
+    t_load = time.perf_counter()
+    model = get_model(model_path=job["model_path"], attn_impl="paged", dtype=getattr(torch, job["dtype"]))
+    reqs = job["requests"]
+    t_engine = time.perf_counter()
+    eng = Engine(
+        model,
+        max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        compile=job.get("compile", "auto"),
+        enable_prefix_caching=False,
+        max_model_len=max(len(r["prompt"]) + r["max_new_tokens"] for r in reqs),
+    )
+
+    def run() -> tuple[float, list[float], list[list[int]], float]:
+        ids = [
+            eng.add_request(r["prompt"], SamplingParams(max_new_tokens=r["max_new_tokens"], ignore_eos=True))
+            for r in reqs
+        ]
+        got: dict[int, list[int]] = {i: [] for i in ids}
+        first, t0 = None, time.perf_counter()
+        for out in eng.stream():
+            got[out.request_id].extend(out.new_token_ids)
+            first = first or time.perf_counter()
+        end = time.perf_counter()
+        return end - t0, [first], [got[i] for i in ids], end - first
+
+    duration, (first,), tokens, after_first = run()
+    res = {
+        "load_s": t_engine - t_load,
+        "start_s": first - _T0,
+        "engine_first_token_s": first - t_engine,
+        "first_run_s": duration,
+        "kernel": eng.backend.kernel.name,
+        "compiled": eng.runner.compiled,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    runs = [run() for _ in range(job.get("repeats", 3))]
+    n = sum(r["max_new_tokens"] for r in reqs)
+    rates = [n / r[0] for r in runs]
+    mid = sorted(runs, key=lambda r: n / r[0])[len(runs) // 2]
+    res.update(
+        tokens=mid[2],
+        duration_s=mid[0],
+        output_tokens=n,
+        output_tok_s=statistics.median(rates),
+        output_tok_s_runs=rates,
+        tokens_equal_runs=all(r[2] == runs[0][2] for r in runs),
+    )
+    if len(reqs) == 1:  # one request: its decode steps per second after the first token
+        res["decode_steps_s"] = (reqs[0]["max_new_tokens"] - 1) / mid[3]
+        res["step_anatomy_ms"] = step_anatomy(eng, reqs[0])
+    return res
+
+
+def step_anatomy(eng, req: dict[str, Any]) -> dict[str, float]:
+    """Where a one-request decode step's time goes (medians over the request's decode steps, ms):
+    the whole `Engine.step`, the model's forward in it, and the time inside the C++ kernels (GEMV
+    and attention, counted by the operators: `fms_paged::_kernel_ns`); host = step - kernels,
+    of it outside the forward (scheduling, sampling, bookkeeping) = step - forward."""
+    import torch
+
+    from fms_paged.engine import SamplingParams
+
+    runner, timings = eng.runner, {"forward": []}
+    decode = runner._decode
+
+    def timed_decode(*args, **kw):
+        t0 = time.perf_counter()
+        out = decode(*args, **kw)
+        timings["forward"].append(time.perf_counter() - t0)
+        return out
+
+    runner._decode = timed_decode
+    try:
+        eng.add_request(req["prompt"], SamplingParams(max_new_tokens=req["max_new_tokens"], ignore_eos=True))
+        eng.step()  # the prefill
+        steps, kernels = [], []
+        timings["forward"].clear()
+        while eng.has_unfinished():
+            k0, t0 = torch.ops.fms_paged._kernel_ns(), time.perf_counter()
+            eng.step()
+            steps.append(time.perf_counter() - t0)
+            kernels.append((torch.ops.fms_paged._kernel_ns() - k0) * 1e-9)
+    finally:
+        runner._decode = decode
+    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    step, forward, kernel = med(steps), med(timings["forward"]), med(kernels)
+    return {
+        "step": step,
+        "forward": forward,
+        "kernels": kernel,
+        "host": step - kernel,
+        "host_outside_forward": step - forward,
+    }
+
+
+def _run(cmd: list[str], job: dict[str, Any], tmp: Path, out: Path, tag: str, env=None) -> dict[str, Any]:
+    src, dst = tmp / f"{tag}.in.json", tmp / f"{tag}.out.json"
+    src.write_text(json.dumps(job))
+    run = subprocess.run([*cmd, str(src), str(dst)], capture_output=True, text=True, env=env)
+    (out / f"{tag}.log").write_text(run.stdout[-20000:] + run.stderr[-20000:])
+    if run.returncode or not dst.exists():
+        return {"error": ((run.stderr or run.stdout).strip() or f"exit {run.returncode}")[-1500:]}
+    return json.loads(dst.read_text())
+
+
+def _engine_cmd() -> list[str]:
+    return [sys.executable, "-m", "fms_paged.bench.vs_native", "engine"]
+
+
+def vs_native(out: Path, repeats: int = 3, log=print) -> dict[str, Any]:
+    """Every `VS_VLLM` workload through the engine and each peer of `PEERS`, at each of their dtypes;
+    the engine's cold start; the read roofline of the one-request decode; the targets."""
+    import torch
+
+    from fms_paged.bench.environment import environment_info, kv_bytes_per_token, measure_read_bandwidth
+    from fms_paged.bench.vs_vllm import SMOLLM2_135M, VS_VLLM
+    from fms_paged.models import default_model_path
+    from fms_paged.models.hf import save_hf_llama
+    from fms_paged.models.llama import LLaMA, LLaMAConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {
+        "environment": environment_info(torch.device("cpu")),
+        "repeats": repeats,
+        "read_bandwidth_gbs": measure_read_bandwidth(torch.device("cpu")),
+        "workloads": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        ckpts = {"default": Path(default_model_path()), "smollm2": tmp / "smollm2"}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            smol = LLaMA(LLaMAConfig(**SMOLLM2_135M))
+            smol.reset_parameters()
+        save_hf_llama(smol, ckpts["smollm2"])
+        vocabs = {
+            which: json.loads((path / "config.json").read_text())["vocab_size"]
+            for which, path in ckpts.items()
+        }
+        for name, (which, lens, new, seqs, budget) in VS_VLLM.items():
+            g, vocab = torch.Generator().manual_seed(0), vocabs[which]
+            job = {
+                "model_path": str(ckpts[which]),
+                "max_num_seqs": seqs,
+                "max_num_batched_tokens": budget,
+                "repeats": repeats,
+                "requests": [
+                    {"prompt": torch.randint(3, vocab, (n,), generator=g).tolist(), "max_new_tokens": new}
+                    for n in lens
+                ],
+            }
+            w = res["workloads"][name] = {}
+            systems = [(ENGINE, _engine_cmd(), ENGINE_DTYPES, {})] + [
+                (peer, [str(py), str(script)], dts, extra) for peer, (py, script, dts, extra) in PEERS.items()
+            ]
+            for system, cmd, dtypes, extra in systems:
+                for dtype in dtypes:
+                    tag = f"{system}_{which}_{len(lens)}_{dtype}".replace(" ", "_").replace(".", "")
+                    if not Path(cmd[0]).exists():
+                        target = "peer-llamacpp" if "llama" in system else "peer-openvino"
+                        w.setdefault(system, {})[dtype] = {
+                            "error": f"{cmd[0]} not found: `make {target}` creates it"
+                        }
+                        continue
+                    log(f"[bench-native] {name}: {system} {dtype} ...")
+                    w.setdefault(system, {})[dtype] = _run(
+                        cmd, {**job, **extra, "dtype": dtype}, tmp, out, tag
+                    )
+            # a one-request step reads every weight once (the tied head: the embedding) and the KV
+            if name == ONE_REQUEST:
+                params = sum(p.numel() for p in smol.parameters())
+                res["roofline_steps_s"] = {
+                    dt: res["read_bandwidth_gbs"]
+                    * 1e9
+                    / (
+                        params * getattr(torch, dt).itemsize
+                        + (max(lens) + new) * kv_bytes_per_token(smol.config, getattr(torch, dt))
+                    )
+                    for dt in ENGINE_DTYPES
+                }
+        # the engine's cold start: SmolLM2, one request, empty kernel and compile caches
+        which, lens, new, seqs, budget = VS_VLLM[ONE_REQUEST]
+        job = {
+            "model_path": str(ckpts[which]),
+            "max_num_seqs": seqs,
+            "max_num_batched_tokens": budget,
+            "repeats": 1,
+            "requests": [{"prompt": list(range(3, 3 + lens[0])), "max_new_tokens": new}],
+        }
+        res["cold_start"] = {}
+        for dtype in ENGINE_DTYPES:
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(
+                    os.environ, FMS_PAGED_CACHE_DIR=f"{cache}/kernels", TORCHINDUCTOR_CACHE_DIR=f"{cache}/ind"
+                )
+                log(f"[bench-native] cold start of the engine, {dtype} ...")
+                res["cold_start"][dtype] = _run(
+                    _engine_cmd(), {**job, "dtype": dtype}, tmp, out, f"cold_{dtype}", env=env
+                )
+    res["targets"] = targets(res)
+    return res
+
+
+def _best(by_dtype: dict[str, dict[str, Any]]) -> tuple[str | None, float]:
+    ok = {dt: r["output_tok_s"] for dt, r in by_dtype.items() if "output_tok_s" in r}
+    if not ok:
+        return None, 0.0
+    dt = max(ok, key=ok.get)
+    return dt, ok[dt]
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, str]]:
+    """Each target with what was measured and whether it was met (None: a system did not run)."""
+    rows = []
+    for name, w in res["workloads"].items():
+        ours_dt, ours = _best(w.get(ENGINE, {}))
+        peers = {p: _best(w.get(p, {})) for p in PEERS}
+        peers = {p: b for p, b in peers.items() if b[0]}
+        if not (ours_dt and peers):
+            rows.append(
+                {
+                    "target": f">= {PEER_RATIO}x the best peer: {name}",
+                    "measured": "a system did not run",
+                    "met": "unknown",
+                }
+            )
+            continue
+        best = max(peers, key=lambda p: peers[p][1])
+        ratio = ours / peers[best][1]
+        rows.append(
+            {
+                "target": f">= {PEER_RATIO}x the best peer: {name}",
+                "measured": f"{ratio:.2f}x ({ours_dt} {ours:.1f} tok/s vs {best} {peers[best][0]} "
+                f"{peers[best][1]:.1f})",
+                "met": "yes" if ratio >= PEER_RATIO else "no",
+            }
+        )
+    one = res["workloads"].get(ONE_REQUEST, {}).get(ENGINE, {})
+    shares = {
+        dt: r["decode_steps_s"] / res["roofline_steps_s"][dt]
+        for dt, r in one.items()
+        if "decode_steps_s" in r
+    }
+    if shares:
+        dt = max(shares, key=shares.get)
+        rows.append(
+            {
+                "target": f"one-request decode >= {ROOFLINE_SHARE:.0%} of the read roofline",
+                "measured": ", ".join(f"{d} {s:.0%}" for d, s in shares.items()),
+                "met": "yes" if shares[dt] >= ROOFLINE_SHARE else "no",
+            }
+        )
+    warm = {dt: r["engine_first_token_s"] for dt, r in one.items() if "engine_first_token_s" in r}
+    cold = {
+        dt: r["engine_first_token_s"]
+        for dt, r in res.get("cold_start", {}).items()
+        if "engine_first_token_s" in r
+    }
+    for what, got, limit in (("warm", warm, WARM_START_S), ("cold", cold, COLD_START_S)):
+        if got:
+            rows.append(
+                {
+                    "target": f"{what} start, Engine(...) to first token (SmolLM2) <= {limit:.0f} s",
+                    "measured": ", ".join(f"{d} {s:.1f} s" for d, s in got.items()),
+                    "met": "yes" if max(got.values()) <= limit else "no",
+                }
+            )
+    return rows
+
+
+def markdown(res: dict[str, Any]) -> str:
+    from fms_paged.bench.report import table
+
+    env = res["environment"]
+    rows = []
+    for name, w in res["workloads"].items():
+        for system, by_dtype in w.items():
+            for dt, r in by_dtype.items():
+                if "error" in r:
+                    rows.append(
+                        {
+                            "workload": name,
+                            "system": system,
+                            "dtype": dt,
+                            "tok_s": "did not run: " + r["error"].strip().splitlines()[-1][:100],
+                        }
+                    )
+                    continue
+                steps = r.get("decode_steps_s")
+                roof = res.get("roofline_steps_s", {}).get(dt) if system == ENGINE else None
+                rows.append(
+                    {
+                        "workload": name,
+                        "system": system,
+                        "dtype": dt,
+                        "tok_s": r["output_tok_s"],
+                        "steps": steps and (f"{steps:.1f}" + (f" ({steps / roof:.0%})" if roof else "")),
+                        "start": r.get("start_s"),
+                    }
+                )
+    cols = [
+        ("workload", "workload", ""),
+        ("system", "system", ""),
+        ("dtype", "dtype", ""),
+        ("output tok/s", "tok_s", ".1f"),
+        ("decode steps/s (% of roofline)", "steps", ""),
+        ("start s (process start to first token, warm)", "start", ".1f"),
+    ]
+    cold = {dt: r for dt, r in res.get("cold_start", {}).items()}
+    lines = [
+        f"# The engine beside llama.cpp and OpenVINO GenAI ({env['cpu_model']}, {env['cpu_count']} CPUs, "
+        f"{env['time'][:10]})",
+        "",
+        f"Median of {res['repeats']} timed runs after a warm-up, each system in its own process; read "
+        f"bandwidth {res['read_bandwidth_gbs']:.1f} GB/s.",
+        "",
+        table(rows, cols),
+        "",
+    ]
+    one = res["workloads"].get(ONE_REQUEST, {}).get(ENGINE, {})
+    for dt, r in one.items():
+        if "step_anatomy_ms" in r:
+            a = r["step_anatomy_ms"]
+            lines.append(
+                f"Engine decode step, one request, {dt} (ms): {a['step']:.2f} a step, {a['kernels']:.2f} "
+                f"in the C++ kernels, {a['host']:.2f} host work ({a['host_outside_forward']:.2f} of it "
+                f"outside the model's forward: scheduling, sampling, bookkeeping)."
+            )
+    lines.append("")
+    if cold:
+        lines += [
+            "Engine cold start (empty kernel and compile caches), Engine(...) to first token: "
+            + "; ".join(
+                f"{dt} {r['engine_first_token_s']:.1f} s" if "engine_first_token_s" in r else f"{dt} failed"
+                for dt, r in cold.items()
+            ),
+            "",
+        ]
+    lines += [
+        table(res["targets"], [("target", "target", ""), ("measured", "measured", ""), ("met", "met", "")])
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def figures(res: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """One panel per workload: output tok/s of each system (a series) across the dtypes."""
+    panels = []
+    for name, w in res["workloads"].items():
+        series = []
+        for system, by_dtype in w.items():
+            ok = [(dt, r["output_tok_s"]) for dt, r in by_dtype.items() if "output_tok_s" in r]
+            if ok:
+                series.append(
+                    {"label": system, "x": [d for d, _ in ok], "y": [v for _, v in ok], "fmt": "o-"}
+                )
+        panels.append({"title": name, "xlabel": "dtype", "ylabel": "output tok/s", "series": series})
+    return {"vs_native.png": panels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "engine":  # one engine job in this fresh process: engine IN.json OUT.json
+        job = json.loads(Path(argv[1]).read_text())
+        Path(argv[2]).write_text(json.dumps(engine_job(job)))
+        return 0
+    p = argparse.ArgumentParser(
+        prog="python -m fms_paged.bench.vs_native", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--out", type=Path, default=Path("results/bench-native"))
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    from fms_paged.bench.report import write_report
+
+    res = vs_native(args.out, args.repeats)
+    paths = write_report(args.out, res, markdown=markdown(res), rows={}, figures=figures(res))
+    print(markdown(res))
+    print(f"written: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+// The argument structs of the project's two CPU kernels, as field lists over the storage type T of
+// their tensors (float, fms_bf16 or fms_f16): one list, read by the kernels (cpu_attention.cpp,
+// cpu_gemv.cpp: FMS_PAGED_ARGS) and by the operators that call them (native_ops.cpp), which
+// compares its layout of each struct with the one the kernel library spells before it calls it.
+#pragma once
+
+#include "native_args.h"
+
+// q[t, h, :] (t < n_tokens, the step's query tokens) at q + t * q_st + h * q_sh; k, v: the pools
+// [Hkv, pool_tokens, D]; pages: the page table [n_seqs, pages_st]; chunks: [n_chunks, 4] (seq, q0,
+// n, offset); out: [n_tokens, H, D]; P: tokens per page; scale: the scores' factor; threads: at
+// most this many; softcap: the logit soft-cap (0: none); window: keys seen per query (0: all);
+// sinks: [H] fp32 logits, one per query head (null: none). The step's own keys and values are in
+// the pools already (written by the caller's ASSIGN).
+#define FMS_PAGED_ATTENTION_FIELDS(X)                                                          \
+  X(const T*, q) X(int64_t, q_st) X(int64_t, q_sh) X(int64_t, n_tokens)                        \
+  X(T*, k) X(T*, v) X(int64_t, pool_tokens)                                                    \
+  X(const int32_t*, pages) X(int64_t, n_seqs) X(int64_t, pages_st)                             \
+  X(const int64_t*, chunks) X(int64_t, n_chunks) X(T*, out)                                    \
+  X(int32_t, H) X(int32_t, Hkv) X(int32_t, P) X(float, scale) X(int32_t, threads)              \
+  X(float, softcap) X(int64_t, window) X(const float*, sinks)
+
+// y [M, sum of rows] = x [M, K] (row stride x_st) times each weight weights[i] [rows[i], K]^T
+// (i < n_weights, each row-major), side by side; threads: at most this many.
+#define FMS_PAGED_GEMV_FIELDS(X)                                                                \
+  X(const T*, x) X(int64_t, M) X(int64_t, K) X(int64_t, x_st)                                   \
+  X(const T* const*, weights) X(const int64_t*, rows) X(int64_t, n_weights)                     \
+  X(T*, y) X(int32_t, threads)

@@ -1,0 +1,390 @@
+// The project's CPU kernels as PyTorch operators (TORCH_LIBRARY): schemas and CPU implementations
+// that eager mode, inductor's generated code and an AOT-compiled graph all call through the
+// dispatcher, with no Python and no ctypes on the way.
+//
+// The kernels themselves (kv/cpu_attention.cpp, modules/cpu_gemv.cpp) include no torch header: they
+// are built per instruction set, storage type and head dim when first needed (fms_paged/native.py,
+// in seconds) and loaded here by path (`_load_kernel`), which checks each library's argument
+// struct against this file's (native_kernels.h) before taking its entry point. This file is built
+// once per torch version and compiler (at install time, else on first use) and is the same on
+// every CPU.
+//
+// Operators (fms_paged::, schemas below):
+// - paged_attention: causal attention of a step's query tokens over their pages (the "cpp" kernel);
+// - gemv: a few rows times stacked row-major weights (decode projections);
+// - linear: a projection by the path its rows call for: the GEMV kernel for a few rows, oneDNN's
+//   blocked GEMM on a packed copy of the weights (kept here, per weight) for many, at::linear else;
+// - decoder_layers: a model's decoder blocks on a decode step in one call (norms, q/k/v, q/k norms,
+//   RoPE, ASSIGN, attention, output projection, residuals, gated MLP; native_layer.cpp): the host
+//   work of a decode step's layers is one dispatch instead of some fifty operator calls per layer.
+#include <dlfcn.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cmath>
+#include <mutex>
+#include <unordered_map>
+
+#include "native_ops.h"
+
+namespace fms_paged_ops {
+
+// ---------------------------------------------------------------- the registry of loaded kernels
+
+template <class T>
+std::string attention_layout() {
+  return FMS_PAGED_LAYOUT_OF(AttentionArgs<T>, "FmsPagedAttentionArgs", FMS_PAGED_ATTENTION_FIELDS);
+}
+template <class T>
+std::string gemv_layout() {
+  return FMS_PAGED_LAYOUT_OF(GemvArgs<T>, "FmsGemvArgs", FMS_PAGED_GEMV_FIELDS);
+}
+std::string expected_layout(bool attention, int e) {
+  switch (e) {
+    case 0: return attention ? attention_layout<float>() : gemv_layout<float>();
+    case 1: return attention ? attention_layout<fms_bf16>() : gemv_layout<fms_bf16>();
+    default: return attention ? attention_layout<fms_f16>() : gemv_layout<fms_f16>();
+  }
+}
+
+constexpr int64_t kHeadDimStep = 16, kMaxHeadDim = 1024;
+// the loaded kernels: attention per (storage type, head dim / 16), GEMV per storage type; set
+// once by `_load_kernel`, read by every call without a lock
+std::array<std::array<std::atomic<KernelFn>, kMaxHeadDim / kHeadDimStep + 1>, kElems> attention_fns{};
+std::array<std::atomic<KernelFn>, kElems> gemv_fns{};
+
+KernelFn attention_fn(int e, int64_t head_dim) {
+  if (e < 0 || head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % kHeadDimStep) return nullptr;
+  return attention_fns[e][head_dim / kHeadDimStep].load(std::memory_order_acquire);
+}
+KernelFn gemv_fn(int e) { return e < 0 ? nullptr : gemv_fns[e].load(std::memory_order_acquire); }
+
+// _load_kernel: the library at `path` (built by fms_paged.native) as the `kind` ("attention" or
+// "gemv") kernel of `dtype` (and `head_dim`, attention); refused unless its struct is laid out as
+// this file's
+void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dtype, int64_t head_dim) {
+  const bool attention = kind == "attention";
+  TORCH_CHECK_VALUE(attention || kind == "gemv", "_load_kernel: kind='", kind, "'; expected 'attention' or 'gemv'");
+  const int e = elem_index(dtype);
+  TORCH_CHECK_VALUE(e >= 0, "_load_kernel: dtype ", dtype, "; the kernels take ", elem_names);
+  TORCH_CHECK_VALUE(!attention || (head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % kHeadDimStep == 0),
+                    "_load_kernel: head_dim=", head_dim, "; expected a multiple of ", kHeadDimStep, " up to ",
+                    kMaxHeadDim);
+  const std::string file(path);
+  void* lib = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(lib, "_load_kernel: loading ", file, " failed: ", dlerror());
+  const std::string name = attention ? "fms_paged_attention" : "fms_paged_gemv";
+  auto layout_fn = reinterpret_cast<const char* (*)()>(dlsym(lib, (name + "_layout").c_str()));
+  auto fn = reinterpret_cast<KernelFn>(dlsym(lib, name.c_str()));
+  TORCH_CHECK(layout_fn && fn, "_load_kernel: ", file, " exports no ", name, " and ", name, "_layout()");
+  const std::string built = layout_fn(), want = expected_layout(attention, e);
+  TORCH_CHECK(built == want, "_load_kernel: ", file, ": the kernel's argument struct is laid out as '", built,
+              "', the operator's as '", want, "': built from another version of native_kernels.h");
+  if (attention)
+    attention_fns[e][head_dim / kHeadDimStep].store(fn, std::memory_order_release);
+  else
+    gemv_fns[e].store(fn, std::memory_order_release);
+}
+
+bool kernel_loaded(c10::string_view kind, at::ScalarType dtype, int64_t head_dim) {
+  return kind == "attention" ? attention_fn(elem_index(dtype), head_dim) != nullptr
+                             : gemv_fn(elem_index(dtype)) != nullptr;
+}
+
+std::string shape(const at::Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + (t.dim() == 1 ? ",)" : ")");
+}
+std::string dtype_name(at::ScalarType t) {
+  std::string s = c10::toString(t);  // "Float", "BFloat16", ...
+  static const std::unordered_map<std::string, std::string> names = {
+      {"Float", "float32"}, {"BFloat16", "bfloat16"}, {"Half", "float16"}, {"Double", "float64"},
+      {"Int", "int32"},     {"Long", "int64"},        {"Bool", "bool"}};
+  auto it = names.find(s);
+  return "torch." + (it == names.end() ? s : it->second);
+}
+std::string py_float(double v) {  // as Python's repr spells a float
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[32];
+  for (int p = 1; p <= 17; ++p) {
+    std::snprintf(buf, sizeof buf, "%.*g", p, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string s = buf;
+  if (s.find_first_of(".en") == std::string::npos) s += ".0";
+  return s;
+}
+
+// ------------------------------------------------------------------------------ paged_attention
+
+void check_variants(int64_t H, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK_VALUE(window >= 0, "paged_attention: window=", window, "; expected an int >= 0 (0: no window)");
+  const double tiny = std::numeric_limits<float>::min(), big = std::numeric_limits<float>::max();
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap >= tiny && softcap <= big), "paged_attention: softcap=",
+                    py_float(softcap), "; expected 0.0 (none) or a finite float32 in [1.175e-38, 3.403e+38]");
+  if (sinks) {
+    const at::Tensor& s = *sinks;
+    const bool ok = s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == H && s.is_cpu() &&
+                    s.is_contiguous();
+    TORCH_CHECK_VALUE(ok, "paged_attention: sinks must be None or a contiguous torch.float32 CPU tensor [", H,
+                      "] (one logit per query head), got ", dtype_name(s.scalar_type()), " ", shape(s), " on ",
+                      s.device(), s.is_contiguous() ? "" : ", not contiguous");
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size, double scale,
+                           int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+  const at::ScalarType dt = q.scalar_type();
+  const int e = elem_index(dt);
+  TORCH_CHECK_VALUE(e >= 0, "paged_attention: q is ", dtype_name(dt), "; the kernel takes ", elem_names);
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.is_cpu(), "paged_attention: q must be a 4-D ", dtype_name(dt),
+                    " CPU tensor, got ", shape(q), " on ", q.device());
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
+  check_variants(H, window, softcap, sinks);
+  const std::pair<const char*, std::tuple<const at::Tensor&, at::ScalarType, int64_t>> want[] = {
+      {"k_pool", {k_pool, dt, 4}}, {"v_pool", {v_pool, dt, 4}}, {"page_table", {page_table, at::kInt, 2}},
+      {"chunks", {chunks, at::kLong, 2}}};
+  for (const auto& [name, spec] : want) {
+    const auto& [t, type, dims] = spec;
+    TORCH_CHECK_VALUE(t.scalar_type() == type && t.dim() == dims && t.is_cpu(), "paged_attention: ", name,
+                      " must be a ", dims, "-D ", dtype_name(type), " CPU tensor, got ", dtype_name(t.scalar_type()),
+                      " ", shape(t), " on ", t.device());
+  }
+  const bool pools = k_pool.size(0) == 1 && k_pool.size(3) == D && k_pool.sizes() == v_pool.sizes();
+  TORCH_CHECK_VALUE(pools && chunks.size(1) == 4, "paged_attention: pools ", shape(k_pool), " / ", shape(v_pool),
+                    ", chunks ", shape(chunks), ": expected two pools [1, Hkv, NP, ", D, "] and chunks [n, 4]");
+  TORCH_CHECK_VALUE(k_pool.is_contiguous() && v_pool.is_contiguous() && page_table.is_contiguous() &&
+                        chunks.is_contiguous(),
+                    "paged_attention: the pools, the page table and the chunks must be contiguous");
+  const KernelFn fn = attention_fn(e, D);
+  TORCH_CHECK(fn, "paged_attention: no kernel loaded for head_dim=", D, " and ", dtype_name(dt),
+              " (fms_paged.kv.cpu_kernel.unavailable_reason builds and loads it)");
+  // q's tokens as rows [B * S, H, D] with D contiguous: q [B, H, S, D] transposed, copied only
+  // when its tokens are not evenly strided
+  at::Tensor rows = q.transpose(1, 2);  // [B, S, H, D]
+  if (!(B == 1 || S == 1 || rows.stride(0) == S * rows.stride(1)) || rows.stride(3) != 1) rows = rows.contiguous();
+  const int64_t q_st = S == 1 ? rows.stride(0) : rows.stride(1), q_sh = rows.stride(2);
+  at::Tensor out = at::empty({B, S, H, D}, q.options());
+  by_elem(e, [&](auto t) {
+    run_attention<decltype(t)>(fn, rows.data_ptr(), q_st, q_sh, B * S, k_pool, v_pool, page_table, chunks, H,
+                               page_size, scale, window, softcap, sinks, out.data_ptr());
+  });
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------- gemv
+
+// y [M, sum N_i] = x [M, K] (row stride x_st) @ [w_1; w_2; ...]^T by the GEMV kernel of index e
+void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st,
+              const std::vector<const void*>& weights, const std::vector<int64_t>& rows, void* y) {
+  by_elem(e, [&](auto t) {
+    using T = decltype(t);
+    GemvArgs<T> a{};
+    a.x = static_cast<const T*>(x), a.M = M, a.K = K, a.x_st = x_st;
+    a.weights = reinterpret_cast<const T* const*>(weights.data()), a.rows = rows.data();
+    a.n_weights = (int64_t)weights.size(), a.y = static_cast<T*>(y), a.threads = threads();
+    timed([&] { return fn(&a); });
+  });
+}
+
+at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
+  const int e = elem_index(x.scalar_type());
+  TORCH_CHECK_VALUE(e >= 0 && x.is_cpu() && x.dim() > 0, "gemv: x must be a CPU tensor [..., K] of ", elem_names,
+                    ", got ", dtype_name(x.scalar_type()), " ", shape(x), " on ", x.device());
+  TORCH_CHECK_VALUE(!weights.empty(), "gemv: no weights");
+  const int64_t K = x.size(-1);
+  std::vector<at::Tensor> keep;  // contiguous copies of non-contiguous weights
+  std::vector<const void*> ptrs;
+  std::vector<int64_t> rows;
+  int64_t width = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK_VALUE(w.scalar_type() == x.scalar_type() && w.is_cpu() && w.dim() == 2 && w.size(1) == K, "gemv: weight ",
+                      i, " must be a 2-D ", dtype_name(x.scalar_type()), " CPU tensor [N, ", K,
+                      "] (x's dtype and width), got ", dtype_name(w.scalar_type()), " ", shape(w), " on ", w.device());
+    if (!w.is_contiguous()) keep.push_back(w.contiguous());
+    ptrs.push_back(w.is_contiguous() ? w.data_ptr() : keep.back().data_ptr());
+    rows.push_back(w.size(0));
+    width += w.size(0);
+  }
+  const KernelFn fn = gemv_fn(e);
+  if (!fn) {  // not loaded (no compiler): the same product by ATen
+    std::vector<at::Tensor> ys;
+    for (const at::Tensor& w : weights) ys.push_back(at::linear(x, w));
+    return ys.size() == 1 ? ys[0] : at::cat(ys, -1);
+  }
+  at::Tensor rows2d = x.reshape({-1, K});
+  if (rows2d.stride(-1) != 1) rows2d = rows2d.contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = width;
+  at::Tensor y = at::empty(out_shape, x.options());
+  run_gemv(fn, e, rows2d.data_ptr(), rows2d.size(0), K, rows2d.stride(0), ptrs, rows, y.data_ptr());
+  return y;
+}
+
+// --------------------------------------------------------------------------------------- linear
+
+// how `linear` picks its path (set by fms_paged.modules.linear when it loads: `_configure_linear`)
+struct LinearConfig {
+  int64_t gemv_max_rows = 8, pack_min_weight = 1 << 18, pack_min_rows = 256;
+  bool onednn = false;
+  std::array<at::ScalarType, kElems> pack_dtype{at::kFloat, at::kFloat, at::kFloat};  // per storage type
+};
+LinearConfig linear_config;
+std::mutex linear_config_mu;
+
+void configure_linear(int64_t gemv_max_rows, int64_t pack_min_weight, int64_t pack_min_rows,
+                      std::vector<at::ScalarType> pack_dtypes) {
+  TORCH_CHECK_VALUE(pack_dtypes.empty() || pack_dtypes.size() == kElems, "_configure_linear: pack_dtypes has ",
+                    pack_dtypes.size(), " entries; expected none (no oneDNN) or one per ", elem_names);
+  std::lock_guard<std::mutex> lock(linear_config_mu);
+  linear_config.gemv_max_rows = gemv_max_rows, linear_config.pack_min_weight = pack_min_weight;
+  linear_config.pack_min_rows = pack_min_rows, linear_config.onednn = !pack_dtypes.empty();
+  for (size_t i = 0; i < pack_dtypes.size(); ++i) linear_config.pack_dtype[i] = pack_dtypes[i];
+}
+
+// a packed copy of a stack of weights: what it was made from (each weight's data pointer and
+// version, its owner held weakly) and the copy
+struct Packed {
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> owners;
+  std::vector<std::pair<const void*, int64_t>> stamps;
+  at::Tensor packed;
+};
+std::mutex packed_mu;
+std::unordered_map<const c10::TensorImpl*, Packed> packed_cache;  // by the stack's first weight
+
+void drop_expired() {  // the copies of freed weights (packed_mu held)
+  for (auto it = packed_cache.begin(); it != packed_cache.end();)
+    it = it->second.owners[0].expired() ? packed_cache.erase(it) : std::next(it);
+}
+
+// (data pointer, version) of a weight: what changes when its values may have. An inference tensor
+// has no version counter: -1, so only a new storage counts for it.
+std::pair<const void*, int64_t> stamp(const at::Tensor& w) {
+  return {w.data_ptr(), w.is_inference() ? -1 : (int64_t)w._version()};
+}
+
+c10::OperatorHandle mkldnn_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor packed_weights(at::TensorList weights, at::ScalarType pack_dtype) {
+  std::vector<std::pair<const void*, int64_t>> stamps;
+  for (const at::Tensor& w : weights) stamps.push_back(stamp(w));
+  const c10::TensorImpl* key = weights[0].unsafeGetTensorImpl();
+  {
+    std::lock_guard<std::mutex> lock(packed_mu);
+    auto it = packed_cache.find(key);
+    if (it != packed_cache.end() && it->second.stamps == stamps && it->second.owners[0].lock().get() == key &&
+        it->second.packed.scalar_type() == pack_dtype)
+      return it->second.packed;
+  }
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor& w : weights) parts.push_back(w.detach());
+  at::Tensor stack = (parts.size() == 1 ? parts[0] : at::cat(parts, 0)).to(pack_dtype);
+  static const c10::OperatorHandle reorder = mkldnn_op("mkldnn::_reorder_linear_weight");
+  torch::jit::Stack args{stack, c10::IValue()};
+  reorder.callBoxed(args);
+  Packed entry{{}, stamps, args[0].toTensor()};
+  for (const at::Tensor& w : weights) entry.owners.push_back(c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()));
+  std::lock_guard<std::mutex> lock(packed_mu);
+  drop_expired();
+  return (packed_cache[key] = std::move(entry)).packed;
+}
+
+// data pointers of the weights that have a packed copy (fms_paged.modules.linear.unpacked_bytes)
+std::vector<int64_t> packed_data_ptrs() {
+  std::lock_guard<std::mutex> lock(packed_mu);
+  drop_expired();
+  std::vector<int64_t> out;
+  for (const auto& [key, entry] : packed_cache)
+    for (const auto& s : entry.stamps) out.push_back((int64_t) reinterpret_cast<intptr_t>(s.first));
+  return out;
+}
+
+// the packed copy of the stack whose first weight is `weight` (None: none kept)
+std::optional<at::Tensor> packed_copy(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(packed_mu);
+  auto it = packed_cache.find(weight.unsafeGetTensorImpl());
+  if (it == packed_cache.end() || it->second.owners[0].lock().get() != weight.unsafeGetTensorImpl())
+    return std::nullopt;
+  return it->second.packed;
+}
+
+at::Tensor pointwise(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op = mkldnn_op("mkldnn::_linear_pointwise");
+  const at::ScalarType pdt = packed.scalar_type();
+  const bool same = pdt == x.scalar_type();
+  c10::IValue b = bias ? c10::IValue(same ? *bias : bias->to(pdt)) : c10::IValue();
+  torch::jit::Stack args{same ? x : x.to(pdt), packed, b, std::string("none"),
+                         c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(args);
+  at::Tensor y = args[0].toTensor();
+  return same ? y : y.to(x.scalar_type());
+}
+
+at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(!weights.empty() && x.dim() > 0, "linear: x [..., K] and at least one weight [N, K]");
+  LinearConfig cfg;
+  {
+    std::lock_guard<std::mutex> lock(linear_config_mu);
+    cfg = linear_config;
+  }
+  const int64_t K = x.size(-1);
+  int64_t width = 0;
+  for (const at::Tensor& w : weights) width += w.size(0);
+  const int e = elem_index(x.scalar_type());
+  auto add_bias = [&](at::Tensor y) { return bias ? at::add(y, *bias) : y; };
+  if (e >= 0 && x.numel() <= cfg.gemv_max_rows * K) return add_bias(gemv(x, weights));
+  const bool pack = cfg.onednn && e >= 0 &&
+                    (cfg.pack_dtype[e] != x.scalar_type() || width * weights[0].size(1) >= cfg.pack_min_weight ||
+                     x.numel() >= cfg.pack_min_rows * K);
+  if (pack) {
+    const at::Tensor packed = packed_weights(weights, cfg.pack_dtype[e]);
+    return weights.size() == 1 ? pointwise(x, packed, bias) : add_bias(pointwise(x, packed, std::nullopt));
+  }
+  if (weights.size() == 1) return at::linear(x, weights[0], bias);
+  std::vector<at::Tensor> ys;
+  for (const at::Tensor& w : weights) ys.push_back(at::linear(x, w));
+  return add_bias(at::cat(ys, -1));
+}
+
+}  // namespace fms_paged_ops
+
+using namespace fms_paged_ops;
+
+TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
+  m.def("_load_kernel(str kind, str path, ScalarType dtype, int head_dim=0) -> ()", &load_kernel);
+  m.def("_kernel_loaded(str kind, ScalarType dtype, int head_dim=0) -> bool", &kernel_loaded);
+  m.def("_configure_linear(int gemv_max_rows, int pack_min_weight, int pack_min_rows, ScalarType[] pack_dtypes) -> ()",
+        &configure_linear);
+  m.def("_packed_data_ptrs() -> int[]", &packed_data_ptrs);
+  m.def("_packed_copy(Tensor weight) -> Tensor?", &packed_copy);
+  m.def("_kernel_ns() -> int", &kernel_ns_total);
+  m.def(
+      "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor chunks, SymInt page_size, "
+      "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
+  m.def("gemv(Tensor x, Tensor[] weights) -> Tensor");
+  m.def("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
+  m.def(
+      "decoder_layers(Tensor x, Tensor[] weights, Tensor[] cos, Tensor[] sin, int[] rope_index, "
+      "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size, "
+      "float[] scales, int[] windows, float[] softcaps, Tensor?[] sinks, float eps, bool unit_offset, "
+      "float residual_multiplier, int activation) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("gemv", &gemv);
+  m.impl("linear", &linear);
+  m.impl("decoder_layers", &decoder_layers);
+}

@@ -1,0 +1,120 @@
+// What the operators' two sources share (native_ops.cpp: the kernel registry, paged_attention,
+// gemv, linear and the schemas; native_layer.cpp: decoder_layers): the kernels' storage types and
+// argument structs, and how a loaded kernel is called.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <atomic>
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "native_args.h"
+#include "native_kernels.h"
+
+namespace fms_paged_ops {
+
+// the storage types the kernels take, in this order: index e of a dtype (-1: none of them)
+constexpr int kElems = 3;
+inline int elem_index(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: return -1;
+  }
+}
+inline const char* elem_names = "torch.float32, torch.bfloat16, torch.float16";
+
+template <class T>
+struct AttentionArgs {
+  FMS_PAGED_ATTENTION_FIELDS(FMS_PAGED_FIELD_DECL)
+};
+template <class T>
+struct GemvArgs {
+  FMS_PAGED_GEMV_FIELDS(FMS_PAGED_FIELD_DECL)
+};
+
+using KernelFn = int (*)(const void*);
+// the loaded kernel of storage type e (and head dim), or null (native_ops.cpp)
+KernelFn attention_fn(int e, int64_t head_dim);
+KernelFn gemv_fn(int e);
+
+inline int threads() { return at::get_num_threads(); }
+
+// nanoseconds spent inside the kernels (every call of every thread of this process): what a step's
+// host work is measured against (`_kernel_ns`)
+inline std::atomic<int64_t> kernel_ns{0};
+template <class F>
+int timed(F&& call) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int err = call();
+  kernel_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+                          .count(),
+                      std::memory_order_relaxed);
+  return err;
+}
+inline int64_t kernel_ns_total() { return kernel_ns.load(std::memory_order_relaxed); }
+
+
+std::string shape(const at::Tensor& t);  // "(2, 3)", as Python prints a shape
+std::string dtype_name(at::ScalarType t);  // "torch.float32"
+std::string py_float(double v);  // as Python's repr spells a float
+// ValueError unless window >= 0, softcap 0 or a normal float32, sinks None or contiguous fp32 [H] on the CPU
+void check_variants(int64_t H, int64_t window, double softcap, const std::optional<at::Tensor>& sinks);
+
+// the kernel on q rows [tokens, H, D] at (q_st, q_sh) -> out [tokens, H, D]; ValueError for what it
+// refuses
+template <class T>
+void run_attention(KernelFn fn, const void* q, int64_t q_st, int64_t q_sh, int64_t n_tokens, const at::Tensor& k_pool,
+                   const at::Tensor& v_pool, const at::Tensor& page_table, const at::Tensor& chunks, int64_t H,
+                   int64_t page_size, double scale, int64_t window, double softcap,
+                   const std::optional<at::Tensor>& sinks, void* out) {
+  AttentionArgs<T> a{};
+  a.q = static_cast<const T*>(q), a.q_st = q_st, a.q_sh = q_sh, a.n_tokens = n_tokens;
+  a.k = static_cast<T*>(k_pool.data_ptr()), a.v = static_cast<T*>(v_pool.data_ptr());
+  a.pool_tokens = k_pool.size(2);
+  a.pages = page_table.data_ptr<int32_t>(), a.n_seqs = page_table.size(0), a.pages_st = page_table.size(1);
+  a.chunks = chunks.data_ptr<int64_t>(), a.n_chunks = chunks.size(0), a.out = static_cast<T*>(out);
+  a.H = (int32_t)H, a.Hkv = (int32_t)k_pool.size(1), a.P = (int32_t)page_size, a.scale = (float)scale;
+  a.threads = threads(), a.softcap = (float)softcap, a.window = window;
+  a.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
+  const int err = timed([&] { return fn(&a); });
+  TORCH_CHECK_VALUE(err != 1, "paged_attention: nheads=", H, " over kvheads=", a.Hkv, " with page_size=", page_size,
+                    ": heads must divide evenly and pages hold a multiple of 8");
+  if (err) {
+    const int64_t* c = a.chunks + 4 * (err - 2);
+    TORCH_CHECK_VALUE(false, "paged_attention: chunk ", err - 2, " [", c[0], ", ", c[1], ", ", c[2], ", ", c[3],
+                      "] (seq, first position, tokens, offset) is outside the page table (", a.n_seqs, " seqs x ",
+                      a.pages_st, " pages of ", page_size, ") or the step's ", n_tokens, " tokens");
+  }
+}
+
+template <class F>
+void by_elem(int e, F&& f) {  // f(T{}) with T the kernels' storage type of index e
+  if (e == 0) f(float{});
+  else if (e == 1) f(fms_bf16{});
+  else f(fms_f16{});
+}
+
+
+// y [M, sum N_i] = x [M, K] (row stride x_st) @ [w_1; w_2; ...]^T by the GEMV kernel of index e
+void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st,
+              const std::vector<const void*>& weights, const std::vector<int64_t>& rows, void* y);
+
+// weights per layer of decoder_layers, in this order (an empty tensor for one a family lacks): ln, q,
+// k, v, qkv_bias, q_norm, k_norm, o, post_attn_ln, ff_ln, gate, up, down, post_ff_ln
+constexpr int64_t kLayerWeights = 14;
+at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::TensorList cos, at::TensorList sin,
+                          at::IntArrayRef rope_index, at::TensorList k_pools, at::TensorList v_pools,
+                          const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& chunks,
+                          int64_t page_size, at::ArrayRef<double> scales, at::IntArrayRef windows,
+                          at::ArrayRef<double> softcaps, const c10::List<std::optional<at::Tensor>>& sinks,
+                          double eps, bool unit_offset, double residual_multiplier, int64_t activation);
+
+}  // namespace fms_paged_ops

@@ -1,0 +1,117 @@
+"""The fused decode blocks (`torch.ops.fms_paged.decoder_layers`, `LLaMA._decoder_layers`) against
+the blocks' modules on the same decode steps, for every family we load (their variants: q/k/v
+bias, q/k norms, sliding windows, soft-caps, Gemma's (1 + w) norms, sandwich norms and GeGLU,
+Granite's residual multiplier): the logits of each step, and the K/V each step ASSIGNs.
+
+fp32: the two paths compute the same products in other orders (RMSNorm's sum, 1/sqrt against
+rsqrt): logits within 1e-4 of magnitude-1 values. bf16 / fp16: every intermediate is rounded where
+the modules round it, so the paths differ by a few of the dtype's ulps where a rounding lands on
+the other side: the greedy token agrees on nearly every row. The engine's token equality with
+dense `generate` (tied to transformers) on every family runs through the fused block as well
+(tests/engine/test_families.py: eager decode steps run the fused blocks).
+"""
+
+import pytest
+import torch
+
+from fms_paged import get_model
+from fms_paged.kv.cache import PagedCache
+from fms_paged.models.llama import LLaMA
+from tests.conftest import HF_FAMILIES
+
+P = 16
+
+
+def decode_logits(model, fused: bool, prompts: list[list[int]], steps: int, monkeypatch):
+    """Prefill `prompts` (the modules), then `steps` greedy decode steps of all of them at once, with
+    the fused block or the modules -> (logits of each decode step [steps, B, V], the keys the
+    sequences hold)."""
+    calls, layers_call = [0], LLaMA._decoder_layers
+
+    def counted(self, *args):
+        calls[0] += 1
+        return layers_call(self, *args) if fused else None
+
+    monkeypatch.setattr(LLaMA, "_decoder_layers", counted)
+    cache = PagedCache(model, len(prompts), 128, kernel="cpp")
+    ids, out = list(range(len(prompts))), []
+    with torch.inference_mode():
+        tokens, positions, step, last = cache.prefill(ids, prompts)
+        nxt = model(tokens, positions, step).flatten(0, 1)[last].argmax(-1)
+        lengths = [len(p) for p in prompts]
+        for _ in range(steps):
+            tokens, positions, step = cache.decode(ids, nxt, lengths, [True] * len(ids))
+            assert step.decode_rows
+            logits = model(tokens, positions, step)[:, -1]  # [B, V]
+            out.append(logits.float())
+            nxt, lengths = logits.argmax(-1), [n + 1 for n in lengths]
+    assert calls[0] == steps
+    # the slots the sequences hold (the rest of the pool is stale: never zeroed for this kernel)
+    slots = torch.cat([torch.tensor(cache.pm.pages_of(s))[torch.arange(n) // P] * P + torch.arange(n) % P
+                       for s, n in zip(ids, lengths)])
+    return torch.stack(out), [k[0, :, slots].float() for k in cache.k_pools]
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_block_matches_the_modules(family, dtype, hf_family, monkeypatch):
+    _, path = hf_family(family)
+    model = get_model(model_path=path, device="cpu", dtype=dtype, page_size=P, attn_impl="paged")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    fused, kf = decode_logits(model, True, prompts, 20, monkeypatch)
+    plain, kp = decode_logits(model, False, prompts, 20, monkeypatch)
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+        for a, b in zip(kf, kp):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        scale = plain.abs().amax(-1, keepdim=True)
+        assert ((fused - plain).abs() / scale).max() < 0.05
+        agree = (fused.argmax(-1) == plain.argmax(-1)).float().mean().item()
+        assert agree >= 0.9, agree
+
+
+def test_bad_arguments_raise():
+    """A typed error naming the bad argument, before anything is written to the pools."""
+    model = get_model(variant="micro", attn_impl="paged", page_size=P, device="cpu")
+    D, n = model.config.head_dim, model.config.nlayers
+    cache = PagedCache(model, 2, 64, kernel="cpp")
+    kp, vp = cache.k_pools, cache.v_pools
+    x, cos = torch.randn(2, model.config.emb_dim), torch.zeros(2, D)
+    chunks = torch.tensor([(-1, 0, 1, 0), (-1, 0, 1, 1)])
+    weights = [w for layer in model.layers for w in layer.fused_weights()]
+
+    def call(**kw):
+        args = dict(x=x, weights=weights, cos=[cos], sin=[cos], rope_index=[0] * n, k_pools=kp, v_pools=vp,
+                    slots=torch.zeros(2, dtype=torch.long), page_table=cache.backend.view.page_table,
+                    chunks=chunks, page_size=P, scales=[D**-0.5] * n, windows=[0] * n, softcaps=[0.0] * n,
+                    sinks=[None] * n, eps=1e-5, unit_offset=False, residual_multiplier=1.0, activation=0)
+        return torch.ops.fms_paged.decoder_layers(**{**args, **kw})
+
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2]]))  # loads the operators and the kernels for fp32
+        for p in (*kp, *vp):
+            p.zero_()
+        before = [p.clone() for p in kp]
+        assert call().shape == x.shape
+        with pytest.raises(ValueError, match=r"slot 100000 of row 1 is outside the pools' \d+ slots"):
+            call(slots=torch.tensor([0, 100000]))
+        with pytest.raises(ValueError, match=r"x must be contiguous CPU rows \[M, C\] .* got torch.float64"):
+            call(x=x.double())
+        bad = list(weights)
+        bad[14 + 7] = bad[7][:, :8].contiguous()  # layer 1's output projection
+        with pytest.raises(ValueError, match=r"layer 1: the weights' shapes do not make one decoder block"):
+            call(weights=bad)
+        with pytest.raises(ValueError, match=r"2 layers \(k_pools\) need 28 weights"):
+            call(weights=weights[:14])
+        with pytest.raises(ValueError, match=r"activation=3; expected 0 \(silu\) or 1 \(gelu_tanh\)"):
+            call(activation=3)
+        with pytest.raises(ValueError, match=r"layer 0: cos and sin must be contiguous fp32 \[2, D\]"):
+            call(cos=[torch.zeros(3, D)], sin=[torch.zeros(3, D)])
+        with pytest.raises(ValueError, match=r"layer 1: rope_index=1 of 1 tables"):
+            call(rope_index=[0, 1])
+        with pytest.raises(ValueError, match=r"softcap=-1.0; expected 0.0 \(none\)"):
+            call(softcaps=[0.0, -1.0])
+        # only the null page's slot 0 was written (by the call that succeeded)
+        assert all(torch.equal(a[:, :, P:], b[:, :, P:]) for a, b in zip(kp, before))

@@ -1,0 +1,46 @@
+"""The C++ operators (`fms_paged/native_ops.cpp`) from an AOT-compiled graph: `torch.export` keeps
+`fms_paged::linear` and `fms_paged::paged_attention` as calls, AOTInductor compiles the graph into a
+package whose C++ calls them through the dispatcher, and the loaded package gives what eager mode
+gives."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fms_paged import native
+from fms_paged.kv import cpu_kernel
+from fms_paged.modules import linear as L
+from tests.kv.test_cpu_kernel import make_pool
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
+
+
+class Block(torch.nn.Module):
+    """A projection, then paged attention of its output over a pool (one sequence, one chunk)."""
+
+    def __init__(self, k, v, table, chunks, H, D):
+        super().__init__()
+        self.proj = L.Linear(H * D, H * D, bias=True).requires_grad_(False)
+        self.k, self.v, self.table, self.chunks, self.H, self.D = k, v, table, chunks, H, D
+
+    def forward(self, x):  # x: [T, H * D]
+        q = self.proj(x).view(1, -1, self.H, self.D).transpose(1, 2)  # [1, H, T, D]
+        scale = self.D**-0.5
+        out = torch.ops.fms_paged.paged_attention(q, self.k, self.v, self.table, self.chunks, 16, scale)
+        return F.relu(out).flatten(2)
+
+
+def test_aot_compiled_graph_calls_the_operators(tmp_path):
+    H, Hkv, D, T = 4, 2, 16, 20
+    k, v, table, _ = make_pool([T], H, Hkv, D, 16)
+    assert cpu_kernel.load_attention(D, torch.float32) is None and L.load_gemv(torch.float32) is None
+    block = Block(k, v, table, torch.tensor([(0, 0, T, 0)]), H, D).eval()
+    x = torch.randn(T, H * D)
+    ep = torch.export.export(block, (x,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"fms_paged.linear.default", "fms_paged.paged_attention.default"} <= targets
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp_path, "block.pt2"))
+    got = torch._inductor.aoti_load_package(pkg)(x)
+    torch.testing.assert_close(got, block(x), rtol=1e-5, atol=1e-5)
