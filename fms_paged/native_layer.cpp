@@ -1,12 +1,16 @@
 // The operator fms_paged::decoder_layers (schema in native_ops.cpp): a model's decoder blocks, one
-// after the other, for the M rows of a decode step, computed as the Python modules compute them (fms_paged/models/llama.py LLaMABlock,
+// after the other, for the M token rows of a step of the cpp kernel (decode rows and prefill
+// chunks), computed as the Python modules compute them (fms_paged/models/llama.py LLaMABlock,
 // modules/attention.py, norm.py, feedforward.py, positions.py): every intermediate rounded to the
-// model's dtype where theirs is, fp32 inside; the projections and the attention by the loaded
-// kernels (native_ops.h), the rest (norms, RoPE, ASSIGN, activations, residuals) here.
+// model's dtype where theirs is, fp32 inside. The projections run as `linear` runs them (the GEMV
+// kernel for a few rows, oneDNN's packed GEMM for more), the attention by the loaded kernel, the
+// rest (norms, RoPE, ASSIGN, activations, residuals) here, rows spread over the intra-op threads.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "native_ops.h"
@@ -44,17 +48,32 @@ void rope(C* x, const float* cos, const float* sin, int64_t D) {
   }
 }
 
-struct Gemv {
+// the projections: y [M, sum N] = x [M, K] (row stride x_st) @ weights^T, by the GEMV kernel for
+// at most gemv_rows rows, else as `linear` computes it (oneDNN's packed GEMM, or at::linear)
+struct Mm {
   KernelFn fn;
   int e;
-  // y [M, sum N] = x [M, K] (row stride x_st) @ weights^T
+  int64_t gemv_rows;
+  at::TensorOptions opts;
   void operator()(const void* x, int64_t M, int64_t K, int64_t x_st, at::TensorList weights, void* y) const {
-    std::vector<const void*> ptrs;
-    std::vector<int64_t> rows;
-    for (const at::Tensor& w : weights) ptrs.push_back(w.data_ptr()), rows.push_back(w.size(0));
-    run_gemv(fn, e, x, M, K, x_st, ptrs, rows, y);
+    if (M <= gemv_rows) {
+      std::vector<const void*> ptrs;
+      std::vector<int64_t> rows;
+      for (const at::Tensor& w : weights) ptrs.push_back(w.data_ptr()), rows.push_back(w.size(0));
+      return run_gemv(fn, e, x, M, K, x_st, ptrs, rows, y);
+    }
+    const at::Tensor out = linear(at::from_blob(const_cast<void*>(x), {M, K}, {x_st, 1}, opts), weights,
+                                  std::nullopt);  // [M, sum N], contiguous
+    std::memcpy(y, out.data_ptr(), out.numel() * out.element_size());
   }
 };
+
+// f(first, last) over row blocks [first, last) of 0 .. M, on the intra-op threads (inline for a
+// decode step's few rows)
+template <class F>
+void by_rows(int64_t M, F&& f) {
+  at::parallel_for(0, M, 32, f);
+}
 
 template <class C>
 void residual(C* x, const C* h, int64_t n, double multiplier) {  // x + h (* multiplier), rounded as torch does
@@ -77,70 +96,84 @@ struct Layer {
 template <class C>
 void run_layer(C* xs, int64_t M, int64_t Cd, const Layer& L, const at::Tensor& slots, const at::Tensor& page_table,
                const at::Tensor& chunks, int64_t page_size, double eps, bool unit_offset, double residual_multiplier,
-               int64_t activation, KernelFn attn, const Gemv& mm, std::vector<C>& h, std::vector<C>& y,
-               std::vector<C>& tmp, at::Tensor& att) {
+               int64_t activation, KernelFn attn, const Mm& mm, std::vector<C>& h, std::vector<C>& y,
+               at::Tensor& att) {
   const int64_t D = L.cos->size(1), H = L.q->size(0) / D, Hkv = L.k->size(0) / D, F = L.gate->size(0);
   const int64_t width = (H + 2 * Hkv) * D, NP = L.k_pool->size(2);
   // attention: norm, q/k/v, bias, q/k norms, RoPE, ASSIGN, attention, output projection
-  rms_norm(xs, M, Cd, Cd, L.ln->data_ptr<C>(), eps, unit_offset, h.data());
+  auto norm_rows = [&](const C* in, const at::Tensor* w, C* out) {
+    by_rows(M, [&](int64_t b, int64_t e) {
+      rms_norm(in + b * Cd, e - b, Cd, Cd, w->data_ptr<C>(), eps, unit_offset, out + b * Cd);
+    });
+  };
+  auto add_rows = [&](const C* in) {  // the residual stream xs += in (* the multiplier)
+    by_rows(M, [&](int64_t b, int64_t e) { residual(xs + b * Cd, in + b * Cd, (e - b) * Cd, residual_multiplier); });
+  };
+  norm_rows(xs, L.ln, h.data());
   mm(h.data(), M, Cd, Cd, {*L.q, *L.k, *L.v}, y.data());
-  if (L.bias) {
-    const C* b = L.bias->data_ptr<C>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < width; ++j) y[m * width + j] = C(f32(y[m * width + j]) + f32(b[j]));
-  }
   const float* cs = L.cos->data_ptr<float>();
   const float* sn = L.sin->data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   C* kp = L.k_pool->data_ptr<C>();
   C* vp = L.v_pool->data_ptr<C>();
-  for (int64_t m = 0; m < M; ++m) {
-    C* row = y.data() + m * width;
-    for (int64_t hh = 0; hh < H + Hkv; ++hh) {
-      C* head = row + hh * D;
-      const at::Tensor* norm = hh < H ? L.q_norm : L.k_norm;
-      if (norm) {
-        rms_norm(head, 1, D, D, norm->data_ptr<C>(), eps, unit_offset, tmp.data());
-        std::copy_n(tmp.data(), D, head);
+  by_rows(M, [&](int64_t first, int64_t last) {
+    std::vector<C> tmp(D);
+    for (int64_t m = first; m < last; ++m) {
+      C* row = y.data() + m * width;
+      if (L.bias) {
+        const C* b = L.bias->data_ptr<C>();
+        for (int64_t j = 0; j < width; ++j) row[j] = C(f32(row[j]) + f32(b[j]));
       }
-      rope(head, cs + m * D, sn + m * D, D);
+      for (int64_t hh = 0; hh < H + Hkv; ++hh) {
+        C* head = row + hh * D;
+        const at::Tensor* norm = hh < H ? L.q_norm : L.k_norm;
+        if (norm) {
+          rms_norm(head, 1, D, D, norm->data_ptr<C>(), eps, unit_offset, tmp.data());
+          std::copy_n(tmp.data(), D, head);
+        }
+        rope(head, cs + m * D, sn + m * D, D);
+      }
+      for (int64_t g = 0; g < Hkv; ++g) {  // ASSIGN: pools [1, Hkv, NP, D]
+        std::copy_n(row + (H + g) * D, D, kp + (g * NP + slot[m]) * D);
+        std::copy_n(row + (H + Hkv + g) * D, D, vp + (g * NP + slot[m]) * D);
+      }
     }
-    for (int64_t g = 0; g < Hkv; ++g) {  // ASSIGN: pools [1, Hkv, NP, D]
-      std::copy_n(row + (H + g) * D, D, kp + (g * NP + slot[m]) * D);
-      std::copy_n(row + (H + Hkv + g) * D, D, vp + (g * NP + slot[m]) * D);
-    }
-  }
+  });
   run_attention<std::conditional_t<std::is_same_v<C, float>, float,
                                    std::conditional_t<std::is_same_v<C, c10::BFloat16>, fms_bf16, fms_f16>>>(
       attn, y.data(), width, D, M, *L.k_pool, *L.v_pool, page_table, chunks, H, page_size, L.scale, L.window,
       L.softcap, L.sinks, att.data_ptr());
   mm(att.data_ptr(), M, H * D, H * D, {*L.o}, h.data());
+  const C* attn_out = h.data();
   if (L.post_attn_ln) {
-    rms_norm(h.data(), M, Cd, Cd, L.post_attn_ln->data_ptr<C>(), eps, unit_offset, y.data());
-    std::copy_n(y.data(), M * Cd, h.data());
+    norm_rows(h.data(), L.post_attn_ln, y.data());
+    attn_out = y.data();
   }
-  residual(xs, h.data(), M * Cd, residual_multiplier);
+  add_rows(attn_out);
   // MLP: norm, gate/up, activation times up, down projection
-  rms_norm(xs, M, Cd, Cd, L.ff_ln->data_ptr<C>(), eps, unit_offset, h.data());
+  norm_rows(xs, L.ff_ln, h.data());
   mm(h.data(), M, Cd, Cd, {*L.gate, *L.up}, y.data());
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < F; ++j) {
-      const float g = f32(y[m * 2 * F + j]);
-      float a;
-      if (activation == 0) {
-        a = g / (1.0f + std::exp(-g));
-      } else {  // tanh-approximated GELU
-        const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-        a = 0.5f * g * (1.0f + std::tanh(inner));
+  by_rows(M, [&](int64_t first, int64_t last) {
+    for (int64_t m = first; m < last; ++m)
+      for (int64_t j = 0; j < F; ++j) {
+        const float g = f32(y[m * 2 * F + j]);
+        float a;
+        if (activation == 0) {
+          a = g / (1.0f + std::exp(-g));
+        } else {  // tanh-approximated GELU
+          const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+          a = 0.5f * g * (1.0f + std::tanh(inner));
+        }
+        h[m * F + j] = C(f32(C(a)) * f32(y[m * 2 * F + F + j]));
       }
-      h[m * F + j] = C(f32(C(a)) * f32(y[m * 2 * F + F + j]));
-    }
+  });
   mm(h.data(), M, F, F, {*L.down}, y.data());
+  const C* mlp_out = y.data();
   if (L.post_ff_ln) {
-    rms_norm(y.data(), M, Cd, Cd, L.post_ff_ln->data_ptr<C>(), eps, unit_offset, h.data());
-    std::copy_n(h.data(), M * Cd, y.data());
+    norm_rows(y.data(), L.post_ff_ln, h.data());
+    mlp_out = h.data();
   }
-  residual(xs, y.data(), M * Cd, residual_multiplier);
+  add_rows(mlp_out);
 }
 
 // ValueError naming what is wrong with layer i's arguments for rows x [M, Cd] (nothing written yet)
@@ -243,11 +276,12 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::Tenso
     int64_t wide = Cd;
     for (const Layer& L : layers)
       wide = std::max({wide, 2 * L.gate->size(0), L.q->size(0) + 2 * L.k->size(0)});
-    std::vector<C> h(M * wide), y(M * wide), tmp(D);
+    std::vector<C> h(M * wide), y(M * wide);
+    const Mm project{mm, e, linear_gemv_rows(), x.options()};
     for (const Layer& L : layers) {
       at::Tensor att = at::empty({M, L.q->size(0)}, x.options());
       run_layer<C>(out.data_ptr<C>(), M, Cd, L, slots, page_table, chunks, page_size, eps, unit_offset,
-                   residual_multiplier, activation, attn, Gemv{mm, e}, h, y, tmp, att);
+                   residual_multiplier, activation, attn, project, h, y, att);
     }
   });
   return out;

@@ -332,6 +332,11 @@ at::Tensor pointwise(const at::Tensor& x, const at::Tensor& packed, const std::o
   return same ? y : y.to(x.scalar_type());
 }
 
+int64_t linear_gemv_rows() {
+  std::lock_guard<std::mutex> lock(linear_config_mu);
+  return linear_config.gemv_max_rows;
+}
+
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(!weights.empty() && x.dim() > 0, "linear: x [..., K] and at least one weight [N, K]");
   LinearConfig cfg;

@@ -107,6 +107,11 @@ void by_elem(int e, F&& f) {  // f(T{}) with T the kernels' storage type of inde
 void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st,
               const std::vector<const void*>& weights, const std::vector<int64_t>& rows, void* y);
 
+// x [..., K] @ [w_1; w_2; ...]^T + bias by the path the rows call for (native_ops.cpp), and the
+// most rows it gives the GEMV kernel
+at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias);
+int64_t linear_gemv_rows();
+
 // weights per layer of decoder_layers, in this order (an empty tensor for one a family lacks): ln, q,
 // k, v, qkv_bias, q_norm, k_norm, o, post_attn_ln, ff_ln, gate, up, down, post_ff_ln
 constexpr int64_t kLayerWeights = 14;

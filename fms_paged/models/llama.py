@@ -279,8 +279,8 @@ class LLaMA(nn.Module):
         x, ropes = self.embed(tokens, positions)
         if step is not None:
             step = step.prepare()  # per-step metadata (slots, masks), built once for all layers
-        # (compiling first: a graph never reads, so never guards on, the step's decode_rows)
-        if not torch.compiler.is_compiling() and getattr(step, "decode_rows", False) and linear_ops(x.dtype):
+        # (compiling first: a graph never reads, so never guards on, the step's `fused`)
+        if not torch.compiler.is_compiling() and getattr(step, "fused", False) and linear_ops(x.dtype):
             fused = self._decoder_layers(x, ropes, step)
             if fused is not None:
                 return fused
@@ -289,27 +289,27 @@ class LLaMA(nn.Module):
         return x
 
     def _decoder_layers(self, x: torch.Tensor, ropes, step) -> torch.Tensor | None:
-        """Every block on a decode step of the cpp kernel in one operator call
-        (`fms_paged::decoder_layers`: the function the blocks' modules compute, in C++ without a
-        Python call per operation), or None where a block cannot (`LLaMABlock.fused_weights`).
-        x: [B, 1, C]; ropes: per table (cos, sin) [B, 1, 1, D]."""
+        """Every block on a step of the cpp kernel in one operator call (`fms_paged::decoder_layers`:
+        the function the blocks' modules compute, in C++ without a Python call per operation), or
+        None where a block cannot (`LLaMABlock.fused_weights`). x: [B, S, C] (decode rows [B, 1],
+        or a packed row of prefill chunks [1, T]); ropes: per table (cos, sin) [B, S, 1, D]."""
         weights = []
         for layer in self.layers:
             w = layer.fused_weights()
             if w is None:
                 return None
             weights += w
-        B, _, C = x.shape
+        B, S, C = x.shape
         view, c = step.view, self.config
         specs = view.specs
         out = torch.ops.fms_paged.decoder_layers(
-            x.reshape(B, C), weights, [cos.reshape(B, -1) for cos, _ in ropes],
-            [sin.reshape(B, -1) for _, sin in ropes], [layer.rope_index for layer in self.layers],
+            x.reshape(B * S, C), weights, [cos.reshape(B * S, -1) for cos, _ in ropes],
+            [sin.reshape(B * S, -1) for _, sin in ropes], [layer.rope_index for layer in self.layers],
             view.k_pools, view.v_pools, step.slots, view.page_table, step.chunks, view.page_size,
             [s.scale for s in specs], [s.window or 0 for s in specs], [s.softcap or 0.0 for s in specs],
             [None if s.sinks is None else s.sinks.float().contiguous() for s in specs], c.norm_eps,
             c.norm_unit_offset, c.residual_multiplier, int(c.activation != "silu"))
-        return out.view(B, 1, C)
+        return out.view(B, S, C)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:

@@ -20,12 +20,14 @@ from fms_paged.modules.linear import GEMV_MAX_ROWS
 
 
 class CppStep(PoolStep):
-    """A step of the cpp kernel: the slots of its new tokens and its chunk list. `decode_rows`: a
-    decode step of few enough rows for the GEMV kernel, which an eager forward runs block by block
-    through the operator `fms_paged::decoder_layer` (`LLaMABlock.forward`)."""
+    """A step of the cpp kernel: the slots of its new tokens and its chunk list. `fused`: a decode
+    step of at most `GEMV_MAX_ROWS` rows, whose blocks an eager forward of our models runs in one
+    call of the operator `fms_paged::decoder_layers` (`LLaMA.hidden`); other steps (prefill chunks:
+    ATen's vectorized pointwise ops beat the operator's per-row loops there), compiled forwards and
+    FMS's models attend layer by layer."""
 
-    def __init__(self, view: PoolView, slots: torch.Tensor, chunks: torch.Tensor, decode_rows: bool = False):
-        self.view, self.slots, self.chunks, self.decode_rows = view, slots, chunks, decode_rows
+    def __init__(self, view: PoolView, slots: torch.Tensor, chunks: torch.Tensor, fused: bool = False):
+        self.view, self.slots, self.chunks, self.fused = view, slots, chunks, fused
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                   spec: AttentionSpec) -> torch.Tensor:
