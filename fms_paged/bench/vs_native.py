@@ -422,7 +422,8 @@ def figures(res: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     for name, w in res["workloads"].items():
         series = []
         for system, by_dtype in w.items():
-            ok = [(dt, r["output_tok_s"]) for dt, r in by_dtype.items() if "output_tok_s" in r]
+            ok = [(dt, by_dtype[dt]["output_tok_s"]) for dt in ENGINE_DTYPES  # one dtype order for all
+                  if "output_tok_s" in by_dtype.get(dt, {})]
             if ok:
                 series.append(
                     {"label": system, "x": [d for d, _ in ok], "y": [v for _, v in ok], "fmt": "o-"}
