@@ -272,10 +272,24 @@ _REGISTERED: dict[tuple[str, torch.dtype, int], Path] = {}  # what the operators
 _BUILDS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="fms-paged-build")
 
 
+_FUTURES: dict[tuple, concurrent.futures.Future] = {}  # each kernel's build, once per cache dir
+_FUTURES_LOCK = threading.Lock()
+
+
+def _building(source: Path, dtype: torch.dtype, **defines: int | str) -> concurrent.futures.Future:
+    """The build of kernel `source` for `dtype` and `isa()` (`_load`), started now unless it was."""
+    which, defines = isa(), dict(defines, FMS_ELEM=elem(dtype))
+    key = (source, which, str(cache_dir()), tuple(sorted(defines.items())))
+    with _FUTURES_LOCK:
+        if key not in _FUTURES:
+            _FUTURES[key] = _BUILDS.submit(_load, source, which, **defines)
+        return _FUTURES[key]
+
+
 def prebuild(source: Path, dtype: torch.dtype, **defines: int | str) -> None:
     """Start building the kernel `source` for `dtype` (for `isa()`) in the background, if it is not
     built yet: a later `register` of it finds it built, or waits for this build."""
-    _BUILDS.submit(_load, source, isa(), FMS_ELEM=elem(dtype), **defines)
+    _building(source, dtype, **defines)
 
 
 def register(kind: str, source: Path, dtype: torch.dtype, head_dim: int = 0,
@@ -283,7 +297,7 @@ def register(kind: str, source: Path, dtype: torch.dtype, head_dim: int = 0,
     """Build (for `isa()`, once per machine) the `kind` kernel ("attention" or "gemv") for `dtype`
     (and `head_dim`) from `source`, and hand it to the operators, in place of the one of another
     ISA they may hold -> None, or why it cannot be had here."""
-    kernel = _BUILDS.submit(_load, source, isa(), FMS_ELEM=elem(dtype), **defines)  # beside the operators'
+    kernel = _building(source, dtype, **defines)  # beside the operators'
     why = ops()
     path, why_kernel = kernel.result()
     if why is not None or path is None:
@@ -303,8 +317,12 @@ def build_all(dtypes: tuple[torch.dtype, ...] = tuple(ELEM_TYPES), head_dims: tu
     from fms_paged.kv import cpu_kernel
     from fms_paged.modules import linear
 
+    for dt in dtypes:  # every kernel's build at once, beside the operators'
+        prebuild(linear.GEMV_SOURCE, dt)
+        for d in head_dims:
+            prebuild(cpu_kernel.SOURCE, dt, HEAD_DIM=d)
     why = ops()
-    log(f"operators (native_ops.cpp): {why or 'built'}")
+    log(f"operators (native_ops.cpp, native_layer.cpp): {why or 'built'}")
     ok = why is None
     for dt in dtypes:
         why = linear.load_gemv(dt)
