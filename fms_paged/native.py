@@ -215,13 +215,17 @@ def _load(source: Path, which: str, **defines: int | str) -> tuple[Path | None, 
 def _ops_command(cxx: str) -> list[str]:
     """How the operators (`OPS_SOURCES`) are compiled against the running torch: its headers, its
     C++ ABI, its libraries (as `torch.utils.cpp_extension` builds an extension); no -march: one
-    build for every CPU. -ffp-contract=off: products and sums rounded one by one, as ATen's
-    vectorized CPU ops do. The link flags come last, from -L on."""
+    build for every CPU with the CPU's F16C where it has it (fp16 converted by one instruction, not
+    c10::Half's bit arithmetic: a decode step converts ~10^5 values; the flag is part of the build's
+    key, so a CPU without it builds its own). -ffp-contract=off: products and sums rounded one by
+    one, as ATen's vectorized CPU ops do. The link flags come last, from -L on."""
     from torch.utils import cpp_extension
 
     lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [cxx, "-O2", "-fPIC", "-std=c++17", "-ffp-contract=off", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    f16c = ["-mf16c"] if not _arm() and "f16c" in cpu_flags() else []
+    return [cxx, "-O2", *f16c, "-fPIC", "-std=c++17", "-ffp-contract=off", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{_HERE}", *(f"-I{p}" for p in cpp_extension.include_paths()),
             f"-I{sysconfig.get_paths()['include']}", f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"]
 
