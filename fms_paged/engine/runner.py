@@ -64,7 +64,8 @@ class ModelRunner:
     compile: True compiles the decode step (one graph per decode bucket, or one for all of them
     with a kernel of dynamic shapes: cpp) and, for our models, the prefill and mixed steps around
     their attention (`model_step.compiled_prefill`: one graph for every token count); "auto" does
-    where the kernel's steps compile (`Kernel.compiles`: cpp, flex), False runs eagerly.
+    where the kernel's steps compile (`Kernel.compiles`: flex; the cpp kernel's eager steps run
+    the C++ operators), False runs eagerly.
 
     cuda_graphs: replay the compiled decode step from a CUDA graph per decode bucket
     (`model_step.GraphedDecode`); "auto" does where it can (compiled flex on CUDA), True insists

@@ -176,7 +176,10 @@ def test_a_stop_string_counts_as_stop_not_abort(server):
                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text
         wait_idle(server.url)
         before = scrape(server.url)
-        r = c.completions.create(model=MODEL, prompt="import os\nimport sys\n", max_tokens=12,
+        # the stop string is in the first 12 tokens; 200 allowed, so the request is still running
+        # when the server sees it and aborts it (a stop string completed by a request's very last
+        # output is counted by the engine's reason, "length": see docs/serving.md's limits)
+        r = c.completions.create(model=MODEL, prompt="import os\nimport sys\n", max_tokens=200,
                                  temperature=0, stop=[full[3:6]], extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop"
     counted = lambda m, reason: metric(m, "fms_paged:request_success_total", finished_reason=reason)  # noqa: E731
