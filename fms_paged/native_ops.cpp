@@ -332,28 +332,44 @@ at::Tensor pointwise(const at::Tensor& x, const at::Tensor& packed, const std::o
   return same ? y : y.to(x.scalar_type());
 }
 
-int64_t linear_gemv_rows() {
+int64_t linear_gemv_rows();
+
+enum class Path { gemv, packed, aten };
+
+// the path `linear` takes for x [..., K] times weights of `width` rows in all (a stack's): the GEMV
+// kernel for a few rows, oneDNN's packed GEMM for a large weight or many rows (or any half-precision
+// call where oneDNN has no such GEMM), at::linear for the small GEMMs left
+Path linear_path(const at::Tensor& x, int64_t width, const LinearConfig& cfg) {
+  const int64_t K = x.size(-1);
+  const int e = elem_index(x.scalar_type());
+  if (e >= 0 && x.numel() <= cfg.gemv_max_rows * K) return Path::gemv;
+  const bool pack = cfg.onednn && e >= 0 &&
+                    (cfg.pack_dtype[e] != x.scalar_type() || width * K >= cfg.pack_min_weight ||
+                     x.numel() >= cfg.pack_min_rows * K);
+  return pack ? Path::packed : Path::aten;
+}
+
+LinearConfig config() {
   std::lock_guard<std::mutex> lock(linear_config_mu);
-  return linear_config.gemv_max_rows;
+  return linear_config;
+}
+
+// _linear_path: which path `linear` takes for x and a stack of weights `width` rows wide
+std::string linear_path_name(const at::Tensor& x, int64_t width) {
+  const Path p = linear_path(x, width, config());
+  return p == Path::gemv ? "gemv" : p == Path::packed ? "packed" : "aten";
 }
 
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(!weights.empty() && x.dim() > 0, "linear: x [..., K] and at least one weight [N, K]");
-  LinearConfig cfg;
-  {
-    std::lock_guard<std::mutex> lock(linear_config_mu);
-    cfg = linear_config;
-  }
-  const int64_t K = x.size(-1);
+  const LinearConfig cfg = config();
   int64_t width = 0;
   for (const at::Tensor& w : weights) width += w.size(0);
   const int e = elem_index(x.scalar_type());
   auto add_bias = [&](at::Tensor y) { return bias ? at::add(y, *bias) : y; };
-  if (e >= 0 && x.numel() <= cfg.gemv_max_rows * K) return add_bias(gemv(x, weights));
-  const bool pack = cfg.onednn && e >= 0 &&
-                    (cfg.pack_dtype[e] != x.scalar_type() || width * weights[0].size(1) >= cfg.pack_min_weight ||
-                     x.numel() >= cfg.pack_min_rows * K);
-  if (pack) {
+  const Path path = linear_path(x, width, cfg);
+  if (path == Path::gemv) return add_bias(gemv(x, weights));
+  if (path == Path::packed) {
     const at::Tensor packed = packed_weights(weights, cfg.pack_dtype[e]);
     return weights.size() == 1 ? pointwise(x, packed, bias) : add_bias(pointwise(x, packed, std::nullopt));
   }
@@ -362,6 +378,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::option
   for (const at::Tensor& w : weights) ys.push_back(at::linear(x, w));
   return add_bias(at::cat(ys, -1));
 }
+
+int64_t linear_gemv_rows() { return config().gemv_max_rows; }
 
 }  // namespace fms_paged_ops
 
@@ -373,6 +391,7 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
   m.def("_configure_linear(int gemv_max_rows, int pack_min_weight, int pack_min_rows, ScalarType[] pack_dtypes) -> ()",
         &configure_linear);
   m.def("_packed_data_ptrs() -> int[]", &packed_data_ptrs);
+  m.def("_linear_path(Tensor x, int width) -> str", &linear_path_name);
   m.def("_packed_copy(Tensor weight) -> Tensor?", &packed_copy);
   m.def("_kernel_ns() -> int", &kernel_ns_total);
   m.def(

@@ -184,7 +184,6 @@ class LLaMABlock(nn.Module):
             h = self.post_ff_ln(h)
         return x + h * self.residual_multiplier if self.residual_multiplier != 1.0 else x + h
 
-
     def fused_weights(self) -> list[torch.Tensor] | None:
         """The block's weights in the order of `fms_paged::decoder_layers` (an empty tensor where
         the family has none), or None where its projections are not this module's own packed CPU

@@ -129,16 +129,6 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     return torch.ops.fms_paged.gemv(x, weights)
 
 
-def linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ [w_1; w_2; ...]^T + bias -> [..., sum N_i] for a call the CPU paths serve (fp32,
-    bf16 or fp16 on the CPU, no gradient: checked by the caller) through the path `cpu_path` picks
-    for its rows: the operator `fms_paged::linear`, which picks it when the call runs (in a compiled
-    graph too: no guard on the rows)."""
-    if not serves(x.dtype):
-        return torch.cat([F.linear(x, w) for w in weights], -1) + (0 if bias is None else bias)
-    return torch.ops.fms_paged.linear(x, weights, bias)
-
-
 def gemm_paths(dtype: torch.dtype) -> dict[str, str]:
     """How a CPU model in `dtype` computes its projections here: {"decode": ..., "prefill": ...}
     (what `fms-paged info` reports)."""
@@ -180,22 +170,13 @@ def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def cpu_path(x: torch.Tensor, weight: torch.Tensor, out_features: int | None = None) -> str | None:
-    """Which path `x @ weight.T` takes: "gemv", "packed" or None (F.linear); see the module
-    docstring. `out_features`: the width of a stack of weights like `weight` computed in one call
-    (`linear_cat`)."""
-    return _rows_path(x, weight, out_features or weight.shape[0]) if _cpu_inference(x, weight) else None
-
-
-def _rows_path(x: torch.Tensor, weight: torch.Tensor, width: int) -> str | None:
-    if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
-        return "gemv"
-    if not _ONEDNN:
+    """Which path `x @ weight.T` takes: "gemv", "packed" or None (F.linear), as the operator picks
+    it (see the module docstring). `out_features`: the width of a stack of weights like `weight`
+    computed in one call (`linear_cat`)."""
+    if not (_cpu_inference(x, weight) and serves(x.dtype)):
         return None
-    if PACK_DTYPES[x.dtype] != x.dtype:  # no half-precision GEMM here: torch's own is far slower
-        return "packed"
-    if width * weight.shape[1] >= PACK_MIN_WEIGHT or x.numel() >= PACK_MIN_ROWS * x.shape[-1]:
-        return "packed"
-    return None
+    path = torch.ops.fms_paged._linear_path(x, out_features or weight.shape[0])
+    return None if path == "aten" else path
 
 
 class Linear(nn.Linear):

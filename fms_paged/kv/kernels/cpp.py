@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fms_paged.kv import cpu_kernel  # noqa: F401 - registers the op torch.ops.fms_paged.paged_attention
 from fms_paged.kv.kernels.base import Kernel, PoolStep
 from fms_paged.kv.spec import AttentionSpec
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
@@ -41,8 +40,8 @@ class CppStep(PoolStep):
 
 class CppKernel(Kernel):
     name = "cpp"
-    # compile="auto" runs its steps eagerly: a decode step is one C++ operator call per layer
-    # (`fms_paged::decoder_layer`), a prefill step's GEMMs and attention are C++ operators, so a
+    # compile="auto" runs its steps eagerly: a decode step's layers are one C++ operator call
+    # (`fms_paged::decoder_layers`), a prefill step's GEMMs and attention are C++ operators, so a
     # compiled graph would save little and cost its build (tens of seconds per shape) at start-up;
     # compile=True compiles them all the same
     compiles = False
