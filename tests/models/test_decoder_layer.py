@@ -1,7 +1,8 @@
 """The fused decode blocks (`torch.ops.fms_paged.decoder_layers`, `LLaMA._decoder_layers`) against
-the blocks' modules on the same decode steps, for every family we load (their variants: q/k/v
-bias, q/k norms, sliding windows, soft-caps, Gemma's (1 + w) norms, sandwich norms and GeGLU,
-Granite's residual multiplier): the logits of each step, and the K/V each step ASSIGNs.
+Hugging Face transformers (fp32) and against the blocks' modules on the same decode steps, for
+every family we load (their variants: q/k/v bias, q/k norms, sliding windows, soft-caps, Gemma's
+(1 + w) norms, sandwich norms and GeGLU, Granite's residual multiplier): the logits of each step,
+and the K/V each step ASSIGNs.
 
 fp32: the two paths compute the same products in other orders (RMSNorm's sum, 1/sqrt against
 rsqrt): logits within 1e-4 of magnitude-1 values. bf16 / fp16: every intermediate is rounded where
@@ -25,7 +26,7 @@ P = 16
 def decode_logits(model, fused: bool, prompts: list[list[int]], steps: int, monkeypatch):
     """Prefill `prompts` (the modules), then `steps` greedy decode steps of all of them at once, with
     the fused block or the modules -> (logits of each decode step [steps, B, V], the keys the
-    sequences hold)."""
+    sequences hold, the token each decode step took [B, steps])."""
     calls, layers_call = [0], LLaMA._decoder_layers
 
     def counted(self, *args):
@@ -38,6 +39,7 @@ def decode_logits(model, fused: bool, prompts: list[list[int]], steps: int, monk
     with torch.inference_mode():
         tokens, positions, step, last = cache.prefill(ids, prompts)
         nxt = model(tokens, positions, step).flatten(0, 1)[last].argmax(-1)
+        fed = [nxt]
         lengths = [len(p) for p in prompts]
         for _ in range(steps):
             tokens, positions, step = cache.decode(ids, nxt, lengths, [True] * len(ids))
@@ -45,23 +47,30 @@ def decode_logits(model, fused: bool, prompts: list[list[int]], steps: int, monk
             logits = model(tokens, positions, step)[:, -1]  # [B, V]
             out.append(logits.float())
             nxt, lengths = logits.argmax(-1), [n + 1 for n in lengths]
+            fed.append(nxt)
     assert calls[0] == steps
     # the slots the sequences hold (the rest of the pool is stale: never zeroed for this kernel)
     slots = torch.cat([torch.tensor(cache.pm.pages_of(s))[torch.arange(n) // P] * P + torch.arange(n) % P
                        for s, n in zip(ids, lengths)])
-    return torch.stack(out), [k[0, :, slots].float() for k in cache.k_pools]
+    return torch.stack(out), [k[0, :, slots].float() for k in cache.k_pools], torch.stack(fed[:-1], 1)
 
 
 @pytest.mark.parametrize("family", list(HF_FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_block_matches_the_modules(family, dtype, hf_family, monkeypatch):
-    _, path = hf_family(family)
+    hf, path = hf_family(family)
     model = get_model(model_path=path, device="cpu", dtype=dtype, page_size=P, attn_impl="paged")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
-    fused, kf = decode_logits(model, True, prompts, 20, monkeypatch)
-    plain, kp = decode_logits(model, False, prompts, 20, monkeypatch)
+    fused, kf, fed = decode_logits(model, True, prompts, 20, monkeypatch)
+    plain, kp, _ = decode_logits(model, False, prompts, 20, monkeypatch)
     if dtype == torch.float32:
+        # transformers on each whole sequence (prompt and the tokens the fused steps took): the
+        # logits of every decode step, to 1e-4 of their scale
+        for b, p in enumerate(prompts):
+            with torch.no_grad():
+                ref = hf(torch.tensor([p + fed[b].tolist()])).logits[0, len(p):]  # [steps, V]
+            assert ((fused[:, b] - ref).abs().max() / ref.abs().max()).item() < 1e-4, b
         torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
         for a, b in zip(kf, kp):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
