@@ -298,7 +298,7 @@ def prebuild(source: Path, dtype: torch.dtype, **defines: int | str) -> None:
 
 def register(kind: str, source: Path, dtype: torch.dtype, head_dim: int = 0,
              **defines: int | str) -> str | None:
-    """Build (for `isa()`, once per machine) the `kind` kernel ("attention" or "gemv") for `dtype`
+    """Build (for `isa()`, once per machine) the `kind` kernel ("attention", "gemv" or "rows") for `dtype`
     (and `head_dim`) from `source`, and hand it to the operators, in place of the one of another
     ISA they may hold -> None, or why it cannot be had here."""
     kernel = _building(source, dtype, **defines)  # beside the operators'
@@ -323,6 +323,7 @@ def build_all(dtypes: tuple[torch.dtype, ...] = tuple(ELEM_TYPES), head_dims: tu
 
     for dt in dtypes:  # every kernel's build at once, beside the operators'
         prebuild(linear.GEMV_SOURCE, dt)
+        prebuild(linear.ROWS_SOURCE, dt)
         for d in head_dims:
             prebuild(cpu_kernel.SOURCE, dt, HEAD_DIM=d)
     why = ops()
@@ -330,7 +331,7 @@ def build_all(dtypes: tuple[torch.dtype, ...] = tuple(ELEM_TYPES), head_dims: tu
     ok = why is None
     for dt in dtypes:
         why = linear.load_gemv(dt)
-        log(f"GEMV kernel {dt}: {why or 'built'}")
+        log(f"GEMV and rows kernels {dt}: {why or 'built'}")
         ok &= why is None
         for d in head_dims:
             why = cpu_kernel.load_attention(d, dt)

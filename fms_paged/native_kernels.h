@@ -1,6 +1,6 @@
-// The argument structs of the project's two CPU kernels, as field lists over the storage type T of
+// The argument structs of the project's CPU kernels, as field lists over the storage type T of
 // their tensors (float, fms_bf16 or fms_f16): one list, read by the kernels (cpu_attention.cpp,
-// cpu_gemv.cpp: FMS_PAGED_ARGS) and by the operators that call them (native_ops.cpp), which
+// cpu_gemv.cpp, cpu_rows.cpp: FMS_PAGED_ARGS) and by the operators that call them (native_ops.cpp), which
 // compares its layout of each struct with the one the kernel library spells before it calls it.
 #pragma once
 
@@ -26,3 +26,20 @@
   X(const T*, x) X(int64_t, M) X(int64_t, K) X(int64_t, x_st)                                   \
   X(const T* const*, weights) X(const int64_t*, rows) X(int64_t, n_weights)                     \
   X(T*, y) X(int32_t, threads)
+
+// op on M rows (threads: at most this many), what a decoder block does between its projections:
+// - 0 (RMSNorm): out [M, n] = norm(x rows [M, n] at row stride x_st) with weight w, eps and
+//   unit_offset (1: Gemma's (1 + w));
+// - 1 (residual): x rows [M, n] (row stride x_st) += h [M, n] times multiplier (1: none);
+// - 2 (q/k/v): x rows [M, (H + 2 Hkv) D] (row stride x_st) in place: + bias ([(H + 2 Hkv) D], or
+//   null), the q and k heads normalised by q_norm / k_norm ([D], or null; eps, unit_offset), RoPE
+//   by cos / sin [M, D] (fp32), then the k and v heads written to slot slots[m] of k_pool / v_pool
+//   [Hkv, pool_tokens, D];
+// - 3, 4 (SiLU, tanh-GELU times up): out [M, n] = act(x[:, :n]) * x[:, n:] for x rows [M, 2n]
+//   (row stride x_st).
+#define FMS_PAGED_ROWS_FIELDS(X)                                                                  \
+  X(int32_t, op) X(int64_t, M) X(int64_t, n) X(T*, x) X(int64_t, x_st) X(const T*, h)             \
+  X(const T*, w) X(T*, out) X(float, eps) X(int32_t, unit_offset) X(float, multiplier)            \
+  X(const T*, bias) X(const T*, q_norm) X(const T*, k_norm) X(const float*, cos)                  \
+  X(const float*, sin) X(const int64_t*, slots) X(T*, k_pool) X(T*, v_pool)                       \
+  X(int64_t, pool_tokens) X(int32_t, H) X(int32_t, Hkv) X(int32_t, D) X(int32_t, threads)

@@ -4,49 +4,55 @@
 // modules/attention.py, norm.py, feedforward.py, positions.py): every intermediate rounded to the
 // model's dtype where theirs is, fp32 inside. The projections run as `linear` runs them (the GEMV
 // kernel for a few rows, oneDNN's packed GEMM for more), the attention by the loaded kernel, the
-// rest (norms, RoPE, ASSIGN, activations, residuals) here, rows spread over the intra-op threads.
+// rest (norms, RoPE, ASSIGN, activations, residuals) by the rows kernel (modules/cpu_rows.cpp),
+// each on all M rows at once.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <type_traits>
 
 #include "native_ops.h"
 
 namespace fms_paged_ops {
 namespace {
-template <class C>
-inline float f32(C v) { return static_cast<float>(v); }
-
-// RMSNorm of rows [M, n] (row stride st) into out [M, n] (row stride n): x / rms(x) * w; with
-// unit_offset (1 + w), the product in fp32 before the rounding (Gemma), else the normalised row
-// rounded first, then scaled in the dtype (LLaMA)
-template <class C>
-void rms_norm(const C* x, int64_t M, int64_t n, int64_t st, const C* w, double eps, bool unit_offset, C* out) {
-  for (int64_t m = 0; m < M; ++m) {
-    const C* r = x + m * st;
-    float ss = 0.0f;
-    for (int64_t i = 0; i < n; ++i) ss += f32(r[i]) * f32(r[i]);
-    const float inv = 1.0f / std::sqrt(ss / (float)n + (float)eps);
-    for (int64_t i = 0; i < n; ++i) {
-      const float h = f32(r[i]) * inv;
-      out[m * n + i] = unit_offset ? C(h * (1.0f + f32(w[i]))) : C(f32(w[i]) * f32(C(h)));
-    }
+// the row-wise ops of the loaded rows kernel (modules/cpu_rows.cpp; its ops and fields:
+// native_kernels.h) for storage type T
+template <class T>
+struct Rows {
+  KernelFn fn;
+  double eps;
+  bool unit_offset;
+  RowsArgs<T> base() const {
+    RowsArgs<T> a{};
+    a.eps = (float)eps, a.unit_offset = unit_offset, a.threads = threads();
+    return a;
   }
-}
-
-// RoPE on one head's interleaved pairs, in place: (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin)
-// with cos/sin [D] as `RotaryEmbedding` lays them out (sin carries the pair's sign)
-template <class C>
-void rope(C* x, const float* cos, const float* sin, int64_t D) {
-  for (int64_t d = 0; d < D; d += 2) {
-    const float a = f32(x[d]), b = f32(x[d + 1]);
-    const float p0 = a * cos[d], q0 = b * sin[d], p1 = b * cos[d + 1], q1 = a * sin[d + 1];
-    x[d] = C(p0 + q0), x[d + 1] = C(p1 + q1);
+  void call(const RowsArgs<T>& a) const {
+    TORCH_CHECK(fn(&a) == 0, "decoder_layers: the rows kernel refused op ", a.op);
   }
-}
+  // out [M, n] = RMSNorm(x rows [M, n] at row stride st) with weight w
+  void norm(const void* x, int64_t M, int64_t n, int64_t st, const at::Tensor& w, void* out) const {
+    RowsArgs<T> a = base();
+    a.op = 0, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = st;
+    a.w = static_cast<const T*>(w.data_ptr()), a.out = static_cast<T*>(out);
+    call(a);
+  }
+  // x [M, n] += h [M, n] (* multiplier)
+  void residual(void* x, const void* h, int64_t M, int64_t n, double multiplier) const {
+    RowsArgs<T> a = base();
+    a.op = 1, a.M = M, a.n = n, a.x = static_cast<T*>(x), a.x_st = n, a.h = static_cast<const T*>(h);
+    a.multiplier = (float)multiplier;
+    call(a);
+  }
+  // out [M, n] = act(x[:, :n]) * x[:, n:] (activation 0: SiLU, 1: tanh-GELU)
+  void act(const void* x, int64_t M, int64_t n, int64_t activation, void* out) const {
+    RowsArgs<T> a = base();
+    a.op = 3 + (int32_t)activation, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = 2 * n;
+    a.out = static_cast<T*>(out);
+    call(a);
+  }
+};
 
 // the projections: y [M, sum N] = x [M, K] (row stride x_st) @ weights^T, by the GEMV kernel for
 // at most gemv_rows rows, else as `linear` computes it (oneDNN's packed GEMM, or at::linear)
@@ -68,21 +74,6 @@ struct Mm {
   }
 };
 
-// f(first, last) over row blocks [first, last) of 0 .. M, on the intra-op threads (inline for a
-// decode step's few rows)
-template <class F>
-void by_rows(int64_t M, F&& f) {
-  at::parallel_for(0, M, 32, f);
-}
-
-template <class C>
-void residual(C* x, const C* h, int64_t n, double multiplier) {  // x + h (* multiplier), rounded as torch does
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = multiplier == 1.0 ? f32(h[i]) : f32(C(f32(h[i]) * (float)multiplier));
-    x[i] = C(f32(x[i]) + v);
-  }
-}
-
 // one block's arguments: its weights (null: the family has none), RoPE table, pools and spec
 struct Layer {
   const at::Tensor *ln, *q, *k, *v, *bias, *q_norm, *k_norm, *o, *post_attn_ln, *ff_ln, *gate, *up, *down,
@@ -92,88 +83,44 @@ struct Layer {
   std::optional<at::Tensor> sinks;
 };
 
-// the block on the residual stream xs [M, Cd] in place; h, y, tmp: scratch of the sizes below
-template <class C>
-void run_layer(C* xs, int64_t M, int64_t Cd, const Layer& L, const at::Tensor& slots, const at::Tensor& page_table,
-               const at::Tensor& chunks, int64_t page_size, double eps, bool unit_offset, double residual_multiplier,
-               int64_t activation, KernelFn attn, const Mm& mm, std::vector<C>& h, std::vector<C>& y,
-               at::Tensor& att) {
+// the block on the residual stream xs [M, Cd] in place; h, y: scratch rows as wide as its widest
+// projection; att: the attention's output [M, H D]
+template <class T>
+void run_layer(void* xs, int64_t M, int64_t Cd, const Layer& L, const at::Tensor& slots, const at::Tensor& page_table,
+               const at::Tensor& chunks, int64_t page_size, double residual_multiplier, int64_t activation,
+               KernelFn attn, const Mm& mm, const Rows<T>& rows, T* h, T* y, void* att) {
   const int64_t D = L.cos->size(1), H = L.q->size(0) / D, Hkv = L.k->size(0) / D, F = L.gate->size(0);
-  const int64_t width = (H + 2 * Hkv) * D, NP = L.k_pool->size(2);
-  // attention: norm, q/k/v, bias, q/k norms, RoPE, ASSIGN, attention, output projection
-  auto norm_rows = [&](const C* in, const at::Tensor* w, C* out) {
-    by_rows(M, [&](int64_t b, int64_t e) {
-      rms_norm(in + b * Cd, e - b, Cd, Cd, w->data_ptr<C>(), eps, unit_offset, out + b * Cd);
-    });
-  };
-  auto add_rows = [&](const C* in) {  // the residual stream xs += in (* the multiplier)
-    by_rows(M, [&](int64_t b, int64_t e) { residual(xs + b * Cd, in + b * Cd, (e - b) * Cd, residual_multiplier); });
-  };
-  norm_rows(xs, L.ln, h.data());
-  mm(h.data(), M, Cd, Cd, {*L.q, *L.k, *L.v}, y.data());
-  const float* cs = L.cos->data_ptr<float>();
-  const float* sn = L.sin->data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  C* kp = L.k_pool->data_ptr<C>();
-  C* vp = L.v_pool->data_ptr<C>();
-  by_rows(M, [&](int64_t first, int64_t last) {
-    std::vector<C> tmp(D);
-    for (int64_t m = first; m < last; ++m) {
-      C* row = y.data() + m * width;
-      if (L.bias) {
-        const C* b = L.bias->data_ptr<C>();
-        for (int64_t j = 0; j < width; ++j) row[j] = C(f32(row[j]) + f32(b[j]));
-      }
-      for (int64_t hh = 0; hh < H + Hkv; ++hh) {
-        C* head = row + hh * D;
-        const at::Tensor* norm = hh < H ? L.q_norm : L.k_norm;
-        if (norm) {
-          rms_norm(head, 1, D, D, norm->data_ptr<C>(), eps, unit_offset, tmp.data());
-          std::copy_n(tmp.data(), D, head);
-        }
-        rope(head, cs + m * D, sn + m * D, D);
-      }
-      for (int64_t g = 0; g < Hkv; ++g) {  // ASSIGN: pools [1, Hkv, NP, D]
-        std::copy_n(row + (H + g) * D, D, kp + (g * NP + slot[m]) * D);
-        std::copy_n(row + (H + Hkv + g) * D, D, vp + (g * NP + slot[m]) * D);
-      }
-    }
-  });
-  run_attention<std::conditional_t<std::is_same_v<C, float>, float,
-                                   std::conditional_t<std::is_same_v<C, c10::BFloat16>, fms_bf16, fms_f16>>>(
-      attn, y.data(), width, D, M, *L.k_pool, *L.v_pool, page_table, chunks, H, page_size, L.scale, L.window,
-      L.softcap, L.sinks, att.data_ptr());
-  mm(att.data_ptr(), M, H * D, H * D, {*L.o}, h.data());
-  const C* attn_out = h.data();
+  const int64_t width = (H + 2 * Hkv) * D;
+  auto opt = [](const at::Tensor* w) { return w ? static_cast<const T*>(w->data_ptr()) : nullptr; };
+  // attention: norm, q/k/v, then bias, q/k norms, RoPE and ASSIGN, attention, output projection
+  rows.norm(xs, M, Cd, Cd, *L.ln, h);
+  mm(h, M, Cd, Cd, {*L.q, *L.k, *L.v}, y);
+  RowsArgs<T> a = rows.base();
+  a.op = 2, a.M = M, a.x = y, a.x_st = width, a.bias = opt(L.bias), a.q_norm = opt(L.q_norm), a.k_norm = opt(L.k_norm);
+  a.cos = L.cos->data_ptr<float>(), a.sin = L.sin->data_ptr<float>(), a.slots = slots.data_ptr<int64_t>();
+  a.k_pool = static_cast<T*>(L.k_pool->data_ptr()), a.v_pool = static_cast<T*>(L.v_pool->data_ptr());
+  a.pool_tokens = L.k_pool->size(2), a.H = (int32_t)H, a.Hkv = (int32_t)Hkv, a.D = (int32_t)D;
+  rows.call(a);
+  run_attention<T>(attn, y, width, D, M, *L.k_pool, *L.v_pool, page_table, chunks, H, page_size, L.scale, L.window,
+                   L.softcap, L.sinks, att);
+  mm(att, M, H * D, H * D, {*L.o}, h);
+  const T* attn_out = h;
   if (L.post_attn_ln) {
-    norm_rows(h.data(), L.post_attn_ln, y.data());
-    attn_out = y.data();
+    rows.norm(h, M, Cd, Cd, *L.post_attn_ln, y);
+    attn_out = y;
   }
-  add_rows(attn_out);
+  rows.residual(xs, attn_out, M, Cd, residual_multiplier);
   // MLP: norm, gate/up, activation times up, down projection
-  norm_rows(xs, L.ff_ln, h.data());
-  mm(h.data(), M, Cd, Cd, {*L.gate, *L.up}, y.data());
-  by_rows(M, [&](int64_t first, int64_t last) {
-    for (int64_t m = first; m < last; ++m)
-      for (int64_t j = 0; j < F; ++j) {
-        const float g = f32(y[m * 2 * F + j]);
-        float a;
-        if (activation == 0) {
-          a = g / (1.0f + std::exp(-g));
-        } else {  // tanh-approximated GELU
-          const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-          a = 0.5f * g * (1.0f + std::tanh(inner));
-        }
-        h[m * F + j] = C(f32(C(a)) * f32(y[m * 2 * F + F + j]));
-      }
-  });
-  mm(h.data(), M, F, F, {*L.down}, y.data());
-  const C* mlp_out = y.data();
+  rows.norm(xs, M, Cd, Cd, *L.ff_ln, h);
+  mm(h, M, Cd, Cd, {*L.gate, *L.up}, y);
+  rows.act(y, M, F, activation, h);
+  mm(h, M, F, F, {*L.down}, y);
+  const T* mlp_out = y;
   if (L.post_ff_ln) {
-    norm_rows(y.data(), L.post_ff_ln, h.data());
-    mlp_out = h.data();
+    rows.norm(y, M, Cd, Cd, *L.post_ff_ln, h);
+    mlp_out = h;
   }
-  add_rows(mlp_out);
+  rows.residual(xs, mlp_out, M, Cd, residual_multiplier);
 }
 
 // ValueError naming what is wrong with layer i's arguments for rows x [M, Cd] (nothing written yet)
@@ -264,25 +211,28 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::Tenso
     check_layer(i, layers.back(), x, slots);
   }
   const int64_t D = n ? layers[0].cos->size(1) : 0;
-  const KernelFn attn = attention_fn(e, D), mm = gemv_fn(e);
-  TORCH_CHECK(!n || (attn && mm), "decoder_layers: no ", attn ? "GEMV" : "attention", " kernel loaded for ",
-              dtype_name(dt), attn ? "" : " and head_dim=" + std::to_string(D),
+  const KernelFn attn = attention_fn(e, D), mm = gemv_fn(e), rows_kernel = rows_fn(e);
+  TORCH_CHECK(!n || (attn && mm && rows_kernel), "decoder_layers: no ",
+              !attn ? "attention" : !mm ? "GEMV" : "rows", " kernel loaded for ", dtype_name(dt),
+              attn ? "" : " and head_dim=" + std::to_string(D),
               " (fms_paged.kv.cpu_kernel.unavailable_reason and fms_paged.modules.linear.load_gemv load them)");
   at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
+  int64_t wide = Cd;
+  for (const Layer& L : layers) wide = std::max({wide, 2 * L.gate->size(0), L.q->size(0) + 2 * L.k->size(0)});
+  // the blocks' scratch rows, kept by the calling thread from one call to the next: a prefill
+  // step's are megabytes, which a fresh allocation would take from the OS (and zero) every step
+  static thread_local at::Tensor scratch;
+  const int64_t need = 3 * M * wide * x.element_size();
+  if (!scratch.defined() || scratch.numel() < need) scratch = at::empty({need}, x.options().dtype(at::kByte));
+  uint8_t* base = scratch.data_ptr<uint8_t>();
+  void *h = base, *y = base + M * wide * x.element_size(), *att = base + 2 * M * wide * x.element_size();
   by_elem(e, [&](auto t) {
     using T = decltype(t);
-    using C = std::conditional_t<std::is_same_v<T, float>, float,
-                                 std::conditional_t<std::is_same_v<T, fms_bf16>, c10::BFloat16, c10::Half>>;
-    int64_t wide = Cd;
-    for (const Layer& L : layers)
-      wide = std::max({wide, 2 * L.gate->size(0), L.q->size(0) + 2 * L.k->size(0)});
-    std::vector<C> h(M * wide), y(M * wide);
     const Mm project{mm, e, linear_gemv_rows(), x.options()};
-    for (const Layer& L : layers) {
-      at::Tensor att = at::empty({M, L.q->size(0)}, x.options());
-      run_layer<C>(out.data_ptr<C>(), M, Cd, L, slots, page_table, chunks, page_size, eps, unit_offset,
-                   residual_multiplier, activation, attn, project, h, y, att);
-    }
+    const Rows<T> rows{rows_kernel, eps, unit_offset};
+    for (const Layer& L : layers)
+      run_layer<T>(out.data_ptr(), M, Cd, L, slots, page_table, chunks, page_size, residual_multiplier, activation,
+                   attn, project, rows, static_cast<T*>(h), static_cast<T*>(y), att);
   });
   return out;
 }

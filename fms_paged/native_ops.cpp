@@ -2,21 +2,21 @@
 // that eager mode, inductor's generated code and an AOT-compiled graph all call through the
 // dispatcher, with no Python and no ctypes on the way.
 //
-// The kernels themselves (kv/cpu_attention.cpp, modules/cpu_gemv.cpp) include no torch header: they
-// are built per instruction set, storage type and head dim when first needed (fms_paged/native.py,
-// in seconds) and loaded here by path (`_load_kernel`), which checks each library's argument
-// struct against this file's (native_kernels.h) before taking its entry point. This file is built
-// once per torch version and compiler (at install time, else on first use) and is the same on
-// every CPU.
+// The kernels themselves (kv/cpu_attention.cpp, modules/cpu_gemv.cpp, modules/cpu_rows.cpp)
+// include no torch header: they are built per instruction set, storage type and head dim when
+// first needed (fms_paged/native.py, in seconds) and loaded here by path (`_load_kernel`), which
+// checks each library's argument struct against this file's (native_kernels.h) before taking its
+// entry point. This file is built once per torch version and compiler (at install time, else on
+// first use) and is the same on every CPU.
 //
 // Operators (fms_paged::, schemas below):
 // - paged_attention: causal attention of a step's query tokens over their pages (the "cpp" kernel);
 // - gemv: a few rows times stacked row-major weights (decode projections);
 // - linear: a projection by the path its rows call for: the GEMV kernel for a few rows, oneDNN's
 //   blocked GEMM on a packed copy of the weights (kept here, per weight) for many, at::linear else;
-// - decoder_layers: a model's decoder blocks on a decode step in one call (norms, q/k/v, q/k norms,
-//   RoPE, ASSIGN, attention, output projection, residuals, gated MLP; native_layer.cpp): the host
-//   work of a decode step's layers is one dispatch instead of some fifty operator calls per layer.
+// - decoder_layers: a model's decoder blocks on a step in one call (norms, q/k/v, q/k norms, RoPE,
+//   ASSIGN, attention, output projection, residuals, gated MLP; native_layer.cpp): the host work
+//   of a step's layers is one dispatch instead of some fifty operator calls per layer.
 #include <dlfcn.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -26,6 +26,7 @@
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <mutex>
@@ -45,11 +46,21 @@ template <class T>
 std::string gemv_layout() {
   return FMS_PAGED_LAYOUT_OF(GemvArgs<T>, "FmsGemvArgs", FMS_PAGED_GEMV_FIELDS);
 }
-std::string expected_layout(bool attention, int e) {
+template <class T>
+std::string rows_layout() {
+  return FMS_PAGED_LAYOUT_OF(RowsArgs<T>, "FmsRowsArgs", FMS_PAGED_ROWS_FIELDS);
+}
+// the kinds of kernel `_load_kernel` takes, in this order
+constexpr std::array<const char*, 3> kKinds = {"attention", "gemv", "rows"};
+template <class T>
+std::string layout_of(int kind) {
+  return kind == 0 ? attention_layout<T>() : kind == 1 ? gemv_layout<T>() : rows_layout<T>();
+}
+std::string expected_layout(int kind, int e) {
   switch (e) {
-    case 0: return attention ? attention_layout<float>() : gemv_layout<float>();
-    case 1: return attention ? attention_layout<fms_bf16>() : gemv_layout<fms_bf16>();
-    default: return attention ? attention_layout<fms_f16>() : gemv_layout<fms_f16>();
+    case 0: return layout_of<float>(kind);
+    case 1: return layout_of<fms_bf16>(kind);
+    default: return layout_of<fms_f16>(kind);
   }
 }
 
@@ -57,20 +68,22 @@ constexpr int64_t kHeadDimStep = 16, kMaxHeadDim = 1024;
 // the loaded kernels: attention per (storage type, head dim / 16), GEMV per storage type; set
 // once by `_load_kernel`, read by every call without a lock
 std::array<std::array<std::atomic<KernelFn>, kMaxHeadDim / kHeadDimStep + 1>, kElems> attention_fns{};
-std::array<std::atomic<KernelFn>, kElems> gemv_fns{};
+std::array<std::atomic<KernelFn>, kElems> gemv_fns{}, rows_fns{};
 
 KernelFn attention_fn(int e, int64_t head_dim) {
   if (e < 0 || head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % kHeadDimStep) return nullptr;
   return attention_fns[e][head_dim / kHeadDimStep].load(std::memory_order_acquire);
 }
 KernelFn gemv_fn(int e) { return e < 0 ? nullptr : gemv_fns[e].load(std::memory_order_acquire); }
+KernelFn rows_fn(int e) { return e < 0 ? nullptr : rows_fns[e].load(std::memory_order_acquire); }
 
-// _load_kernel: the library at `path` (built by fms_paged.native) as the `kind` ("attention" or
-// "gemv") kernel of `dtype` (and `head_dim`, attention); refused unless its struct is laid out as
-// this file's
+// _load_kernel: the library at `path` (built by fms_paged.native) as the `kind` ("attention",
+// "gemv" or "rows") kernel of `dtype` (and `head_dim`, attention); refused unless its struct is
+// laid out as this file's
 void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dtype, int64_t head_dim) {
-  const bool attention = kind == "attention";
-  TORCH_CHECK_VALUE(attention || kind == "gemv", "_load_kernel: kind='", kind, "'; expected 'attention' or 'gemv'");
+  const int k = (int)(std::find(kKinds.begin(), kKinds.end(), kind) - kKinds.begin());
+  TORCH_CHECK_VALUE(k < (int)kKinds.size(), "_load_kernel: kind='", kind, "'; expected 'attention', 'gemv' or 'rows'");
+  const bool attention = k == 0;
   const int e = elem_index(dtype);
   TORCH_CHECK_VALUE(e >= 0, "_load_kernel: dtype ", dtype, "; the kernels take ", elem_names);
   TORCH_CHECK_VALUE(!attention || (head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % kHeadDimStep == 0),
@@ -79,22 +92,24 @@ void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dt
   const std::string file(path);
   void* lib = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
   TORCH_CHECK(lib, "_load_kernel: loading ", file, " failed: ", dlerror());
-  const std::string name = attention ? "fms_paged_attention" : "fms_paged_gemv";
+  const std::string name = std::string("fms_paged_") + kKinds[k];
   auto layout_fn = reinterpret_cast<const char* (*)()>(dlsym(lib, (name + "_layout").c_str()));
   auto fn = reinterpret_cast<KernelFn>(dlsym(lib, name.c_str()));
   TORCH_CHECK(layout_fn && fn, "_load_kernel: ", file, " exports no ", name, " and ", name, "_layout()");
-  const std::string built = layout_fn(), want = expected_layout(attention, e);
+  const std::string built = layout_fn(), want = expected_layout(k, e);
   TORCH_CHECK(built == want, "_load_kernel: ", file, ": the kernel's argument struct is laid out as '", built,
               "', the operator's as '", want, "': built from another version of native_kernels.h");
   if (attention)
     attention_fns[e][head_dim / kHeadDimStep].store(fn, std::memory_order_release);
   else
-    gemv_fns[e].store(fn, std::memory_order_release);
+    (k == 1 ? gemv_fns : rows_fns)[e].store(fn, std::memory_order_release);
 }
 
 bool kernel_loaded(c10::string_view kind, at::ScalarType dtype, int64_t head_dim) {
-  return kind == "attention" ? attention_fn(elem_index(dtype), head_dim) != nullptr
-                             : gemv_fn(elem_index(dtype)) != nullptr;
+  const int e = elem_index(dtype);
+  return kind == "attention" ? attention_fn(e, head_dim) != nullptr
+         : kind == "gemv"    ? gemv_fn(e) != nullptr
+                             : rows_fn(e) != nullptr;
 }
 
 std::string shape(const at::Tensor& t) {

@@ -39,11 +39,16 @@ template <class T>
 struct GemvArgs {
   FMS_PAGED_GEMV_FIELDS(FMS_PAGED_FIELD_DECL)
 };
+template <class T>
+struct RowsArgs {
+  FMS_PAGED_ROWS_FIELDS(FMS_PAGED_FIELD_DECL)
+};
 
 using KernelFn = int (*)(const void*);
 // the loaded kernel of storage type e (and head dim), or null (native_ops.cpp)
 KernelFn attention_fn(int e, int64_t head_dim);
 KernelFn gemv_fn(int e);
+KernelFn rows_fn(int e);
 
 inline int threads() { return at::get_num_threads(); }
 

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "native_args.h"
 
@@ -149,13 +150,74 @@ template <int N>
 inline void store(float* p, vec<N> v) {
   std::memcpy(p, &v, sizeof v);
 }
+// fp32 -> bf16 bits in the upper halves of the lanes (lower halves zero): from_f32<fms_bf16> on
+// every lane at once
+template <int N>
+inline uvec<N> bf16_bits(vec<N> v) {
+  const uvec<N> u = bits<uvec<N>>(v);
+  const uvec<N> nan = (uvec<N>)((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  const uvec<N> rne = u + 0x7fffu + ((u >> 16) & 1u);
+  return ((nan & (u | 0x400000u)) | (~nan & rne)) & 0xffff0000u;
+}
 template <int N>
 inline void store(fms_bf16* p, vec<N> v) {
-  for (int i = 0; i < N; ++i) p[i] = from_f32<fms_bf16>(v[i]);
+  const hvec<N> h = __builtin_convertvector(bf16_bits<N>(v) >> 16, hvec<N>);
+  std::memcpy(p, &h, sizeof h);
 }
 template <int N>
 inline void store(fms_f16* p, vec<N> v) {
   for (int i = 0; i < N; ++i) p[i] = from_f32<fms_f16>(v[i]);
+}
+
+// v rounded to T's precision, in fp32 (what storing it as T and loading it back gives)
+template <class T, int N>
+inline vec<N> round_to(vec<N> v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, fms_bf16>) {
+    return bits<vec<N>>(bf16_bits<N>(v));
+  } else {
+    T h[N];
+    store<N>(h, v);
+    return load<N>(h);
+  }
+}
+
+// e^x on every lane (Cephes' expf, a couple of ulps): x = n ln2 + r, e^r by a degree-6 polynomial,
+// times 2^n built in the exponent bits; 0 for x < -87.3 (-inf included), x clamped at 88
+template <int N>
+inline vec<N> vexp(vec<N> x) {
+  const vec<N> keep = x < -87.3f ? splat<N>(0.0f) : splat<N>(1.0f);
+  x = x < -87.3f ? splat<N>(-87.3f) : x;
+  x = x > 88.0f ? splat<N>(88.0f) : x;
+  const vec<N> n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  vec<N> r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vec<N> y = splat<N>(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const ivec<N> e = (__builtin_convertvector(n, ivec<N>) + 127) << 23;
+  return y * bits<vec<N>>(e) * keep;
+}
+
+// tanh(x), Cephes' tanhf on vectors (a few ulps): for |x| < 0.625 its odd polynomial (no
+// cancellation near 0), else (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.29 and x's sign put
+// back; +-1 where e underflows. Both halves are computed, the lanes select.
+template <int N>
+inline vec<N> vtanh(vec<N> x) {
+  const vec<N> ax = x < 0.0f ? -x : x, z = x * x;
+  vec<N> p = splat<N>(-5.70498872745e-3f);
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const vec<N> small = x + x * z * p;
+  const vec<N> e = vexp<N>(-2.0f * ax), big = (1.0f - e) / (1.0f + e);
+  return ax < 0.625f ? small : (x < 0.0f ? -big : big);
 }
 
 }  // namespace fms_vec

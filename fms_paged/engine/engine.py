@@ -57,7 +57,7 @@ class Engine:
     num_pages: pool size; None sizes it by memory (`fms_paged.kv.budget.kv_cache_budget`, with
         `kv_memory_fraction`).
     compile: "auto" (compiled steps where the flex kernel runs; the cpp kernel's run eagerly
-        through the C++ operators, a decode step's layers in one call), True or False
+        through the C++ operators, a step's layers in one call), True or False
         (`fms_paged.engine.runner.ModelRunner`).
     cuda_graphs: "auto" (decode steps replayed from a CUDA graph per decode bucket where the
         compiled flex kernel runs on CUDA), True (required: ValueError elsewhere) or False.

@@ -19,7 +19,7 @@
 //   read), so no page wholly older than the window is touched; a key masked for a row (causal
 //   or window) gets exactly zero weight;
 // - a logit soft-cap `softcap` (Gemma 2): each scaled score s becomes softcap * tanh(s / softcap)
-//   before the mask and the softmax (vtanh: Cephes' tanhf on vectors);
+//   before the mask and the softmax (vtanh: Cephes' tanhf on vectors, fms_paged/native_vec.h);
 // - attention sinks `sinks` (gpt-oss): one learned logit per query head that joins the softmax's
 //   denominator but adds nothing to the output, out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)):
 //   the online softmax starts from the sink (running max sink, running sum 1) instead of empty.
@@ -33,6 +33,14 @@
 // reductions) and K and V are read row by row from their pages (no transposed copies): scores
 // S[key][row] = sum_d K[key, d] * Q^T[d][row], then O^T[d][row] += V[key, d] * P[key][row]. Keys
 // go in blocks of BK.
+//
+// bf16 pools on a CPU with AVX512_BF16 (the native build): a prefill block's products take bf16
+// pairs as they are, two multiply-adds per lane and instruction (vdpbf16ps, fp32 sums): scores from
+// Q^T packed as pairs of head dims per lane (scaled after the products) and each key's pairs
+// broadcast from its page; outputs from the probabilities rounded to bf16 as pairs of keys per
+// lane and the block's values repacked as pairs of keys (zero for keys outside the values read).
+// Rounding the probabilities to bf16 is what torch's CPU flash attention does in bf16: each output
+// is then within u * (|out| + sum_j p_j |v_j|) of exact (u = 2^-8) instead of u * |out|.
 //
 // A decode row (a chunk of one token) has only its G heads for rows (3 of 16 lanes for G = 3,
 // 1 for MHA), so it takes a path of its own with keys in the lanes instead: per head, W keys'
@@ -67,6 +75,18 @@ using fms_vec::from_f32;
 using fms_vec::to_f32;
 using T = FMS_ELEM;
 constexpr bool kF32 = std::is_same_v<T, float>;
+// bf16 pools on a CPU with AVX512_BF16 (and 16 lanes): a prefill block's products take bf16 pairs
+// straight from the pools, two multiply-adds per lane and instruction (vdpbf16ps, fp32 sums),
+// instead of converting keys and values to fp32 first (see run_item)
+#define FMS_ELEM_IS_fms_bf16 1
+#define FMS_CAT(a, b) a##b
+#define FMS_IS_BF16(elem) FMS_CAT(FMS_ELEM_IS_, elem)  // 1 for fms_bf16, else an undefined name: 0
+#if defined(__AVX512BF16__) && FMS_VEC_NATIVE == 16 && FMS_IS_BF16(FMS_ELEM)
+#define FMS_ATTN_DP 1
+#else
+#define FMS_ATTN_DP 0
+#endif
+constexpr bool kDP = FMS_ATTN_DP;
 
 constexpr int D = HEAD_DIM;
 constexpr int W = fms_vec::NATIVE;  // lanes per vector: query rows (prefill), keys (decode)
@@ -86,39 +106,9 @@ static_assert(D % DG == 0, "the head dim must be a multiple of 16");
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
-// exp(x) for x <= 0 (a score minus its row's running max; -inf for masked keys gives exactly 0):
-// x = n ln2 + r, e^r by Cephes' degree-6 polynomial, times 2^n built in the exponent bits
-inline vf vexp(vf x) {
-  const vf keep = x < -87.3f ? splat(0.0f) : splat(1.0f);
-  x = x < -87.3f ? splat(-87.3f) : x;
-  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  vf r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  vf y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return y * bits<vf>(e) * keep;
-}
-
-// tanh(x), Cephes' tanhf on vectors (a few ulps): for |x| < 0.625 its odd polynomial (no
-// cancellation near 0), else (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.29 (vexp takes x <= 0)
-// and x's sign put back; +-1 where e underflows. Both halves are computed, the lanes select.
-inline vf vtanh(vf x) {
-  const vf ax = x < 0.0f ? -x : x, z = x * x;
-  vf p = splat(-5.70498872745e-3f);
-  p = p * z + 2.06390887954e-2f;
-  p = p * z - 5.37397155531e-2f;
-  p = p * z + 1.33314422036e-1f;
-  p = p * z - 3.33332819422e-1f;
-  const vf small = x + x * z * p;
-  const vf e = vexp(-2.0f * ax), big = (1.0f - e) / (1.0f + e);
-  return ax < 0.625f ? small : (x < 0.0f ? -big : big);
-}
+// exp(x) for x <= 0 (a score minus its row's running max; -inf for masked keys gives exactly 0)
+inline vf vexp(vf x) { return fms_vec::vexp<W>(x); }
+inline vf vtanh(vf x) { return fms_vec::vtanh<W>(x); }
 
 // the running max of a row's online softmax before its first key (without a sink): below any
 // score, yet finite, so that a block whose keys a row does not see (a window) leaves the row's
@@ -172,9 +162,15 @@ struct Scratch {
   alignas(64) float qt[LG * D * W];  // Q^T per lane group, pre-scaled
   alignas(64) float ot[LG * D * W];  // O^T per lane group (unnormalised)
   alignas(64) float s[(BK + KG) * W];
-  // a prefill block's keys and values converted to fp32 (half-precision pools only)
-  alignas(64) float kf[kF32 ? 1 : BK * D];
-  alignas(64) float vf32[kF32 ? 1 : BK * D];
+  // a prefill block's keys and values converted to fp32 (half-precision pools without kDP)
+  alignas(64) float kf[kF32 || kDP ? 1 : BK * D];
+  alignas(64) float vf32[kF32 || kDP ? 1 : BK * D];
+  // kDP: Q^T per lane group as bf16 pairs (Q[row, 2i], Q[row, 2i + 1]) per lane, unscaled; a
+  // block's values as pairs of keys (V[2p, d], V[2p + 1, d]) per d; a group's probabilities as
+  // pairs of keys per lane
+  alignas(64) uint32_t qp[kDP ? LG * D / 2 * W : 1];
+  alignas(64) uint32_t vp[kDP ? (BK / 2 + 1) * D : 1];
+  alignas(64) uint32_t pp[kDP ? (BK / 2 + 1) * W : 1];
 };
 
 // the K and V rows of keys k0 .. k0 + nk - 1 of a sequence with page table row pt
@@ -304,6 +300,29 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   }
 }
 
+#if FMS_ATTN_DP
+// acc + the dot products of the bf16 pairs in a's lanes with the pair at p, in every lane
+inline vf dp_bcast(vf acc, __m512i a, const void* p) {
+  return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(*(const int32_t*)p));
+}
+inline __m512i load_pairs(const uint32_t* p) { return _mm512_load_si512(p); }
+// the probabilities of keys j and j + 1 (fp32 rows of lanes) as bf16 pairs per lane
+inline __m512i pair_rows(vf pj, vf pj1) {
+  const __m512i lo_hi = (__m512i)_mm512_cvtne2ps_pbh((__m512)pj1, (__m512)pj);  // [pj's 16 | pj1's 16]
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, lo_hi);
+}
+// keys a and b's values (D bf16 each, or null: zeros) as pairs per d
+inline void pair_values(const T* a, const T* b, uint32_t* out) {
+  for (int d = 0; d < D; d += 16) {
+    const __m512i va = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + d))) : _mm512_setzero_si512();
+    const __m512i vb = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + d))) : _mm512_setzero_si512();
+    _mm512_store_si512(out + d, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
+  }
+}
+#endif
+
 // rows r0 .. r1 - 1 of a prefill chunk (or of a decode row: run_decode), rows in lanes: row r
 // (token t = r / G) sees keys first_key(q0 + t) .. q0 + t
 void run_item(const Args& a, const Item& it, Scratch& sc) {
@@ -323,7 +342,11 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
     for (int e = 0; e < W; ++e) {
       const int r = std::min(it.r0 + g * W + e, it.r1 - 1), t = r / G, h = it.kvh * G + r % G;
       const T* src = a.q + (off + t) * a.q_st + (int64_t)h * a.q_sh;
-      for (int d = 0; d < D; ++d) sc.qt[(g * D + d) * W + e] = to_f32(src[d]) * a.scale;
+      if constexpr (kDP) {
+        for (int d = 0; d < D; d += 2) std::memcpy(&sc.qp[(g * D / 2 + d / 2) * W + e], src + d, 4);
+      } else {
+        for (int d = 0; d < D; ++d) sc.qt[(g * D + d) * W + e] = to_f32(src[d]) * a.scale;
+      }
       qpos[g][e] = (float)(q0 + t);
       qold[g][e] = (float)(q0 + t - a.window);
       qmin[g] = std::min<int64_t>(qmin[g], q0 + t);
@@ -339,13 +362,17 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
   const bool softcap = a.softcap > 0.0f;
   const T* trow[BK];
   const T* tvrow[BK];
-  const float* krow[BK];
-  const float* vrow[BK];
+  [[maybe_unused]] const float* krow[BK];
+  [[maybe_unused]] const float* vrow[BK];
   for (int64_t k0 = k_first / KG * KG; k0 < kv_end; k0 += BK) {
     const int nk = (int)std::min<int64_t>(BK, kv_end - k0);
     const int nkt = (nk + KG - 1) / KG * KG;  // keys nk .. nkt - 1: stale rows of the last page, masked
     const int jv = (int)std::max<int64_t>(0, k_first - k0);  // keys read for their values: jv .. nk - 1
     key_rows(a, pt, k0, nk, kh, vh, trow, tvrow);
+#if FMS_ATTN_DP  // the values as pairs of keys, from an even key: keys outside jv .. nk - 1 give 0
+    for (int j = jv & ~1; j < nk; j += 2)
+      pair_values(j >= jv ? tvrow[j] : nullptr, j + 1 < nk ? tvrow[j + 1] : nullptr, sc.vp + j / 2 * D);
+#else
     if constexpr (kF32) {
       std::copy(trow, trow + nk, krow);
       std::copy(tvrow, tvrow + nk, vrow);
@@ -359,12 +386,25 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
         vrow[j] = sc.vf32 + j * D;
       }
     }
+#endif
     for (int g = 0; g < groups; ++g) {
       // no row of the group sees a key of this block: all past the newest row, or all older than
       // the oldest row's window
       if (qmax[g] < k0 || k0 + nk <= first_key(a, qmin[g])) continue;
-      const float* qt = sc.qt + g * D * W;
       float* s = sc.s;
+#if FMS_ATTN_DP
+      for (int j0 = 0; j0 < nk; j0 += KG) {  // S[j0 .. j0 + KG): KG keys of one page, bf16 pairs
+        const T* kt = trow[j0];
+        vf acc[KG];
+        for (int u = 0; u < KG; ++u) acc[u] = splat(0.0f);
+        for (int d = 0; d < D; d += 2) {
+          const __m512i qd = load_pairs(sc.qp + (g * D / 2 + d / 2) * W);
+          for (int u = 0; u < KG; ++u) acc[u] = dp_bcast(acc[u], qd, kt + u * D + d);
+        }
+        for (int u = 0; u < KG; ++u) store(s + (j0 + u) * W, acc[u] * a.scale);
+      }
+#else
+      const float* qt = sc.qt + g * D * W;
       for (int j0 = 0; j0 < nk; j0 += KG) {  // S[j0 .. j0 + KG): KG keys of one page
         const float* kt = krow[j0];
         vf acc[KG];
@@ -375,6 +415,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
         }
         for (int u = 0; u < KG; ++u) store(s + (j0 + u) * W, acc[u]);
       }
+#endif
       if (softcap) soft_cap(a, s, nkt * W);
       if (a.window > 0 && k0 <= qmax[g] - a.window) {  // keys too old for some row: both masks
         for (int j = 0; j < nkt; ++j) {
@@ -402,6 +443,24 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       }
       l[g] = l[g] * alpha + sum;
       float* ot = sc.ot + g * D * W;
+#if FMS_ATTN_DP  // the probabilities as pairs of keys, 0 for keys outside j0v .. j1v - 1
+      const int p0 = j0v / 2, p1 = (j1v + 1) / 2;
+      for (int p = p0; p < p1; ++p) {
+        const int j = 2 * p;
+        const vf pj = j >= j0v ? load(s + j * W) : splat(0.0f);
+        const vf pj1 = j + 1 < j1v ? load(s + (j + 1) * W) : splat(0.0f);
+        _mm512_store_si512(sc.pp + p * W, pair_rows(pj, pj1));
+      }
+      for (int d0 = 0; d0 < D; d0 += DG) {
+        vf o[DG];
+        for (int i = 0; i < DG; ++i) o[i] = load(ot + (d0 + i) * W) * alpha;
+        for (int p = p0; p < p1; ++p) {
+          const __m512i pv = load_pairs(sc.pp + p * W);
+          for (int i = 0; i < DG; ++i) o[i] = dp_bcast(o[i], pv, sc.vp + p * D + d0 + i);
+        }
+        for (int i = 0; i < DG; ++i) store(ot + (d0 + i) * W, o[i]);
+      }
+#else
       for (int d0 = 0; d0 < D; d0 += DG) {
         vf o[DG];
         for (int i = 0; i < DG; ++i) o[i] = load(ot + (d0 + i) * W) * alpha;
@@ -412,14 +471,17 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
         }
         for (int i = 0; i < DG; ++i) store(ot + (d0 + i) * W, o[i]);
       }
+#endif
     }
   }
-  for (int g = 0; g < groups; ++g) {
+  for (int g = 0; g < groups; ++g) {  // O^T normalised and rounded to T a vector at a time, then per row
     const vf inv = 1.0f / l[g];
+    T* o = reinterpret_cast<T*>(sc.qt);  // (free now) [D][W] of T
+    for (int d = 0; d < D; ++d) store(o + d * W, load(sc.ot + (g * D + d) * W) * inv);
     for (int e = 0; e < W && it.r0 + g * W + e < it.r1; ++e) {
       const int r = it.r0 + g * W + e, t = r / G, h = it.kvh * G + r % G;
       T* dst = a.out + ((off + t) * a.H + h) * D;
-      for (int d = 0; d < D; ++d) dst[d] = from_f32<T>(sc.ot[(g * D + d) * W + e] * inv[e]);
+      for (int d = 0; d < D; ++d) dst[d] = o[d * W + e];
     }
   }
 }

@@ -40,6 +40,9 @@ LINEAR_IMPLS = ("auto", "torch")
 # blocked GEMM leads (docs/benchmarks.md has the measurements)
 GEMV_MAX_ROWS = 8
 GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+# the row-wise ops of a decoder block (norms, RoPE and ASSIGN, activations, residuals) that
+# `fms_paged::decoder_layers` runs between its projections: loaded with the GEMV kernel
+ROWS_SOURCE = Path(__file__).with_name("cpu_rows.cpp")
 
 # otherwise a call packs when its weight has this many elements (1 MiB of fp32) ...
 PACK_MIN_WEIGHT = 1 << 18
@@ -92,9 +95,11 @@ _READY: dict[torch.dtype, bool] = {}  # dtype -> the operators and its GEMV kern
 
 
 def load_gemv(dtype: torch.dtype) -> str | None:
-    """Load the operators and the GEMV kernel for `dtype` (built for `native.isa()` once per
-    machine) -> None, or why not (the operator then computes its few-row products with ATen)."""
-    why = (configure() if not _READY else native.ops()) or native.register("gemv", GEMV_SOURCE, dtype)
+    """Load the operators and the GEMV and rows kernels for `dtype` (built for `native.isa()` once
+    per machine) -> None, or why not (the operator then computes its few-row products with ATen)."""
+    native.prebuild(ROWS_SOURCE, dtype)  # beside the GEMV kernel's build
+    why = ((configure() if not _READY else native.ops()) or native.register("gemv", GEMV_SOURCE, dtype)
+           or native.register("rows", ROWS_SOURCE, dtype))
     _READY[dtype] = True  # tried: the operators take it from here
     return why
 

@@ -1,4 +1,4 @@
-"""The fused decode blocks (`torch.ops.fms_paged.decoder_layers`, `LLaMA._decoder_layers`) against
+"""The fused blocks (`torch.ops.fms_paged.decoder_layers`, `LLaMA._decoder_layers`) against
 Hugging Face transformers (fp32) and against the blocks' modules on the same decode steps, for
 every family we load (their variants: q/k/v bias, q/k norms, sliding windows, soft-caps, Gemma's
 (1 + w) norms, sandwich norms and GeGLU, Granite's residual multiplier): the logits of each step,
@@ -9,15 +9,19 @@ rsqrt): logits within 1e-4 of magnitude-1 values. bf16 / fp16: every intermediat
 the modules round it, so the paths differ by a few of the dtype's ulps where a rounding lands on
 the other side: the greedy token agrees on nearly every row. The engine's token equality with
 dense `generate` (tied to transformers) on every family runs through the fused block as well
-(tests/engine/test_families.py: eager decode steps run the fused blocks).
+(tests/engine/test_families.py: the cpp kernel's eager steps, prefill and decode, run the fused
+blocks).
 """
+
+import contextlib
 
 import pytest
 import torch
 
-from fms_paged import get_model
+from fms_paged import get_model, native
 from fms_paged.kv.cache import PagedCache
 from fms_paged.models.llama import LLaMA
+from fms_paged.modules import linear
 from tests.conftest import HF_FAMILIES
 
 P = 16
@@ -38,6 +42,7 @@ def decode_logits(model, fused: bool, prompts: list[list[int]], steps: int, monk
     ids, out = list(range(len(prompts))), []
     with torch.inference_mode():
         tokens, positions, step, last = cache.prefill(ids, prompts)
+        step.fused = False  # the prefill through the modules either way: both paths decode from one state
         nxt = model(tokens, positions, step).flatten(0, 1)[last].argmax(-1)
         fed = [nxt]
         lengths = [len(p) for p in prompts]
@@ -126,18 +131,38 @@ def test_bad_arguments_raise():
         assert all(torch.equal(a[:, :, P:], b[:, :, P:]) for a, b in zip(kp, before))
 
 
+def isas() -> list[str]:
+    """The kernel builds this CPU runs: its own and the narrower ones (see tests/kv/test_cpu_kernel.py)."""
+    flags = native.cpu_flags()
+    return ["native", "baseline"] + (["avx2"] if {"avx2", "f16c"} <= flags else [])
+
+
+@contextlib.contextmanager
+def isa_build(isa: str, dtype: torch.dtype, monkeypatch):
+    """The operators run the `isa` build of the GEMV and rows kernels for `dtype` (the attention's:
+    from each cache's creation on) inside, this CPU's own again after."""
+    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
+    linear.load_gemv(dtype)
+    try:
+        yield
+    finally:
+        monkeypatch.delenv("FMS_PAGED_CPU_ISA")
+        linear.load_gemv(dtype)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_blocks_take_any_rows(family, dtype, hf_family):
+@pytest.mark.parametrize("dtype,isa", [(torch.float32, "native")] + [(torch.bfloat16, isa) for isa in isas()])
+def test_fused_blocks_take_any_rows(family, dtype, isa, hf_family, monkeypatch):
     """The operator takes any number of rows: on a prefill step of two chunks (45 tokens: past the
     GEMV kernel's rows, so oneDNN's GEMMs project them), the blocks' output and the keys they
-    write equal the modules' (fp32: 1e-4; bf16: within a few of its ulps of the output's scale)."""
+    write equal the modules' (fp32: 1e-4; bf16: within a few of its ulps of the output's scale).
+    bf16 on each kernel build this CPU runs (its rows kernel's vectors: 16 lanes, 8, SSE2)."""
     _, path = hf_family(family)
     model = get_model(model_path=path, device="cpu", dtype=dtype, page_size=P, attn_impl="paged")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 15)]
     outs, keys = [], []
-    with torch.inference_mode():
+    with torch.inference_mode(), isa_build(isa, dtype, monkeypatch):
         for fused in (True, False):
             cache = PagedCache(model, 2, 128, kernel="cpp")
             tokens, positions, step, _ = cache.prefill([0, 1], prompts)

@@ -15,17 +15,15 @@ import torch
 from fms_paged.kv.kernels.base import Kernel, PoolStep
 from fms_paged.kv.spec import AttentionSpec
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
-from fms_paged.modules.linear import GEMV_MAX_ROWS
 
 
 class CppStep(PoolStep):
-    """A step of the cpp kernel: the slots of its new tokens and its chunk list. `fused`: a decode
-    step of at most `GEMV_MAX_ROWS` rows, whose blocks an eager forward of our models runs in one
-    call of the operator `fms_paged::decoder_layers` (`LLaMA.hidden`); other steps (prefill chunks:
-    ATen's vectorized pointwise ops beat the operator's per-row loops there), compiled forwards and
-    FMS's models attend layer by layer."""
+    """A step of the cpp kernel: the slots of its new tokens and its chunk list. `fused`: an eager
+    forward of our models runs the step's blocks in one call of the operator
+    `fms_paged::decoder_layers` (`LLaMA.hidden`), decode rows and prefill chunks alike; compiled
+    forwards and FMS's models attend layer by layer."""
 
-    def __init__(self, view: PoolView, slots: torch.Tensor, chunks: torch.Tensor, fused: bool = False):
+    def __init__(self, view: PoolView, slots: torch.Tensor, chunks: torch.Tensor, fused: bool = True):
         self.view, self.slots, self.chunks, self.fused = view, slots, chunks, fused
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
@@ -40,10 +38,9 @@ class CppStep(PoolStep):
 
 class CppKernel(Kernel):
     name = "cpp"
-    # compile="auto" runs its steps eagerly: a decode step's layers are one C++ operator call
-    # (`fms_paged::decoder_layers`), a prefill step's GEMMs and attention are C++ operators, so a
-    # compiled graph would save little and cost its build (tens of seconds per shape) at start-up;
-    # compile=True compiles them all the same
+    # compile="auto" runs its steps eagerly: a step's layers, prefill or decode, are one C++
+    # operator call (`fms_paged::decoder_layers`), so a compiled graph would save little and cost
+    # its build (tens of seconds per shape) at start-up; compile=True compiles them all the same
     compiles = False
     zero_new_pages = False  # reads no slot past a row's position
     # one compiled decode graph for every batch past one row (`model_step._rows_dynamic`), pool
@@ -72,7 +69,7 @@ class CppKernel(Kernel):
         B = len(rows)
         chunks = torch.tensor([(s if n >= 0 else -1, max(n, 0), 1, i) for i, (s, n, _) in enumerate(rows)])
         slots = torch.tensor([slot for _, _, slot in rows])
-        return batch.tokens.view(B, 1), chunks[:, 1:2], CppStep(view, slots, chunks, B <= GEMV_MAX_ROWS)
+        return batch.tokens.view(B, 1), chunks[:, 1:2], CppStep(view, slots, chunks)
 
     def mixed(self, view: PoolView, dec: DecodeBatch,
               pre: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
