@@ -34,6 +34,18 @@ namespace fms_vec {
 #endif
 constexpr int NATIVE = FMS_VEC_NATIVE;
 
+// FMS_VEC_BF16_DP: 1 in a bf16 kernel (-DFMS_ELEM=fms_bf16) built for 16 lanes on a CPU with
+// AVX512_BF16, whose products may then take bf16 pairs as they are (vdpbf16ps: two multiply-adds
+// per lane and instruction, fp32 sums); else 0
+#define FMS_VEC_ELEM_IS_fms_bf16 1
+#define FMS_VEC_CAT(a, b) a##b
+#define FMS_VEC_IS_BF16(elem) FMS_VEC_CAT(FMS_VEC_ELEM_IS_, elem)  // an undefined name (0) but for fms_bf16
+#if defined(FMS_ELEM) && defined(__AVX512BF16__) && FMS_VEC_NATIVE == 16 && FMS_VEC_IS_BF16(FMS_ELEM)
+#define FMS_VEC_BF16_DP 1
+#else
+#define FMS_VEC_BF16_DP 0
+#endif
+
 // N lanes of float, int32, uint32 and uint16 (GCC's vector_size cannot depend on a template
 // parameter directly: one specialization per width)
 template <int N>

@@ -78,15 +78,7 @@ constexpr bool kF32 = std::is_same_v<T, float>;
 // bf16 pools on a CPU with AVX512_BF16 (and 16 lanes): a prefill block's products take bf16 pairs
 // straight from the pools, two multiply-adds per lane and instruction (vdpbf16ps, fp32 sums),
 // instead of converting keys and values to fp32 first (see run_item)
-#define FMS_ELEM_IS_fms_bf16 1
-#define FMS_CAT(a, b) a##b
-#define FMS_IS_BF16(elem) FMS_CAT(FMS_ELEM_IS_, elem)  // 1 for fms_bf16, else an undefined name: 0
-#if defined(__AVX512BF16__) && FMS_VEC_NATIVE == 16 && FMS_IS_BF16(FMS_ELEM)
-#define FMS_ATTN_DP 1
-#else
-#define FMS_ATTN_DP 0
-#endif
-constexpr bool kDP = FMS_ATTN_DP;
+constexpr bool kDP = FMS_VEC_BF16_DP;
 
 constexpr int D = HEAD_DIM;
 constexpr int W = fms_vec::NATIVE;  // lanes per vector: query rows (prefill), keys (decode)
@@ -300,7 +292,7 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   }
 }
 
-#if FMS_ATTN_DP
+#if FMS_VEC_BF16_DP
 // acc + the dot products of the bf16 pairs in a's lanes with the pair at p, in every lane
 inline vf dp_bcast(vf acc, __m512i a, const void* p) {
   return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(*(const int32_t*)p));
@@ -369,7 +361,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
     const int nkt = (nk + KG - 1) / KG * KG;  // keys nk .. nkt - 1: stale rows of the last page, masked
     const int jv = (int)std::max<int64_t>(0, k_first - k0);  // keys read for their values: jv .. nk - 1
     key_rows(a, pt, k0, nk, kh, vh, trow, tvrow);
-#if FMS_ATTN_DP  // the values as pairs of keys, from an even key: keys outside jv .. nk - 1 give 0
+#if FMS_VEC_BF16_DP  // the values as pairs of keys, from an even key: keys outside jv .. nk - 1 give 0
     for (int j = jv & ~1; j < nk; j += 2)
       pair_values(j >= jv ? tvrow[j] : nullptr, j + 1 < nk ? tvrow[j + 1] : nullptr, sc.vp + j / 2 * D);
 #else
@@ -392,7 +384,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       // the oldest row's window
       if (qmax[g] < k0 || k0 + nk <= first_key(a, qmin[g])) continue;
       float* s = sc.s;
-#if FMS_ATTN_DP
+#if FMS_VEC_BF16_DP
       for (int j0 = 0; j0 < nk; j0 += KG) {  // S[j0 .. j0 + KG): KG keys of one page, bf16 pairs
         const T* kt = trow[j0];
         vf acc[KG];
@@ -443,7 +435,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       }
       l[g] = l[g] * alpha + sum;
       float* ot = sc.ot + g * D * W;
-#if FMS_ATTN_DP  // the probabilities as pairs of keys, 0 for keys outside j0v .. j1v - 1
+#if FMS_VEC_BF16_DP  // the probabilities as pairs of keys, 0 for keys outside j0v .. j1v - 1
       const int p0 = j0v / 2, p1 = (j1v + 1) / 2;
       for (int p = p0; p < p1; ++p) {
         const int j = 2 * p;

@@ -3,7 +3,10 @@
 // fms_paged/native.py once per storage type T of x, the weights and y (-DFMS_ELEM: float, fms_bf16
 // or fms_f16); half-precision values are converted to fp32 as they are loaded and the dot products
 // accumulate in fp32 (fms_paged/native_vec.h), so a bf16 / fp16 model's decode reads half the
-// bytes of fp32. See fms_paged/modules/linear.py.
+// bytes of fp32. On a CPU with AVX512_BF16 the bf16 build multiplies bf16 pairs as they are
+// (vdpbf16ps: exact products, fp32 sums), with no conversion and half the instructions: a decode
+// batch of a few rows is then bound by memory rather than by the FMAs. See
+// fms_paged/modules/linear.py.
 //
 // The weights of one call may be several matrices sharing K (q/k/v, gate/up): their outputs sit
 // side by side in y. Output columns go in blocks of NR weight rows, split over the threads. While
@@ -77,8 +80,37 @@ struct Segment {
 
 // y[m0 .. m0 + mr, col + j] for weight rows j0 .. j0 + nr of one segment; `next` (or null): the
 // next block's weights [nr, K], prefetched at the pace this block is read
+#if FMS_VEC_BF16_DP
+// x's rows as the kernel reads them: bf16 as they are (the products take bf16 pairs, vdpbf16ps)
+using X = T;
+// 32 bf16 at p, the last K - k of them alone where fewer are left (zeros after them)
+inline __m512i load32(const T* p, int64_t left) {
+  return left >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), p);
+}
 template <int mr, int nr>
-void tile(const float* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st,
+void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st, const T* next) {
+  __m512 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  const T* w = s.w + j0 * K;
+  for (int64_t k = 0; k < K; k += 32) {  // 32 products of each row and weight row per instruction pair
+    __m512i wv[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = load32(w + j * K + k, K - k);
+    if (next)
+      for (int j = 0; j < nr; ++j) __builtin_prefetch(next + k * nr + 32 * j, 0, 1);
+    for (int i = 0; i < mr; ++i) {
+      const __m512bh xv = (__m512bh)load32(x + i * x_st + k, K - k);
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, (__m512bh)wv[j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) y[i * y_st + s.col + j0 + j] = from_f32<T>(hsum((vf)acc[i][j]));
+}
+#else
+// x's rows as the kernel reads them: fp32 (half-precision rows converted once: rows_f32)
+using X = float;
+template <int mr, int nr>
+void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st,
           const T* next) {
   vf acc[mr][nr];
   for (int i = 0; i < mr; ++i)
@@ -102,10 +134,11 @@ void tile(const float* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0,
       y[i * y_st + s.col + j0 + j] = from_f32<T>(sum);
     }
 }
+#endif
 
 // the last rows (fewer than MR): one tile of `left` rows
 template <int mr, int nr>
-void rest(int64_t left, const float* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y,
+void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y,
           int64_t y_st, const T* next) {
   if constexpr (mr > 0) {
     if (left == mr) return tile<mr, nr>(x, x_st, K, s, j0, y, y_st, next);
@@ -114,7 +147,7 @@ void rest(int64_t left, const float* x, int64_t x_st, int64_t K, const Segment& 
 }
 
 template <int nr>
-void columns(const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
+void columns(const X* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
              int64_t y_st, const T* next) {
   int64_t m = 0;  // the first tile reads the block from memory (and prefetches), later ones from L1
   for (; m + MR <= M; m += MR, next = nullptr) tile<MR, nr>(x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st, next);
@@ -123,7 +156,7 @@ void columns(const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& 
 
 // a block of n (1 .. nr) weight rows: columns<n>
 template <int nr>
-void block(int64_t n, const float* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
+void block(int64_t n, const X* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
            int64_t y_st, const T* next) {
   if constexpr (nr > 0) {
     if (n == nr) return columns<nr>(x, x_st, M, K, s, j0, y, y_st, next);
@@ -131,9 +164,9 @@ void block(int64_t n, const float* x, int64_t x_st, int64_t M, int64_t K, const 
   }
 }
 
-// x [M, K] (row stride x_st) in fp32: x itself, or converted once into buf (M x K values: far
-// fewer than the weights'), x_st then K
-inline const float* rows_f32(const float* x, int64_t, int64_t, int64_t&, std::vector<float>&) { return x; }
+// x [M, K] (row stride x_st) as the tiles read it (X): x itself, or converted once into fp32 in buf
+// (M x K values: far fewer than the weights'), x_st then K
+inline const X* rows_f32(const X* x, int64_t, int64_t, int64_t&, std::vector<float>&) { return x; }
 template <class U>
 const float* rows_f32(const U* x, int64_t M, int64_t K, int64_t& x_st, std::vector<float>& buf) {
   buf.resize(M * K);
@@ -159,7 +192,7 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   const int64_t M = a.M, K = a.K;
   std::vector<float> xf;
   int64_t x_st = a.x_st;
-  const float* x = rows_f32(a.x, M, K, x_st, xf);
+  const X* x = rows_f32(a.x, M, K, x_st, xf);
   std::vector<Segment> segs;
   std::vector<std::pair<int, int64_t>> blocks;  // (segment, first weight row) of each column block
   int64_t col = 0;
