@@ -10,7 +10,6 @@
 #include <ATen/ops/from_blob.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "native_ops.h"
 
@@ -61,16 +60,19 @@ struct Mm {
   int e;
   int64_t gemv_rows;
   at::TensorOptions opts;
-  void operator()(const void* x, int64_t M, int64_t K, int64_t x_st, at::TensorList weights, void* y) const {
+  // -> where the product [M, sum N] is: y, or (oneDNN's) the rows of `out`, which holds them
+  template <class T>
+  T* operator()(const void* x, int64_t M, int64_t K, int64_t x_st, at::TensorList weights, T* y,
+                at::Tensor& out) const {
     if (M <= gemv_rows) {
       std::vector<const void*> ptrs;
       std::vector<int64_t> rows;
       for (const at::Tensor& w : weights) ptrs.push_back(w.data_ptr()), rows.push_back(w.size(0));
-      return run_gemv(fn, e, x, M, K, x_st, ptrs, rows, y);
+      run_gemv(fn, e, x, M, K, x_st, ptrs, rows, y);
+      return y;
     }
-    const at::Tensor out = linear(at::from_blob(const_cast<void*>(x), {M, K}, {x_st, 1}, opts), weights,
-                                  std::nullopt);  // [M, sum N], contiguous
-    std::memcpy(y, out.data_ptr(), out.numel() * out.element_size());
+    out = linear(at::from_blob(const_cast<void*>(x), {M, K}, {x_st, 1}, opts), weights, std::nullopt);
+    return static_cast<T*>(out.data_ptr());  // contiguous
   }
 };
 
@@ -93,31 +95,32 @@ void run_layer(void* xs, int64_t M, int64_t Cd, const Layer& L, const at::Tensor
   const int64_t width = (H + 2 * Hkv) * D;
   auto opt = [](const at::Tensor* w) { return w ? static_cast<const T*>(w->data_ptr()) : nullptr; };
   // attention: norm, q/k/v, then bias, q/k norms, RoPE and ASSIGN, attention, output projection
+  // (a product lands in y, or in the tensor `out` oneDNN made, held until the next product)
+  at::Tensor out;
   rows.norm(xs, M, Cd, Cd, *L.ln, h);
-  mm(h, M, Cd, Cd, {*L.q, *L.k, *L.v}, y);
+  T* qkv = mm(h, M, Cd, Cd, {*L.q, *L.k, *L.v}, y, out);
   RowsArgs<T> a = rows.base();
-  a.op = 2, a.M = M, a.x = y, a.x_st = width, a.bias = opt(L.bias), a.q_norm = opt(L.q_norm), a.k_norm = opt(L.k_norm);
+  a.op = 2, a.M = M, a.x = qkv, a.x_st = width, a.bias = opt(L.bias), a.q_norm = opt(L.q_norm),
+  a.k_norm = opt(L.k_norm);
   a.cos = L.cos->data_ptr<float>(), a.sin = L.sin->data_ptr<float>(), a.slots = slots.data_ptr<int64_t>();
   a.k_pool = static_cast<T*>(L.k_pool->data_ptr()), a.v_pool = static_cast<T*>(L.v_pool->data_ptr());
   a.pool_tokens = L.k_pool->size(2), a.H = (int32_t)H, a.Hkv = (int32_t)Hkv, a.D = (int32_t)D;
   rows.call(a);
-  run_attention<T>(attn, y, width, D, M, *L.k_pool, *L.v_pool, page_table, chunks, H, page_size, L.scale, L.window,
-                   L.softcap, L.sinks, att);
-  mm(att, M, H * D, H * D, {*L.o}, h);
-  const T* attn_out = h;
+  run_attention<T>(attn, qkv, width, D, M, *L.k_pool, *L.v_pool, page_table, chunks, H, page_size, L.scale,
+                   L.window, L.softcap, L.sinks, att);
+  const T* attn_out = mm(att, M, H * D, H * D, {*L.o}, h, out);
   if (L.post_attn_ln) {
-    rows.norm(h, M, Cd, Cd, *L.post_attn_ln, y);
+    rows.norm(attn_out, M, Cd, Cd, *L.post_attn_ln, y);
     attn_out = y;
   }
   rows.residual(xs, attn_out, M, Cd, residual_multiplier);
   // MLP: norm, gate/up, activation times up, down projection
   rows.norm(xs, M, Cd, Cd, *L.ff_ln, h);
-  mm(h, M, Cd, Cd, {*L.gate, *L.up}, y);
-  rows.act(y, M, F, activation, h);
-  mm(h, M, F, F, {*L.down}, y);
-  const T* mlp_out = y;
+  const T* gate_up = mm(h, M, Cd, Cd, {*L.gate, *L.up}, y, out);
+  rows.act(gate_up, M, F, activation, h);
+  const T* mlp_out = mm(h, M, F, F, {*L.down}, y, out);
   if (L.post_ff_ln) {
-    rows.norm(y, M, Cd, Cd, *L.post_ff_ln, h);
+    rows.norm(mlp_out, M, Cd, Cd, *L.post_ff_ln, h);
     mlp_out = h;
   }
   rows.residual(xs, mlp_out, M, Cd, residual_multiplier);
