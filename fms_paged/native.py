@@ -313,6 +313,24 @@ def register(kind: str, source: Path, dtype: torch.dtype, head_dim: int = 0,
     return None
 
 
+def prebuild_model(device: torch.device, dtype: torch.dtype | None, head_dim: int, attn_impl: str) -> None:
+    """Start building, in the background, what a paged model on the CPU loads at its first forward
+    (the operators; the attention kernel for its dtype and head dim, the GEMV and rows kernels), so
+    that a first start compiles while the checkpoint loads rather than after. Nothing for another
+    device, dtype or attention; what is built already is only found."""
+    from fms_paged.kv import cpu_kernel
+    from fms_paged.modules import linear
+
+    if attn_impl != "paged" or device.type != "cpu" or dtype not in ELEM_TYPES or compiler() is None:
+        return
+    if not _OPS:
+        _BUILDS.submit(ops)  # (a build that fails is reported where the operators are first asked for)
+    prebuild(linear.GEMV_SOURCE, dtype)
+    prebuild(linear.ROWS_SOURCE, dtype)
+    if head_dim % cpu_kernel.HEAD_DIM_MULTIPLE == 0 and not os.environ.get("FMS_PAGED_FORCE_GATHER"):
+        prebuild(cpu_kernel.SOURCE, dtype, HEAD_DIM=head_dim)
+
+
 def build_all(dtypes: tuple[torch.dtype, ...] = tuple(ELEM_TYPES), head_dims: tuple[int, ...] = (64, 128),
               log=print) -> bool:
     """Build the operators and this CPU's kernels for `dtypes` and `head_dims` into the cache (what

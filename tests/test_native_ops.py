@@ -44,3 +44,33 @@ def test_aot_compiled_graph_calls_the_operators(tmp_path):
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp_path, "block.pt2"))
     got = torch._inductor.aoti_load_package(pkg)(x)
     torch.testing.assert_close(got, block(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_paged_cpu_model_starts_its_builds_while_it_loads(monkeypatch):
+    """`get_model` of a paged CPU model hands the builds its first forward needs to the background
+    (the operators, unless loaded; its dtype's GEMV and rows kernels; attention for its head dim)
+    before it reads the checkpoint (a variant: before its init); the dense attention starts none."""
+    from fms_paged.models import get_model
+
+    kernels, submitted = [], []
+
+    class Recorder:
+        def submit(self, fn, *args):
+            submitted.append(fn)
+
+    monkeypatch.setattr(native, "_building",
+                        lambda source, dtype, **defines: kernels.append((source.stem, dtype, defines)))
+    monkeypatch.setattr(native, "_BUILDS", Recorder())
+    monkeypatch.setattr(native, "_OPS", [])  # as in a process that has not loaded them
+    model = get_model(attn_impl="paged", device="cpu", dtype=torch.bfloat16)
+    D = model.config.head_dim
+    assert submitted == [native.ops]
+    want = [("cpu_gemv", torch.bfloat16, {}), ("cpu_rows", torch.bfloat16, {}),
+            ("cpu_attention", torch.bfloat16, {"HEAD_DIM": D})]
+    assert sorted(kernels, key=str) == sorted(want, key=str)
+    kernels.clear(), submitted.clear()
+    get_model(attn_impl="sdpa", device="cpu", dtype=torch.bfloat16)
+    get_model(variant="micro", attn_impl="sdpa", device="cpu")
+    assert kernels == submitted == []
+    get_model(variant="micro", attn_impl="paged", device="cpu")  # a variant: fp32
+    assert {dt for _, dt, _ in kernels} == {torch.float32} and len(kernels) == 3

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fms_paged import native
 from fms_paged.models.families import COMMON_NAMES, FAMILIES, CheckpointError, Family, config_fields
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 
@@ -166,6 +167,10 @@ def load_hf(
     path = Path(model_path)
     hf_cfg = read_hf_config(path)
     config = config_from_hf(hf_cfg, attn_impl=attn_impl, **config_overrides)
+    # the kernels a paged CPU model needs first, built while its tensors load (the checkpoint's
+    # dtype as its config names it, where none is asked for)
+    stored = getattr(torch, str(hf_cfg.get("torch_dtype")), None)
+    native.prebuild_model(torch.device(device), dtype or stored, config.head_dim, attn_impl)
     names = _names(FAMILIES[config.family])
     with torch.device("meta"):
         model = LLaMA(config)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fms_paged import native
 from fms_paged.device import default_page_size, resolve_device, resolve_dtype
 
 # architecture -> variant -> factory(**config_overrides) -> nn.Module (on the meta device is fine)
@@ -92,6 +93,7 @@ def get_model(
         )
     with torch.device("meta"):
         model = _REGISTRY[architecture][variant](attn_impl=attn_impl, **config_overrides)
+    native.prebuild_model(dev, dt or torch.float32, model.config.head_dim, attn_impl)  # beside the init
     if dt is not None:  # on the meta device: an 8B model in bf16 never exists in fp32 on the device
         model = model.to(dt)
     model = model.to_empty(device=dev)
