@@ -146,14 +146,14 @@ def cache_dir() -> Path:
 
 
 def _build(name: str, command: list[str], made_from: list[str],
-           sources: tuple[Path, ...] = ()) -> tuple[Path | None, str | None]:
+           sources: tuple[Path, ...] = (), cache: Path | None = None) -> tuple[Path | None, str | None]:
     """The library `name`_<hash of made_from>.so in `cache_dir()`: found, or built aside and renamed
     into place (atomic: another process building the same library at once does no harm) ->
     (path, None), or (None, why not). Built by `command` with the output path appended; with
     `sources`, `command` compiles each of them (`-c`) at once in processes of their own, and the
     objects are linked by `command`'s link flags (those after `-L`)."""
     key = hashlib.sha256("\n".join(made_from).encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}_{key}.so"
+    path = (cache or cache_dir()) / f"{name}_{key}.so"
     if path.exists():
         return path, None
     try:
@@ -194,11 +194,11 @@ def load(source: Path, **defines: int | str) -> tuple[Path | None, str | None]:
     """The kernel library built from `source` for `isa()` with `-DNAME=value` for each define (an
     int, or a C++ name such as `FMS_ELEM=fms_bf16`; built now, or found built) -> (path, None), or
     (None, why not)."""
-    return _load(source, isa(), **defines)
+    return _load(source, isa(), cache_dir(), **defines)
 
 
 @functools.cache
-def _load(source: Path, which: str, **defines: int | str) -> tuple[Path | None, str | None]:
+def _load(source: Path, which: str, cache: Path, **defines: int | str) -> tuple[Path | None, str | None]:
     cxx = compiler()
     if cxx is None:
         return None, "no C++ compiler found ($CXX, g++ or c++)"
@@ -209,7 +209,7 @@ def _load(source: Path, which: str, **defines: int | str) -> tuple[Path | None, 
     made_from = [source.read_text(), *(h.read_text() for h in HEADERS), " ".join(flags), version, _cpu_id()]
     tag = "".join(f"_{k.lower()}{v}" for k, v in sorted(defines.items()))
     tag += "" if which == "native" else f"_{which}"
-    return _build(source.stem + tag, [cxx, *flags, str(source)], made_from)
+    return _build(source.stem + tag, [cxx, *flags, str(source)], made_from, cache=cache)
 
 
 def _ops_command(cxx: str) -> list[str]:
@@ -282,11 +282,11 @@ _FUTURES_LOCK = threading.Lock()
 
 def _building(source: Path, dtype: torch.dtype, **defines: int | str) -> concurrent.futures.Future:
     """The build of kernel `source` for `dtype` and `isa()` (`_load`), started now unless it was."""
-    which, defines = isa(), dict(defines, FMS_ELEM=elem(dtype))
-    key = (source, which, str(cache_dir()), tuple(sorted(defines.items())))
+    which, cache, defines = isa(), cache_dir(), dict(defines, FMS_ELEM=elem(dtype))
+    key = (source, which, str(cache), tuple(sorted(defines.items())))
     with _FUTURES_LOCK:
-        if key not in _FUTURES:
-            _FUTURES[key] = _BUILDS.submit(_load, source, which, **defines)
+        if key not in _FUTURES:  # (the cache dir of now: the build may run after it changes)
+            _FUTURES[key] = _BUILDS.submit(_load, source, which, cache, **defines)
         return _FUTURES[key]
 
 

@@ -232,4 +232,68 @@ inline vec<N> vtanh(vec<N> x) {
   return ax < 0.625f ? small : (x < 0.0f ? -big : big);
 }
 
+// ---- across lanes
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define FMS_VEC_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#endif
+
+// i with its log2(NATIVE) bits reversed
+constexpr int bitrev(int i) {
+  int r = 0;
+  for (int b = 1; b < NATIVE; b <<= 1, i >>= 1) r = (r << 1) | (i & 1);
+  return r;
+}
+
+// lane j of the result: the sum of the lanes of p[bitrev(j)] (NATIVE horizontal sums in NATIVE - 1
+// adds: each level halves the lanes per vector and doubles the vectors per lane)
+inline vec<NATIVE> reduce_lanes(const vec<NATIVE>* p) {
+#if defined(FMS_VEC_SHUFFLE) && FMS_VEC_NATIVE == 16
+  vec<16> c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = FMS_VEC_SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           FMS_VEC_SHUFFLE(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    d[i] = FMS_VEC_SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           FMS_VEC_SHUFFLE(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = FMS_VEC_SHUFFLE(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           FMS_VEC_SHUFFLE(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return FMS_VEC_SHUFFLE(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         FMS_VEC_SHUFFLE(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+#elif defined(FMS_VEC_SHUFFLE)
+  vec<8> c[4], d[2];
+  for (int i = 0; i < 4; ++i)
+    c[i] = FMS_VEC_SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           FMS_VEC_SHUFFLE(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    d[i] = FMS_VEC_SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           FMS_VEC_SHUFFLE(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return FMS_VEC_SHUFFLE(d[0], d[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         FMS_VEC_SHUFFLE(d[0], d[1], 1, 9, 3, 11, 5, 13, 7, 15);
+#else
+  vec<NATIVE> r;
+  for (int j = 0; j < NATIVE; ++j) {
+    r[j] = 0.0f;
+    for (int i = 0; i < NATIVE; ++i) r[j] += p[bitrev(j)][i];
+  }
+  return r;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// ---- bf16 pairs (AVX512_BF16: vdpbf16ps takes 16 lanes of two bf16 each)
+// acc + the dot products of the bf16 pairs in a's lanes with the pair at p, in every lane
+inline vec<16> dp_bcast(vec<16> acc, __m512i a, const void* p) {
+  return (vec<16>)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(*(const int32_t*)p));
+}
+inline __m512i load_pairs(const uint32_t* p) { return _mm512_load_si512(p); }
+// two fp32 vectors as bf16 pairs per lane: lane i holds (pj[i], pj1[i]), each rounded to nearest even
+inline __m512i pair_rows(vec<16> pj, vec<16> pj1) {
+  const __m512i lo_hi = (__m512i)_mm512_cvtne2ps_pbh((__m512)pj1, (__m512)pj);  // [pj's 16 | pj1's 16]
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, lo_hi);
+}
+#endif
+
 }  // namespace fms_vec

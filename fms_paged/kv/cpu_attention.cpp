@@ -70,8 +70,10 @@
 
 namespace {
 
+using fms_vec::bitrev;
 using fms_vec::bits;
 using fms_vec::from_f32;
+using fms_vec::reduce_lanes;
 using fms_vec::to_f32;
 using T = FMS_ELEM;
 constexpr bool kF32 = std::is_same_v<T, float>;
@@ -177,51 +179,6 @@ inline void key_rows(const Args& a, const int32_t* pt, int64_t k0, int nk, const
   }
 }
 
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#endif
-
-// i with its log2(W) bits reversed
-constexpr int bitrev(int i) {
-  int r = 0;
-  for (int b = 1; b < W; b <<= 1, i >>= 1) r = (r << 1) | (i & 1);
-  return r;
-}
-
-// lane j of the result: the sum of the lanes of p[bitrev(j)] (W horizontal sums in W - 1 adds)
-inline vf reduce_lanes(const vf* p) {
-#if defined(SHUFFLE) && FMS_VEC_NATIVE == 16
-  vf c[8], d[4], e[2];  // each level halves the lanes per vector and doubles the vectors per lane
-  for (int i = 0; i < 8; ++i)
-    c[i] = SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           SHUFFLE(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    d[i] = SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           SHUFFLE(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    e[i] = SHUFFLE(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           SHUFFLE(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  return SHUFFLE(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         SHUFFLE(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-#elif defined(SHUFFLE)
-  vf c[4], d[2];
-  for (int i = 0; i < 4; ++i)
-    c[i] = SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           SHUFFLE(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int i = 0; i < 2; ++i)
-    d[i] = SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           SHUFFLE(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return SHUFFLE(d[0], d[1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(d[0], d[1], 1, 9, 3, 11, 5, 13, 7, 15);
-#else
-  vf r;
-  for (int j = 0; j < W; ++j) {
-    r[j] = 0.0f;
-    for (int i = 0; i < W; ++i) r[j] += p[bitrev(j)][i];
-  }
-  return r;
-#endif
-}
-
 // a decode row: heads r0 .. r1 - 1 of the item's kv head for one token at position q0, which sees
 // keys first_key(q0) .. q0 (all of them from 0 without a window); keys in lanes (see the top)
 void run_decode(const Args& a, const Item& it, Scratch& sc) {
@@ -293,18 +250,9 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
 }
 
 #if FMS_VEC_BF16_DP
-// acc + the dot products of the bf16 pairs in a's lanes with the pair at p, in every lane
-inline vf dp_bcast(vf acc, __m512i a, const void* p) {
-  return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(*(const int32_t*)p));
-}
-inline __m512i load_pairs(const uint32_t* p) { return _mm512_load_si512(p); }
-// the probabilities of keys j and j + 1 (fp32 rows of lanes) as bf16 pairs per lane
-inline __m512i pair_rows(vf pj, vf pj1) {
-  const __m512i lo_hi = (__m512i)_mm512_cvtne2ps_pbh((__m512)pj1, (__m512)pj);  // [pj's 16 | pj1's 16]
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, lo_hi);
-}
+using fms_vec::dp_bcast;
+using fms_vec::load_pairs;
+using fms_vec::pair_rows;
 // keys a and b's values (D bf16 each, or null: zeros) as pairs per d
 inline void pair_values(const T* a, const T* b, uint32_t* out) {
   for (int d = 0; d < D; d += 16) {
