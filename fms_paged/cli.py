@@ -141,13 +141,13 @@ def cmd_generate(args) -> int:
     from fms_paged.device import keep_freed_cpu_memory
 
     keep_freed_cpu_memory()  # a generating process: glibc keeps freed buffers for the next step
-    model, tok = _load(args, args.attn_impl, need_tokenizer=args.prompt_ids is None)
-    if args.prompt_ids is not None:
+    if args.prompt_ids is not None:  # checked before the model loads (and starts its kernels' builds)
         try:
             ids = [int(t) for t in args.prompt_ids.split()]
         except ValueError:
             raise ValueError(f"argument --prompt-ids: expected integers, got {args.prompt_ids!r}") from None
-    else:
+    model, tok = _load(args, args.attn_impl, need_tokenizer=args.prompt_ids is None)
+    if args.prompt_ids is None:
         if tok is None:
             raise ValueError("argument --prompt: a --variant model has no tokenizer; use --prompt-ids")
         text = args.prompt if args.prompt is not None else args.prompt_file.read_text()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -212,6 +213,20 @@ def _load(source: Path, which: str, cache: Path, **defines: int | str) -> tuple[
     return _build(source.stem + tag, [cxx, *flags, str(source)], made_from, cache=cache)
 
 
+def _cpp_extension():
+    """torch.utils.cpp_extension, imported without its warning that a CUDA_HOME has no CUDA runtime
+    (these builds are for the CPU; a first start's model load would print it, from a background
+    build)."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
+
+
 def _ops_command(cxx: str) -> list[str]:
     """How the operators (`OPS_SOURCES`) are compiled against the running torch: its headers, its
     C++ ABI, its libraries (as `torch.utils.cpp_extension` builds an extension); no -march: one
@@ -219,7 +234,7 @@ def _ops_command(cxx: str) -> list[str]:
     c10::Half's bit arithmetic: a decode step converts ~10^5 values; the flag is part of the build's
     key, so a CPU without it builds its own). -ffp-contract=off: products and sums rounded one by
     one, as ATen's vectorized CPU ops do. The link flags come last, from -L on."""
-    from torch.utils import cpp_extension
+    cpp_extension = _cpp_extension()
 
     lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
