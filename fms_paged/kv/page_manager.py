@@ -11,7 +11,9 @@ the engine computes a step's slots once and writes each layer's keys and values 
 `write_slots`), GATHER (`gather` = `slots`, then `read_slots`, which the GATHER + SDPA kernel
 runs), ERASE (`erase`, and `release_prefix` for the pages a sliding window has left behind) and
 FORK (`fork`, plus `share` / `hold` / `unhold` for a prefix cache). Tensor math on the pools (and
-input conversion) lives in `fms_paged.kv._pool_ops`.
+input conversion) lives in `fms_paged.kv._pool_ops`; slots, ASSIGN, GATHER and copy-on-write
+copies in `page_data.PoolData`, FORK and the prefix cache's references in
+`page_sharing.PageSharing` (mixins over the state kept here).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 
 from fms_paged.kv import _pool_ops as ops
 from fms_paged.kv._pool_ops import read_slots, write_slots
-from fms_paged.kv.geometry import NULL_PAGE, grows_into_partial_page, pages_for, slot
+from fms_paged.kv.geometry import NULL_PAGE, grows_into_partial_page, pages_for
+from fms_paged.kv.page_data import PoolData
+from fms_paged.kv.page_sharing import PageSharing
 
 __all__ = ["OutOfPages", "PageManager", "Reservation", "read_slots", "write_slots"]
 
@@ -60,7 +64,7 @@ class OutOfPages(RuntimeError):
         super().__init__(f"need {needed} pages for {which}, {free} free")
 
 
-class PageManager:
+class PageManager(PageSharing, PoolData):
     """Ref-counted pages of `page_size` token slots shared by up to `max_seqs` sequences.
 
     Page 0 is the NULL page: never free, never owned; unused page-table entries point to it.
@@ -450,96 +454,6 @@ class PageManager:
         ops.fill_int32(self._p2l_d, packed[k:], -1)
         self._free.extend(freed.tolist())
 
-    def fork(self, parent: int, child: int) -> None:
-        """Child (not live) shares all pages of parent (live): same length, same table row.
-
-        O(pages of parent); no KV data is copied (copy-on-write happens in a later reserve).
-        """
-        p, c = (int(x) for x in self._check_ids([parent, child], "fork(parent, child)"))
-        self._check_live(np.array([p]))
-        if self._live[c]:
-            raise ValueError(f"fork child seq id {c} is already live (erase it first)")
-        length = int(self._lens[p])
-        n = self._num_pages_for(length)
-        self._adopt(c, self._table[p, :n].astype(np.int64), length)
-
-    def _adopt(self, s: int, pages: np.ndarray, length: int) -> None:
-        """Seq `s` (checked: not live) takes `pages` (checked: owned, or the null page where a
-        window released one) as its logical pages 0..k-1 and holds `length` tokens: refcount +1
-        each, host and device tables."""
-        n = pages.size
-        np.add.at(self._refcount, pages[pages != NULL_PAGE], 1)
-        self._table[s, :n] = pages
-        self._lens[s] = length
-        self._live[s] = True
-        flat = s * self.max_pages_per_seq + np.arange(n, dtype=np.int64)
-        packed = ops.to_device(np.concatenate([flat, pages]), self.device)
-        ops.scatter_int32(self._page_table_d, packed[:n], packed[n:])
-
-    def share(self, seq_id: int, pages: Sequence[int]) -> None:
-        """Seq `seq_id` (not live) starts with the full pages `pages` as its logical pages
-        0..k-1 (length k * P), each refcount +1 (a prefix cache hit). Each page must be owned and
-        hold logical page j of its sequences (`phys_to_logical[pages[j]] == j`): a prefix page
-        sits at the same logical index in every sequence that shares it. No KV data moves."""
-        s = int(self._check_ids([seq_id], "seq_id")[0])
-        if self._live[s]:
-            raise ValueError(f"share: seq id {s} is already live (erase it first)")
-        pages = ops.as_int_array(pages, "pages")
-        n = pages.size
-        if n > self.max_pages_per_seq:
-            raise ValueError(f"share: {n} pages > max_pages_per_seq={self.max_pages_per_seq}")
-        if n and ((pages < 1) | (pages >= self.num_pages)).any():
-            raise ValueError(f"share: pages {pages.tolist()} must be in [1, {self.num_pages})")
-        if n and ((self._refcount[pages] < 1) | (self._p2l[pages] != np.arange(n))).any():
-            raise ValueError(
-                f"share: pages {pages.tolist()} must be owned pages holding logical pages 0..{n - 1} "
-                f"(phys_to_logical {self._p2l[pages].tolist()})"
-            )
-        if np.unique(pages).size != n:
-            raise ValueError(f"share: duplicate page in {pages.tolist()}")
-        self._adopt(s, pages, n * self.page_size)
-
-    def hold(self, pages: Sequence[int]) -> None:
-        """Take one reference to each owned page that belongs to no sequence (a prefix cache's):
-        the page outlives its sequences until `unhold`. ValueError for a page not owned, or held
-        already."""
-        pages = ops.as_int_array(pages, "pages")
-        if pages.size and (((pages < 1) | (pages >= self.num_pages)).any()
-                           or (self._refcount[pages] < 1).any() or self._held[pages].any()
-                           or np.unique(pages).size != pages.size):
-            raise ValueError(f"hold: pages {pages.tolist()} must be distinct owned pages not held yet")
-        self._refcount[pages] += 1
-        self._held[pages] = True
-
-    def unhold(self, pages: Sequence[int]) -> None:
-        """Drop `hold`'s reference; a page no sequence holds either returns to the free pool."""
-        pages = ops.as_int_array(pages, "pages")
-        if pages.size and (((pages < 1) | (pages >= self.num_pages)).any() or not self._held[pages].all()
-                           or np.unique(pages).size != pages.size):
-            raise ValueError(f"unhold: pages {pages.tolist()} must be distinct held pages")
-        self._held[pages] = False
-        self._refcount[pages] -= 1
-        freed = pages[self._refcount[pages] == 0]
-        if freed.size:  # state first, THEN the free pool (concurrency contract)
-            self._p2l[freed] = -1
-            ops.fill_int32(self._p2l_d, ops.to_device(freed.astype(np.int64), self.device), -1)
-            self._free.extend(freed.tolist())
-
-    @property
-    def held_pages(self) -> list[int]:
-        """Pages referenced by `hold` (a prefix cache), whether or not a sequence shares them."""
-        return np.flatnonzero(self._held).tolist()
-
-    def apply_copies(self, copies: Sequence[tuple[int, int]], *pools: torch.Tensor) -> None:
-        """Run copy-on-write copies (src_page, dst_page), as returned by `reserve`, in every pool.
-
-        # each pool: [L, Hkv, num_pages*P, D] (e.g. k_pool, v_pool, or every layer's pools)
-        """
-        if not copies or not pools:
-            return
-        src, dst = np.asarray(copies, dtype=np.int64).reshape(-1, 2).T
-        ops.copy_pages(pools, src, dst, self.page_size)
-
     def reset(self) -> None:
         """Free everything (not thread-safe)."""
         self._lens[:] = 0
@@ -552,88 +466,3 @@ class PageManager:
         self._free.extend(range(self.num_pages - 1, 0, -1))
         self._page_table_d.zero_()
         self._p2l_d.fill_(-1)
-
-    # ------------------------------------------------------------------ slots / KV data
-    def slots(self, seq_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """Pool slot of each token, from the host mirror, in one host->device copy.
-
-        # seq_ids, positions: [T] host ints (list / numpy / CPU tensor)
-        # returns slots: [T] int64 on device
-        ValueError for a seq that is not live or a position outside [0, length).
-        """
-        seqs = self._check_ids(seq_ids, "seq_ids", unique=False)
-        pos = ops.as_int_array(positions, "positions")
-        if seqs.size != pos.size:
-            raise ValueError(f"got {seqs.size} seq_ids but {pos.size} positions")
-        self._check_live(seqs)
-        lens = self._lens[seqs]
-        bad = (pos < 0) | (pos >= lens)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(
-                f"position {pos[i]} of seq {seqs[i]} out of range, expected 0 <= position < length {lens[i]}"
-            )
-        P = self.page_size
-        pages = self._table[seqs, pos // P].astype(np.int64)
-        gone = pages == NULL_PAGE
-        if gone.any():
-            i = int(np.argmax(gone))
-            raise ValueError(f"position {pos[i]} of seq {seqs[i]} lies on a page released outside its "
-                             "sliding window (release_prefix)")
-        return ops.to_device(slot(pages, pos, P), self.device)
-
-    def assign(
-        self,
-        seq_ids: Sequence[int],
-        positions: Sequence[int],
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-    ) -> None:
-        """Write k/v of each token at its slot. Positions must be < the reserved length.
-
-        # k, v: [T, Hkv, D] (pools with L == 1) or [L, T, Hkv, D]
-        # k_pool, v_pool: [L, Hkv, num_pages*P, D]
-        TypeError for a dtype/device mismatch, ValueError for shapes/ids/positions; pools unchanged.
-        """
-        ops.check_pool_pair(k_pool, v_pool)
-        T = len(positions)
-        ops._check_kv("k", k, k_pool, T)
-        ops._check_kv("v", v, v_pool, T)
-        self._check_pool_size(k_pool)
-        write_slots(k_pool, v_pool, self.slots(seq_ids, positions), k, v)
-
-    def gather(
-        self, seq_ids: Sequence[int], k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Logically contiguous K/V of each sequence, zero-padded to the longest.
-
-        # returns k, v: [B, Hkv, max_len, D]; lens: [B] int64 on the pools' device
-        """
-        ids = self._check_ids(seq_ids, "seq_ids", unique=False)
-        self._check_live(ids)
-        ops.check_pool_pair(k_pool, v_pool)
-        self._check_pool_size(k_pool)
-        if not 0 <= layer < k_pool.shape[0]:
-            raise ValueError(f"layer {layer} out of range, pool has {k_pool.shape[0]} layers")
-        lens = self._lens[ids]
-        S = int(lens.max()) if ids.size else 0
-        valid = np.arange(S, dtype=np.int64) < lens[:, None]  # [B, S]
-        seqs = np.broadcast_to(ids[:, None], valid.shape)[valid]
-        pos = np.broadcast_to(np.arange(S, dtype=np.int64), valid.shape)[valid]
-        slots = self.slots(seqs, pos)  # [sum(lens)], sequence by sequence
-        k, v = read_slots(k_pool[layer : layer + 1], v_pool[layer : layer + 1], slots)  # [1, Hkv, T, D]
-        dev = k_pool.device
-        flat = ops.to_device(np.flatnonzero(valid.reshape(-1)), dev)  # where each token goes in [B * S]
-        out = []
-        for x in (k, v):
-            H, D = x.shape[1], x.shape[3]
-            padded = x.new_zeros(ids.size * S, H, D).index_copy_(0, flat, x[0].transpose(0, 1))
-            out.append(padded.view(ids.size, S, H, D).transpose(1, 2))  # [B, Hkv, S, D]
-        return out[0], out[1], ops.to_device(lens, dev)
-
-    def _check_pool_size(self, pool: torch.Tensor) -> None:
-        want = self.num_pages * self.page_size
-        if pool.shape[2] != want:
-            raise ValueError(f"pool slot dim {pool.shape[2]}, expected num_pages*page_size = {want}")

@@ -1,0 +1,98 @@
+"""The sharing side of `PageManager` (fms_paged/kv/page_manager.py): FORK (`fork`: a sequence takes
+another's pages, copy-on-write in a later `reserve`), and a prefix cache's references (`share`:
+a sequence takes cached pages; `hold` / `unhold`: references no sequence holds). A mixin: it
+updates the manager's host mirrors and device tables (`_table`, `_lens`, `_live`, `_refcount`,
+`_held`, `_p2l`) under the same concurrency contract, and keeps no state of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fms_paged.kv import _pool_ops as ops
+from fms_paged.kv.geometry import NULL_PAGE
+
+
+class PageSharing:
+    """FORK, `share`, `hold` / `unhold` of a `PageManager`."""
+
+    def fork(self, parent: int, child: int) -> None:
+        """Child (not live) shares all pages of parent (live): same length, same table row.
+
+        O(pages of parent); no KV data is copied (copy-on-write happens in a later reserve).
+        """
+        p, c = (int(x) for x in self._check_ids([parent, child], "fork(parent, child)"))
+        self._check_live(np.array([p]))
+        if self._live[c]:
+            raise ValueError(f"fork child seq id {c} is already live (erase it first)")
+        length = int(self._lens[p])
+        n = self._num_pages_for(length)
+        self._adopt(c, self._table[p, :n].astype(np.int64), length)
+
+    def _adopt(self, s: int, pages: np.ndarray, length: int) -> None:
+        """Seq `s` (checked: not live) takes `pages` (checked: owned, or the null page where a
+        window released one) as its logical pages 0..k-1 and holds `length` tokens: refcount +1
+        each, host and device tables."""
+        n = pages.size
+        np.add.at(self._refcount, pages[pages != NULL_PAGE], 1)
+        self._table[s, :n] = pages
+        self._lens[s] = length
+        self._live[s] = True
+        flat = s * self.max_pages_per_seq + np.arange(n, dtype=np.int64)
+        packed = ops.to_device(np.concatenate([flat, pages]), self.device)
+        ops.scatter_int32(self._page_table_d, packed[:n], packed[n:])
+
+    def share(self, seq_id: int, pages: Sequence[int]) -> None:
+        """Seq `seq_id` (not live) starts with the full pages `pages` as its logical pages
+        0..k-1 (length k * P), each refcount +1 (a prefix cache hit). Each page must be owned and
+        hold logical page j of its sequences (`phys_to_logical[pages[j]] == j`): a prefix page
+        sits at the same logical index in every sequence that shares it. No KV data moves."""
+        s = int(self._check_ids([seq_id], "seq_id")[0])
+        if self._live[s]:
+            raise ValueError(f"share: seq id {s} is already live (erase it first)")
+        pages = ops.as_int_array(pages, "pages")
+        n = pages.size
+        if n > self.max_pages_per_seq:
+            raise ValueError(f"share: {n} pages > max_pages_per_seq={self.max_pages_per_seq}")
+        if n and ((pages < 1) | (pages >= self.num_pages)).any():
+            raise ValueError(f"share: pages {pages.tolist()} must be in [1, {self.num_pages})")
+        if n and ((self._refcount[pages] < 1) | (self._p2l[pages] != np.arange(n))).any():
+            raise ValueError(
+                f"share: pages {pages.tolist()} must be owned pages holding logical pages 0..{n - 1} "
+                f"(phys_to_logical {self._p2l[pages].tolist()})"
+            )
+        if np.unique(pages).size != n:
+            raise ValueError(f"share: duplicate page in {pages.tolist()}")
+        self._adopt(s, pages, n * self.page_size)
+
+    def hold(self, pages: Sequence[int]) -> None:
+        """Take one reference to each owned page that belongs to no sequence (a prefix cache's):
+        the page outlives its sequences until `unhold`. ValueError for a page not owned, or held
+        already."""
+        pages = ops.as_int_array(pages, "pages")
+        if pages.size and (((pages < 1) | (pages >= self.num_pages)).any()
+                           or (self._refcount[pages] < 1).any() or self._held[pages].any()
+                           or np.unique(pages).size != pages.size):
+            raise ValueError(f"hold: pages {pages.tolist()} must be distinct owned pages not held yet")
+        self._refcount[pages] += 1
+        self._held[pages] = True
+
+    def unhold(self, pages: Sequence[int]) -> None:
+        """Drop `hold`'s reference; a page no sequence holds either returns to the free pool."""
+        pages = ops.as_int_array(pages, "pages")
+        if pages.size and (((pages < 1) | (pages >= self.num_pages)).any() or not self._held[pages].all()
+                           or np.unique(pages).size != pages.size):
+            raise ValueError(f"unhold: pages {pages.tolist()} must be distinct held pages")
+        self._held[pages] = False
+        self._refcount[pages] -= 1
+        freed = pages[self._refcount[pages] == 0]
+        if freed.size:  # state first, THEN the free pool (concurrency contract)
+            self._p2l[freed] = -1
+            ops.fill_int32(self._p2l_d, ops.to_device(freed.astype(np.int64), self.device), -1)
+            self._free.extend(freed.tolist())
+
+    @property
+    def held_pages(self) -> list[int]:
+        """Pages referenced by `hold` (a prefix cache), whether or not a sequence shares them."""
+        return np.flatnonzero(self._held).tolist()
