@@ -155,9 +155,11 @@ def isa_build(isa: str, dtype: torch.dtype, monkeypatch):
 def test_fused_blocks_take_any_rows(family, dtype, isa, hf_family, monkeypatch):
     """The operator takes any number of rows: on a prefill step of two chunks (45 tokens: past the
     GEMV kernel's rows, so oneDNN's GEMMs project them), the blocks' output and the keys they
-    write equal the modules' (fp32: 1e-4; bf16: within a few of its ulps of the output's scale).
-    bf16 on each kernel build this CPU runs (its rows kernel's vectors: 16 lanes, 8, SSE2)."""
-    _, path = hf_family(family)
+    write equal the modules' (fp32: 1e-4; bf16: within a few of its ulps of the output's scale),
+    and in fp32 the fused step's logits at every prompt token are transformers' on each prompt
+    alone (1e-4 of their scale). bf16 on each kernel build this CPU runs (its rows kernel's
+    vectors: 16 lanes, 8, SSE2)."""
+    hf, path = hf_family(family)
     model = get_model(model_path=path, device="cpu", dtype=dtype, page_size=P, attn_impl="paged")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 15)]
@@ -178,6 +180,15 @@ def test_fused_blocks_take_any_rows(family, dtype, isa, hf_family, monkeypatch):
             outs.append(out.float())
             keys.append(torch.stack([k[0, :, slots].float() for k in cache.k_pools]))
     if dtype == torch.float32:
+        with torch.inference_mode():
+            logits = model.logits(outs[0])[0]  # [T, V]: the fused blocks' output through the head
+        start = 0
+        for p in prompts:
+            with torch.no_grad():
+                ref = hf(torch.tensor([p])).logits[0]  # [n, V]
+            got = logits[start : start + len(p)]
+            assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+            start += len(p)
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(keys[0], keys[1], rtol=1e-5, atol=1e-5)
     else:
