@@ -8,7 +8,8 @@
 // registers. Conversions:
 // - bf16 -> fp32: the 16 bits are the fp32's upper half: a zero-extending widen and a shift;
 // - fp32 -> bf16: round to nearest even, a NaN kept a quiet NaN (torch's rounding: a kernel's bf16
-//   output equals torch's cast of its fp32 result);
+//   output equals torch's cast of its fp32 result), by vcvtneps2bf16 where the CPU has AVX512_BF16
+//   (which also turns fp32 denormals into zeros, as oneDNN's bf16 outputs);
 // - fp16 <-> fp32: F16C's vcvtph2ps / vcvtps2ph where the CPU has it (AVX-512F's 16-wide forms
 //   where it has that), else the compiler's _Float16 conversion lane by lane.
 #pragma once
@@ -166,6 +167,10 @@ inline void store(float* p, vec<N> v) {
 // every lane at once
 template <int N>
 inline uvec<N> bf16_bits(vec<N> v) {
+#if defined(__AVX512BF16__)
+  if constexpr (N == 16)  // one rounding instruction (see store)
+    return (uvec<N>)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)v)), 16);
+#endif
   const uvec<N> u = bits<uvec<N>>(v);
   const uvec<N> nan = (uvec<N>)((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
   const uvec<N> rne = u + 0x7fffu + ((u >> 16) & 1u);
@@ -173,11 +178,31 @@ inline uvec<N> bf16_bits(vec<N> v) {
 }
 template <int N>
 inline void store(fms_bf16* p, vec<N> v) {
+#if defined(__AVX512BF16__)
+  // vcvtneps2bf16: the same rounding and quiet NaN in one instruction, but fp32 denormals (below
+  // 2^-126) become zeros, as in oneDNN's bf16 GEMM outputs
+  if constexpr (N == 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)v));
+    return;
+  }
+#endif
   const hvec<N> h = __builtin_convertvector(bf16_bits<N>(v) >> 16, hvec<N>);
   std::memcpy(p, &h, sizeof h);
 }
 template <int N>
 inline void store(fms_f16* p, vec<N> v) {
+#if defined(__AVX512F__)
+  if constexpr (N == 16) {  // vcvtps2ph: round to nearest even, denormals and NaNs as from_f32's
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+    return;
+  }
+#endif
+#if defined(__F16C__)
+  if constexpr (N == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+    return;
+  }
+#endif
   for (int i = 0; i < N; ++i) p[i] = from_f32<fms_f16>(v[i]);
 }
 
@@ -293,6 +318,32 @@ inline __m512i pair_rows(vec<16> pj, vec<16> pj1) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                        21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(idx, lo_hi);
+}
+// keys a and b's values (D bf16 each, or null: zeros) as pairs per d: lane d holds (a[d], b[d])
+template <int D>
+inline void pair_values(const fms_bf16* a, const fms_bf16* b, uint32_t* out) {
+  for (int d = 0; d < D; d += 16) {
+    const __m512i va = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + d))) : _mm512_setzero_si512();
+    const __m512i vb = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + d))) : _mm512_setzero_si512();
+    _mm512_store_si512(out + d, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
+  }
+}
+// e^x for x <= 0 (-inf gives 0), as 2^n * p(f): t = x log2(e), n = round(t), f = t - n in
+// [-1/2, 1/2], p a degree-5 fit of 2^f (relative error under 2e-7 evaluated in fp32, Cephes'
+// expf's class), 2^n applied by vscalefps (t clamped at -150: 0 in fp32). About half of vexp's
+// instructions: the softmax of the bf16 path, whose probabilities are rounded to bf16 after
+inline vec<16> vexp_nonpos(vec<16> x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f)),
+                                 _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vec<16> f = (vec<16>)_mm512_sub_ps(t, n);
+  vec<16> y = splat<16>(1.326472731307149e-3f);
+  y = y * f + 9.671512991189957e-3f;
+  y = y * f + 5.550733581185341e-2f;
+  y = y * f + 2.4022242426872253e-1f;
+  y = y * f + 6.931470036506653e-1f;
+  y = y * f + 1.0f;
+  return (vec<16>)_mm512_scalef_ps((__m512)y, n);
 }
 #endif
 

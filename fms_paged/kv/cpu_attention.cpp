@@ -40,7 +40,8 @@
 // broadcast from its page; outputs from the probabilities rounded to bf16 as pairs of keys per
 // lane and the block's values repacked as pairs of keys (zero for keys outside the values read).
 // Rounding the probabilities to bf16 is what torch's CPU flash attention does in bf16: each output
-// is then within u * (|out| + sum_j p_j |v_j|) of exact (u = 2^-8) instead of u * |out|.
+// is then within u * (|out| + sum_j p_j |v_j|) of exact (u = 2^-8) instead of u * |out|; their
+// exp is the shorter vexp_nonpos (same accuracy class), computed as the pairs are packed.
 //
 // A decode row (a chunk of one token) has only its G heads for rows (3 of 16 lanes for G = 3,
 // 1 for MHA), so it takes a path of its own with keys in the lanes instead: per head, W keys'
@@ -103,6 +104,12 @@ inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 // exp(x) for x <= 0 (a score minus its row's running max; -inf for masked keys gives exactly 0)
 inline vf vexp(vf x) { return fms_vec::vexp<W>(x); }
 inline vf vtanh(vf x) { return fms_vec::vtanh<W>(x); }
+// the prefill softmax's exp: the bf16 pairs path's is the shorter one (same accuracy class)
+#if FMS_VEC_BF16_DP
+inline vf softmax_exp(vf x) { return fms_vec::vexp_nonpos(x); }
+#else
+inline vf softmax_exp(vf x) { return vexp(x); }
+#endif
 
 // the running max of a row's online softmax before its first key (without a sink): below any
 // score, yet finite, so that a block whose keys a row does not see (a window) leaves the row's
@@ -147,10 +154,8 @@ inline void softmax_start(const Args& a, int h, float& m, float& l) {
   l = a.sinks ? std::exp(a.sinks[h] - m) : 0.0f;
 }
 
-struct Item {
-  int chunk, kvh, r0, r1;  // rows r0 .. r1 - 1 of the chunk: row r = token r / G, head r % G
-  int64_t cost;
-};
+// rows r0 .. r1 - 1 of the chunk (row r = token r / G, head r % G); cost: rows x keys read
+struct Item { int chunk, kvh, r0, r1; int64_t cost; };
 
 struct Scratch {
   alignas(64) float qt[LG * D * W];  // Q^T per lane group, pre-scaled
@@ -250,16 +255,20 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
 }
 
 #if FMS_VEC_BF16_DP
-using fms_vec::dp_bcast;
-using fms_vec::load_pairs;
-using fms_vec::pair_rows;
-// keys a and b's values (D bf16 each, or null: zeros) as pairs per d
-inline void pair_values(const T* a, const T* b, uint32_t* out) {
-  for (int d = 0; d < D; d += 16) {
-    const __m512i va = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + d))) : _mm512_setzero_si512();
-    const __m512i vb = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + d))) : _mm512_setzero_si512();
-    _mm512_store_si512(out + d, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
+using fms_vec::dp_bcast, fms_vec::load_pairs, fms_vec::pair_rows;
+// the scaled scores S[0 .. NT KG) of a group's rows (Q^T as pairs, qp) against NT tiles of KG keys
+// (tile t's keys in one page, from trow[t KG]), bf16 pairs: NT KG independent sums, so that two
+// tiles hide the multiply-adds' latency
+template <int NT>
+inline void score_tiles(const uint32_t* qp, const T* const* trow, float scale, float* s) {
+  vf acc[NT * KG];
+  for (int u = 0; u < NT * KG; ++u) acc[u] = splat(0.0f);
+  for (int d = 0; d < D; d += 2) {
+    const __m512i qd = load_pairs(qp + d / 2 * W);
+    for (int t = 0; t < NT; ++t)
+      for (int u = 0; u < KG; ++u) acc[t * KG + u] = dp_bcast(acc[t * KG + u], qd, trow[t * KG] + u * D + d);
   }
+  for (int u = 0; u < NT * KG; ++u) store(s + u * W, acc[u] * scale);
 }
 #endif
 
@@ -311,7 +320,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
     key_rows(a, pt, k0, nk, kh, vh, trow, tvrow);
 #if FMS_VEC_BF16_DP  // the values as pairs of keys, from an even key: keys outside jv .. nk - 1 give 0
     for (int j = jv & ~1; j < nk; j += 2)
-      pair_values(j >= jv ? tvrow[j] : nullptr, j + 1 < nk ? tvrow[j + 1] : nullptr, sc.vp + j / 2 * D);
+      fms_vec::pair_values<D>(j >= jv ? tvrow[j] : nullptr, j + 1 < nk ? tvrow[j + 1] : nullptr, sc.vp + j / 2 * D);
 #else
     if constexpr (kF32) {
       std::copy(trow, trow + nk, krow);
@@ -333,16 +342,10 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       if (qmax[g] < k0 || k0 + nk <= first_key(a, qmin[g])) continue;
       float* s = sc.s;
 #if FMS_VEC_BF16_DP
-      for (int j0 = 0; j0 < nk; j0 += KG) {  // S[j0 .. j0 + KG): KG keys of one page, bf16 pairs
-        const T* kt = trow[j0];
-        vf acc[KG];
-        for (int u = 0; u < KG; ++u) acc[u] = splat(0.0f);
-        for (int d = 0; d < D; d += 2) {
-          const __m512i qd = load_pairs(sc.qp + (g * D / 2 + d / 2) * W);
-          for (int u = 0; u < KG; ++u) acc[u] = dp_bcast(acc[u], qd, kt + u * D + d);
-        }
-        for (int u = 0; u < KG; ++u) store(s + (j0 + u) * W, acc[u] * a.scale);
-      }
+      const uint32_t* qp = sc.qp + g * D / 2 * W;
+      int j0 = 0;  // two tiles at a time, then the last of an odd count
+      for (; j0 + KG < nk; j0 += 2 * KG) score_tiles<2>(qp, trow + j0, a.scale, s + j0 * W);
+      if (j0 < nk) score_tiles<1>(qp, trow + j0, a.scale, s + j0 * W);
 #else
       const float* qt = sc.qt + g * D * W;
       for (int j0 = 0; j0 < nk; j0 += KG) {  // S[j0 .. j0 + KG): KG keys of one page
@@ -370,27 +373,23 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       for (int j = 1; j < nkt; ++j) mx = vmax(mx, load(s + j * W));
       // m[g] is finite (LOW or the sink), so mnew is, even in lanes whose keys here are all masked
       const vf mnew = vmax(m[g], mx);
-      const vf alpha = vexp(m[g] - mnew);
+      const vf alpha = softmax_exp(m[g] - mnew);
       m[g] = mnew;
       // the keys some row of the group sees: j0v .. j1v - 1 (the others have weight 0 in every lane)
       const int j0v = (int)std::clamp<int64_t>(first_key(a, qmin[g]) - k0, jv, nk);
       const int j1v = (int)std::min<int64_t>(nk, qmax[g] - k0 + 1);
       vf sum = splat(0.0f);
-      for (int j = j0v; j < j1v; ++j) {
-        const vf p = vexp(load(s + j * W) - mnew);
-        sum += p;
-        store(s + j * W, p);
-      }
-      l[g] = l[g] * alpha + sum;
       float* ot = sc.ot + g * D * W;
 #if FMS_VEC_BF16_DP  // the probabilities as pairs of keys, 0 for keys outside j0v .. j1v - 1
       const int p0 = j0v / 2, p1 = (j1v + 1) / 2;
       for (int p = p0; p < p1; ++p) {
         const int j = 2 * p;
-        const vf pj = j >= j0v ? load(s + j * W) : splat(0.0f);
-        const vf pj1 = j + 1 < j1v ? load(s + (j + 1) * W) : splat(0.0f);
+        const vf pj = j >= j0v ? softmax_exp(load(s + j * W) - mnew) : splat(0.0f);
+        const vf pj1 = j + 1 < j1v ? softmax_exp(load(s + (j + 1) * W) - mnew) : splat(0.0f);
+        sum += pj + pj1;
         _mm512_store_si512(sc.pp + p * W, pair_rows(pj, pj1));
       }
+      l[g] = l[g] * alpha + sum;
       for (int d0 = 0; d0 < D; d0 += DG) {
         vf o[DG];
         for (int i = 0; i < DG; ++i) o[i] = load(ot + (d0 + i) * W) * alpha;
@@ -401,6 +400,12 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
         for (int i = 0; i < DG; ++i) store(ot + (d0 + i) * W, o[i]);
       }
 #else
+      for (int j = j0v; j < j1v; ++j) {
+        const vf p = softmax_exp(load(s + j * W) - mnew);
+        sum += p;
+        store(s + j * W, p);
+      }
+      l[g] = l[g] * alpha + sum;
       for (int d0 = 0; d0 < D; d0 += DG) {
         vf o[DG];
         for (int i = 0; i < DG; ++i) o[i] = load(ot + (d0 + i) * W) * alpha;

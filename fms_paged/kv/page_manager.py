@@ -295,9 +295,8 @@ class PageManager(PageSharing, PoolData):
         almost always), and the pages handed out (`opened`). Raises ValueError on bad input and
         OutOfPages when the pool is short; nothing changes then.
 
-        A decode step (every sequence grows by a token, none opens a page or grows into a shared
-        one) is a plain Python pass over the batch: numpy calls cost more than the bookkeeping of
-        a handful of rows.
+        A short batch (a step's rows, none growing into a shared page) is a plain Python pass
+        (`_reserve_in_place`): numpy calls cost more than the bookkeeping of a handful of rows.
         """
         fast = self._reserve_in_place(seq_ids, new_lengths)
         if fast is not None:
@@ -326,27 +325,52 @@ class PageManager(PageSharing, PoolData):
         return Reservation(copies, pages)
 
     def _reserve_in_place(self, seq_ids, new_lengths) -> Reservation | None:
-        """`reserve` when no page changes hands: a short batch of live sequences, each growing
-        within its own last page (not shared). -> an empty Reservation, or None where the general
-        path must run (which also validates)."""
-        if len(seq_ids) > 16 or len(seq_ids) != len(new_lengths):
+        """`reserve` of a short batch in plain Python (a step's handful of rows: numpy calls cost
+        more than their bookkeeping): each sequence grows within its own last page, or opens fresh
+        pages; none grows into a shared page (copy-on-write) or asks past the limits. Takes the
+        pages as the general path does (in batch order, one pop each), so both hand out the same
+        pages. -> the Reservation, or None where the general path must run (which also validates
+        and raises), with nothing changed."""
+        if len(seq_ids) > 32 or len(seq_ids) != len(new_lengths):
             return None
         P, lens, live, table, refs = self.page_size, self._lens, self._live, self._table, self._refcount
+        opens = []  # (seq, its first new logical page, pages it opens)
         try:
             for s, n in zip(seq_ids, new_lengths):
                 if type(s) is not int or type(n) is not int or not 0 <= s < self.max_seqs:
                     return None
-                cur = lens[s]
-                if not live[s] or n < cur or n > self.max_seq_len or cur == 0 or (
-                        n > (cur + P - 1) // P * P) or (n > cur and refs[table[s, (cur - 1) // P]] > 1):
-                    return None  # opens a page, grows into a shared one, or a case to validate
+                cur = int(lens[s])
+                if n < cur or n > self.max_seq_len or (not live[s] and cur) or (
+                        cur and n > cur and refs[table[s, (cur - 1) // P]] > 1):
+                    return None  # grows into (or past) a shared page, or a case to validate
+                have = (cur + P - 1) // P
+                if n > have * P:
+                    opens.append((s, have, (n + P - 1) // P - have))
         except TypeError:
             return None
         if len(set(seq_ids)) != len(seq_ids):
             return None
+        total = sum(k for _, _, k in opens)
+        if total > len(self._free):
+            return None  # the general path raises OutOfPages
+        pages = self._take(total, np.asarray([s for s, _, _ in opens], dtype=np.int64)) if total else []
+        flat, cols, i, C = [], [], 0, self.max_pages_per_seq
+        for s, have, k in opens:
+            for c in range(have, have + k):
+                table[s, c] = pages[i]
+                refs[pages[i]] = 1
+                self._p2l[pages[i]] = c
+                flat.append(s * C + c)
+                cols.append(c)
+                i += 1
         for s, n in zip(seq_ids, new_lengths):
             lens[s] = n
-        return Reservation()
+            live[s] = True
+        if total:
+            packed = ops.to_device(np.asarray(flat + pages + cols, dtype=np.int64), self.device)
+            ops.scatter_int32(self._page_table_d, packed[:total], packed[total : 2 * total])
+            ops.scatter_int32(self._p2l_d, packed[total : 2 * total], packed[2 * total :])
+        return Reservation([], pages)
 
     def _plan_cow(self, ids: np.ndarray, have: np.ndarray, grows: np.ndarray) -> np.ndarray:
         """Which seqs need a private copy of their last page (loop over candidates only).

@@ -483,11 +483,12 @@ def test_hot_path_has_no_host_sync(where, device, no_host_sync):
 
 @pytest.mark.parametrize("P", [1, 4, 16])
 def test_decode_fast_path_equals_the_general_reserve(P, device, monkeypatch):
-    """`reserve` of one more token per row takes a plain-Python path when no page changes hands:
+    """`reserve` of a short batch takes a plain-Python path unless a row grows into a shared page:
     against a twin manager forced down the general (numpy) path, the same state after every step
-    (host mirror, device views, copy-on-write copies, pages handed out) through page openings, a
-    forked sequence growing into its shared partial page (copy-on-write), a sequence joining
-    from length 0 and random subsets of rows."""
+    (host mirror, device views, copy-on-write copies, pages handed out, in order) through decode
+    rows and prefill chunks that open several pages at once, a forked sequence growing into its
+    shared partial page (copy-on-write), a sequence joining from length 0 and random subsets of
+    rows."""
     rng = np.random.default_rng(P)
     fast, ref = (PageManager(96, P, max_seqs=6, max_seq_len=20 * P, device=device) for _ in range(2))
     monkeypatch.setattr(ref, "_reserve_in_place", lambda *a: None)
@@ -502,11 +503,14 @@ def test_decode_fast_path_equals_the_general_reserve(P, device, monkeypatch):
             lens[4] = 0  # joins: its first token opens its first page
         ids = [s for s in lens if rng.random() < 0.8] or [1]
         rng.shuffle(ids)
-        got = fast.reserve(ids, [lens[s] + 1 for s in ids])
-        want = ref.reserve(ids, [lens[s] + 1 for s in ids])
+        # a decode token, or now and then a chunk of up to two pages and a bit (within the limit)
+        grow = {s: min(int(rng.integers(2, 2 * P + 3)) if rng.random() < 0.2 else 1, 20 * P - lens[s])
+                for s in ids}
+        got = fast.reserve(ids, [lens[s] + grow[s] for s in ids])
+        want = ref.reserve(ids, [lens[s] + grow[s] for s in ids])
         assert got == want and got.opened == want.opened
         for s in ids:
-            lens[s] += 1
+            lens[s] += grow[s]
         assert_same(snapshot(fast), snapshot(ref))
         copies, opened = copies + len(want), opened + want.opened
     assert copies == (1 if P > 1 else 0)  # the shared partial page was copied once
