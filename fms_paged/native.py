@@ -340,8 +340,7 @@ def prebuild_model(device: torch.device, dtype: torch.dtype | None, head_dim: in
         return
     if not _OPS:
         _BUILDS.submit(ops)  # (a build that fails is reported where the operators are first asked for)
-    prebuild(linear.GEMV_SOURCE, dtype)
-    prebuild(linear.ROWS_SOURCE, dtype)
+    linear.prebuild_kernels(dtype)
     if head_dim % cpu_kernel.HEAD_DIM_MULTIPLE == 0 and not os.environ.get("FMS_PAGED_FORCE_GATHER"):
         prebuild(cpu_kernel.SOURCE, dtype, HEAD_DIM=head_dim)
 
@@ -355,8 +354,7 @@ def build_all(dtypes: tuple[torch.dtype, ...] = tuple(ELEM_TYPES), head_dims: tu
     from fms_paged.modules import linear
 
     for dt in dtypes:  # every kernel's build at once, beside the operators'
-        prebuild(linear.GEMV_SOURCE, dt)
-        prebuild(linear.ROWS_SOURCE, dt)
+        linear.prebuild_kernels(dt)
         for d in head_dims:
             prebuild(cpu_kernel.SOURCE, dt, HEAD_DIM=d)
     why = ops()

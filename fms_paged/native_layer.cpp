@@ -126,8 +126,9 @@ void run_layer(void* xs, int64_t M, int64_t Cd, const Layer& L, const at::Tensor
   rows.residual(xs, mlp_out, M, Cd, residual_multiplier);
 }
 
-// ValueError naming what is wrong with layer i's arguments for rows x [M, Cd] (nothing written yet)
-void check_layer(int64_t i, const Layer& L, const at::Tensor& x, const at::Tensor& slots) {
+// ValueError naming what is wrong with layer i's arguments for rows x [M, Cd] (nothing written yet);
+// top: the step's largest slot (its slots are checked against each layer's pools, which may differ)
+void check_layer(int64_t i, const Layer& L, const at::Tensor& x, const at::Tensor& slots, int64_t top) {
   const at::ScalarType dt = x.scalar_type();
   const int64_t M = x.size(0), Cd = x.size(1);
   const at::Tensor &cos = *L.cos, &sin = *L.sin, &k_pool = *L.k_pool, &v_pool = *L.v_pool;
@@ -161,10 +162,10 @@ void check_layer(int64_t i, const Layer& L, const at::Tensor& x, const at::Tenso
                     "decoder_layers: layer ", i, ": pools [1, Hkv, NP, D] of x's dtype, contiguous, got ",
                     shape(k_pool), " ", dtype_name(k_pool.scalar_type()), " and ", shape(v_pool));
   const int64_t NP = k_pool.size(2);
+  if (top < NP) return;
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m)
-    TORCH_CHECK_VALUE(slot[m] >= 0 && slot[m] < NP, "decoder_layers: slot ", slot[m], " of row ", m,
-                      " is outside the pools' ", NP, " slots");
+  const int64_t m = std::find_if(slot, slot + M, [&](int64_t s) { return s >= NP; }) - slot;
+  TORCH_CHECK_VALUE(false, "decoder_layers: slot ", slot[m], " of row ", m, " is outside the pools' ", NP, " slots");
 }
 
 }  // namespace
@@ -201,6 +202,10 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::Tenso
                         chunks.is_contiguous(),
                     "decoder_layers: an int32 page table and int64 chunks [n, 4], contiguous, got page table ",
                     dtype_name(page_table.scalar_type()), ", chunks ", shape(chunks));
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)  // every layer writes these slots: one pass for the sign, the top per layer
+    TORCH_CHECK_VALUE(slot[m] >= 0, "decoder_layers: slot ", slot[m], " of row ", m, " is negative");
+  const int64_t top = M ? *std::max_element(slot, slot + M) : -1;
   std::vector<Layer> layers;
   auto opt = [](const at::Tensor& w) { return w.numel() ? &w : nullptr; };
   for (int64_t i = 0; i < n; ++i) {
@@ -211,7 +216,7 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::Tenso
     layers.push_back({&w[0], &w[1], &w[2], &w[3], opt(w[4]), opt(w[5]), opt(w[6]), &w[7], opt(w[8]), &w[9], &w[10],
                       &w[11], &w[12], opt(w[13]), &cos[r], &sin[r], &k_pools[i], &v_pools[i], scales[i], softcaps[i],
                       windows[i], sinks.get(i)});
-    check_layer(i, layers.back(), x, slots);
+    check_layer(i, layers.back(), x, slots, top);
   }
   const int64_t D = n ? layers[0].cos->size(1) : 0;
   const KernelFn attn = attention_fn(e, D), mm = gemv_fn(e), rows_kernel = rows_fn(e);

@@ -80,9 +80,15 @@ KernelFn rows_fn(int e) { return e < 0 ? nullptr : rows_fns[e].load(std::memory_
 // _load_kernel: the library at `path` (built by fms_paged.native) as the `kind` ("attention",
 // "gemv" or "rows") kernel of `dtype` (and `head_dim`, attention); refused unless its struct is
 // laid out as this file's
-void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dtype, int64_t head_dim) {
+// the index of `kind` in kKinds; ValueError naming it otherwise
+int kind_index(const char* op, c10::string_view kind) {
   const int k = (int)(std::find(kKinds.begin(), kKinds.end(), kind) - kKinds.begin());
-  TORCH_CHECK_VALUE(k < (int)kKinds.size(), "_load_kernel: kind='", kind, "'; expected 'attention', 'gemv' or 'rows'");
+  TORCH_CHECK_VALUE(k < (int)kKinds.size(), op, ": kind='", kind, "'; expected 'attention', 'gemv' or 'rows'");
+  return k;
+}
+
+void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dtype, int64_t head_dim) {
+  const int k = kind_index("_load_kernel", kind);
   const bool attention = k == 0;
   const int e = elem_index(dtype);
   TORCH_CHECK_VALUE(e >= 0, "_load_kernel: dtype ", dtype, "; the kernels take ", elem_names);
@@ -106,10 +112,8 @@ void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dt
 }
 
 bool kernel_loaded(c10::string_view kind, at::ScalarType dtype, int64_t head_dim) {
-  const int e = elem_index(dtype);
-  return kind == "attention" ? attention_fn(e, head_dim) != nullptr
-         : kind == "gemv"    ? gemv_fn(e) != nullptr
-                             : rows_fn(e) != nullptr;
+  const int k = kind_index("_kernel_loaded", kind), e = elem_index(dtype);
+  return (k == 0 ? attention_fn(e, head_dim) : k == 1 ? gemv_fn(e) : rows_fn(e)) != nullptr;
 }
 
 std::string shape(const at::Tensor& t) {

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from fms_paged import native
-from fms_paged.modules.linear import GEMV_SOURCE, ROWS_SOURCE
+from fms_paged.modules.linear import prebuild_kernels
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # the kernel's tile sizes: 16 query rows per vector, 8 keys (of one page) per score tile
@@ -58,8 +58,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
         return f"page_size={page_size} is not a multiple of {PAGE_MULTIPLE}"
     if os.environ.get("FMS_PAGED_FORCE_GATHER"):
         return "FMS_PAGED_FORCE_GATHER is set"
-    for source in (GEMV_SOURCE, ROWS_SOURCE):  # the model's blocks need them next: built beside this one
-        native.prebuild(source, dtype)
+    prebuild_kernels(dtype)  # the model's blocks need them next: built beside this one
     return load_attention(head_dim, dtype)
 
 

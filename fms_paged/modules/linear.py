@@ -44,6 +44,13 @@ GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 # `fms_paged::decoder_layers` runs between its projections: loaded with the GEMV kernel
 ROWS_SOURCE = Path(__file__).with_name("cpu_rows.cpp")
 
+
+def prebuild_kernels(dtype: torch.dtype) -> None:
+    """Start the background builds of the GEMV and rows kernels for `dtype` (`native.prebuild`):
+    what a paged CPU model's blocks load at their first forward."""
+    for source in (GEMV_SOURCE, ROWS_SOURCE):
+        native.prebuild(source, dtype)
+
 # otherwise a call packs when its weight has this many elements (1 MiB of fp32) ...
 PACK_MIN_WEIGHT = 1 << 18
 # ... or when it has this many rows
@@ -97,7 +104,7 @@ _READY: dict[torch.dtype, bool] = {}  # dtype -> the operators and its GEMV kern
 def load_gemv(dtype: torch.dtype) -> str | None:
     """Load the operators and the GEMV and rows kernels for `dtype` (built for `native.isa()` once
     per machine) -> None, or why not (the operator then computes its few-row products with ATen)."""
-    native.prebuild(ROWS_SOURCE, dtype)  # beside the GEMV kernel's build
+    prebuild_kernels(dtype)  # both at once
     why = ((configure() if not _READY else native.ops()) or native.register("gemv", GEMV_SOURCE, dtype)
            or native.register("rows", ROWS_SOURCE, dtype))
     _READY[dtype] = True  # tried: the operators take it from here

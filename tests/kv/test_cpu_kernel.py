@@ -458,5 +458,8 @@ def test_library_with_another_layout_is_refused(tmp_path):
     assert torch.equal(run(q, k, v, table, chunks, P), good)
     with pytest.raises(ValueError, match=r"kind='other'; expected 'attention', 'gemv' or 'rows'"):
         torch.ops.fms_paged._load_kernel("other", cases[0][0], torch.float32, D)
+    with pytest.raises(ValueError, match=r"_kernel_loaded: kind='other'; expected 'attention'"):
+        torch.ops.fms_paged._kernel_loaded("other", torch.float32)
+    assert torch.ops.fms_paged._kernel_loaded("attention", q.dtype, D)
     with pytest.raises(ValueError, match=r"head_dim=24; expected a multiple of 16"):
         torch.ops.fms_paged._load_kernel("attention", cases[0][0], torch.float32, 24)

@@ -111,6 +111,8 @@ def test_bad_arguments_raise():
         assert call().shape == x.shape
         with pytest.raises(ValueError, match=r"slot 100000 of row 1 is outside the pools' \d+ slots"):
             call(slots=torch.tensor([0, 100000]))
+        with pytest.raises(ValueError, match=r"slot -3 of row 0 is negative"):
+            call(slots=torch.tensor([-3, 0]))
         with pytest.raises(ValueError, match=r"x must be contiguous CPU rows \[M, C\] .* got torch.float64"):
             call(x=x.double())
         bad = list(weights)

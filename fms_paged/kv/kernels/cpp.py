@@ -23,8 +23,10 @@ class CppStep(PoolStep):
     `fms_paged::decoder_layers` (`LLaMA.hidden`), decode rows and prefill chunks alike; compiled
     forwards and FMS's models attend layer by layer."""
 
-    def __init__(self, view: PoolView, slots: torch.Tensor, chunks: torch.Tensor, fused: bool = True):
-        self.view, self.slots, self.chunks, self.fused = view, slots, chunks, fused
+    fused = True
+
+    def __init__(self, view: PoolView, slots: torch.Tensor, chunks: torch.Tensor):
+        self.view, self.slots, self.chunks = view, slots, chunks
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                   spec: AttentionSpec) -> torch.Tensor:
