@@ -31,8 +31,8 @@
 // - 0 (RMSNorm): out [M, n] = norm(x rows [M, n] at row stride x_st) with weight w, eps and
 //   unit_offset (1: Gemma's (1 + w));
 // - 1 (residual): x rows [M, n] (row stride x_st) += h [M, n] times multiplier (1: none);
-// - 2 (q/k/v): x rows [M, (H + 2 Hkv) D] (row stride x_st) in place: + bias ([(H + 2 Hkv) D], or
-//   null), the q and k heads normalised by q_norm / k_norm ([D], or null; eps, unit_offset), RoPE
+// - 2 (q/k/v): x rows [M, (H + 2 Hkv) D] (row stride x_st) in place: + q_bias [H D], k_bias and
+//   v_bias [Hkv D] (all three, or all null), the q and k heads normalised by q_norm / k_norm ([D], or null; eps, unit_offset), RoPE
 //   by cos / sin [M, D] (fp32), then the k and v heads written to slot slots[m] of k_pool / v_pool
 //   [Hkv, pool_tokens, D];
 // - 3, 4 (SiLU, tanh-GELU times up): out [M, n] = act(x[:, :n]) * x[:, n:] for x rows [M, 2n]
@@ -40,6 +40,6 @@
 #define FMS_PAGED_ROWS_FIELDS(X)                                                                  \
   X(int32_t, op) X(int64_t, M) X(int64_t, n) X(T*, x) X(int64_t, x_st) X(const T*, h)             \
   X(const T*, w) X(T*, out) X(float, eps) X(int32_t, unit_offset) X(float, multiplier)            \
-  X(const T*, bias) X(const T*, q_norm) X(const T*, k_norm) X(const float*, cos)                  \
+  X(const T*, q_bias) X(const T*, k_bias) X(const T*, v_bias) X(const T*, q_norm) X(const T*, k_norm) X(const float*, cos)                  \
   X(const float*, sin) X(const int64_t*, slots) X(T*, k_pool) X(T*, v_pool)                       \
   X(int64_t, pool_tokens) X(int32_t, H) X(int32_t, Hkv) X(int32_t, D) X(int32_t, threads)

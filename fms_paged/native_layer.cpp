@@ -1,15 +1,23 @@
-// The operator fms_paged::decoder_layers (schema in native_ops.cpp): a model's decoder blocks, one
-// after the other, for the M token rows of a step of the cpp kernel (decode rows and prefill
-// chunks), computed as the Python modules compute them (fms_paged/models/llama.py LLaMABlock,
-// modules/attention.py, norm.py, feedforward.py, positions.py): every intermediate rounded to the
-// model's dtype where theirs is, fp32 inside. The projections run as `linear` runs them (the GEMV
-// kernel for a few rows, oneDNN's packed GEMM for more), the attention by the loaded kernel, the
-// rest (norms, RoPE, ASSIGN, activations, residuals) by the rows kernel (modules/cpu_rows.cpp),
-// each on all M rows at once.
+// The operators fms_paged::decoder_stack and fms_paged::decoder_layers (schemas below): a model's
+// decoder blocks, one after the other, for the M token rows of a step of the cpp kernel (decode rows
+// and prefill chunks), computed as the Python modules compute them (fms_paged/models/llama.py
+// LLaMABlock, modules/attention.py, norm.py, feedforward.py, positions.py): every intermediate
+// rounded to the model's dtype where theirs is, fp32 inside. The projections run as `linear` runs
+// them (the GEMV kernel for a few rows, oneDNN's packed GEMM for more), the attention by the loaded
+// kernel, the rest (norms, RoPE, ASSIGN, activations, residuals) by the rows kernel
+// (modules/cpu_rows.cpp), each on all M rows at once.
+//
+// The blocks' weights and attention specs are a DecoderStack (torch.classes.fms_paged.DecoderStack),
+// checked once when it is made: a step passes the stack and its own tensors alone (rows, RoPE rows,
+// pools, slots, page table, chunks). A decode step of a small model is a few milliseconds, and
+// handing over and checking some four hundred weight tensors at every step (their Python objects
+// and TensorImpls cold in the cache after the step before streamed the weights) cost a tenth of it.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 
 #include "native_ops.h"
 
@@ -28,7 +36,7 @@ struct Rows {
     return a;
   }
   void call(const RowsArgs<T>& a) const {
-    TORCH_CHECK(fn(&a) == 0, "decoder_layers: the rows kernel refused op ", a.op);
+    TORCH_CHECK(timed([&] { return fn(&a); }) == 0, "decoder_layers: the rows kernel refused op ", a.op);
   }
   // out [M, n] = RMSNorm(x rows [M, n] at row stride st) with weight w
   void norm(const void* x, int64_t M, int64_t n, int64_t st, const at::Tensor& w, void* out) const {
@@ -76,13 +84,21 @@ struct Mm {
   }
 };
 
+// weights per layer of a stack, in this order (an undefined or empty tensor for one a family
+// lacks): ln, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, o, post_attn_ln, ff_ln, gate, up,
+// down, post_ff_ln
+constexpr int64_t kLayerWeights = 16;
+constexpr std::array<const char*, kLayerWeights> kWeightNames = {
+    "ln", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "o", "post_attn_ln", "ff_ln", "gate",
+    "up", "down", "post_ff_ln"};
+
 // one block's arguments: its weights (null: the family has none), RoPE table, pools and spec
 struct Layer {
-  const at::Tensor *ln, *q, *k, *v, *bias, *q_norm, *k_norm, *o, *post_attn_ln, *ff_ln, *gate, *up, *down,
-      *post_ff_ln, *cos, *sin, *k_pool, *v_pool;
+  const at::Tensor *ln, *q, *k, *v, *q_bias, *k_bias, *v_bias, *q_norm, *k_norm, *o, *post_attn_ln, *ff_ln, *gate,
+      *up, *down, *post_ff_ln, *cos, *sin, *k_pool, *v_pool;
   double scale, softcap;
   int64_t window;
-  std::optional<at::Tensor> sinks;
+  const std::optional<at::Tensor>* sinks;
 };
 
 // the block on the residual stream xs [M, Cd] in place; h, y: scratch rows as wide as its widest
@@ -94,20 +110,20 @@ void run_layer(void* xs, int64_t M, int64_t Cd, const Layer& L, const at::Tensor
   const int64_t D = L.cos->size(1), H = L.q->size(0) / D, Hkv = L.k->size(0) / D, F = L.gate->size(0);
   const int64_t width = (H + 2 * Hkv) * D;
   auto opt = [](const at::Tensor* w) { return w ? static_cast<const T*>(w->data_ptr()) : nullptr; };
-  // attention: norm, q/k/v, then bias, q/k norms, RoPE and ASSIGN, attention, output projection
+  // attention: norm, q/k/v, then biases, q/k norms, RoPE and ASSIGN, attention, output projection
   // (a product lands in y, or in the tensor `out` oneDNN made, held until the next product)
   at::Tensor out;
   rows.norm(xs, M, Cd, Cd, *L.ln, h);
   T* qkv = mm(h, M, Cd, Cd, {*L.q, *L.k, *L.v}, y, out);
   RowsArgs<T> a = rows.base();
-  a.op = 2, a.M = M, a.x = qkv, a.x_st = width, a.bias = opt(L.bias), a.q_norm = opt(L.q_norm),
-  a.k_norm = opt(L.k_norm);
+  a.op = 2, a.M = M, a.x = qkv, a.x_st = width, a.q_bias = opt(L.q_bias), a.k_bias = opt(L.k_bias),
+  a.v_bias = opt(L.v_bias), a.q_norm = opt(L.q_norm), a.k_norm = opt(L.k_norm);
   a.cos = L.cos->data_ptr<float>(), a.sin = L.sin->data_ptr<float>(), a.slots = slots.data_ptr<int64_t>();
   a.k_pool = static_cast<T*>(L.k_pool->data_ptr()), a.v_pool = static_cast<T*>(L.v_pool->data_ptr());
   a.pool_tokens = L.k_pool->size(2), a.H = (int32_t)H, a.Hkv = (int32_t)Hkv, a.D = (int32_t)D;
   rows.call(a);
   run_attention<T>(attn, qkv, width, D, M, *L.k_pool, *L.v_pool, page_table, chunks, H, page_size, L.scale,
-                   L.window, L.softcap, L.sinks, att);
+                   L.window, L.softcap, *L.sinks, att);
   const T* attn_out = mm(att, M, H * D, H * D, {*L.o}, h, out);
   if (L.post_attn_ln) {
     rows.norm(attn_out, M, Cd, Cd, *L.post_attn_ln, y);
@@ -126,104 +142,200 @@ void run_layer(void* xs, int64_t M, int64_t Cd, const Layer& L, const at::Tensor
   rows.residual(xs, mlp_out, M, Cd, residual_multiplier);
 }
 
-// ValueError naming what is wrong with layer i's arguments for rows x [M, Cd] (nothing written yet);
-// top: the step's largest slot (its slots are checked against each layer's pools, which may differ)
-void check_layer(int64_t i, const Layer& L, const at::Tensor& x, const at::Tensor& slots, int64_t top) {
-  const at::ScalarType dt = x.scalar_type();
-  const int64_t M = x.size(0), Cd = x.size(1);
-  const at::Tensor &cos = *L.cos, &sin = *L.sin, &k_pool = *L.k_pool, &v_pool = *L.v_pool;
-  const int64_t D = cos.dim() == 2 ? cos.size(1) : 0;
-  TORCH_CHECK_VALUE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
-                        cos.size(0) == M && cos.sizes() == sin.sizes() && cos.is_contiguous() && sin.is_contiguous(),
-                    "decoder_layers: layer ", i, ": cos and sin must be contiguous fp32 [", M, ", D], got ",
-                    shape(cos), " and ", shape(sin));
-  for (const at::Tensor* w : {L.ln, L.q, L.k, L.v, L.bias, L.q_norm, L.k_norm, L.o, L.post_attn_ln, L.ff_ln,
-                              L.gate, L.up, L.down, L.post_ff_ln})
-    TORCH_CHECK_VALUE(!w || (w->scalar_type() == dt && w->is_cpu() && w->is_contiguous()), "decoder_layers: layer ",
-                      i, ": every weight must be a contiguous CPU tensor of x's dtype ", dtype_name(dt), ", got ",
-                      dtype_name(w->scalar_type()), " ", shape(*w));
-  const int64_t H = D ? L.q->size(0) / D : 0, Hkv = D ? L.k->size(0) / D : 0, F = L.gate->size(0);
-  auto mat = [](const at::Tensor* w, int64_t rows, int64_t cols) {
-    return w->dim() == 2 && w->size(0) == rows && w->size(1) == cols;
+}  // namespace
+
+// A model's decoder blocks as the operators run them: each layer's weights, RoPE table and
+// attention spec, and the model's norm / residual / activation settings; checked when made
+// (ValueError naming what is wrong). It holds the weight tensors themselves, not copies: values
+// written into them in place reach the next step. Each step checks that every weight still has the
+// dtype, shape and layout it was made with (a `param.data = ...` that changed one: ValueError, make
+// a new stack), and reads the pools, RoPE rows and slots it is given.
+struct DecoderStack : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;  // kLayerWeights per layer, undefined where a family has none
+  std::vector<std::vector<int64_t>> shapes;  // each weight's shape when made
+  std::vector<int64_t> rope_index, windows;
+  std::vector<double> scales, softcaps;
+  std::vector<std::optional<at::Tensor>> sinks;
+  double eps, residual_multiplier;
+  bool unit_offset;
+  int64_t activation, width = 0, head_dim = 0;  // C, and D: the RoPE tables' width
+  at::ScalarType dtype = at::kFloat;
+
+  DecoderStack(std::vector<at::Tensor> weights_, int64_t head_dim_, std::vector<int64_t> rope_index_,
+               std::vector<double> scales_, std::vector<int64_t> windows_, std::vector<double> softcaps_,
+               const c10::List<std::optional<at::Tensor>>& sinks_, double eps_, bool unit_offset_,
+               double residual_multiplier_, int64_t activation_);
+  int64_t layers() const { return (int64_t)rope_index.size(); }
+  const at::Tensor* weight(int64_t i, int64_t j) const {  // null: none
+    const at::Tensor& w = weights[kLayerWeights * i + j];
+    return w.defined() ? &w : nullptr;
+  }
+};
+
+namespace {
+
+std::string names(const std::vector<at::Tensor>& weights, int64_t i) {  // "ln (576,), q (576, 576), ..."
+  std::string out;
+  for (int64_t j = 0; j < kLayerWeights; ++j) {
+    const at::Tensor& w = weights[kLayerWeights * i + j];
+    out += std::string(j ? ", " : "") + kWeightNames[j] + " " + (w.defined() ? shape(w) : "none");
+  }
+  return out;
+}
+
+// ValueError naming what is wrong with layer i's weights (made into a stack of this dtype, width C
+// and head dim D)
+void check_weights(const DecoderStack& s, int64_t i) {
+  auto w = [&](int64_t j) { return s.weight(i, j); };
+  for (int64_t j = 0; j < kLayerWeights; ++j) {
+    const at::Tensor* t = w(j);
+    TORCH_CHECK_VALUE(!t || (t->scalar_type() == s.dtype && t->is_cpu() && t->is_contiguous()),
+                      "DecoderStack: layer ", i, ": every weight must be a contiguous CPU tensor of the stack's dtype ",
+                      dtype_name(s.dtype), " (its ln's), got ", kWeightNames[j], " ", dtype_name(t->scalar_type()), " ",
+                      shape(*t), t->is_contiguous() ? "" : " (not contiguous)", " on ", t->device());
+  }
+  const int64_t Cd = s.width, D = s.head_dim;
+  const bool required = w(0) && w(1) && w(2) && w(3) && w(9) && w(11) && w(12) && w(13) && w(14);
+  const bool biases = (w(4) != nullptr) == (w(5) != nullptr) && (w(4) != nullptr) == (w(6) != nullptr);
+  const int64_t H = required && D ? w(1)->size(0) / D : 0, Hkv = required && D ? w(2)->size(0) / D : 0;
+  const int64_t F = required ? w(12)->size(0) : 0;
+  auto mat = [&](int64_t j, int64_t rows, int64_t cols) {
+    return w(j)->dim() == 2 && w(j)->size(0) == rows && w(j)->size(1) == cols;
   };
-  auto vec = [](const at::Tensor* w, int64_t n) { return !w || w->numel() == n; };
-  const bool shapes = D > 0 && D % 2 == 0 && Hkv > 0 && mat(L.q, H * D, Cd) && mat(L.k, Hkv * D, Cd) &&
-                      mat(L.v, Hkv * D, Cd) && mat(L.o, Cd, H * D) && mat(L.gate, F, Cd) && mat(L.up, F, Cd) &&
-                      mat(L.down, Cd, F) && vec(L.ln, Cd) && vec(L.ff_ln, Cd) && vec(L.bias, (H + 2 * Hkv) * D) &&
-                      vec(L.q_norm, D) && vec(L.k_norm, D) && vec(L.post_attn_ln, Cd) && vec(L.post_ff_ln, Cd) &&
-                      k_pool.dim() == 4 && k_pool.size(1) == Hkv && k_pool.size(3) == D;
-  TORCH_CHECK_VALUE(shapes, "decoder_layers: layer ", i, ": the weights' shapes do not make one decoder block of width ",
-                    Cd, " with heads of ", D, " (q ", shape(*L.q), ", k ", shape(*L.k), ", v ", shape(*L.v), ", o ",
-                    shape(*L.o), ", gate ", shape(*L.gate), ", up ", shape(*L.up), ", down ", shape(*L.down),
-                    ", k_pool ", shape(k_pool), ")");
-  check_variants(H, L.window, L.softcap, L.sinks);
-  TORCH_CHECK_VALUE(k_pool.scalar_type() == dt && v_pool.scalar_type() == dt && k_pool.sizes() == v_pool.sizes() &&
-                        k_pool.is_contiguous() && v_pool.is_contiguous(),
-                    "decoder_layers: layer ", i, ": pools [1, Hkv, NP, D] of x's dtype, contiguous, got ",
-                    shape(k_pool), " ", dtype_name(k_pool.scalar_type()), " and ", shape(v_pool));
-  const int64_t NP = k_pool.size(2);
-  if (top < NP) return;
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t m = std::find_if(slot, slot + M, [&](int64_t s) { return s >= NP; }) - slot;
-  TORCH_CHECK_VALUE(false, "decoder_layers: slot ", slot[m], " of row ", m, " is outside the pools' ", NP, " slots");
+  auto vec = [&](int64_t j, int64_t n) { return !w(j) || (w(j)->dim() == 1 && w(j)->numel() == n); };
+  const bool shapes = required && biases && D > 0 && D % 2 == 0 && Hkv > 0 && mat(1, H * D, Cd) &&
+                      mat(2, Hkv * D, Cd) && mat(3, Hkv * D, Cd) && mat(9, Cd, H * D) && mat(12, F, Cd) &&
+                      mat(13, F, Cd) && mat(14, Cd, F) && vec(0, Cd) && vec(11, Cd) && vec(4, H * D) &&
+                      vec(5, Hkv * D) && vec(6, Hkv * D) && vec(7, D) && vec(8, D) && vec(10, Cd) && vec(15, Cd);
+  TORCH_CHECK_VALUE(shapes, "DecoderStack: layer ", i, ": the weights do not make one decoder block of width ", Cd,
+                    " with heads of ", D, " (ln, q, k, v, o, ff_ln, gate, up and down required; q/k/v biases all or "
+                    "none), got ", names(s.weights, i));
+  check_variants(H, s.windows[i], s.softcaps[i], s.sinks[i]);
 }
 
 }  // namespace
 
-at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::TensorList cos, at::TensorList sin,
-                          at::IntArrayRef rope_index, at::TensorList k_pools, at::TensorList v_pools,
-                          const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& chunks,
-                          int64_t page_size, at::ArrayRef<double> scales, at::IntArrayRef windows,
-                          at::ArrayRef<double> softcaps, const c10::List<std::optional<at::Tensor>>& sinks,
-                          double eps, bool unit_offset, double residual_multiplier, int64_t activation) {
-  const at::ScalarType dt = x.scalar_type();
-  const int e = elem_index(dt);
-  TORCH_CHECK_VALUE(e >= 0 && x.dim() == 2 && x.is_cpu() && x.is_contiguous(),
-                    "decoder_layers: x must be contiguous CPU rows [M, C] of ", elem_names, ", got ", dtype_name(dt),
-                    " ", shape(x));
-  const int64_t n = (int64_t)k_pools.size();
-  TORCH_CHECK_VALUE((int64_t)weights.size() == kLayerWeights * n && (int64_t)v_pools.size() == n &&
-                        (int64_t)rope_index.size() == n && (int64_t)scales.size() == n &&
-                        (int64_t)windows.size() == n && (int64_t)softcaps.size() == n && (int64_t)sinks.size() == n,
-                    "decoder_layers: ", n, " layers (k_pools) need ", kLayerWeights * n, " weights (", kLayerWeights,
-                    " per layer) and as many v_pools, rope indices, scales, windows, soft-caps and sinks, got ",
-                    weights.size(), " weights, ", v_pools.size(), " v_pools, ", rope_index.size(), " rope indices, ",
-                    scales.size(), " scales, ", windows.size(), " windows, ", softcaps.size(), " soft-caps, ",
-                    sinks.size(), " sinks");
-  TORCH_CHECK_VALUE(activation == 0 || activation == 1, "decoder_layers: activation=", activation,
+DecoderStack::DecoderStack(std::vector<at::Tensor> weights_, int64_t head_dim_, std::vector<int64_t> rope_index_,
+                           std::vector<double> scales_, std::vector<int64_t> windows_, std::vector<double> softcaps_,
+                           const c10::List<std::optional<at::Tensor>>& sinks_, double eps_, bool unit_offset_,
+                           double residual_multiplier_, int64_t activation_)
+    : weights(std::move(weights_)), rope_index(std::move(rope_index_)), windows(std::move(windows_)),
+      scales(std::move(scales_)), softcaps(std::move(softcaps_)), eps(eps_), residual_multiplier(residual_multiplier_),
+      unit_offset(unit_offset_), activation(activation_), head_dim(head_dim_) {
+  const int64_t n = (int64_t)rope_index.size();
+  TORCH_CHECK_VALUE(n > 0 && (int64_t)weights.size() == kLayerWeights * n && (int64_t)scales.size() == n &&
+                        (int64_t)windows.size() == n && (int64_t)softcaps.size() == n && (int64_t)sinks_.size() == n,
+                    "DecoderStack: ", n, " layers (rope indices) need ", kLayerWeights * n, " weights (",
+                    kLayerWeights, " per layer) and as many scales, windows, soft-caps and sinks; got ", weights.size(),
+                    " weights, ", scales.size(), " scales, ", windows.size(), " windows, ", softcaps.size(),
+                    " soft-caps, ", sinks_.size(), " sinks");
+  TORCH_CHECK_VALUE(activation == 0 || activation == 1, "DecoderStack: activation=", activation,
                     "; expected 0 (silu) or 1 (gelu_tanh)");
-  TORCH_CHECK_VALUE(!cos.empty() && cos.size() == sin.size(), "decoder_layers: one sin per cos table, got ",
-                    cos.size(), " and ", sin.size());
-  const int64_t M = x.size(0), Cd = x.size(1);
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_VALUE(rope_index[i] >= 0, "DecoderStack: layer ", i, ": rope_index=", rope_index[i],
+                      "; expected a table's index (>= 0)");
+  for (at::Tensor& w : weights)
+    if (w.defined() && w.numel() == 0) w = at::Tensor();  // an empty tensor: none
+  const at::Tensor* ln = weight(0, 0);
+  TORCH_CHECK_VALUE(ln && ln->dim() == 1 && elem_index(ln->scalar_type()) >= 0, "DecoderStack: layer 0's ln must be ",
+                    "a vector [C] of ", elem_names, ", got ", names(weights, 0));
+  dtype = ln->scalar_type(), width = ln->size(0);
+  for (int64_t i = 0; i < n; ++i) sinks.push_back(sinks_.get(i));
+  for (int64_t i = 0; i < n; ++i) check_weights(*this, i);
+  for (const at::Tensor& w : weights) shapes.push_back(w.defined() ? w.sizes().vec() : std::vector<int64_t>{});
+}
+
+namespace {
+
+// ValueError unless the stack's weights still have the dtype, shape and layout they were made with
+// (each step: a `param.data = ...` may have swapped a tensor's storage since)
+void check_unchanged(const DecoderStack& s) {
+  for (size_t j = 0; j < s.weights.size(); ++j) {
+    const at::Tensor& w = s.weights[j];
+    if (!w.defined() || (w.scalar_type() == s.dtype && w.sizes() == at::IntArrayRef(s.shapes[j]) && w.is_contiguous()))
+      continue;
+    const int64_t i = (int64_t)j / kLayerWeights;
+    TORCH_CHECK_VALUE(false, "decoder_stack: layer ", i, "'s ", kWeightNames[j % kLayerWeights], " is now ",
+                      dtype_name(w.scalar_type()), " ", shape(w), w.is_contiguous() ? "" : " (not contiguous)",
+                      "; the stack was made with ", dtype_name(s.dtype), " ", shape(s.shapes[j]),
+                      ": make a new DecoderStack");
+  }
+}
+
+// ValueError naming what is wrong with a step's arguments for the stack (nothing written yet)
+void check_step(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, at::TensorList sin,
+                at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table,
+                const at::Tensor& chunks) {
+  const at::ScalarType dt = x.scalar_type();
+  const int64_t n = s.layers();
+  TORCH_CHECK_VALUE(dt == s.dtype && x.dim() == 2 && x.size(1) == s.width && x.is_cpu() && x.is_contiguous(),
+                    "decoder_stack: x must be contiguous CPU rows [M, ", s.width, "] of the stack's dtype ",
+                    dtype_name(s.dtype), ", got ", dtype_name(dt), " ", shape(x));
+  TORCH_CHECK_VALUE((int64_t)k_pools.size() == n && (int64_t)v_pools.size() == n, "decoder_stack: ", n,
+                    " layers need as many k_pools and v_pools, got ", k_pools.size(), " and ", v_pools.size());
+  const int64_t M = x.size(0), D = s.head_dim;
+  TORCH_CHECK_VALUE(!cos.empty() && cos.size() == sin.size(), "decoder_stack: one sin per cos table, got ", cos.size(),
+                    " and ", sin.size());
+  for (size_t r = 0; r < cos.size(); ++r)
+    TORCH_CHECK_VALUE(cos[r].scalar_type() == at::kFloat && sin[r].scalar_type() == at::kFloat &&
+                          cos[r].dim() == 2 && cos[r].size(0) == M && cos[r].size(1) == D &&
+                          cos[r].sizes() == sin[r].sizes() && cos[r].is_contiguous() && sin[r].is_contiguous(),
+                      "decoder_stack: RoPE table ", r, ": cos and sin must be contiguous fp32 [", M, ", ", D,
+                      "], got ", dtype_name(cos[r].scalar_type()), " ", shape(cos[r]), " and ",
+                      dtype_name(sin[r].scalar_type()), " ", shape(sin[r]));
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_VALUE(s.rope_index[i] < (int64_t)cos.size(), "decoder_stack: layer ", i, " reads RoPE table ",
+                      s.rope_index[i], " of ", cos.size());
   TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == M && slots.is_contiguous(),
-                    "decoder_layers: slots must be ", M, " contiguous int64, got ", shape(slots));
+                    "decoder_stack: slots must be ", M, " contiguous int64, got ", shape(slots));
   TORCH_CHECK_VALUE(page_table.scalar_type() == at::kInt && page_table.is_contiguous() &&
                         chunks.scalar_type() == at::kLong && chunks.dim() == 2 && chunks.size(1) == 4 &&
                         chunks.is_contiguous(),
-                    "decoder_layers: an int32 page table and int64 chunks [n, 4], contiguous, got page table ",
+                    "decoder_stack: an int32 page table and int64 chunks [n, 4], contiguous, got page table ",
                     dtype_name(page_table.scalar_type()), ", chunks ", shape(chunks));
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m)  // every layer writes these slots: one pass for the sign, the top per layer
-    TORCH_CHECK_VALUE(slot[m] >= 0, "decoder_layers: slot ", slot[m], " of row ", m, " is negative");
+    TORCH_CHECK_VALUE(slot[m] >= 0, "decoder_stack: slot ", slot[m], " of row ", m, " is negative");
   const int64_t top = M ? *std::max_element(slot, slot + M) : -1;
-  std::vector<Layer> layers;
-  auto opt = [](const at::Tensor& w) { return w.numel() ? &w : nullptr; };
   for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor* w = weights.data() + kLayerWeights * i;
-    const int64_t r = rope_index[i];
-    TORCH_CHECK_VALUE(r >= 0 && r < (int64_t)cos.size(), "decoder_layers: layer ", i, ": rope_index=", r, " of ",
-                      cos.size(), " tables");
-    layers.push_back({&w[0], &w[1], &w[2], &w[3], opt(w[4]), opt(w[5]), opt(w[6]), &w[7], opt(w[8]), &w[9], &w[10],
-                      &w[11], &w[12], opt(w[13]), &cos[r], &sin[r], &k_pools[i], &v_pools[i], scales[i], softcaps[i],
-                      windows[i], sinks.get(i)});
-    check_layer(i, layers.back(), x, slots, top);
+    const at::Tensor &k_pool = k_pools[i], &v_pool = v_pools[i];
+    const int64_t Hkv = s.weight(i, 2)->size(0) / D;
+    TORCH_CHECK_VALUE(k_pool.scalar_type() == dt && v_pool.scalar_type() == dt && k_pool.dim() == 4 &&
+                          k_pool.size(1) == Hkv && k_pool.size(3) == D && k_pool.sizes() == v_pool.sizes() &&
+                          k_pool.is_contiguous() && v_pool.is_contiguous(),
+                      "decoder_stack: layer ", i, ": pools [1, ", Hkv, ", NP, ", D, "] of x's dtype, contiguous, got ",
+                      shape(k_pool), " ", dtype_name(k_pool.scalar_type()), " and ", shape(v_pool));
+    const int64_t NP = k_pool.size(2);
+    if (top < NP) continue;
+    const int64_t m = std::find_if(slot, slot + M, [&](int64_t v) { return v >= NP; }) - slot;
+    TORCH_CHECK_VALUE(false, "decoder_stack: slot ", slot[m], " of row ", m, " is outside layer ", i, "'s pools' ",
+                      NP, " slots");
   }
-  const int64_t D = n ? layers[0].cos->size(1) : 0;
-  const KernelFn attn = attention_fn(e, D), mm = gemv_fn(e), rows_kernel = rows_fn(e);
-  TORCH_CHECK(!n || (attn && mm && rows_kernel), "decoder_layers: no ",
-              !attn ? "attention" : !mm ? "GEMV" : "rows", " kernel loaded for ", dtype_name(dt),
-              attn ? "" : " and head_dim=" + std::to_string(D),
+}
+
+}  // namespace
+
+at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& x, at::TensorList cos,
+                         at::TensorList sin, at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots,
+                         const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size) {
+  const DecoderStack& s = *stack;
+  check_unchanged(s);
+  check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks);
+  const int e = elem_index(s.dtype);
+  const KernelFn attn = attention_fn(e, s.head_dim), mm = gemv_fn(e), rows_kernel = rows_fn(e);
+  TORCH_CHECK(attn && mm && rows_kernel, "decoder_stack: no ", !attn ? "attention" : !mm ? "GEMV" : "rows",
+              " kernel loaded for ", dtype_name(s.dtype), attn ? "" : " and head_dim=" + std::to_string(s.head_dim),
               " (fms_paged.kv.cpu_kernel.unavailable_reason and fms_paged.modules.linear.load_gemv load them)");
+  const int64_t n = s.layers(), M = x.size(0), Cd = s.width;
+  std::vector<Layer> layers;
+  layers.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    auto w = [&](int64_t j) { return s.weight(i, j); };
+    const int64_t r = s.rope_index[i];
+    layers.push_back({w(0), w(1), w(2), w(3), w(4), w(5), w(6), w(7), w(8), w(9), w(10), w(11), w(12), w(13), w(14),
+                      w(15), &cos[r], &sin[r], &k_pools[i], &v_pools[i], s.scales[i], s.softcaps[i], s.windows[i],
+                      &s.sinks[i]});
+  }
   at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
   int64_t wide = Cd;
   for (const Layer& L : layers) wide = std::max({wide, 2 * L.gate->size(0), L.q->size(0) + 2 * L.k->size(0)});
@@ -237,12 +349,49 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::Tenso
   by_elem(e, [&](auto t) {
     using T = decltype(t);
     const Mm project{mm, e, linear_gemv_rows(), x.options()};
-    const Rows<T> rows{rows_kernel, eps, unit_offset};
+    const Rows<T> rows{rows_kernel, s.eps, s.unit_offset};
     for (const Layer& L : layers)
-      run_layer<T>(out.data_ptr(), M, Cd, L, slots, page_table, chunks, page_size, residual_multiplier, activation,
-                   attn, project, rows, static_cast<T*>(h), static_cast<T*>(y), att);
+      run_layer<T>(out.data_ptr(), M, Cd, L, slots, page_table, chunks, page_size, s.residual_multiplier,
+                   s.activation, attn, project, rows, static_cast<T*>(h), static_cast<T*>(y), att);
   });
   return out;
 }
 
+// decoder_stack with a stack made for this call alone (its head dim: the RoPE tables' width)
+at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::TensorList cos, at::TensorList sin, at::IntArrayRef rope_index, at::TensorList k_pools,
+                          at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table,
+                          const at::Tensor& chunks, int64_t page_size, at::ArrayRef<double> scales,
+                          at::IntArrayRef windows, at::ArrayRef<double> softcaps,
+                          const c10::List<std::optional<at::Tensor>>& sinks, double eps, bool unit_offset,
+                          double residual_multiplier, int64_t activation) {
+  const int64_t head_dim = !cos.empty() && cos[0].dim() == 2 ? cos[0].size(1) : 0;
+  const auto stack = c10::make_intrusive<DecoderStack>(weights.vec(), head_dim, rope_index.vec(), scales.vec(),
+                                                       windows.vec(), softcaps.vec(), sinks, eps, unit_offset,
+                                                       residual_multiplier, activation);
+  return decoder_stack(stack, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size);
+}
+
 }  // namespace fms_paged_ops
+
+TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
+  using fms_paged_ops::DecoderStack;
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<std::vector<at::Tensor>, int64_t, std::vector<int64_t>, std::vector<double>,
+                       std::vector<int64_t>, std::vector<double>, c10::List<std::optional<at::Tensor>>, double, bool,
+                       double, int64_t>())
+      .def("layers", &DecoderStack::layers);
+  m.def(
+      "decoder_stack(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor x, Tensor[] cos, Tensor[] sin, "
+      "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size) "
+      "-> Tensor");
+  m.def(
+      "decoder_layers(Tensor x, Tensor[] weights, Tensor[] cos, Tensor[] sin, int[] rope_index, "
+      "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size, "
+      "float[] scales, int[] windows, float[] softcaps, Tensor?[] sinks, float eps, bool unit_offset, "
+      "float residual_multiplier, int activation) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
+  m.impl("decoder_stack", &fms_paged_ops::decoder_stack);
+  m.impl("decoder_layers", &fms_paged_ops::decoder_layers);
+}

@@ -14,9 +14,10 @@
 // - gemv: a few rows times stacked row-major weights (decode projections);
 // - linear: a projection by the path its rows call for: the GEMV kernel for a few rows, oneDNN's
 //   blocked GEMM on a packed copy of the weights (kept here, per weight) for many, at::linear else;
-// - decoder_layers: a model's decoder blocks on a step in one call (norms, q/k/v, q/k norms, RoPE,
-//   ASSIGN, attention, output projection, residuals, gated MLP; native_layer.cpp): the host work
-//   of a step's layers is one dispatch instead of some fifty operator calls per layer.
+// - decoder_stack, decoder_layers: a model's decoder blocks on a step in one call (norms, q/k/v, q/k
+//   norms, RoPE, ASSIGN, attention, output projection, residuals, gated MLP; native_layer.cpp,
+//   which registers them and the class DecoderStack): the host work of a step's layers is one
+//   dispatch instead of some fifty operator calls per layer.
 #include <dlfcn.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -116,11 +117,12 @@ bool kernel_loaded(c10::string_view kind, at::ScalarType dtype, int64_t head_dim
   return (k == 0 ? attention_fn(e, head_dim) : k == 1 ? gemv_fn(e) : rows_fn(e)) != nullptr;
 }
 
-std::string shape(const at::Tensor& t) {
+std::string shape(at::IntArrayRef sizes) {
   std::string s = "(";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + (t.dim() == 1 ? ",)" : ")");
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + (sizes.size() == 1 ? ",)" : ")");
 }
+std::string shape(const at::Tensor& t) { return shape(t.sizes()); }
 std::string dtype_name(at::ScalarType t) {
   std::string s = c10::toString(t);  // "Float", "BFloat16", ...
   static const std::unordered_map<std::string, std::string> names = {
@@ -418,16 +420,10 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("gemv(Tensor x, Tensor[] weights) -> Tensor");
   m.def("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
-  m.def(
-      "decoder_layers(Tensor x, Tensor[] weights, Tensor[] cos, Tensor[] sin, int[] rope_index, "
-      "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size, "
-      "float[] scales, int[] windows, float[] softcaps, Tensor?[] sinks, float eps, bool unit_offset, "
-      "float residual_multiplier, int activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("gemv", &gemv);
   m.impl("linear", &linear);
-  m.impl("decoder_layers", &decoder_layers);
 }

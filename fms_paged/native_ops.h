@@ -1,5 +1,5 @@
 // What the operators' two sources share (native_ops.cpp: the kernel registry, paged_attention,
-// gemv, linear and the schemas; native_layer.cpp: decoder_layers): the kernels' storage types and
+// gemv, linear and the schemas; native_layer.cpp: decoder_stack and decoder_layers): the kernels' storage types and
 // argument structs, and how a loaded kernel is called.
 #pragma once
 
@@ -68,6 +68,7 @@ inline int64_t kernel_ns_total() { return kernel_ns.load(std::memory_order_relax
 
 
 std::string shape(const at::Tensor& t);  // "(2, 3)", as Python prints a shape
+std::string shape(at::IntArrayRef sizes);
 std::string dtype_name(at::ScalarType t);  // "torch.float32"
 std::string py_float(double v);  // as Python's repr spells a float
 // ValueError unless window >= 0, softcap 0 or a normal float32, sinks None or contiguous fp32 [H] on the CPU
@@ -116,15 +117,5 @@ void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x
 // most rows it gives the GEMV kernel
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias);
 int64_t linear_gemv_rows();
-
-// weights per layer of decoder_layers, in this order (an empty tensor for one a family lacks): ln, q,
-// k, v, qkv_bias, q_norm, k_norm, o, post_attn_ln, ff_ln, gate, up, down, post_ff_ln
-constexpr int64_t kLayerWeights = 14;
-at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::TensorList cos, at::TensorList sin,
-                          at::IntArrayRef rope_index, at::TensorList k_pools, at::TensorList v_pools,
-                          const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& chunks,
-                          int64_t page_size, at::ArrayRef<double> scales, at::IntArrayRef windows,
-                          at::ArrayRef<double> softcaps, const c10::List<std::optional<at::Tensor>>& sinks,
-                          double eps, bool unit_offset, double residual_multiplier, int64_t activation);
 
 }  // namespace fms_paged_ops

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,30 +185,39 @@ class LLaMABlock(nn.Module):
             h = self.post_ff_ln(h)
         return x + h * self.residual_multiplier if self.residual_multiplier != 1.0 else x + h
 
-    def fused_weights(self) -> list[torch.Tensor] | None:
-        """The block's weights in the order of `fms_paged::decoder_layers` (an empty tensor where
-        the family has none), or None where its projections are not this module's own packed CPU
-        `Linear`s (a rank's split ones: `fms_paged.parallel`; `linear_impl="torch"`). Read through
-        the modules' own dicts: a decode step reads every block's (nn.Module's attribute lookup
-        would cost a millisecond a step)."""
-        mods, a = self._modules, self._modules["attn"]._modules
-        f, qkv = mods["ff_sub_module"]._modules, a["in_proj"]._modules
-        projections = (qkv["query"], qkv["key"], qkv["value"], a["dense"], f["wg"], f["w1"], f["w2"])
+    def fused_weights(self) -> list[torch.Tensor | None] | None:
+        """The block's weights in the order of a `fms_paged::DecoderStack` (None where the family
+        has none), or None where its projections are not this module's own packed CPU `Linear`s
+        (a rank's split ones: `fms_paged.parallel`; `linear_impl="torch"`) or only some of q/k/v
+        have a bias."""
+        a, f = self.attn, self.ff_sub_module
+        qkv = a.in_proj
+        projections = (qkv.query, qkv.key, qkv.value, a.dense, f.wg, f.w1, f.w2)
         if not all(type(m) is Linear and m.pack for m in projections):
             return None
-        ln = mods["ln"]._parameters["weight"]
-        if ln.dtype not in _NONE:
-            _NONE[ln.dtype] = ln.new_empty(0)
-        none = _NONE[ln.dtype]
-        q, k, v, o, wg, w1, w2 = (m._parameters["weight"] for m in projections)
-        biases = [m._parameters["bias"] for m in projections[:3]]
-        bias = none if biases[0] is None else torch.cat(biases)
-        norms = (a.get("q_norm"), a.get("k_norm"), mods.get("post_attn_ln"), mods.get("post_ff_ln"))
-        qn, kn, pa, pf = (none if m is None else m._parameters["weight"] for m in norms)
-        return [ln, q, k, v, bias, qn, kn, o, pa, mods["ff_ln"]._parameters["weight"], wg, w1, w2, pf]
+        biases = [m.bias for m in projections[:3]]
+        if len({b is None for b in biases}) > 1:
+            return None
+        norms = (a.q_norm, a.k_norm, self.post_attn_ln, self.post_ff_ln)
+        qn, kn, pa, pf = (None if m is None else m.weight for m in norms)
+        return [self.ln.weight, *(m.weight for m in projections[:3]), *biases, qn, kn, a.dense.weight, pa,
+                self.ff_ln.weight, f.wg.weight, f.w1.weight, f.w2.weight, pf]
 
 
-_NONE: dict[torch.dtype, torch.Tensor] = {}  # an empty tensor per dtype: a weight a family lacks
+# A count of the parameters and submodules registered on any module of the process (torch's global
+# registration hooks: an assignment, `load_state_dict(assign=True)`, a rank's split): a model's
+# DecoderStack made before a registration is made again (`LLaMA.decoder_stack`). A tensor changed in
+# place needs nothing: the stack holds the tensors themselves.
+_REGISTRATIONS = [0]
+
+
+def _registered(*_) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_registered)
+nn.modules.module.register_module_module_registration_hook(_registered)
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (registrations, stack)
 
 
 class LLaMA(nn.Module):
@@ -288,27 +298,53 @@ class LLaMA(nn.Module):
         return x
 
     def _decoder_layers(self, x: torch.Tensor, ropes, step) -> torch.Tensor | None:
-        """Every block on a step of the cpp kernel in one operator call (`fms_paged::decoder_layers`:
+        """Every block on a step of the cpp kernel in one operator call (`fms_paged::decoder_stack`:
         the function the blocks' modules compute, in C++ without a Python call per operation), or
         None where a block cannot (`LLaMABlock.fused_weights`). x: [B, S, C] (decode rows [B, 1],
         or a packed row of prefill chunks [1, T]); ropes: per table (cos, sin) [B, S, 1, D]."""
+        stack = self.decoder_stack()
+        if stack is None:
+            return None
+        B, S, C = x.shape
+        view = step.view
+        out = torch.ops.fms_paged.decoder_stack(
+            stack, x.reshape(B * S, C), [cos.reshape(B * S, -1) for cos, _ in ropes],
+            [sin.reshape(B * S, -1) for _, sin in ropes], view.k_pools, view.v_pools, step.slots,
+            view.page_table, step.chunks, view.page_size)
+        return out.view(B, S, C)
+
+    def decoder_stack(self):
+        """The blocks' weights, RoPE tables and attention specs as one `fms_paged::DecoderStack`
+        (checked once, when made), or None where a block has no fused form (`fused_weights`). Kept
+        from step to step: a step hands the operator this one object instead of every block's
+        weights. Made again after a parameter or submodule is registered anywhere
+        (`_REGISTRATIONS`) or the model is converted (`_apply`: `.to`, `.half`)."""
+        made, stack = _STACKS.get(self, (-1, None))
+        if made == _REGISTRATIONS[0]:
+            return stack
         weights = []
         for layer in self.layers:
             w = layer.fused_weights()
             if w is None:
-                return None
+                weights = None
+                break
             weights += w
-        B, S, C = x.shape
-        view, c = step.view, self.config
-        specs = view.specs
-        out = torch.ops.fms_paged.decoder_layers(
-            x.reshape(B * S, C), weights, [cos.reshape(B * S, -1) for cos, _ in ropes],
-            [sin.reshape(B * S, -1) for _, sin in ropes], [layer.rope_index for layer in self.layers],
-            view.k_pools, view.v_pools, step.slots, view.page_table, step.chunks, view.page_size,
-            [s.scale for s in specs], [s.window or 0 for s in specs], [s.softcap or 0.0 for s in specs],
-            [None if s.sinks is None else s.sinks.float().contiguous() for s in specs], c.norm_eps,
-            c.norm_unit_offset, c.residual_multiplier, int(c.activation != "silu"))
-        return out.view(B, S, C)
+        if weights is not None:
+            c, specs = self.config, self.attention_specs()
+            stack = torch.classes.fms_paged.DecoderStack(
+                [w if w is not None else torch.empty(0) for w in weights], c.head_dim,
+                [layer.rope_index for layer in self.layers], [s.scale for s in specs],
+                [s.window or 0 for s in specs], [s.softcap or 0.0 for s in specs],
+                [None if s.sinks is None else s.sinks.float().contiguous() for s in specs], c.norm_eps,
+                c.norm_unit_offset, c.residual_multiplier, int(c.activation != "silu"))
+        else:
+            stack = None
+        _STACKS[self] = (_REGISTRATIONS[0], stack)
+        return stack
+
+    def _apply(self, fn, recurse=True):
+        _STACKS.pop(self, None)  # its weights may change dtype or device
+        return super()._apply(fn, recurse)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:

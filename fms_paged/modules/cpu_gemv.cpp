@@ -47,7 +47,7 @@ constexpr int MR = kF32 ? 4 : 8;  // rows of x per register tile
 constexpr int MR = kF32 ? 2 : 4;
 #endif
 constexpr int NR = kF32 ? 4 : 2;  // weight rows per register tile
-constexpr int64_t GRAIN = int64_t(1) << 18;  // multiply-adds per thread, at least (see the kernel)
+constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (see the kernel)
 
 using vf = fms_vec::vec<W>;
 inline vf load(const T* p) { return fms_vec::load<W>(p); }

@@ -109,14 +109,22 @@ void rope_head(T* x, const float* cos, const float* sin, int64_t D) {
   }
 }
 
-// row m of the q/k/v projection [(H + 2 Hkv) D] in place: + bias, q/k norms, RoPE; then its k and
-// v heads ASSIGNed to slot slots[m] of the pools [Hkv, pool_tokens, D]
+// x [n] += b [n]
+void add_row(T* x, const T* b, int64_t n) {
+  const int64_t nv = n / W * W;
+  for (int64_t j = 0; j < nv; j += W) store(x + j, load(x + j) + load(b + j));
+  for (int64_t j = nv; j < n; ++j) x[j] = from_f32<T>(to_f32(x[j]) + to_f32(b[j]));
+}
+
+// row m of the q/k/v projection [(H + 2 Hkv) D] in place: + biases, q/k norms, RoPE; then its k
+// and v heads ASSIGNed to slot slots[m] of the pools [Hkv, pool_tokens, D]
 void qkv_row(const Args& a, int64_t m, T* tmp) {
-  const int64_t D = a.D, width = (a.H + 2 * (int64_t)a.Hkv) * D, nv = width / W * W;
+  const int64_t D = a.D, q_width = a.H * D, kv_width = a.Hkv * D;
   T* row = a.x + m * a.x_st;
-  if (a.bias) {
-    for (int64_t j = 0; j < nv; j += W) store(row + j, load(row + j) + load(a.bias + j));
-    for (int64_t j = nv; j < width; ++j) row[j] = from_f32<T>(to_f32(row[j]) + to_f32(a.bias[j]));
+  if (a.q_bias) {  // the model's own bias vectors, one per projection
+    add_row(row, a.q_bias, q_width);
+    add_row(row + q_width, a.k_bias, kv_width);
+    add_row(row + q_width + kv_width, a.v_bias, kv_width);
   }
   for (int64_t h = 0; h < a.H + a.Hkv; ++h) {
     T* head = row + h * D;

@@ -41,7 +41,7 @@ LINEAR_IMPLS = ("auto", "torch")
 GEMV_MAX_ROWS = 8
 GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 # the row-wise ops of a decoder block (norms, RoPE and ASSIGN, activations, residuals) that
-# `fms_paged::decoder_layers` runs between its projections: loaded with the GEMV kernel
+# `fms_paged::decoder_stack` runs between its projections: loaded with the GEMV kernel
 ROWS_SOURCE = Path(__file__).with_name("cpu_rows.cpp")
 
 

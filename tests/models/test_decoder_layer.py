@@ -87,21 +87,29 @@ def test_fused_block_matches_the_modules(family, dtype, hf_family, monkeypatch):
 
 
 def test_bad_arguments_raise():
-    """A typed error naming the bad argument, before anything is written to the pools."""
+    """A typed error naming the bad argument, before anything is written to the pools: a stack's
+    weights and specs when it is made, a step's tensors at each call, and a weight whose storage was
+    swapped for another shape since the stack was made."""
     model = get_model(variant="micro", attn_impl="paged", page_size=P, device="cpu")
     D, n = model.config.head_dim, model.config.nlayers
     cache = PagedCache(model, 2, 64, kernel="cpp")
     kp, vp = cache.k_pools, cache.v_pools
     x, cos = torch.randn(2, model.config.emb_dim), torch.zeros(2, D)
     chunks = torch.tensor([(-1, 0, 1, 0), (-1, 0, 1, 1)])
-    weights = [w for layer in model.layers for w in layer.fused_weights()]
+    weights = [torch.empty(0) if w is None else w for layer in model.layers for w in layer.fused_weights()]
+    W = len(weights) // n
+    swapped = [w.detach().clone() for w in weights]  # (not inference tensors: their .data can be set)
 
-    def call(**kw):
-        args = dict(x=x, weights=weights, cos=[cos], sin=[cos], rope_index=[0] * n, k_pools=kp, v_pools=vp,
-                    slots=torch.zeros(2, dtype=torch.long), page_table=cache.backend.view.page_table,
-                    chunks=chunks, page_size=P, scales=[D**-0.5] * n, windows=[0] * n, softcaps=[0.0] * n,
-                    sinks=[None] * n, eps=1e-5, unit_offset=False, residual_multiplier=1.0, activation=0)
-        return torch.ops.fms_paged.decoder_layers(**{**args, **kw})
+    def stack(**kw):
+        args = dict(weights=weights, head_dim=D, rope_index=[0] * n, scales=[D**-0.5] * n, windows=[0] * n,
+                    softcaps=[0.0] * n, sinks=[None] * n, eps=1e-5, unit_offset=False,
+                    residual_multiplier=1.0, activation=0)
+        return torch.classes.fms_paged.DecoderStack(*{**args, **kw}.values())
+
+    def call(s=None, **kw):
+        args = dict(x=x, cos=[cos], sin=[cos], k_pools=kp, v_pools=vp, slots=torch.zeros(2, dtype=torch.long),
+                    page_table=cache.backend.view.page_table, chunks=chunks, page_size=P)
+        return torch.ops.fms_paged.decoder_stack(stack() if s is None else s, *{**args, **kw}.values())
 
     with torch.inference_mode():
         model(torch.tensor([[1, 2]]))  # loads the operators and the kernels for fp32
@@ -109,28 +117,91 @@ def test_bad_arguments_raise():
             p.zero_()
         before = [p.clone() for p in kp]
         assert call().shape == x.shape
-        with pytest.raises(ValueError, match=r"slot 100000 of row 1 is outside the pools' \d+ slots"):
+        # the stack
+        bad = list(weights)
+        bad[W + 9] = bad[9][:, :8].contiguous()  # layer 1's output projection
+        wrong_shape = r"layer 1: the weights do not make one decoder block .* o \(\d+, 8\)"
+        with pytest.raises(ValueError, match=wrong_shape):
+            stack(weights=bad)
+        bad = list(weights)
+        bad[4] = torch.zeros(model.config.nheads * D)  # a q bias without k and v ones
+        with pytest.raises(ValueError, match=r"layer 0: .*q/k/v biases all or none"):
+            stack(weights=bad)
+        bad = list(weights)
+        bad[W + 12] = bad[W + 12].double()
+        wrong_dtype = r"layer 1: every weight must be .* torch.float32 .* got gate torch.float64"
+        with pytest.raises(ValueError, match=wrong_dtype):
+            stack(weights=bad)
+        with pytest.raises(ValueError, match=rf"2 layers \(rope indices\) need {2 * W} weights"):
+            stack(weights=weights[:W])
+        with pytest.raises(ValueError, match=r"activation=3; expected 0 \(silu\) or 1 \(gelu_tanh\)"):
+            stack(activation=3)
+        with pytest.raises(ValueError, match=r"softcap=-1.0; expected 0.0 \(none\)"):
+            stack(softcaps=[0.0, -1.0])
+        # the step
+        with pytest.raises(ValueError, match=r"slot 100000 of row 1 is outside layer 0's pools' \d+ slots"):
             call(slots=torch.tensor([0, 100000]))
         with pytest.raises(ValueError, match=r"slot -3 of row 0 is negative"):
             call(slots=torch.tensor([-3, 0]))
-        with pytest.raises(ValueError, match=r"x must be contiguous CPU rows \[M, C\] .* got torch.float64"):
+        with pytest.raises(ValueError, match=r"x must be contiguous CPU rows \[M, \d+\] .* torch.float64"):
             call(x=x.double())
-        bad = list(weights)
-        bad[14 + 7] = bad[7][:, :8].contiguous()  # layer 1's output projection
-        with pytest.raises(ValueError, match=r"layer 1: the weights' shapes do not make one decoder block"):
-            call(weights=bad)
-        with pytest.raises(ValueError, match=r"2 layers \(k_pools\) need 28 weights"):
-            call(weights=weights[:14])
-        with pytest.raises(ValueError, match=r"activation=3; expected 0 \(silu\) or 1 \(gelu_tanh\)"):
-            call(activation=3)
-        with pytest.raises(ValueError, match=r"layer 0: cos and sin must be contiguous fp32 \[2, D\]"):
+        with pytest.raises(ValueError, match=rf"RoPE table 0: cos and sin must be contiguous fp32 \[2, {D}"):
             call(cos=[torch.zeros(3, D)], sin=[torch.zeros(3, D)])
-        with pytest.raises(ValueError, match=r"layer 1: rope_index=1 of 1 tables"):
-            call(rope_index=[0, 1])
-        with pytest.raises(ValueError, match=r"softcap=-1.0; expected 0.0 \(none\)"):
-            call(softcaps=[0.0, -1.0])
+        with pytest.raises(ValueError, match=r"layer 1 reads RoPE table 1 of 1"):
+            call(stack(rope_index=[0, 1]))
+        with pytest.raises(ValueError, match=r"2 layers need as many k_pools and v_pools, got 1 and 2"):
+            call(k_pools=kp[:1])
+        # a weight swapped for another shape after the stack was made
+        made = stack(weights=swapped)
+        with torch.inference_mode(False):
+            swapped[W + 9].data = torch.zeros(4, 4)
+        made_with = r"layer 1's o is now torch.float32 \(4, 4\); the stack was made with torch.float32 \(\d+"
+        with pytest.raises(ValueError, match=made_with):
+            call(made)
         # only the null page's slot 0 was written (by the call that succeeded)
         assert all(torch.equal(a[:, :, P:], b[:, :, P:]) for a, b in zip(kp, before))
+
+
+def test_stack_follows_the_model(hf_family):
+    """The model's kept DecoderStack computes with the weights the model has now: after a weight or
+    a q/k/v bias is changed in place, a projection is replaced by a new parameter, or the model is
+    converted to another dtype, the fused blocks equal the modules on a prefill of two chunks."""
+    _, path = hf_family("qwen2")
+    model = get_model(model_path=path, device="cpu", dtype=torch.float32, page_size=P, attn_impl="paged")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (12, 9)]
+
+    def both():
+        outs = []
+        assert linear.serves(model.embedding.weight.dtype)  # the operators' GEMV and rows kernels loaded
+        with torch.inference_mode():
+            for fused in (True, False):
+                cache = PagedCache(model, 2, 64, kernel="cpp")
+                tokens, positions, step, _ = cache.prefill([0, 1], prompts)
+                x, ropes = model.embed(tokens, positions)
+                step = step.prepare()
+                if fused:
+                    out = model._decoder_layers(x, ropes, step)
+                else:
+                    out = x
+                    for layer in model.layers:
+                        out = layer(out, *ropes[layer.rope_index], step)
+                outs.append(out.float())
+        scale = outs[1].abs().max()
+        return ((outs[0] - outs[1]).abs().max() / scale).item()
+
+    assert both() < 1e-5
+    first = model.decoder_stack()
+    attn = model.layers[-1].attn
+    with torch.no_grad():
+        attn.in_proj.key.bias.add_(0.5)  # in place: the same stack sees it
+        model.layers[0].ff_sub_module.w2.weight.mul_(-1.0)
+    assert model.decoder_stack() is first and both() < 1e-5
+    attn.dense.weight = torch.nn.Parameter(torch.randn_like(attn.dense.weight) * 0.05)  # a new parameter
+    assert model.decoder_stack() is not first and both() < 1e-5
+    model.to(torch.bfloat16)
+    model.reset_buffers()  # the RoPE tables in fp32 again, as a bf16 model loads them
+    assert both() < 0.02  # bf16: a few of its ulps at the output's scale
 
 
 def isas() -> list[str]:

@@ -20,7 +20,7 @@ from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 class CppStep(PoolStep):
     """A step of the cpp kernel: the slots of its new tokens and its chunk list. `fused`: an eager
     forward of our models runs the step's blocks in one call of the operator
-    `fms_paged::decoder_layers` (`LLaMA.hidden`), decode rows and prefill chunks alike; compiled
+    `fms_paged::decoder_stack` (`LLaMA.hidden`), decode rows and prefill chunks alike; compiled
     forwards and FMS's models attend layer by layer."""
 
     fused = True
@@ -41,7 +41,7 @@ class CppStep(PoolStep):
 class CppKernel(Kernel):
     name = "cpp"
     # compile="auto" runs its steps eagerly: a step's layers, prefill or decode, are one C++
-    # operator call (`fms_paged::decoder_layers`), so a compiled graph would save little and cost
+    # operator call (`fms_paged::decoder_stack`), so a compiled graph would save little and cost
     # its build (tens of seconds per shape) at start-up; compile=True compiles them all the same
     compiles = False
     zero_new_pages = False  # reads no slot past a row's position
