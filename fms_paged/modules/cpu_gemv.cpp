@@ -47,6 +47,17 @@ constexpr int MR = kF32 ? 4 : 8;  // rows of x per register tile
 constexpr int MR = kF32 ? 2 : 4;
 #endif
 constexpr int NR = kF32 ? 4 : 2;  // weight rows per register tile
+// A product of at most FEW rows (a decode step of one or two sequences) takes blocks of NR_FEW
+// weight rows instead: a tile then holds more independent sums (a short K, such as a 576-wide
+// model's, leaves the chains of dependent multiply-adds exposed) and a thread prefetches the next
+// block from further ahead. Each row's sums run in the same order either way: a row's result does
+// not depend on how many rows its call has.
+constexpr int FEW = 2;
+#ifdef __AVX512F__
+constexpr int NR_FEW = kF32 ? NR : 8;
+#else
+constexpr int NR_FEW = kF32 ? NR : 4;  // (16 registers)
+#endif
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (see the kernel)
 
 using vf = fms_vec::vec<W>;
@@ -146,21 +157,22 @@ void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const Segment& s, i
   }
 }
 
-template <int nr>
+// tiles of up to mr rows over one block of nr weight rows
+template <int mr, int nr>
 void columns(const X* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
              int64_t y_st, const T* next) {
   int64_t m = 0;  // the first tile reads the block from memory (and prefetches), later ones from L1
-  for (; m + MR <= M; m += MR, next = nullptr) tile<MR, nr>(x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st, next);
-  rest<MR - 1, nr>(M - m, x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st, next);
+  for (; m + mr <= M; m += mr, next = nullptr) tile<mr, nr>(x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st, next);
+  rest<mr - 1, nr>(M - m, x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st, next);
 }
 
-// a block of n (1 .. nr) weight rows: columns<n>
-template <int nr>
+// a block of n (1 .. nr) weight rows: columns<mr, n>
+template <int mr, int nr>
 void block(int64_t n, const X* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
            int64_t y_st, const T* next) {
   if constexpr (nr > 0) {
-    if (n == nr) return columns<nr>(x, x_st, M, K, s, j0, y, y_st, next);
-    block<nr - 1>(n, x, x_st, M, K, s, j0, y, y_st, next);
+    if (n == nr) return columns<mr, nr>(x, x_st, M, K, s, j0, y, y_st, next);
+    block<mr, nr - 1>(n, x, x_st, M, K, s, j0, y, y_st, next);
   }
 }
 
@@ -193,12 +205,14 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   std::vector<float> xf;
   int64_t x_st = a.x_st;
   const X* x = rows_f32(a.x, M, K, x_st, xf);
+  const bool few = M <= FEW;
+  const int64_t nr = few ? NR_FEW : NR;
   std::vector<Segment> segs;
   std::vector<std::pair<int, int64_t>> blocks;  // (segment, first weight row) of each column block
   int64_t col = 0;
   for (int i = 0; i < (int)a.n_weights; ++i) {
     segs.push_back({a.weights[i], a.rows[i], col});
-    for (int64_t j = 0; j < a.rows[i]; j += NR) blocks.emplace_back(i, j);
+    for (int64_t j = 0; j < a.rows[i]; j += nr) blocks.emplace_back(i, j);
     col += a.rows[i];
   }
   T* y = a.y;
@@ -213,7 +227,11 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
     const Segment& s = segs[blocks[b].first];
     const int64_t j0 = blocks[b].second;
     const T* next = b + 1 < nb ? segs[blocks[b + 1].first].w + blocks[b + 1].second * K : nullptr;
-    block<NR>(std::min<int64_t>(NR, s.n - j0), x, x_st, M, K, s, j0, y, col, next);
+    const int64_t n = std::min<int64_t>(nr, s.n - j0);
+    if (few)
+      block<FEW, NR_FEW>(n, x, x_st, M, K, s, j0, y, col, next);
+    else
+      block<MR, NR>(n, x, x_st, M, K, s, j0, y, col, next);
   }
   return 0;
 }
