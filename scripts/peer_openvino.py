@@ -277,6 +277,10 @@ def main(in_path: str, out_path: str) -> int:
         "threads": threads,
         "mode": "offline",
     }
+    if len(reqs) == 1:  # one request: its process's read bandwidth, beside its decode rate
+        from peer_bandwidth import read_bandwidth_gbs
+
+        result["process_read_gbs"] = read_bandwidth_gbs()
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
     print(

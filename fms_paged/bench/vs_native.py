@@ -26,6 +26,7 @@ import time
 _T0 = time.perf_counter()  # this process's start, for an engine job's start time (imports below)
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -128,7 +129,19 @@ def engine_job(job: dict[str, Any]) -> dict[str, Any]:
         from fms_paged.bench.environment import measure_read_bandwidth
 
         res["read_bandwidth_gbs"] = measure_read_bandwidth(torch.device("cpu"))
+        res["process_read_gbs"] = process_read_gbs()
     return res
+
+
+def process_read_gbs() -> float:
+    """This process's read bandwidth as each peer reads its own (scripts/peer_bandwidth.py: numpy,
+    one sum per core), so that one-request decode rates can be set beside the bandwidth of the
+    process that ran them with one method for all."""
+    path = REPO_ROOT / "scripts" / "peer_bandwidth.py"
+    spec = importlib.util.spec_from_file_location("peer_bandwidth", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.read_bandwidth_gbs()
 
 
 def step_anatomy(eng, req: dict[str, Any]) -> dict[str, float]:
@@ -278,7 +291,29 @@ def vs_native(out: Path, repeats: int = 3, log=print) -> dict[str, Any]:
                     _engine_cmd(), {**job, "dtype": dtype}, tmp, out, f"cold_{dtype}", env=env
                 )
     res["targets"] = targets(res)
+    res["one_request_per_gbs"] = per_bandwidth(res)
     return res
+
+
+def per_bandwidth(res: dict[str, Any]) -> dict[str, Any]:
+    """The one-request rates over the read bandwidth of the process that ran each (GB/s, one
+    method for all: `process_read_gbs`): on a VM whose processes land on memory of different
+    speeds, how the systems' decodes compare with that placement taken out. A reading beside the
+    target, not the target (which compares tok/s)."""
+    w = res["workloads"].get(ONE_REQUEST, {})
+    rates = {
+        system: {dt: r["output_tok_s"] / r["process_read_gbs"] for dt, r in by_dtype.items()
+                 if r.get("process_read_gbs")}
+        for system, by_dtype in w.items()
+    }
+    out: dict[str, Any] = {"tok_s_per_gbs": rates}
+    ours = rates.get(ENGINE, {})
+    peers = {(p, dt): v for p, by_dtype in rates.items() if p != ENGINE for dt, v in by_dtype.items()}
+    if ours and peers:
+        dt = max(ours, key=ours.get)
+        best = max(peers, key=peers.get)
+        out.update(ours=(dt, ours[dt]), best_peer=(*best, peers[best]), ratio=ours[dt] / peers[best])
+    return out
 
 
 def _best(by_dtype: dict[str, dict[str, Any]]) -> tuple[str | None, float]:
@@ -409,6 +444,16 @@ def markdown(res: dict[str, Any]) -> str:
                 f"in the C++ kernels, {a['host']:.2f} host work ({a['host_outside_forward']:.2f} of it "
                 f"outside the model's forward: scheduling, sampling, bookkeeping)."
             )
+    per = res.get("one_request_per_gbs", {})
+    if "ratio" in per:
+        (dt, v), (peer, pdt, pv) = per["ours"], per["best_peer"]
+        lines.append(
+            f"One request per GB/s read in each system's own process: {per['ratio']:.2f}x ({dt} {v:.2f} "
+            f"tok/s per GB/s vs {peer} {pdt} {pv:.2f}; "
+            + ", ".join(f"{system} {d} {x:.2f}" for system, by in per["tok_s_per_gbs"].items()
+                        for d, x in by.items())
+            + ")."
+        )
     lines.append("")
     if cold:
         lines += [
