@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from fms_paged.bench import peers, vs_native, vs_vllm
+from fms_paged.bench import peers, vs_native, vs_native_report, vs_vllm
 from fms_paged.bench.environment import kv_bytes_per_token
 from fms_paged.bench.latency import with_rope_len
 from fms_paged.bench.report import fmt, table
@@ -304,7 +304,7 @@ def markdown(res: dict[str, Any]) -> str:
     if "vs_vllm" in res:
         lines += vs_vllm.vs_vllm_markdown(res["vs_vllm"])
     if "vs_native" in res:
-        lines += ["", "#" + vs_native.markdown(res["vs_native"])]
+        lines += ["", "#" + vs_native_report.markdown(res["vs_native"])]
     parts = ", ".join(f"{k} {v:.0f}" for k, v in res["phase_s"].items())
     return "\n".join([*lines, "", f"Wall time of each part (s): {parts}"]) + "\n"
 

@@ -86,6 +86,22 @@ def test_fused_block_matches_the_modules(family, dtype, hf_family, monkeypatch):
         assert agree >= 0.9, agree
 
 
+def prefill_blocks(model, prompts: list[list[int]], fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' output (fp32) on one prefill step of `prompts` on a fresh cache, by the fused
+    operator or by the modules, and the keys that step wrote [layers, Hkv, tokens, D] (fp32)."""
+    cache = PagedCache(model, len(prompts), 128, kernel="cpp")
+    tokens, positions, step, _ = cache.prefill(list(range(len(prompts))), prompts)
+    x, ropes = model.embed(tokens, positions)
+    step = step.prepare()
+    if fused:
+        out = model._decoder_layers(x, ropes, step)
+    else:
+        out = x
+        for layer in model.layers:
+            out = layer(out, *ropes[layer.rope_index], step)
+    return out.float(), torch.stack([k[0, :, step.slots].float() for k in cache.k_pools])
+
+
 def test_bad_arguments_raise():
     """A typed error naming the bad argument, before anything is written to the pools: a stack's
     weights and specs when it is made, a step's tensors at each call, and a weight whose storage was
@@ -172,23 +188,10 @@ def test_stack_follows_the_model(hf_family):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (12, 9)]
 
     def both():
-        outs = []
         assert linear.serves(model.embedding.weight.dtype)  # the operators' GEMV and rows kernels loaded
         with torch.inference_mode():
-            for fused in (True, False):
-                cache = PagedCache(model, 2, 64, kernel="cpp")
-                tokens, positions, step, _ = cache.prefill([0, 1], prompts)
-                x, ropes = model.embed(tokens, positions)
-                step = step.prepare()
-                if fused:
-                    out = model._decoder_layers(x, ropes, step)
-                else:
-                    out = x
-                    for layer in model.layers:
-                        out = layer(out, *ropes[layer.rope_index], step)
-                outs.append(out.float())
-        scale = outs[1].abs().max()
-        return ((outs[0] - outs[1]).abs().max() / scale).item()
+            (fused, _), (plain, _) = (prefill_blocks(model, prompts, f) for f in (True, False))
+        return ((fused - plain).abs().max() / plain.abs().max()).item()
 
     assert both() < 1e-5
     first = model.decoder_stack()
@@ -236,22 +239,8 @@ def test_fused_blocks_take_any_rows(family, dtype, isa, hf_family, monkeypatch):
     model = get_model(model_path=path, device="cpu", dtype=dtype, page_size=P, attn_impl="paged")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 15)]
-    outs, keys = [], []
     with torch.inference_mode(), isa_build(isa, dtype, monkeypatch):
-        for fused in (True, False):
-            cache = PagedCache(model, 2, 128, kernel="cpp")
-            tokens, positions, step, _ = cache.prefill([0, 1], prompts)
-            x, ropes = model.embed(tokens, positions)
-            step = step.prepare()
-            if fused:
-                out = model._decoder_layers(x, ropes, step)
-            else:
-                out = x
-                for layer in model.layers:
-                    out = layer(out, *ropes[layer.rope_index], step)
-            slots = step.slots
-            outs.append(out.float())
-            keys.append(torch.stack([k[0, :, slots].float() for k in cache.k_pools]))
+        outs, keys = zip(*(prefill_blocks(model, prompts, fused) for fused in (True, False)))
     if dtype == torch.float32:
         with torch.inference_mode():
             logits = model.logits(outs[0])[0]  # [T, V]: the fused blocks' output through the head
