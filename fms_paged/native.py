@@ -10,10 +10,10 @@ later process loads them at once and a changed source is built again:
   inductor needs as well) when first needed, one library per instruction set, storage type (fp32,
   bf16, fp16: `ELEM_TYPES`) and head dim;
 - the operators (`fms_paged/native_ops.cpp`, `native_layer.cpp`): `TORCH_LIBRARY` schemas and CPU
-  implementations of `torch.ops.fms_paged.{paged_attention, gemv, linear, decoder_stack,
-  decoder_layers}` and the class `torch.classes.fms_paged.DecoderStack`, built against the running
-  torch's headers and libraries once per torch build (`fms-paged build-kernels` at install time,
-  else on first use) and loaded with `torch.ops.load_library`.
+  implementations of `torch.ops.fms_paged.{paged_attention, gemv, linear, decoder_stack}` and the
+  class `torch.classes.fms_paged.DecoderStack`, built against the running torch's headers and
+  libraries once per torch build (`fms-paged build-kernels` at install time, else on first use)
+  and loaded with `torch.ops.load_library`.
   They load each kernel library by path (`register`) and check its argument struct against their
   own (`native_kernels.h`, one field list for both sides) before calling it. Eager mode,
   inductor's generated code and an AOT-compiled graph reach the kernels through the dispatcher

@@ -23,7 +23,3 @@ def register_fakes() -> None:
     @torch.library.register_fake("fms_paged::linear")
     def _linear(x, weights, bias):
         return _stacked(x, weights)
-
-    @torch.library.register_fake("fms_paged::decoder_layers")
-    def _decoder_layers(x, *args):
-        return torch.empty_like(x)

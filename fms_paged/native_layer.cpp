@@ -1,6 +1,5 @@
-// The operators fms_paged::decoder_stack and fms_paged::decoder_layers (schemas below): a model's
-// decoder blocks, one after the other, for the M token rows of a step of the cpp kernel (decode rows
-// and prefill chunks), computed as the Python modules compute them (fms_paged/models/llama.py
+// The operator fms_paged::decoder_stack (schema below): a model's decoder blocks, one after the
+// other, for the M token rows of a step of the cpp kernel (decode rows and prefill chunks), computed as the Python modules compute them (fms_paged/models/llama.py
 // LLaMABlock, modules/attention.py, norm.py, feedforward.py, positions.py): every intermediate
 // rounded to the model's dtype where theirs is, fp32 inside. The projections run as `linear` runs
 // them (the GEMV kernel for a few rows, oneDNN's packed GEMM for more), the attention by the loaded
@@ -36,7 +35,7 @@ struct Rows {
     return a;
   }
   void call(const RowsArgs<T>& a) const {
-    TORCH_CHECK(timed([&] { return fn(&a); }) == 0, "decoder_layers: the rows kernel refused op ", a.op);
+    TORCH_CHECK(timed([&] { return fn(&a); }) == 0, "decoder_stack: the rows kernel refused op ", a.op);
   }
   // out [M, n] = RMSNorm(x rows [M, n] at row stride st) with weight w
   void norm(const void* x, int64_t M, int64_t n, int64_t st, const at::Tensor& w, void* out) const {
@@ -357,20 +356,6 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
   return out;
 }
 
-// decoder_stack with a stack made for this call alone (its head dim: the RoPE tables' width)
-at::Tensor decoder_layers(const at::Tensor& x, at::TensorList weights, at::TensorList cos, at::TensorList sin, at::IntArrayRef rope_index, at::TensorList k_pools,
-                          at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table,
-                          const at::Tensor& chunks, int64_t page_size, at::ArrayRef<double> scales,
-                          at::IntArrayRef windows, at::ArrayRef<double> softcaps,
-                          const c10::List<std::optional<at::Tensor>>& sinks, double eps, bool unit_offset,
-                          double residual_multiplier, int64_t activation) {
-  const int64_t head_dim = !cos.empty() && cos[0].dim() == 2 ? cos[0].size(1) : 0;
-  const auto stack = c10::make_intrusive<DecoderStack>(weights.vec(), head_dim, rope_index.vec(), scales.vec(),
-                                                       windows.vec(), softcaps.vec(), sinks, eps, unit_offset,
-                                                       residual_multiplier, activation);
-  return decoder_stack(stack, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size);
-}
-
 }  // namespace fms_paged_ops
 
 TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
@@ -378,20 +363,13 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, int64_t, std::vector<int64_t>, std::vector<double>,
                        std::vector<int64_t>, std::vector<double>, c10::List<std::optional<at::Tensor>>, double, bool,
-                       double, int64_t>())
-      .def("layers", &DecoderStack::layers);
+                       double, int64_t>());
   m.def(
       "decoder_stack(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor x, Tensor[] cos, Tensor[] sin, "
       "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size) "
       "-> Tensor");
-  m.def(
-      "decoder_layers(Tensor x, Tensor[] weights, Tensor[] cos, Tensor[] sin, int[] rope_index, "
-      "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size, "
-      "float[] scales, int[] windows, float[] softcaps, Tensor?[] sinks, float eps, bool unit_offset, "
-      "float residual_multiplier, int activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("decoder_stack", &fms_paged_ops::decoder_stack);
-  m.impl("decoder_layers", &fms_paged_ops::decoder_layers);
 }

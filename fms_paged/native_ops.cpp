@@ -14,9 +14,9 @@
 // - gemv: a few rows times stacked row-major weights (decode projections);
 // - linear: a projection by the path its rows call for: the GEMV kernel for a few rows, oneDNN's
 //   blocked GEMM on a packed copy of the weights (kept here, per weight) for many, at::linear else;
-// - decoder_stack, decoder_layers: a model's decoder blocks on a step in one call (norms, q/k/v, q/k
-//   norms, RoPE, ASSIGN, attention, output projection, residuals, gated MLP; native_layer.cpp,
-//   which registers them and the class DecoderStack): the host work of a step's layers is one
+// - decoder_stack: a model's decoder blocks on a step in one call (norms, q/k/v, q/k norms, RoPE,
+//   ASSIGN, attention, output projection, residuals, gated MLP; native_layer.cpp, which registers
+//   it and the class DecoderStack): the host work of a step's layers is one
 //   dispatch instead of some fifty operator calls per layer.
 #include <dlfcn.h>
 

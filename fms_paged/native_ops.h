@@ -1,5 +1,5 @@
 // What the operators' two sources share (native_ops.cpp: the kernel registry, paged_attention,
-// gemv, linear and the schemas; native_layer.cpp: decoder_stack and decoder_layers): the kernels' storage types and
+// gemv, linear and the schemas; native_layer.cpp: decoder_stack): the kernels' storage types and
 // argument structs, and how a loaded kernel is called.
 #pragma once
 

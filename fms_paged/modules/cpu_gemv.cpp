@@ -205,7 +205,7 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   std::vector<float> xf;
   int64_t x_st = a.x_st;
   const X* x = rows_f32(a.x, M, K, x_st, xf);
-  const bool few = M <= FEW;
+  const bool few = NR_FEW != NR && M <= FEW;  // (fp32: one block shape for all)
   const int64_t nr = few ? NR_FEW : NR;
   std::vector<Segment> segs;
   std::vector<std::pair<int, int64_t>> blocks;  // (segment, first weight row) of each column block

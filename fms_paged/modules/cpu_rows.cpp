@@ -1,4 +1,4 @@
-// The row-wise work of a decoder block, on M token rows at once, for `fms_paged::decoder_layers`
+// The row-wise work of a decoder block, on M token rows at once, for `fms_paged::decoder_stack`
 // (fms_paged/native_layer.cpp): RMSNorm, the residual add, the q/k/v rows' bias, q/k norms, RoPE
 // and ASSIGN, and the gated activation. Built and loaded by fms_paged/native.py once per storage
 // type T of the rows and weights (-DFMS_ELEM: float, fms_bf16 or fms_f16), for the CPU's own
