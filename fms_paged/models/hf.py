@@ -10,6 +10,7 @@ the reverse for LLaMA, so our models are loadable by `transformers` too.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fms_paged import native
+from fms_paged.models import hugepages
 from fms_paged.models.families import COMMON_NAMES, FAMILIES, CheckpointError, Family, config_fields
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 
@@ -178,6 +180,12 @@ def load_hf(
     if config.tie_heads:
         expected.pop("head.weight")
     state: dict[str, torch.Tensor] = {}
+    # CPU weights go straight into huge pages (models/hugepages.py); the arena's size takes fp32 for
+    # a checkpoint's own dtype (an upper bound: the pages it does not hand out are never backed)
+    arena = None
+    if torch.device(device).type == "cpu":
+        item = (dtype or torch.float32).itemsize
+        arena = hugepages.arena_for(math.prod(s) * item for s in expected.values())
     for file in _checkpoint_files(path):
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -200,7 +208,11 @@ def load_hf(
                 if heads is not None:
                     t = unpermute_rope(t, heads)
                 target_dtype = dtype if dtype is not None else t.dtype
-                state[name] = t.to(device=device, dtype=target_dtype).contiguous()
+                dst = arena.empty(t.shape, target_dtype) if arena is not None else None
+                if dst is None:  # not CPU, no huge pages, or past the arena (a wider dtype)
+                    state[name] = t.to(device=device, dtype=target_dtype).contiguous()
+                else:
+                    state[name] = dst.copy_(t)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"checkpoint {path} is missing tensors: {missing[:8]}")

@@ -12,6 +12,7 @@ from torch import nn
 
 from fms_paged import native
 from fms_paged.device import default_page_size, resolve_device, resolve_dtype
+from fms_paged.models import hugepages
 
 # architecture -> variant -> factory(**config_overrides) -> nn.Module (on the meta device is fine)
 _REGISTRY: dict[str, dict[str, Callable[..., nn.Module]]] = {}
@@ -100,6 +101,8 @@ def get_model(
     if seed is not None:
         torch.manual_seed(seed)
     model.reset_parameters()
+    if dev.type == "cpu":  # (a checkpoint's CPU weights are loaded into huge pages by load_hf)
+        hugepages.place_in_huge_pages(model)
     return _frozen_if_inference(model.eval())
 
 
