@@ -10,10 +10,10 @@
 //
 // The weights of one call may be several matrices sharing K (q/k/v, gate/up): their outputs sit
 // side by side in y. Output columns go in blocks of NR weight rows, split over the threads. While
-// a thread reads one block it prefetches the next into L1 (prefetcht0), as fast as it consumes the
-// current one: the hardware prefetcher alone leaves part of the read bandwidth unused on this
-// access pattern (many short streams, one per weight row of a block), and a prefetch into L2 alone
-// leaves every load of the block an L1 miss on the critical path.
+// a thread reads one block it prefetches a block further on (PREFETCH_BYTES) into L1 (prefetcht0),
+// as fast as it consumes the current one: the hardware prefetcher alone leaves part of the read
+// bandwidth unused on this access pattern (many short streams, one per weight row of a block), and
+// a prefetch into L2 alone leaves every load of the block an L1 miss on the critical path.
 #include <omp.h>
 
 #include "native_args.h"
@@ -48,14 +48,23 @@ constexpr int MR = kF32 ? 4 : 8;  // rows of x per register tile
 constexpr int MR = kF32 ? 2 : 4;
 #endif
 constexpr int NR = kF32 ? 4 : 2;  // weight rows per register tile
+// How far ahead a thread prefetches: the block this many bytes on (at least the next one). A
+// block of a 576-wide model's bf16 weights is 2.3 KB, and the next block alone was too close
+// where a process reads memory fast (~80 GB/s): the prefetch was still in flight when its block
+// came up.
+constexpr int64_t PREFETCH_BYTES = 9216;
 // A product of at most FEW rows (a decode step of one or two sequences) takes blocks of NR_FEW
-// weight rows instead: a tile then holds more independent sums (a short K, such as a 576-wide
-// model's, leaves the chains of dependent multiply-adds exposed) and a thread prefetches the next
-// block from further ahead. (8 rows, with twice the prefetch distance, read 4% slower in bf16 once
-// the prefetch went to L1.) Each row's sums run in the same order either way: a row's result does
-// not depend on how many rows its call has.
+// weight rows. With AVX2's conversions of half-precision weights, blocks of 4 rows (more
+// independent sums: a short K, such as a 576-wide model's, leaves the chains of dependent
+// multiply-adds exposed) read faster than 2. With AVX-512, 2 rows four blocks ahead read faster
+// than blocks of 4 or 8 rows. Each row's sums run in the same order either way: a row's result
+// does not depend on how many rows its call has.
 constexpr int FEW = 2;
+#ifdef __AVX512F__
+constexpr int NR_FEW = NR;
+#else
 constexpr int NR_FEW = kF32 ? NR : 4;
+#endif
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (see the kernel)
 
 using vf = fms_vec::vec<W>;
@@ -88,7 +97,7 @@ struct Segment {
 };
 
 // y[m0 .. m0 + mr, col + j] for weight rows j0 .. j0 + nr of one segment; `next` (or null): the
-// next block's weights [nr, K], prefetched at the pace this block is read
+// weights [nr, K] of a block further on, prefetched at the pace this block is read
 #if FMS_VEC_BF16_DP
 // x's rows as the kernel reads them: bf16 as they are (the products take bf16 pairs, vdpbf16ps)
 using X = T;
@@ -203,8 +212,9 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   std::vector<float> xf;
   int64_t x_st = a.x_st;
   const X* x = rows_f32(a.x, M, K, x_st, xf);
-  const bool few = NR_FEW != NR && M <= FEW;  // (fp32: one block shape for all)
+  const bool few = NR_FEW != NR && M <= FEW;
   const int64_t nr = few ? NR_FEW : NR;
+  const int64_t ahead = std::clamp<int64_t>(PREFETCH_BYTES / (nr * K * (int64_t)sizeof(T)), 1, 8);
   std::vector<Segment> segs;
   std::vector<std::pair<int, int64_t>> blocks;  // (segment, first weight row) of each column block
   int64_t col = 0;
@@ -224,7 +234,7 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   for (int64_t b = 0; b < nb; ++b) {
     const Segment& s = segs[blocks[b].first];
     const int64_t j0 = blocks[b].second;
-    const T* next = b + 1 < nb ? segs[blocks[b + 1].first].w + blocks[b + 1].second * K : nullptr;
+    const T* next = b + ahead < nb ? segs[blocks[b + ahead].first].w + blocks[b + ahead].second * K : nullptr;
     const int64_t n = std::min<int64_t>(nr, s.n - j0);
     if (few)
       block<FEW, NR_FEW>(n, x, x_st, M, K, s, j0, y, col, next);
