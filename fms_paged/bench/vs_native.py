@@ -108,6 +108,13 @@ def engine_job(job: dict[str, Any]) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    from fms_paged.bench.environment import measure_read_bandwidth
+
+    # one request: the roofline's bandwidth is read before the timed runs and after them, and the
+    # higher taken (on a VM it is a property of the process, where its memory and cores landed:
+    # one machine read ~46 GB/s in some processes and ~78 in others, and a process can move
+    # between the two, so another process's figure, or one reading, may not bound this decode)
+    before = measure_read_bandwidth(torch.device("cpu")) if len(reqs) == 1 else None
     runs = [run() for _ in range(job.get("repeats", 3))]
     n = sum(r["max_new_tokens"] for r in reqs)
     rates = [n / r[0] for r in runs]
@@ -123,12 +130,8 @@ def engine_job(job: dict[str, Any]) -> dict[str, Any]:
     if len(reqs) == 1:  # one request: its decode steps per second after the first token
         res["decode_steps_s"] = (reqs[0]["max_new_tokens"] - 1) / mid[3]
         res["step_anatomy_ms"] = step_anatomy(eng, reqs[0])
-        # the roofline's bandwidth, read here: on a VM it is a property of the process (where its
-        # memory and cores landed: one machine read ~46 GB/s in some processes and ~78 in others,
-        # steady within each), so another process's figure would not bound this one's decode
-        from fms_paged.bench.environment import measure_read_bandwidth
-
-        res["read_bandwidth_gbs"] = measure_read_bandwidth(torch.device("cpu"))
+        readings = [before, measure_read_bandwidth(torch.device("cpu"))]
+        res["read_bandwidth_gbs"], res["read_bandwidth_readings_gbs"] = max(readings), readings
         res["process_read_gbs"] = process_read_gbs()
     return res
 
