@@ -1,6 +1,7 @@
 // The operator fms_paged::decoder_stack (schema below): a model's decoder blocks, one after the
-// other, for the M token rows of a step of the cpp kernel (decode rows and prefill chunks), computed as the Python modules compute them (fms_paged/models/llama.py
-// LLaMABlock, modules/attention.py, norm.py, feedforward.py, positions.py): every intermediate
+// other, for the M token rows of a step of the cpp kernel (decode rows and prefill chunks),
+// computed as the Python modules compute them (fms_paged/models/llama.py LLaMABlock,
+// modules/attention.py, norm.py, feedforward.py, positions.py): every intermediate
 // rounded to the model's dtype where theirs is, fp32 inside. The projections run as `linear` runs
 // them (the GEMV kernel for a few rows, oneDNN's packed GEMM for more), the attention by the loaded
 // kernel, the rest (norms, RoPE, ASSIGN, activations, residuals) by the rows kernel

@@ -81,7 +81,7 @@ def place_in_huge_pages(model: nn.Module) -> int:
     """Move `model`'s CPU parameters (tied ones once) into one huge-page arena, in place
     (`param.data`), and return the bytes moved (0: not `available()`, or nothing to move). Values,
     dtypes, shapes and `requires_grad` are unchanged."""
-    params = [p for p in dict.fromkeys(model.parameters()) if p.device.type == "cpu" and p.numel()]
+    params = [p for p in model.parameters() if p.device.type == "cpu" and p.numel()]  # (tied: once)
     arena = arena_for(p.nbytes for p in params)
     if arena is None:
         return 0
