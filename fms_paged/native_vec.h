@@ -305,6 +305,58 @@ inline vec<NATIVE> reduce_lanes(const vec<NATIVE>* p) {
 #endif
 }
 
+// r[i][j] <-> r[j][i]: a NATIVE x NATIVE block of 32-bit lanes transposed in registers (GCC's
+// vectors carry float bits; a block of bf16 pairs moves as well): lanes interleaved within 128-bit
+// quarters, then 64-bit pairs of them, then the quarters across registers, NATIVE shuffles a level
+inline void transpose(vec<NATIVE>* r) {
+#if defined(FMS_VEC_SHUFFLE) && FMS_VEC_NATIVE == 16
+  vec<16> t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = FMS_VEC_SHUFFLE(r[i], r[i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+    t[i + 1] = FMS_VEC_SHUFFLE(r[i], r[i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  }
+  for (int i = 0; i < 16; i += 4)  // r[i + c]'s quarter q: rows i .. i + 3 of column 4q + c
+    for (int c = 0; c < 2; ++c) {
+      r[i + 2 * c] = FMS_VEC_SHUFFLE(t[i + c], t[i + c + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[i + 2 * c + 1] = FMS_VEC_SHUFFLE(t[i + c], t[i + c + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+  for (int c = 0; c < 4; ++c) {
+    const vec<16> u0 = FMS_VEC_SHUFFLE(r[c], r[4 + c], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                  u1 = FMS_VEC_SHUFFLE(r[c], r[4 + c], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31),
+                  v0 = FMS_VEC_SHUFFLE(r[8 + c], r[12 + c], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                  v1 = FMS_VEC_SHUFFLE(r[8 + c], r[12 + c], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    t[c] = FMS_VEC_SHUFFLE(u0, v0, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    t[8 + c] = FMS_VEC_SHUFFLE(u0, v0, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    t[4 + c] = FMS_VEC_SHUFFLE(u1, v1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    t[12 + c] = FMS_VEC_SHUFFLE(u1, v1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+#elif defined(FMS_VEC_SHUFFLE)
+  vec<8> t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = FMS_VEC_SHUFFLE(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = FMS_VEC_SHUFFLE(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int c = 0; c < 2; ++c) {
+      r[i + 2 * c] = FMS_VEC_SHUFFLE(t[i + c], t[i + c + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      r[i + 2 * c + 1] = FMS_VEC_SHUFFLE(t[i + c], t[i + c + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = FMS_VEC_SHUFFLE(r[c], r[4 + c], 0, 1, 2, 3, 8, 9, 10, 11);
+    t[4 + c] = FMS_VEC_SHUFFLE(r[c], r[4 + c], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+#else
+  for (int i = 0; i < NATIVE; ++i)
+    for (int j = i + 1; j < NATIVE; ++j) {
+      const float x = r[i][j];
+      r[i][j] = r[j][i];
+      r[j][i] = x;
+    }
+#endif
+}
+
 #if defined(__AVX512BF16__)
 // ---- bf16 pairs (AVX512_BF16: vdpbf16ps takes 16 lanes of two bf16 each)
 // acc + the dot products of the bf16 pairs in a's lanes with the pair at p, in every lane

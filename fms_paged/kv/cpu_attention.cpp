@@ -46,7 +46,12 @@
 // A decode row (a chunk of one token) has only its G heads for rows (3 of 16 lanes for G = 3,
 // 1 for MHA), so it takes a path of its own with keys in the lanes instead: per head, W keys'
 // dot products with q at once (D / W FMAs each, then one transposing reduction for the W),
-// the softmax over the keys' lanes, and O[d] += P[key] * V[key, d] over whole rows of V.
+// the softmax over the keys' lanes, and O[d] += P[key] * V[key, d] over whole rows of V; with
+// several heads, a half-precision block is converted to fp32 once for all of them.
+//
+// Both paths request the next block's K and V rows into L1 while they work on a block (a
+// sequence's pages are scattered: the hardware prefetcher stops at a page's end), and Q^T is
+// gathered, and O written back, a W x W block at a time transposed in registers.
 #include <omp.h>
 
 #include "native_args.h"
@@ -98,6 +103,7 @@ constexpr int KG = 8;   // keys per register tile of the scores (a page holds wh
 constexpr int DG = W;   // head-dim slice per register tile of the output
 constexpr int64_t GRAIN = int64_t(1) << 18;  // multiply-adds (rows x keys x D) per thread, at least
 static_assert(D % DG == 0, "the head dim must be a multiple of 16");
+static_assert(KG % 4 == 0, "a block's maxima run in four chains");
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
@@ -161,9 +167,10 @@ struct Scratch {
   alignas(64) float qt[LG * D * W];  // Q^T per lane group, pre-scaled
   alignas(64) float ot[LG * D * W];  // O^T per lane group (unnormalised)
   alignas(64) float s[(BK + KG) * W];
-  // a prefill block's keys and values converted to fp32 (half-precision pools without kDP)
-  alignas(64) float kf[kF32 || kDP ? 1 : BK * D];
-  alignas(64) float vf32[kF32 || kDP ? 1 : BK * D];
+  // a block's keys and values converted to fp32 (half-precision pools: a prefill block without
+  // kDP, a decode block that several heads read)
+  alignas(64) float kf[kF32 ? 1 : BK * D];
+  alignas(64) float vf32[kF32 ? 1 : BK * D];
   // kDP: Q^T per lane group as bf16 pairs (Q[row, 2i], Q[row, 2i + 1]) per lane, unscaled; a
   // block's values as pairs of keys (V[2p, d], V[2p + 1, d]) per d; a group's probabilities as
   // pairs of keys per lane
@@ -175,12 +182,28 @@ struct Scratch {
 // the K and V rows of keys k0 .. k0 + nk - 1 of a sequence with page table row pt
 inline void key_rows(const Args& a, const int32_t* pt, int64_t k0, int nk, const T* kh, const T* vh,
                      const T** krow, const T** vrow) {
-  int64_t page = k0 / a.P, in_page = k0 % a.P;  // no division per key
-  for (int j = 0; j < nk; ++j) {
+  int64_t page = k0 / a.P, in_page = k0 % a.P;
+  for (int j = 0; j < nk; ++page, in_page = 0) {  // a page's run of keys at a time
+    const int run = (int)std::min<int64_t>(a.P - in_page, nk - j);
     const int64_t slot = (int64_t)pt[page] * a.P + in_page;
-    krow[j] = kh + slot * D;
-    vrow[j] = vh + slot * D;
-    if (++in_page == a.P) in_page = 0, ++page;
+    const T* kr = kh + slot * D;
+    const T* vr = vh + slot * D;
+    for (int i = 0; i < run; ++i, ++j) krow[j] = kr + i * D, vrow[j] = vr + i * D;
+  }
+}
+
+// the K and V rows of keys k0 .. k0 + nk - 1 (nk <= 0: none) requested into L1 ahead of their
+// block: a sequence's pages lie anywhere in the pools, so the hardware prefetcher, which follows
+// one page's run of rows at most, would leave each page's first lines to miss
+inline void prefetch_keys(const Args& a, const int32_t* pt, int64_t k0, int nk, const T* kh, const T* vh) {
+  int64_t page = k0 / a.P, in_page = k0 % a.P;
+  for (int j = 0; j < nk; ++page, in_page = 0) {
+    const int run = (int)std::min<int64_t>(a.P - in_page, nk - j);
+    const int64_t slot = (int64_t)pt[page] * a.P + in_page, bytes = (int64_t)run * D * sizeof(T);
+    const char* kr = reinterpret_cast<const char*>(kh + slot * D);
+    const char* vr = reinterpret_cast<const char*>(vh + slot * D);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(kr + b, 0, 3), __builtin_prefetch(vr + b, 0, 3);
+    j += run;
   }
 }
 
@@ -202,50 +225,70 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   for (int i = 0; i < W; ++i) lane[i] = (float)i;
   const T* krow[BK];
   const T* vrow[BK];
+  [[maybe_unused]] const float* kc[BK];  // the block's fp32 copies (see below)
+  [[maybe_unused]] const float* vc[BK];
   float* s = sc.s;
   for (int64_t k0 = first_key(a, c[1]); k0 < n_keys; k0 += BK) {  // every key of a block is seen
     const int nk = (int)std::min<int64_t>(BK, n_keys - k0), nkt = (nk + W - 1) / W * W;
     key_rows(a, pt, k0, nk, kh, vh, krow, vrow);
-    for (int g = 0; g < nh; ++g) {
-      vf qv[D / W];
-      for (int i = 0; i < D / W; ++i) qv[i] = load(q + g * a.q_sh + i * W) * a.scale;
-      for (int j0 = 0; j0 < nk; j0 += W) {  // scores of keys j0 .. j0 + W - 1, one per lane
-        const int n = std::min(W, nk - j0);
-        vf part[W];
-        for (int j = 0; j < W; ++j) {
-          vf acc = splat(0.0f);
-          if (j < n)
-            for (int i = 0; i < D / W; ++i) acc += load(krow[j0 + j] + i * W) * qv[i];
-          part[bitrev(j)] = acc;
+    prefetch_keys(a, pt, k0 + BK, (int)std::min<int64_t>(BK, n_keys - k0 - BK), kh, vh);
+    // the block's heads, reading its keys and values from rows kr and vr (of T or fp32)
+    auto heads = [&](const auto* const* kr, const auto* const* vr) {
+      for (int g = 0; g < nh; ++g) {
+        vf qv[D / W];
+        for (int i = 0; i < D / W; ++i) qv[i] = load(q + g * a.q_sh + i * W) * a.scale;
+        for (int j0 = 0; j0 < nk; j0 += W) {  // scores of keys j0 .. j0 + W - 1, one per lane
+          const int n = std::min(W, nk - j0);
+          vf part[W];
+          for (int j = 0; j < W; ++j) {
+            vf acc = splat(0.0f);
+            if (j < n)
+              for (int i = 0; i < D / W; ++i) acc += load(kr[j0 + j] + i * W) * qv[i];
+            part[bitrev(j)] = acc;
+          }
+          vf sv = reduce_lanes(part);
+          if (a.softcap > 0.0f) sv = vtanh(sv * inv_cap) * a.softcap;
+          store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
         }
-        vf sv = reduce_lanes(part);
-        if (a.softcap > 0.0f) sv = vtanh(sv * inv_cap) * a.softcap;
-        store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
+        vf mv = load(s);
+        for (int j0 = W; j0 < nkt; j0 += W) mv = vmax(mv, load(s + j0));
+        float mx = mv[0];
+        for (int i = 1; i < W; ++i) mx = std::max(mx, mv[i]);
+        const float mnew = std::max(m[g], mx), alpha = std::exp(m[g] - mnew);  // m[g] is finite
+        m[g] = mnew;
+        vf sum = splat(0.0f);
+        for (int j0 = 0; j0 < nkt; j0 += W) {
+          const vf p = vexp(load(s + j0) - mnew);
+          sum += p;
+          store(s + j0, p);
+        }
+        float total = 0.0f;
+        for (int i = 0; i < W; ++i) total += sum[i];
+        l[g] = l[g] * alpha + total;
+        float* o = sc.ot + g * D;
+        vf ov[D / W];
+        for (int i = 0; i < D / W; ++i) ov[i] = load(o + i * W) * alpha;
+        for (int j = 0; j < nk; ++j) {
+          const vf p = splat(s[j]);
+          for (int i = 0; i < D / W; ++i) ov[i] += p * load(vr[j] + i * W);
+        }
+        for (int i = 0; i < D / W; ++i) store(o + i * W, ov[i]);
       }
-      vf mv = load(s);
-      for (int j0 = W; j0 < nkt; j0 += W) mv = vmax(mv, load(s + j0));
-      float mx = mv[0];
-      for (int i = 1; i < W; ++i) mx = std::max(mx, mv[i]);
-      const float mnew = std::max(m[g], mx), alpha = std::exp(m[g] - mnew);  // m[g] is finite
-      m[g] = mnew;
-      vf sum = splat(0.0f);
-      for (int j0 = 0; j0 < nkt; j0 += W) {
-        const vf p = vexp(load(s + j0) - mnew);
-        sum += p;
-        store(s + j0, p);
+    };
+    if constexpr (!kF32) {
+      if (nh > 1) {  // half precision read by several heads: the block converted to fp32 once
+        for (int j = 0; j < nk; ++j) {
+          float* kd = sc.kf + j * D;
+          float* vd = sc.vf32 + j * D;
+          for (int i = 0; i < D; i += W) store(kd + i, load(krow[j] + i)), store(vd + i, load(vrow[j] + i));
+          kc[j] = kd;
+          vc[j] = vd;
+        }
+        heads(kc, vc);
+        continue;
       }
-      float total = 0.0f;
-      for (int i = 0; i < W; ++i) total += sum[i];
-      l[g] = l[g] * alpha + total;
-      float* o = sc.ot + g * D;
-      vf ov[D / W];
-      for (int i = 0; i < D / W; ++i) ov[i] = load(o + i * W) * alpha;
-      for (int j = 0; j < nk; ++j) {
-        const vf p = splat(s[j]);
-        for (int i = 0; i < D / W; ++i) ov[i] += p * load(vrow[j] + i * W);
-      }
-      for (int i = 0; i < D / W; ++i) store(o + i * W, ov[i]);
     }
+    heads(krow, vrow);
   }
   for (int g = 0; g < nh; ++g) {
     T* dst = a.out + (off * a.H + it.kvh * G + it.r0 + g) * D;
@@ -288,14 +331,35 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
   for (int g = 0; g < groups; ++g) {  // lanes past the last row repeat it (their output is dropped)
     qmin[g] = INT64_MAX;
     qmax[g] = -1;
+    const T* src[W];  // the lanes' query rows
+    for (int e = 0; e < W; ++e) {
+      const int r = std::min(it.r0 + g * W + e, it.r1 - 1);
+      src[e] = a.q + (off + r / G) * a.q_st + (int64_t)(it.kvh * G + r % G) * a.q_sh;
+    }
+    // Q^T: W x W blocks of (row, head dim or pair of them) transposed in registers
+    constexpr int cols = kDP ? D / 2 : D;  // (pairs: D / 2 need not be a multiple of W)
+    for (int d0 = 0; d0 < cols; d0 += W) {
+      const int n = std::min(W, cols - d0);
+      vf x[W];
+      for (int e = 0; e < W; ++e) {
+        if constexpr (kDP) {
+          x[e] = splat(0.0f);
+          std::memcpy(&x[e], src[e] + 2 * d0, n * sizeof(float));  // n bf16 pairs, as bits
+        } else {
+          x[e] = load(src[e] + d0) * a.scale;
+        }
+      }
+      fms_vec::transpose(x);
+      for (int i = 0; i < n; ++i) {
+        if constexpr (kDP) {
+          std::memcpy(&sc.qp[(g * D / 2 + d0 + i) * W], &x[i], sizeof(vf));
+        } else {
+          store(sc.qt + (g * D + d0 + i) * W, x[i]);
+        }
+      }
+    }
     for (int e = 0; e < W; ++e) {
       const int r = std::min(it.r0 + g * W + e, it.r1 - 1), t = r / G, h = it.kvh * G + r % G;
-      const T* src = a.q + (off + t) * a.q_st + (int64_t)h * a.q_sh;
-      if constexpr (kDP) {
-        for (int d = 0; d < D; d += 2) std::memcpy(&sc.qp[(g * D / 2 + d / 2) * W + e], src + d, 4);
-      } else {
-        for (int d = 0; d < D; ++d) sc.qt[(g * D + d) * W + e] = to_f32(src[d]) * a.scale;
-      }
       qpos[g][e] = (float)(q0 + t);
       qold[g][e] = (float)(q0 + t - a.window);
       qmin[g] = std::min<int64_t>(qmin[g], q0 + t);
@@ -318,6 +382,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
     const int nkt = (nk + KG - 1) / KG * KG;  // keys nk .. nkt - 1: stale rows of the last page, masked
     const int jv = (int)std::max<int64_t>(0, k_first - k0);  // keys read for their values: jv .. nk - 1
     key_rows(a, pt, k0, nk, kh, vh, trow, tvrow);
+    prefetch_keys(a, pt, k0 + BK, (int)std::min<int64_t>(BK, kv_end - k0 - BK), kh, vh);
 #if FMS_VEC_BF16_DP  // the values as pairs of keys, from an even key: keys outside jv .. nk - 1 give 0
     for (int j = jv & ~1; j < nk; j += 2)
       fms_vec::pair_values<D>(j >= jv ? tvrow[j] : nullptr, j + 1 < nk ? tvrow[j + 1] : nullptr, sc.vp + j / 2 * D);
@@ -369,8 +434,14 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
         for (int j = 0; j < nkt; ++j)
           store(s + j * W, splat((float)(k0 + j)) > qpos[g] ? splat(-INFINITY) : load(s + j * W));
       }
-      vf mx = load(s);
-      for (int j = 1; j < nkt; ++j) mx = vmax(mx, load(s + j * W));
+      vf mx = load(s), mx1 = mx, mx2 = mx, mx3 = mx;  // four chains of maxima (nkt: a multiple of KG)
+      for (int j = 0; j < nkt; j += 4) {
+        mx = vmax(mx, load(s + j * W));
+        mx1 = vmax(mx1, load(s + (j + 1) * W));
+        mx2 = vmax(mx2, load(s + (j + 2) * W));
+        mx3 = vmax(mx3, load(s + (j + 3) * W));
+      }
+      mx = vmax(vmax(mx, mx1), vmax(mx2, mx3));
       // m[g] is finite (LOW or the sink), so mnew is, even in lanes whose keys here are all masked
       const vf mnew = vmax(m[g], mx);
       const vf alpha = softmax_exp(m[g] - mnew);
@@ -419,14 +490,19 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 #endif
     }
   }
-  for (int g = 0; g < groups; ++g) {  // O^T normalised and rounded to T a vector at a time, then per row
+  for (int g = 0; g < groups; ++g) {  // O^T normalised, W x W blocks transposed back to rows, rounded to T
     const vf inv = 1.0f / l[g];
-    T* o = reinterpret_cast<T*>(sc.qt);  // (free now) [D][W] of T
-    for (int d = 0; d < D; ++d) store(o + d * W, load(sc.ot + (g * D + d) * W) * inv);
-    for (int e = 0; e < W && it.r0 + g * W + e < it.r1; ++e) {
-      const int r = it.r0 + g * W + e, t = r / G, h = it.kvh * G + r % G;
-      T* dst = a.out + ((off + t) * a.H + h) * D;
-      for (int d = 0; d < D; ++d) dst[d] = o[d * W + e];
+    const int rows = std::min(W, it.r1 - it.r0 - g * W);
+    T* dst[W];
+    for (int e = 0; e < rows; ++e) {
+      const int r = it.r0 + g * W + e;
+      dst[e] = a.out + ((off + r / G) * a.H + it.kvh * G + r % G) * D;
+    }
+    for (int d0 = 0; d0 < D; d0 += W) {
+      vf x[W];
+      for (int i = 0; i < W; ++i) x[i] = load(sc.ot + (g * D + d0 + i) * W) * inv;
+      fms_vec::transpose(x);
+      for (int e = 0; e < rows; ++e) store(dst[e] + d0, x[e]);
     }
   }
 }
