@@ -31,3 +31,42 @@ def test_per_bandwidth_compares_each_sides_best_rate_per_gbs():
     assert "float32" not in got["tok_s_per_gbs"][ENGINE]  # no bandwidth read: no rate
     res["one_request_per_gbs"], res["targets"] = got, targets(res)
     assert "One request per GB/s read in each system's own process: 1.15x" in markdown(res)
+
+
+def test_pool_processes_takes_the_median_of_every_rounds_runs():
+    """A system's processes (one a round) -> the median of all their timed runs, the other figures
+    from the process whose own median is nearest it, each process kept; a failed process fails
+    the system's result rather than leaving it to the others."""
+    from fms_paged.bench.vs_native import pool_processes
+
+    def proc(rates, start, gbs):
+        rates = sorted(rates)
+        return {"output_tok_s": rates[len(rates) // 2], "output_tok_s_runs": rates, "start_s": start,
+                "read_bandwidth_gbs": gbs, "tokens": [[1, 2]], "tokens_equal_runs": True}
+
+    slow, fast = proc([90.0, 100.0, 95.0], 1.0, 48.0), proc([120.0, 118.0, 121.0], 2.0, 78.0)
+    got = pool_processes([slow, fast])
+    assert got["output_tok_s"] == (100.0 + 118.0) / 2  # runs 90 95 100 | 118 120 121
+    assert sorted(got["output_tok_s_runs"]) == [90.0, 95.0, 100.0, 118.0, 120.0, 121.0]
+    assert got["read_bandwidth_gbs"] == 78.0 and got["start_s"] == 2.0  # 120 is nearer 109 than 95 is
+    assert [p["output_tok_s"] for p in got["processes"]] == [95.0, 120.0] and got["tokens_equal_runs"]
+    assert not pool_processes([slow, dict(fast, tokens=[[1, 3]])])["tokens_equal_runs"]
+    assert pool_processes([slow, {"error": "exit 1"}]) == {"error": "exit 1"}
+
+
+def test_roofline_share_is_each_processes_own_and_the_target_takes_their_median():
+    """Each one-request process's decode over the roofline of the bandwidth it read itself; the
+    target compares a dtype's median share, and lists each process's where there are several."""
+    one = {"decode_steps_s": 80.0, "read_bandwidth_gbs": 50.0}
+    res = {
+        "repeats": 3, "rounds": 2, "roofline_bytes_per_step": {"bfloat16": 5e8},
+        "roofline_steps_s": {"bfloat16": 100.0},
+        "workloads": {ONE_REQUEST: {ENGINE: {"bfloat16": {
+            **one, "output_tok_s": 80.0,
+            "processes": [one, {"decode_steps_s": 120.0, "read_bandwidth_gbs": 80.0}]}}}},
+    }
+    from fms_paged.bench.vs_native_report import roofline_shares
+
+    assert roofline_shares(res) == {"bfloat16": [(0.8, 50.0), (0.75, 80.0)]}  # 80/100, 120/160
+    (row,) = [r for r in targets(res) if "roofline" in r["target"]]
+    assert row["measured"] == "bfloat16 78% (80% at 50 GB/s, 75% at 80 GB/s)" and row["met"] == "no"
