@@ -51,8 +51,10 @@ def prebuild_kernels(dtype: torch.dtype) -> None:
     for source in (GEMV_SOURCE, ROWS_SOURCE):
         native.prebuild(source, dtype)
 
-# otherwise a call packs when its weight has this many elements (1 MiB of fp32) ...
-PACK_MIN_WEIGHT = 1 << 18
+# otherwise a call packs when its weight (a stack's: all of them) has this many elements (64 KiB
+# of fp32) ... : past a tiny weight, oneDNN's packed GEMM costs less per call than at::linear (and
+# a stack then runs as one call, not one at::linear each and a cat); docs/design.md has the figures
+PACK_MIN_WEIGHT = 1 << 14
 # ... or when it has this many rows
 PACK_MIN_ROWS = 256
 
