@@ -46,8 +46,7 @@
 // A decode row (a chunk of one token) has only its G heads for rows (3 of 16 lanes for G = 3,
 // 1 for MHA), so it takes a path of its own with keys in the lanes instead: per head, W keys'
 // dot products with q at once (D / W FMAs each, then one transposing reduction for the W),
-// the softmax over the keys' lanes, and O[d] += P[key] * V[key, d] over whole rows of V; with
-// several heads, a half-precision block is converted to fp32 once for all of them.
+// the softmax over the keys' lanes, and O[d] += P[key] * V[key, d] over whole rows of V.
 //
 // Both paths request the next block's K and V rows into L1 while they work on a block (a
 // sequence's pages are scattered: the hardware prefetcher stops at a page's end), and Q^T is
@@ -167,10 +166,9 @@ struct Scratch {
   alignas(64) float qt[LG * D * W];  // Q^T per lane group, pre-scaled
   alignas(64) float ot[LG * D * W];  // O^T per lane group (unnormalised)
   alignas(64) float s[(BK + KG) * W];
-  // a block's keys and values converted to fp32 (half-precision pools: a prefill block without
-  // kDP, a decode block that several heads read)
-  alignas(64) float kf[kF32 ? 1 : BK * D];
-  alignas(64) float vf32[kF32 ? 1 : BK * D];
+  // a prefill block's keys and values converted to fp32 (half-precision pools without kDP)
+  alignas(64) float kf[kF32 || kDP ? 1 : BK * D];
+  alignas(64) float vf32[kF32 || kDP ? 1 : BK * D];
   // kDP: Q^T per lane group as bf16 pairs (Q[row, 2i], Q[row, 2i + 1]) per lane, unscaled; a
   // block's values as pairs of keys (V[2p, d], V[2p + 1, d]) per d; a group's probabilities as
   // pairs of keys per lane
@@ -179,32 +177,36 @@ struct Scratch {
   alignas(64) uint32_t pp[kDP ? (BK / 2 + 1) * W : 1];
 };
 
-// the K and V rows of keys k0 .. k0 + nk - 1 of a sequence with page table row pt
-inline void key_rows(const Args& a, const int32_t* pt, int64_t k0, int nk, const T* kh, const T* vh,
-                     const T** krow, const T** vrow) {
-  int64_t page = k0 / a.P, in_page = k0 % a.P;
-  for (int j = 0; j < nk; ++page, in_page = 0) {  // a page's run of keys at a time
-    const int run = (int)std::min<int64_t>(a.P - in_page, nk - j);
-    const int64_t slot = (int64_t)pt[page] * a.P + in_page;
-    const T* kr = kh + slot * D;
-    const T* vr = vh + slot * D;
-    for (int i = 0; i < run; ++i, ++j) krow[j] = kr + i * D, vrow[j] = vr + i * D;
-  }
-}
-
-// the K and V rows of keys k0 .. k0 + nk - 1 (nk <= 0: none) requested into L1 ahead of their
-// block: a sequence's pages lie anywhere in the pools, so the hardware prefetcher, which follows
-// one page's run of rows at most, would leave each page's first lines to miss
-inline void prefetch_keys(const Args& a, const int32_t* pt, int64_t k0, int nk, const T* kh, const T* vh) {
+// keys k0 .. k0 + nk - 1 of a sequence with page table row pt (nk <= 0: none), a page's run at a
+// time: f(j, slot, run) for keys j .. j + run - 1, which sit at pool slots slot .. slot + run - 1
+template <class F>
+inline void page_runs(const Args& a, const int32_t* pt, int64_t k0, int nk, F f) {
   int64_t page = k0 / a.P, in_page = k0 % a.P;
   for (int j = 0; j < nk; ++page, in_page = 0) {
     const int run = (int)std::min<int64_t>(a.P - in_page, nk - j);
-    const int64_t slot = (int64_t)pt[page] * a.P + in_page, bytes = (int64_t)run * D * sizeof(T);
-    const char* kr = reinterpret_cast<const char*>(kh + slot * D);
-    const char* vr = reinterpret_cast<const char*>(vh + slot * D);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(kr + b, 0, 3), __builtin_prefetch(vr + b, 0, 3);
+    f(j, (int64_t)pt[page] * a.P + in_page, run);
     j += run;
   }
+}
+
+// the K and V rows of keys k0 .. k0 + nk - 1
+inline void key_rows(const Args& a, const int32_t* pt, int64_t k0, int nk, const T* kh, const T* vh,
+                     const T** krow, const T** vrow) {
+  page_runs(a, pt, k0, nk, [&](int j, int64_t slot, int run) {
+    for (int i = 0; i < run; ++i) krow[j + i] = kh + (slot + i) * D, vrow[j + i] = vh + (slot + i) * D;
+  });
+}
+
+// the K and V rows of keys k0 .. k0 + nk - 1 requested into L1 ahead of their block: a sequence's
+// pages lie anywhere in the pools, so the hardware prefetcher, which follows one page's run of
+// rows at most, would leave each page's first lines to miss
+inline void prefetch_keys(const Args& a, const int32_t* pt, int64_t k0, int nk, const T* kh, const T* vh) {
+  page_runs(a, pt, k0, nk, [&](int, int64_t slot, int run) {
+    const char* kr = reinterpret_cast<const char*>(kh + slot * D);
+    const char* vr = reinterpret_cast<const char*>(vh + slot * D);
+    for (int64_t b = 0; b < (int64_t)run * D * (int64_t)sizeof(T); b += 64)
+      __builtin_prefetch(kr + b, 0, 3), __builtin_prefetch(vr + b, 0, 3);
+  });
 }
 
 // a decode row: heads r0 .. r1 - 1 of the item's kv head for one token at position q0, which sees
@@ -225,70 +227,51 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   for (int i = 0; i < W; ++i) lane[i] = (float)i;
   const T* krow[BK];
   const T* vrow[BK];
-  [[maybe_unused]] const float* kc[BK];  // the block's fp32 copies (see below)
-  [[maybe_unused]] const float* vc[BK];
   float* s = sc.s;
   for (int64_t k0 = first_key(a, c[1]); k0 < n_keys; k0 += BK) {  // every key of a block is seen
     const int nk = (int)std::min<int64_t>(BK, n_keys - k0), nkt = (nk + W - 1) / W * W;
     key_rows(a, pt, k0, nk, kh, vh, krow, vrow);
     prefetch_keys(a, pt, k0 + BK, (int)std::min<int64_t>(BK, n_keys - k0 - BK), kh, vh);
-    // the block's heads, reading its keys and values from rows kr and vr (of T or fp32)
-    auto heads = [&](const auto* const* kr, const auto* const* vr) {
-      for (int g = 0; g < nh; ++g) {
-        vf qv[D / W];
-        for (int i = 0; i < D / W; ++i) qv[i] = load(q + g * a.q_sh + i * W) * a.scale;
-        for (int j0 = 0; j0 < nk; j0 += W) {  // scores of keys j0 .. j0 + W - 1, one per lane
-          const int n = std::min(W, nk - j0);
-          vf part[W];
-          for (int j = 0; j < W; ++j) {
-            vf acc = splat(0.0f);
-            if (j < n)
-              for (int i = 0; i < D / W; ++i) acc += load(kr[j0 + j] + i * W) * qv[i];
-            part[bitrev(j)] = acc;
-          }
-          vf sv = reduce_lanes(part);
-          if (a.softcap > 0.0f) sv = vtanh(sv * inv_cap) * a.softcap;
-          store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
+    for (int g = 0; g < nh; ++g) {
+      vf qv[D / W];
+      for (int i = 0; i < D / W; ++i) qv[i] = load(q + g * a.q_sh + i * W) * a.scale;
+      for (int j0 = 0; j0 < nk; j0 += W) {  // scores of keys j0 .. j0 + W - 1, one per lane
+        const int n = std::min(W, nk - j0);
+        vf part[W];
+        for (int j = 0; j < W; ++j) {
+          vf acc = splat(0.0f);
+          if (j < n)
+            for (int i = 0; i < D / W; ++i) acc += load(krow[j0 + j] + i * W) * qv[i];
+          part[bitrev(j)] = acc;
         }
-        vf mv = load(s);
-        for (int j0 = W; j0 < nkt; j0 += W) mv = vmax(mv, load(s + j0));
-        float mx = mv[0];
-        for (int i = 1; i < W; ++i) mx = std::max(mx, mv[i]);
-        const float mnew = std::max(m[g], mx), alpha = std::exp(m[g] - mnew);  // m[g] is finite
-        m[g] = mnew;
-        vf sum = splat(0.0f);
-        for (int j0 = 0; j0 < nkt; j0 += W) {
-          const vf p = vexp(load(s + j0) - mnew);
-          sum += p;
-          store(s + j0, p);
-        }
-        float total = 0.0f;
-        for (int i = 0; i < W; ++i) total += sum[i];
-        l[g] = l[g] * alpha + total;
-        float* o = sc.ot + g * D;
-        vf ov[D / W];
-        for (int i = 0; i < D / W; ++i) ov[i] = load(o + i * W) * alpha;
-        for (int j = 0; j < nk; ++j) {
-          const vf p = splat(s[j]);
-          for (int i = 0; i < D / W; ++i) ov[i] += p * load(vr[j] + i * W);
-        }
-        for (int i = 0; i < D / W; ++i) store(o + i * W, ov[i]);
+        vf sv = reduce_lanes(part);
+        if (a.softcap > 0.0f) sv = vtanh(sv * inv_cap) * a.softcap;
+        store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
       }
-    };
-    if constexpr (!kF32) {
-      if (nh > 1) {  // half precision read by several heads: the block converted to fp32 once
-        for (int j = 0; j < nk; ++j) {
-          float* kd = sc.kf + j * D;
-          float* vd = sc.vf32 + j * D;
-          for (int i = 0; i < D; i += W) store(kd + i, load(krow[j] + i)), store(vd + i, load(vrow[j] + i));
-          kc[j] = kd;
-          vc[j] = vd;
-        }
-        heads(kc, vc);
-        continue;
+      vf mv = load(s);
+      for (int j0 = W; j0 < nkt; j0 += W) mv = vmax(mv, load(s + j0));
+      float mx = mv[0];
+      for (int i = 1; i < W; ++i) mx = std::max(mx, mv[i]);
+      const float mnew = std::max(m[g], mx), alpha = std::exp(m[g] - mnew);  // m[g] is finite
+      m[g] = mnew;
+      vf sum = splat(0.0f);
+      for (int j0 = 0; j0 < nkt; j0 += W) {
+        const vf p = vexp(load(s + j0) - mnew);
+        sum += p;
+        store(s + j0, p);
       }
+      float total = 0.0f;
+      for (int i = 0; i < W; ++i) total += sum[i];
+      l[g] = l[g] * alpha + total;
+      float* o = sc.ot + g * D;
+      vf ov[D / W];
+      for (int i = 0; i < D / W; ++i) ov[i] = load(o + i * W) * alpha;
+      for (int j = 0; j < nk; ++j) {
+        const vf p = splat(s[j]);
+        for (int i = 0; i < D / W; ++i) ov[i] += p * load(vrow[j] + i * W);
+      }
+      for (int i = 0; i < D / W; ++i) store(o + i * W, ov[i]);
     }
-    heads(krow, vrow);
   }
   for (int g = 0; g < nh; ++g) {
     T* dst = a.out + (off * a.H + it.kvh * G + it.r0 + g) * D;
