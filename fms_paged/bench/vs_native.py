@@ -296,14 +296,9 @@ def vs_native(out: Path, repeats: int = 3, rounds: int = 2, log=print) -> dict[s
             # a one-request step reads every weight once (the tied head: the embedding) and the KV
             if name == ONE_REQUEST:
                 params = sum(p.numel() for p in smol.parameters())
-                res["roofline_bytes_per_step"] = step_bytes = {
+                res["roofline_bytes_per_step"] = {
                     dt: params * getattr(torch, dt).itemsize
                     + (max(lens) + new) * kv_bytes_per_token(smol.config, getattr(torch, dt))
-                    for dt in ENGINE_DTYPES
-                }
-                res["roofline_steps_s"] = {
-                    dt: w[ENGINE].get(dt, {}).get("read_bandwidth_gbs", res["read_bandwidth_gbs"])
-                    * 1e9 / step_bytes[dt]
                     for dt in ENGINE_DTYPES
                 }
         # the engine's cold start: SmolLM2, one request, empty kernel and compile caches

@@ -39,19 +39,23 @@ def per_bandwidth(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def roofline_shares(res: dict[str, Any]) -> dict[str, list[tuple[float, float | None]]]:
-    """The one-request engine's decode steps/s over its roofline, per dtype: (share, GB/s) for each
-    of its processes, each over the bandwidth read in that process (one process: the run's
-    roofline). The target takes a dtype's median over its processes."""
+def roofline_share(res: dict[str, Any], dt: str, r: dict[str, Any]) -> float | None:
+    """A one-request engine process's decode steps/s over its roofline: the bytes a step reads
+    (weights and live KV) at the bandwidth read in that same process; None without both."""
+    step_bytes = res.get("roofline_bytes_per_step", {}).get(dt)
+    if not (step_bytes and r.get("decode_steps_s") and r.get("read_bandwidth_gbs")):
+        return None
+    return r["decode_steps_s"] * step_bytes / (r["read_bandwidth_gbs"] * 1e9)
+
+
+def roofline_shares(res: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    """(share, GB/s) of each of the one-request engine's processes, per dtype (`roofline_share`).
+    The target takes a dtype's median over its processes."""
     out = {}
-    step_bytes = res.get("roofline_bytes_per_step", {})
     for dt, r in res["workloads"].get(ONE_REQUEST, {}).get(ENGINE, {}).items():
-        procs = [p for p in r.get("processes", ()) if p.get("decode_steps_s") and p.get("read_bandwidth_gbs")]
-        if procs and dt in step_bytes:
-            out[dt] = [(p["decode_steps_s"] * step_bytes[dt] / (p["read_bandwidth_gbs"] * 1e9),
-                        p["read_bandwidth_gbs"]) for p in procs]
-        elif "decode_steps_s" in r:
-            out[dt] = [(r["decode_steps_s"] / res["roofline_steps_s"][dt], r.get("read_bandwidth_gbs"))]
+        got = [(roofline_share(res, dt, p), p["read_bandwidth_gbs"]) for p in r.get("processes", ())]
+        if got := [(x, g) for x, g in got if x is not None]:
+            out[dt] = got
     return out
 
 
@@ -142,14 +146,14 @@ def markdown(res: dict[str, Any]) -> str:
                     )
                     continue
                 steps = r.get("decode_steps_s")
-                roof = res.get("roofline_steps_s", {}).get(dt) if system == ENGINE else None
+                share = roofline_share(res, dt, r) if system == ENGINE else None
                 rows.append(
                     {
                         "workload": name,
                         "system": system,
                         "dtype": dt,
                         "tok_s": r["output_tok_s"],
-                        "steps": steps and (f"{steps:.1f}" + (f" ({steps / roof:.0%})" if roof else "")),
+                        "steps": steps and (f"{steps:.1f}" + (f" ({share:.0%})" if share else "")),
                         "start": r.get("start_s"),
                     }
                 )

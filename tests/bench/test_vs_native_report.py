@@ -60,7 +60,6 @@ def test_roofline_share_is_each_processes_own_and_the_target_takes_their_median(
     one = {"decode_steps_s": 80.0, "read_bandwidth_gbs": 50.0}
     res = {
         "repeats": 3, "rounds": 2, "roofline_bytes_per_step": {"bfloat16": 5e8},
-        "roofline_steps_s": {"bfloat16": 100.0},
         "workloads": {ONE_REQUEST: {ENGINE: {"bfloat16": {
             **one, "output_tok_s": 80.0,
             "processes": [one, {"decode_steps_s": 120.0, "read_bandwidth_gbs": 80.0}]}}}},
