@@ -294,6 +294,16 @@ _REGISTERED: dict[tuple[str, torch.dtype, int], Path] = {}  # what the operators
 _BUILDS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="fms-paged-build")
 
 
+def _submit(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """`fn` on a build thread, once `torch.utils.cpp_extension` is imported on this one: it imports
+    setuptools, whose import puts a finder at the head of `sys.meta_path` and takes it out again; done
+    on a build thread while this thread imports a module, that can make Python's search skip the
+    path finder (ModuleNotFoundError: No module named 'torch._dynamo', seen while a model was made
+    beside its first builds)."""
+    _cpp_extension()
+    return _BUILDS.submit(fn, *args, **kwargs)
+
+
 _FUTURES: dict[tuple, concurrent.futures.Future] = {}  # each kernel's build, once per cache dir
 _FUTURES_LOCK = threading.Lock()
 
@@ -304,7 +314,7 @@ def _building(source: Path, dtype: torch.dtype, **defines: int | str) -> concurr
     key = (source, which, str(cache), tuple(sorted(defines.items())))
     with _FUTURES_LOCK:
         if key not in _FUTURES:  # (the cache dir of now: the build may run after it changes)
-            _FUTURES[key] = _BUILDS.submit(_load, source, which, cache, **defines)
+            _FUTURES[key] = _submit(_load, source, which, cache, **defines)
         return _FUTURES[key]
 
 
@@ -331,6 +341,12 @@ def register(kind: str, source: Path, dtype: torch.dtype, head_dim: int = 0,
     return None
 
 
+def kernel_ready(kind: str, dtype: torch.dtype, head_dim: int = 0) -> bool:
+    """Whether the operators hold the `kind` kernel for `dtype` (and `head_dim`) now: loaded by
+    `register`, nothing built or loaded here (cheap enough for every call of a module)."""
+    return (kind, dtype, head_dim) in _REGISTERED
+
+
 def prebuild_model(device: torch.device, dtype: torch.dtype | None, head_dim: int, attn_impl: str) -> None:
     """Start building, in the background, what a paged model on the CPU loads at its first forward
     (the operators; the attention kernel for its dtype and head dim, the GEMV and rows kernels), so
@@ -342,7 +358,7 @@ def prebuild_model(device: torch.device, dtype: torch.dtype | None, head_dim: in
     if attn_impl != "paged" or device.type != "cpu" or dtype not in ELEM_TYPES or compiler() is None:
         return
     if not _OPS:
-        _BUILDS.submit(ops)  # (a build that fails is reported where the operators are first asked for)
+        _submit(ops)  # (a build that fails is reported where the operators are first asked for)
     linear.prebuild_kernels(dtype)
     if head_dim % cpu_kernel.HEAD_DIM_MULTIPLE == 0 and not os.environ.get("FMS_PAGED_FORCE_GATHER"):
         prebuild(cpu_kernel.SOURCE, dtype, HEAD_DIM=head_dim)

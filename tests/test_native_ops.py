@@ -4,6 +4,8 @@ package whose C++ calls them through the dispatcher, and the loaded package give
 gives."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,6 +46,27 @@ def test_aot_compiled_graph_calls_the_operators(tmp_path):
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp_path, "block.pt2"))
     got = torch._inductor.aoti_load_package(pkg)(x)
     torch.testing.assert_close(got, block(x), rtol=1e-5, atol=1e-5)
+
+
+def test_builds_start_after_setuptools_is_imported_on_the_calling_thread():
+    """A build thread must not be the one to import setuptools (through torch.utils.cpp_extension):
+    its import adds a finder to `sys.meta_path` and removes it again, which can make an import
+    running meanwhile on the caller's thread miss its module. In a fresh interpreter, setuptools is
+    imported by the time `prebuild_model` has handed its builds over (a recorder in place of the
+    build threads: nothing runs on them)."""
+    code = (
+        "import sys, torch\n"
+        "from fms_paged import native\n"
+        "assert 'setuptools' not in sys.modules\n"
+        "class Recorder:\n"
+        "    def submit(self, fn, *args, **kwargs): pass\n"
+        "native._BUILDS = Recorder()\n"
+        "native.prebuild_model(torch.device('cpu'), torch.bfloat16, 64, 'paged')\n"
+        "print('setuptools' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "True"
 
 
 def test_a_paged_cpu_model_starts_its_builds_while_it_loads(monkeypatch):
