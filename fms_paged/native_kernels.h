@@ -36,10 +36,13 @@
 //   by cos / sin [M, D] (fp32), then the k and v heads written to slot slots[m] of k_pool / v_pool
 //   [Hkv, pool_tokens, D];
 // - 3, 4 (SiLU, tanh-GELU times up): out [M, n] = act(x[:, :n]) * x[:, n:] for x rows [M, 2n]
-//   (row stride x_st).
+//   (row stride x_st);
+// - 5 (argmax): index [M] = the index of the first largest of each x row [n] (row stride x_st),
+//   the first NaN's where a row has one (torch.argmax's answer).
 #define FMS_PAGED_ROWS_FIELDS(X)                                                                  \
   X(int32_t, op) X(int64_t, M) X(int64_t, n) X(T*, x) X(int64_t, x_st) X(const T*, h)             \
   X(const T*, w) X(T*, out) X(float, eps) X(int32_t, unit_offset) X(float, multiplier)            \
   X(const T*, q_bias) X(const T*, k_bias) X(const T*, v_bias) X(const T*, q_norm) X(const T*, k_norm) X(const float*, cos)                  \
   X(const float*, sin) X(const int64_t*, slots) X(T*, k_pool) X(T*, v_pool)                       \
-  X(int64_t, pool_tokens) X(int32_t, H) X(int32_t, Hkv) X(int32_t, D) X(int32_t, threads)
+  X(int64_t, pool_tokens) X(int32_t, H) X(int32_t, Hkv) X(int32_t, D) X(int32_t, threads)         \
+  X(int64_t*, index)

@@ -12,7 +12,12 @@
 // pools, slots, page table, chunks). A decode step of a small model is a few milliseconds, and
 // handing over and checking some four hundred weight tensors at every step (their Python objects
 // and TensorImpls cold in the cache after the step before streamed the weights) cost a tenth of it.
+//
+// Beside it, fms_paged::rms_norm and fms_paged::argmax run the rows kernel's RMSNorm and argmax on
+// any rows: the model's final norm and greedy sampling, which as ATen's operations (eight for the
+// norm; argmax's own scalar loop) took a one-request decode step ~0.1 ms each for a single row.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
@@ -36,13 +41,19 @@ struct Rows {
     return a;
   }
   void call(const RowsArgs<T>& a) const {
-    TORCH_CHECK(timed([&] { return fn(&a); }) == 0, "decoder_stack: the rows kernel refused op ", a.op);
+    TORCH_CHECK(timed([&] { return fn(&a); }) == 0, "the rows kernel refused op ", a.op);
   }
   // out [M, n] = RMSNorm(x rows [M, n] at row stride st) with weight w
   void norm(const void* x, int64_t M, int64_t n, int64_t st, const at::Tensor& w, void* out) const {
     RowsArgs<T> a = base();
     a.op = 0, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = st;
     a.w = static_cast<const T*>(w.data_ptr()), a.out = static_cast<T*>(out);
+    call(a);
+  }
+  // index [M] = the first largest of each row of x [M, n] (row stride st)
+  void argmax(const void* x, int64_t M, int64_t n, int64_t st, int64_t* index) const {
+    RowsArgs<T> a = base();
+    a.op = 5, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = st, a.index = index;
     call(a);
   }
   // x [M, n] += h [M, n] (* multiplier)
@@ -357,6 +368,51 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
   return out;
 }
 
+namespace {
+
+// the loaded rows kernel for x's dtype (op: the operator's name, for the errors); ValueError
+// unless x is contiguous CPU rows [..., n > 0] of a dtype the kernels store
+KernelFn rows_for(const char* op, const at::Tensor& x) {
+  const int e = elem_index(x.scalar_type());
+  TORCH_CHECK_VALUE(e >= 0 && x.is_cpu() && x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous(), op,
+                    ": x must be contiguous CPU rows [..., n > 0] of ", elem_names, ", got ",
+                    dtype_name(x.scalar_type()), " ", shape(x), " on ", x.device());
+  const KernelFn fn = rows_fn(e);
+  TORCH_CHECK(fn, op, ": no rows kernel loaded for ", dtype_name(x.scalar_type()),
+              " (fms_paged.modules.linear.load_gemv loads it)");
+  return fn;
+}
+
+}  // namespace
+
+// RMSNorm of x [..., n] with weight [n] (the rows kernel's op 0: what `RMSNorm` computes)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
+  const KernelFn fn = rows_for("rms_norm", x);
+  const int64_t n = x.size(-1);
+  TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type() && weight.is_cpu() && weight.dim() == 1 &&
+                        weight.size(0) == n && weight.is_contiguous(),
+                    "rms_norm: weight must be a contiguous CPU vector [", n, "] of x's dtype ",
+                    dtype_name(x.scalar_type()), ", got ", dtype_name(weight.scalar_type()), " ", shape(weight));
+  at::Tensor out = at::empty_like(x);
+  by_elem(elem_index(x.scalar_type()), [&](auto t) {
+    using T = decltype(t);
+    Rows<T>{fn, eps, unit_offset}.norm(x.data_ptr(), x.numel() / n, n, n, weight, out.data_ptr());
+  });
+  return out;
+}
+
+// the index of the first largest along x's last dim (torch.argmax(x, -1)): int64 [...]
+at::Tensor argmax(const at::Tensor& x) {
+  const KernelFn fn = rows_for("argmax", x);
+  const int64_t n = x.size(-1);
+  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+  by_elem(elem_index(x.scalar_type()), [&](auto t) {
+    using T = decltype(t);
+    Rows<T>{fn, 0.0, false}.argmax(x.data_ptr(), x.numel() / n, n, n, out.data_ptr<int64_t>());
+  });
+  return out;
+}
+
 }  // namespace fms_paged_ops
 
 TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
@@ -369,8 +425,12 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       "decoder_stack(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor x, Tensor[] cos, Tensor[] sin, "
       "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size) "
       "-> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("decoder_stack", &fms_paged_ops::decoder_stack);
+  m.impl("rms_norm", &fms_paged_ops::rms_norm);
+  m.impl("argmax", &fms_paged_ops::argmax);
 }

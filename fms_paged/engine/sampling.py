@@ -5,6 +5,18 @@ from __future__ import annotations
 
 import torch
 
+from fms_paged import native
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [K, V] -> the index of each row's largest [K] int64 (the first of equals; a NaN's
+    where a row has one, as torch.argmax). On the CPU where the rows kernel for their dtype is
+    loaded (a paged model's engine loads it), its vectorised argmax on the logits as they are; else
+    torch.argmax of an fp32 copy (on the CPU several times faster than on half precision)."""
+    if logits.device.type == "cpu" and native.kernel_ready("rows", logits.dtype):
+        return torch.ops.fms_paged.argmax(logits.contiguous())
+    return logits.float().argmax(dim=-1)
+
 
 def sample(
     logits: torch.Tensor,
@@ -38,7 +50,7 @@ def sample_each(
     generator): a seeded row's token depends on its logits and its generator alone, not on the
     other rows (a seeded request samples the same tokens alone or in any batch). Greedy rows share
     one argmax, unseeded rows with the same settings one draw from the global RNG; no host sync."""
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy(logits)
     unseeded: dict[tuple, list[int]] = {}
     for i, (temperature, top_k, top_p, generator) in enumerate(settings):
         if temperature == 0:

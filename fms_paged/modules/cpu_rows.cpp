@@ -40,7 +40,7 @@ inline vf round(vf v) { return fms_vec::round_to<T, W>(v); }
 inline float round(float v) { return to_f32(from_f32<T>(v)); }
 constexpr int64_t GRAIN = int64_t(1) << 14;  // elements per thread, at least
 
-enum Op { NORM = 0, RESIDUAL = 1, QKV = 2, SILU_MUL = 3, GELU_MUL = 4 };
+enum Op { NORM = 0, RESIDUAL = 1, QKV = 2, SILU_MUL = 3, GELU_MUL = 4, ARGMAX = 5 };
 
 struct Args {
   FMS_PAGED_ROWS_FIELDS(FMS_PAGED_FIELD_DECL)
@@ -164,6 +164,46 @@ void act_row(const T* x, int64_t n, bool gelu, T* o) {
   }
 }
 
+// the index of the first largest of row r [n], or of its first NaN (torch.argmax's answer): each
+// lane keeps its largest and where it first saw it (a strict >, so the earliest of equals), then
+// the lanes' largest with the smallest index; a row with a NaN is scanned again for the first
+int64_t argmax_row(const T* r, int64_t n) {
+  const int64_t nv = n >= W ? n / W * W : 0;
+  float best = -INFINITY;
+  int64_t at = 0;
+  bool nan = false;
+  if (nv) {
+    vf mv = load(r);
+    using vi = fms_vec::ivec<W>;
+    vi idx, where;
+    for (int i = 0; i < W; ++i) idx[i] = i;
+    where = idx;
+    vi seen_nan = mv != mv;
+    for (int64_t i = W; i < nv; i += W) {
+      idx += W;
+      const vf v = load(r + i);
+      const vi gt = v > mv;
+      mv = gt ? v : mv, where = gt ? idx : where, seen_nan |= v != v;
+    }
+    best = mv[0], at = where[0];
+    for (int i = 0; i < W; ++i) {
+      nan |= seen_nan[i] != 0;
+      if (mv[i] > best || (mv[i] == best && where[i] < at)) best = mv[i], at = where[i];
+    }
+  } else if (n) {
+    best = to_f32(r[0]), nan = best != best;
+  }
+  for (int64_t i = std::max<int64_t>(nv, 1); i < n; ++i) {
+    const float v = to_f32(r[i]);
+    nan |= v != v;
+    if (v > best) best = v, at = i;
+  }
+  if (nan)
+    for (int64_t i = 0; i < n; ++i)
+      if (to_f32(r[i]) != to_f32(r[i])) return i;
+  return at;
+}
+
 void run_rows(const Args& a, int64_t m0, int64_t m1) {
   alignas(64) T tmp[1024];  // one normalised head (D <= 1024)
   for (int64_t m = m0; m < m1; ++m) {
@@ -171,6 +211,7 @@ void run_rows(const Args& a, int64_t m0, int64_t m1) {
       case NORM: norm_row(a.x + m * a.x_st, a.n, a.w, a.eps, a.unit_offset, a.out + m * a.n); break;
       case RESIDUAL: residual_row(a.x + m * a.x_st, a.h + m * a.n, a.n, a.multiplier); break;
       case QKV: qkv_row(a, m, tmp); break;
+      case ARGMAX: a.index[m] = argmax_row(a.x + m * a.x_st, a.n); break;
       default: act_row(a.x + m * a.x_st, a.n, a.op == GELU_MUL, a.out + m * a.n); break;
     }
   }
@@ -189,7 +230,7 @@ int fms_paged_rows(const FmsRowsArgs* args) {
   Args a;
   static_assert(sizeof(Args) == sizeof(FmsRowsArgs), "one field list");
   std::memcpy(&a, args, sizeof a);
-  if (a.op < NORM || a.op > GELU_MUL || (a.op == QKV && (a.D <= 0 || a.D > 1024 || a.D % 2)) || a.M < 0)
+  if (a.op < NORM || a.op > ARGMAX || (a.op == QKV && (a.D <= 0 || a.D > 1024 || a.D % 2)) || a.M < 0)
     return 1;
   const int64_t per_row = a.op == QKV ? (a.H + 2 * (int64_t)a.Hkv) * a.D : a.n;
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(a.threads, a.M * per_row / GRAIN));

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fms_paged import native
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight. `unit_offset` (Gemma): the stored weight is w - 1, so the scale is
@@ -22,6 +24,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., C]
+        if (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and native.kernel_ready("rows", x.dtype)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            # eager on the CPU, where the rows kernel is loaded (a paged model's engine loads it):
+            # the same norm in one operator call instead of eight (fp32 inside, rounded where
+            # below; only the order of the sum of squares differs)
+            return torch.ops.fms_paged.rms_norm(x.contiguous(), self.weight, self.eps, self.unit_offset)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -256,3 +256,55 @@ def test_fused_blocks_take_any_rows(family, dtype, isa, hf_family, monkeypatch):
     else:
         assert ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()) < 0.02
         assert ((keys[0] - keys[1]).abs().max() / keys[1].abs().max()) < 0.02
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_operator_is_torchs(dtype, isa, monkeypatch):
+    """`fms_paged::argmax` (greedy sampling on the CPU: the rows kernel) gives torch.argmax's index
+    for every row, on each kernel build this CPU runs: widths that are not whole vectors or shorter
+    than one, many ties (the first wins), NaNs in the vectors' part and the tail (the first NaN
+    wins), a row of -inf, and SmolLM2's vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode(), isa_build(isa, dtype, monkeypatch):
+        for shape in [(1, 49152), (3, 1000), (2, 5), (4, 17), (1, 16), (2, 3, 40)]:
+            x = torch.randn(*shape, generator=g).to(dtype)
+            assert torch.equal(torch.ops.fms_paged.argmax(x), x.argmax(-1)), shape
+        x = (torch.randn(5, 100, generator=g) * 3).round().to(dtype)  # each row's max tied
+        x[1, 50] = x[1, 98] = float("nan")
+        x[2] = float("-inf")
+        x[3, 99] = float("nan")
+        assert torch.equal(torch.ops.fms_paged.argmax(x), x.argmax(-1))
+        with pytest.raises(ValueError, match=r"argmax: x must be contiguous CPU rows \[\.\.\., n > 0\]"):
+            torch.ops.fms_paged.argmax(torch.zeros(3, 0, dtype=dtype))
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_takes_the_rows_kernel_where_it_is_loaded(dtype, unit_offset, isa, monkeypatch):
+    """`RMSNorm` on the CPU runs the rows kernel's norm (`fms_paged::rms_norm`, one operator call)
+    where that kernel is loaded for its dtype: the module's output is the operator's, and within
+    the fp32 round-off of the sum of squares of the torch formula it runs elsewhere (fp32: 2e-6
+    relative; half precision: one of the dtype's ulps, where a rounding lands on the other side).
+    A weight that wants its gradient keeps the torch formula (the operator has no backward)."""
+    from fms_paged.modules.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(576, 1e-5, unit_offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g) * 0.5 + (0.0 if unit_offset else 1.0))
+    norm = norm.to(dtype)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    with isa_build(isa, dtype, monkeypatch):
+        with torch.inference_mode():
+            got = norm(x)
+            assert torch.equal(got, torch.ops.fms_paged.rms_norm(x, norm.weight, 1e-5, unit_offset))
+            with monkeypatch.context() as mp:
+                mp.setattr(native, "kernel_ready", lambda *args: False)
+                ref = norm(x)  # the torch formula
+        ulp = {torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+        assert ((got.float() - ref.float()).abs() <= ulp * ref.float().abs() + 1e-6).all()
+        y = norm(x.float().requires_grad_().to(dtype))  # autograd: the torch formula
+        y.float().sum().backward()
+        assert norm.weight.grad is not None and y.grad_fn is not None
