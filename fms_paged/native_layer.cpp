@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <array>
+#include <initializer_list>
 
 #include "native_ops.h"
 
@@ -44,10 +45,10 @@ struct Rows {
     TORCH_CHECK(timed([&] { return fn(&a); }) == 0, "the rows kernel refused op ", a.op);
   }
   // out [M, n] = RMSNorm(x rows [M, n] at row stride st) with weight w
-  void norm(const void* x, int64_t M, int64_t n, int64_t st, const at::Tensor& w, void* out) const {
+  void norm(const void* x, int64_t M, int64_t n, int64_t st, const void* w, void* out) const {
     RowsArgs<T> a = base();
     a.op = 0, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = st;
-    a.w = static_cast<const T*>(w.data_ptr()), a.out = static_cast<T*>(out);
+    a.w = static_cast<const T*>(w), a.out = static_cast<T*>(out);
     call(a);
   }
   // index [M] = the first largest of each row of x [M, n] (row stride st)
@@ -72,29 +73,6 @@ struct Rows {
   }
 };
 
-// the projections: y [M, sum N] = x [M, K] (row stride x_st) @ weights^T, by the GEMV kernel for
-// at most gemv_rows rows, else as `linear` computes it (oneDNN's packed GEMM, or at::linear)
-struct Mm {
-  KernelFn fn;
-  int e;
-  int64_t gemv_rows;
-  at::TensorOptions opts;
-  // -> where the product [M, sum N] is: y, or (oneDNN's) the rows of `out`, which holds them
-  template <class T>
-  T* operator()(const void* x, int64_t M, int64_t K, int64_t x_st, at::TensorList weights, T* y,
-                at::Tensor& out) const {
-    if (M <= gemv_rows) {
-      std::vector<const void*> ptrs;
-      std::vector<int64_t> rows;
-      for (const at::Tensor& w : weights) ptrs.push_back(w.data_ptr()), rows.push_back(w.size(0));
-      run_gemv(fn, e, x, M, K, x_st, ptrs, rows, y);
-      return y;
-    }
-    out = linear(at::from_blob(const_cast<void*>(x), {M, K}, {x_st, 1}, opts), weights, std::nullopt);
-    return static_cast<T*>(out.data_ptr());  // contiguous
-  }
-};
-
 // weights per layer of a stack, in this order (an undefined or empty tensor for one a family
 // lacks): ln, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, o, post_attn_ln, ff_ln, gate, up,
 // down, post_ff_ln
@@ -103,51 +81,87 @@ constexpr std::array<const char*, kLayerWeights> kWeightNames = {
     "ln", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "o", "post_attn_ln", "ff_ln", "gate",
     "up", "down", "post_ff_ln"};
 
-// one block's arguments: its weights (null: the family has none), RoPE table, pools and spec
+enum Weight { LN, Q, K, V, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, O, POST_ATTN_LN, FF_LN, GATE, UP, DOWN, POST_FF_LN };
+
+// one block's arguments for a step: its weights (null: the family has none), their data and rows,
+// its RoPE table's rows, pools and spec. The data pointers and sizes are read from the tensors for
+// every layer when the step starts, in one pass: read as each layer runs, every TensorImpl and
+// StorageImpl was a cache miss (the layers before streamed their weights through the caches), and
+// one at a time they cost a decode step ~0.1 ms
 struct Layer {
-  const at::Tensor *ln, *q, *k, *v, *q_bias, *k_bias, *v_bias, *q_norm, *k_norm, *o, *post_attn_ln, *ff_ln, *gate,
-      *up, *down, *post_ff_ln, *cos, *sin, *k_pool, *v_pool;
+  std::array<const at::Tensor*, kLayerWeights> w;  // (oneDNN's GEMM takes the tensors: prefill rows)
+  std::array<const void*, kLayerWeights> p;
+  std::array<int64_t, kLayerWeights> n;  // rows (a vector's length)
+  const float *cos, *sin;
+  PoolPtrs pools;
   double scale, softcap;
   int64_t window;
   const std::optional<at::Tensor>* sinks;
 };
 
+// the projections: y [M, sum N] = x [M, K] (row stride x_st) @ a block's weights `which`^T, by the
+// GEMV kernel for at most gemv_rows rows, else as `linear` computes it (oneDNN's packed GEMM, or
+// at::linear)
+struct Mm {
+  KernelFn fn;
+  int e;
+  int64_t gemv_rows;
+  at::TensorOptions opts;
+  // -> where the product [M, sum N] is: y, or (oneDNN's) the rows of `out`, which holds them
+  template <class T>
+  T* operator()(const void* x, int64_t M, int64_t K, int64_t x_st, std::initializer_list<Weight> which,
+                const Layer& L, T* y, at::Tensor& out) const {
+    if (M <= gemv_rows) {
+      std::array<const void*, 3> ptrs;
+      std::array<int64_t, 3> rows;
+      int64_t i = 0;
+      for (Weight j : which) ptrs[i] = L.p[j], rows[i++] = L.n[j];
+      run_gemv(fn, e, x, M, K, x_st, ptrs.data(), rows.data(), i, y);
+      return y;
+    }
+    std::vector<at::Tensor> weights;
+    for (Weight j : which) weights.push_back(*L.w[j]);
+    out = linear(at::from_blob(const_cast<void*>(x), {M, K}, {x_st, 1}, opts), weights, std::nullopt);
+    return static_cast<T*>(out.data_ptr());  // contiguous
+  }
+};
+
 // the block on the residual stream xs [M, Cd] in place; h, y: scratch rows as wide as its widest
 // projection; att: the attention's output [M, H D]
 template <class T>
-void run_layer(void* xs, int64_t M, int64_t Cd, const Layer& L, const at::Tensor& slots, const at::Tensor& page_table,
-               const at::Tensor& chunks, int64_t page_size, double residual_multiplier, int64_t activation,
-               KernelFn attn, const Mm& mm, const Rows<T>& rows, T* h, T* y, void* att) {
-  const int64_t D = L.cos->size(1), H = L.q->size(0) / D, Hkv = L.k->size(0) / D, F = L.gate->size(0);
+void run_layer(void* xs, int64_t M, int64_t Cd, int64_t D, const Layer& L, const at::Tensor& slots,
+               const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size, double residual_multiplier,
+               int64_t activation, KernelFn attn, const Mm& mm, const Rows<T>& rows, T* h, T* y, void* att) {
+  const int64_t H = L.n[Q] / D, Hkv = L.n[K] / D, F = L.n[GATE];
   const int64_t width = (H + 2 * Hkv) * D;
-  auto opt = [](const at::Tensor* w) { return w ? static_cast<const T*>(w->data_ptr()) : nullptr; };
+  auto p = [&](Weight j) { return static_cast<const T*>(L.p[j]); };
   // attention: norm, q/k/v, then biases, q/k norms, RoPE and ASSIGN, attention, output projection
   // (a product lands in y, or in the tensor `out` oneDNN made, held until the next product)
   at::Tensor out;
-  rows.norm(xs, M, Cd, Cd, *L.ln, h);
-  T* qkv = mm(h, M, Cd, Cd, {*L.q, *L.k, *L.v}, y, out);
+  rows.norm(xs, M, Cd, Cd, L.p[LN], h);
+  T* qkv = mm(h, M, Cd, Cd, {Q, K, V}, L, y, out);
   RowsArgs<T> a = rows.base();
-  a.op = 2, a.M = M, a.x = qkv, a.x_st = width, a.q_bias = opt(L.q_bias), a.k_bias = opt(L.k_bias),
-  a.v_bias = opt(L.v_bias), a.q_norm = opt(L.q_norm), a.k_norm = opt(L.k_norm);
-  a.cos = L.cos->data_ptr<float>(), a.sin = L.sin->data_ptr<float>(), a.slots = slots.data_ptr<int64_t>();
-  a.k_pool = static_cast<T*>(L.k_pool->data_ptr()), a.v_pool = static_cast<T*>(L.v_pool->data_ptr());
-  a.pool_tokens = L.k_pool->size(2), a.H = (int32_t)H, a.Hkv = (int32_t)Hkv, a.D = (int32_t)D;
+  a.op = 2, a.M = M, a.x = qkv, a.x_st = width, a.q_bias = p(Q_BIAS), a.k_bias = p(K_BIAS), a.v_bias = p(V_BIAS),
+  a.q_norm = p(Q_NORM), a.k_norm = p(K_NORM);
+  a.cos = L.cos, a.sin = L.sin, a.slots = slots.data_ptr<int64_t>();
+  a.k_pool = static_cast<T*>(L.pools.k), a.v_pool = static_cast<T*>(L.pools.v);
+  a.pool_tokens = L.pools.pool_tokens, a.H = (int32_t)H, a.Hkv = (int32_t)Hkv, a.D = (int32_t)D;
   rows.call(a);
-  run_attention<T>(attn, qkv, width, D, M, *L.k_pool, *L.v_pool, page_table, chunks, H, page_size, L.scale,
-                   L.window, L.softcap, *L.sinks, att);
-  const T* attn_out = mm(att, M, H * D, H * D, {*L.o}, h, out);
-  if (L.post_attn_ln) {
-    rows.norm(attn_out, M, Cd, Cd, *L.post_attn_ln, y);
+  run_attention<T>(attn, qkv, width, D, M, L.pools, page_table, chunks, H, page_size, L.scale, L.window, L.softcap,
+                   *L.sinks, att);
+  const T* attn_out = mm(att, M, H * D, H * D, {O}, L, h, out);
+  if (L.p[POST_ATTN_LN]) {
+    rows.norm(attn_out, M, Cd, Cd, L.p[POST_ATTN_LN], y);
     attn_out = y;
   }
   rows.residual(xs, attn_out, M, Cd, residual_multiplier);
   // MLP: norm, gate/up, activation times up, down projection
-  rows.norm(xs, M, Cd, Cd, *L.ff_ln, h);
-  const T* gate_up = mm(h, M, Cd, Cd, {*L.gate, *L.up}, y, out);
+  rows.norm(xs, M, Cd, Cd, L.p[FF_LN], h);
+  const T* gate_up = mm(h, M, Cd, Cd, {GATE, UP}, L, y, out);
   rows.act(gate_up, M, F, activation, h);
-  const T* mlp_out = mm(h, M, F, F, {*L.down}, y, out);
-  if (L.post_ff_ln) {
-    rows.norm(mlp_out, M, Cd, Cd, *L.post_ff_ln, h);
+  const T* mlp_out = mm(h, M, F, F, {DOWN}, L, y, out);
+  if (L.p[POST_FF_LN]) {
+    rows.norm(mlp_out, M, Cd, Cd, L.p[POST_FF_LN], h);
     mlp_out = h;
   }
   rows.residual(xs, mlp_out, M, Cd, residual_multiplier);
@@ -338,18 +352,20 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
               " kernel loaded for ", dtype_name(s.dtype), attn ? "" : " and head_dim=" + std::to_string(s.head_dim),
               " (fms_paged.kv.cpu_kernel.unavailable_reason and fms_paged.modules.linear.load_gemv load them)");
   const int64_t n = s.layers(), M = x.size(0), Cd = s.width;
-  std::vector<Layer> layers;
-  layers.reserve(n);
-  for (int64_t i = 0; i < n; ++i) {
-    auto w = [&](int64_t j) { return s.weight(i, j); };
+  std::vector<Layer> layers(n);
+  for (int64_t i = 0; i < n; ++i) {  // every layer's pointers and sizes in one pass (see Layer)
+    Layer& L = layers[i];
+    for (int64_t j = 0; j < kLayerWeights; ++j) {
+      const at::Tensor* t = s.weight(i, j);
+      L.w[j] = t, L.p[j] = t ? t->data_ptr() : nullptr, L.n[j] = t ? t->size(0) : 0;
+    }
     const int64_t r = s.rope_index[i];
-    layers.push_back({w(0), w(1), w(2), w(3), w(4), w(5), w(6), w(7), w(8), w(9), w(10), w(11), w(12), w(13), w(14),
-                      w(15), &cos[r], &sin[r], &k_pools[i], &v_pools[i], s.scales[i], s.softcaps[i], s.windows[i],
-                      &s.sinks[i]});
+    L.cos = cos[r].data_ptr<float>(), L.sin = sin[r].data_ptr<float>(), L.pools = pool_ptrs(k_pools[i], v_pools[i]);
+    L.scale = s.scales[i], L.softcap = s.softcaps[i], L.window = s.windows[i], L.sinks = &s.sinks[i];
   }
   at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
   int64_t wide = Cd;
-  for (const Layer& L : layers) wide = std::max({wide, 2 * L.gate->size(0), L.q->size(0) + 2 * L.k->size(0)});
+  for (const Layer& L : layers) wide = std::max({wide, 2 * L.n[GATE], L.n[Q] + 2 * L.n[K]});
   // the blocks' scratch rows, kept by the calling thread from one call to the next: a prefill
   // step's are megabytes, which a fresh allocation would take from the OS (and zero) every step
   static thread_local at::Tensor scratch;
@@ -362,8 +378,9 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
     const Mm project{mm, e, linear_gemv_rows(), x.options()};
     const Rows<T> rows{rows_kernel, s.eps, s.unit_offset};
     for (const Layer& L : layers)
-      run_layer<T>(out.data_ptr(), M, Cd, L, slots, page_table, chunks, page_size, s.residual_multiplier,
-                   s.activation, attn, project, rows, static_cast<T*>(h), static_cast<T*>(y), att);
+      run_layer<T>(out.data_ptr(), M, Cd, s.head_dim, L, slots, page_table, chunks, page_size,
+                   s.residual_multiplier, s.activation, attn, project, rows, static_cast<T*>(h), static_cast<T*>(y),
+                   att);
   });
   return out;
 }
@@ -396,7 +413,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   at::Tensor out = at::empty_like(x);
   by_elem(elem_index(x.scalar_type()), [&](auto t) {
     using T = decltype(t);
-    Rows<T>{fn, eps, unit_offset}.norm(x.data_ptr(), x.numel() / n, n, n, weight, out.data_ptr());
+    Rows<T>{fn, eps, unit_offset}.norm(x.data_ptr(), x.numel() / n, n, n, weight.data_ptr(), out.data_ptr());
   });
   return out;
 }

@@ -196,7 +196,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const int64_t q_st = S == 1 ? rows.stride(0) : rows.stride(1), q_sh = rows.stride(2);
   at::Tensor out = at::empty({B, S, H, D}, q.options());
   by_elem(e, [&](auto t) {
-    run_attention<decltype(t)>(fn, rows.data_ptr(), q_st, q_sh, B * S, k_pool, v_pool, page_table, chunks, H,
+    run_attention<decltype(t)>(fn, rows.data_ptr(), q_st, q_sh, B * S, pool_ptrs(k_pool, v_pool), page_table, chunks, H,
                                page_size, scale, window, softcap, sinks, out.data_ptr());
   });
   return out;
@@ -205,14 +205,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 // ----------------------------------------------------------------------------------------- gemv
 
 // y [M, sum N_i] = x [M, K] (row stride x_st) @ [w_1; w_2; ...]^T by the GEMV kernel of index e
-void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st,
-              const std::vector<const void*>& weights, const std::vector<int64_t>& rows, void* y) {
+void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
+              const int64_t* rows, int64_t n_weights, void* y) {
   by_elem(e, [&](auto t) {
     using T = decltype(t);
     GemvArgs<T> a{};
     a.x = static_cast<const T*>(x), a.M = M, a.K = K, a.x_st = x_st;
-    a.weights = reinterpret_cast<const T* const*>(weights.data()), a.rows = rows.data();
-    a.n_weights = (int64_t)weights.size(), a.y = static_cast<T*>(y), a.threads = threads();
+    a.weights = reinterpret_cast<const T* const*>(weights), a.rows = rows;
+    a.n_weights = n_weights, a.y = static_cast<T*>(y), a.threads = threads();
     timed([&] { return fn(&a); });
   });
 }
@@ -248,7 +248,8 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = width;
   at::Tensor y = at::empty(out_shape, x.options());
-  run_gemv(fn, e, rows2d.data_ptr(), rows2d.size(0), K, rows2d.stride(0), ptrs, rows, y.data_ptr());
+  run_gemv(fn, e, rows2d.data_ptr(), rows2d.size(0), K, rows2d.stride(0), ptrs.data(), rows.data(), (int64_t)ptrs.size(),
+           y.data_ptr());
   return y;
 }
 

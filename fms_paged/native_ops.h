@@ -74,20 +74,27 @@ std::string py_float(double v);  // as Python's repr spells a float
 // ValueError unless window >= 0, softcap 0 or a normal float32, sinks None or contiguous fp32 [H] on the CPU
 void check_variants(int64_t H, int64_t window, double softcap, const std::optional<at::Tensor>& sinks);
 
+// a pair of pools [1, Hkv, pool_tokens, D] as the kernels read them
+struct PoolPtrs {
+  void *k, *v;
+  int64_t Hkv, pool_tokens;
+};
+inline PoolPtrs pool_ptrs(const at::Tensor& k_pool, const at::Tensor& v_pool) {
+  return {k_pool.data_ptr(), v_pool.data_ptr(), k_pool.size(1), k_pool.size(2)};
+}
+
 // the kernel on q rows [tokens, H, D] at (q_st, q_sh) -> out [tokens, H, D]; ValueError for what it
 // refuses
 template <class T>
-void run_attention(KernelFn fn, const void* q, int64_t q_st, int64_t q_sh, int64_t n_tokens, const at::Tensor& k_pool,
-                   const at::Tensor& v_pool, const at::Tensor& page_table, const at::Tensor& chunks, int64_t H,
-                   int64_t page_size, double scale, int64_t window, double softcap,
-                   const std::optional<at::Tensor>& sinks, void* out) {
+void run_attention(KernelFn fn, const void* q, int64_t q_st, int64_t q_sh, int64_t n_tokens, const PoolPtrs& pools,
+                   const at::Tensor& page_table, const at::Tensor& chunks, int64_t H, int64_t page_size,
+                   double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks, void* out) {
   AttentionArgs<T> a{};
   a.q = static_cast<const T*>(q), a.q_st = q_st, a.q_sh = q_sh, a.n_tokens = n_tokens;
-  a.k = static_cast<T*>(k_pool.data_ptr()), a.v = static_cast<T*>(v_pool.data_ptr());
-  a.pool_tokens = k_pool.size(2);
+  a.k = static_cast<T*>(pools.k), a.v = static_cast<T*>(pools.v), a.pool_tokens = pools.pool_tokens;
   a.pages = page_table.data_ptr<int32_t>(), a.n_seqs = page_table.size(0), a.pages_st = page_table.size(1);
   a.chunks = chunks.data_ptr<int64_t>(), a.n_chunks = chunks.size(0), a.out = static_cast<T*>(out);
-  a.H = (int32_t)H, a.Hkv = (int32_t)k_pool.size(1), a.P = (int32_t)page_size, a.scale = (float)scale;
+  a.H = (int32_t)H, a.Hkv = (int32_t)pools.Hkv, a.P = (int32_t)page_size, a.scale = (float)scale;
   a.threads = threads(), a.softcap = (float)softcap, a.window = window;
   a.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   const int err = timed([&] { return fn(&a); });
@@ -110,8 +117,8 @@ void by_elem(int e, F&& f) {  // f(T{}) with T the kernels' storage type of inde
 
 
 // y [M, sum N_i] = x [M, K] (row stride x_st) @ [w_1; w_2; ...]^T by the GEMV kernel of index e
-void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st,
-              const std::vector<const void*>& weights, const std::vector<int64_t>& rows, void* y);
+void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
+              const int64_t* rows, int64_t n_weights, void* y);
 
 // x [..., K] @ [w_1; w_2; ...]^T + bias by the path the rows call for (native_ops.cpp), and the
 // most rows it gives the GEMV kernel
