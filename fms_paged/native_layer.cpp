@@ -81,7 +81,10 @@ constexpr std::array<const char*, kLayerWeights> kWeightNames = {
     "ln", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "o", "post_attn_ln", "ff_ln", "gate",
     "up", "down", "post_ff_ln"};
 
-enum Weight { LN, Q, K, V, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, O, POST_ATTN_LN, FF_LN, GATE, UP, DOWN, POST_FF_LN };
+// a weight's index among a layer's (kWeightNames)
+enum Weight {
+  kLn, kQ, kK, kV, kQBias, kKBias, kVBias, kQNorm, kKNorm, kO, kPostAttnLn, kFfLn, kGate, kUp, kDown, kPostFfLn
+};
 
 // one block's arguments for a step: its weights (null: the family has none), their data and rows,
 // its RoPE table's rows, pools and spec. The data pointers and sizes are read from the tensors for
@@ -132,36 +135,36 @@ template <class T>
 void run_layer(void* xs, int64_t M, int64_t Cd, int64_t D, const Layer& L, const at::Tensor& slots,
                const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size, double residual_multiplier,
                int64_t activation, KernelFn attn, const Mm& mm, const Rows<T>& rows, T* h, T* y, void* att) {
-  const int64_t H = L.n[Q] / D, Hkv = L.n[K] / D, F = L.n[GATE];
+  const int64_t H = L.n[kQ] / D, Hkv = L.n[kK] / D, F = L.n[kGate];
   const int64_t width = (H + 2 * Hkv) * D;
   auto p = [&](Weight j) { return static_cast<const T*>(L.p[j]); };
   // attention: norm, q/k/v, then biases, q/k norms, RoPE and ASSIGN, attention, output projection
   // (a product lands in y, or in the tensor `out` oneDNN made, held until the next product)
   at::Tensor out;
-  rows.norm(xs, M, Cd, Cd, L.p[LN], h);
-  T* qkv = mm(h, M, Cd, Cd, {Q, K, V}, L, y, out);
+  rows.norm(xs, M, Cd, Cd, L.p[kLn], h);
+  T* qkv = mm(h, M, Cd, Cd, {kQ, kK, kV}, L, y, out);
   RowsArgs<T> a = rows.base();
-  a.op = 2, a.M = M, a.x = qkv, a.x_st = width, a.q_bias = p(Q_BIAS), a.k_bias = p(K_BIAS), a.v_bias = p(V_BIAS),
-  a.q_norm = p(Q_NORM), a.k_norm = p(K_NORM);
+  a.op = 2, a.M = M, a.x = qkv, a.x_st = width, a.q_bias = p(kQBias), a.k_bias = p(kKBias), a.v_bias = p(kVBias),
+  a.q_norm = p(kQNorm), a.k_norm = p(kKNorm);
   a.cos = L.cos, a.sin = L.sin, a.slots = slots.data_ptr<int64_t>();
   a.k_pool = static_cast<T*>(L.pools.k), a.v_pool = static_cast<T*>(L.pools.v);
   a.pool_tokens = L.pools.pool_tokens, a.H = (int32_t)H, a.Hkv = (int32_t)Hkv, a.D = (int32_t)D;
   rows.call(a);
   run_attention<T>(attn, qkv, width, D, M, L.pools, page_table, chunks, H, page_size, L.scale, L.window, L.softcap,
                    *L.sinks, att);
-  const T* attn_out = mm(att, M, H * D, H * D, {O}, L, h, out);
-  if (L.p[POST_ATTN_LN]) {
-    rows.norm(attn_out, M, Cd, Cd, L.p[POST_ATTN_LN], y);
+  const T* attn_out = mm(att, M, H * D, H * D, {kO}, L, h, out);
+  if (L.p[kPostAttnLn]) {
+    rows.norm(attn_out, M, Cd, Cd, L.p[kPostAttnLn], y);
     attn_out = y;
   }
   rows.residual(xs, attn_out, M, Cd, residual_multiplier);
   // MLP: norm, gate/up, activation times up, down projection
-  rows.norm(xs, M, Cd, Cd, L.p[FF_LN], h);
-  const T* gate_up = mm(h, M, Cd, Cd, {GATE, UP}, L, y, out);
+  rows.norm(xs, M, Cd, Cd, L.p[kFfLn], h);
+  const T* gate_up = mm(h, M, Cd, Cd, {kGate, kUp}, L, y, out);
   rows.act(gate_up, M, F, activation, h);
-  const T* mlp_out = mm(h, M, F, F, {DOWN}, L, y, out);
-  if (L.p[POST_FF_LN]) {
-    rows.norm(mlp_out, M, Cd, Cd, L.p[POST_FF_LN], h);
+  const T* mlp_out = mm(h, M, F, F, {kDown}, L, y, out);
+  if (L.p[kPostFfLn]) {
+    rows.norm(mlp_out, M, Cd, Cd, L.p[kPostFfLn], h);
     mlp_out = h;
   }
   rows.residual(xs, mlp_out, M, Cd, residual_multiplier);
@@ -365,7 +368,7 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
   }
   at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
   int64_t wide = Cd;
-  for (const Layer& L : layers) wide = std::max({wide, 2 * L.n[GATE], L.n[Q] + 2 * L.n[K]});
+  for (const Layer& L : layers) wide = std::max({wide, 2 * L.n[kGate], L.n[kQ] + 2 * L.n[kK]});
   // the blocks' scratch rows, kept by the calling thread from one call to the next: a prefill
   // step's are megabytes, which a fresh allocation would take from the OS (and zero) every step
   static thread_local at::Tensor scratch;

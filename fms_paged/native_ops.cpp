@@ -248,8 +248,8 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = width;
   at::Tensor y = at::empty(out_shape, x.options());
-  run_gemv(fn, e, rows2d.data_ptr(), rows2d.size(0), K, rows2d.stride(0), ptrs.data(), rows.data(), (int64_t)ptrs.size(),
-           y.data_ptr());
+  run_gemv(fn, e, rows2d.data_ptr(), rows2d.size(0), K, rows2d.stride(0), ptrs.data(), rows.data(),
+           (int64_t)ptrs.size(), y.data_ptr());
   return y;
 }
 
