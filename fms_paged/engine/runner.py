@@ -27,7 +27,7 @@ from fms_paged.engine.model_step import (
     smallest_batch,
 )
 from fms_paged.engine.request import Request, SamplingParams, TokenLogprobs
-from fms_paged.engine.sampling import greedy, sample_each, token_logprobs
+from fms_paged.engine.sampling import sample_each, token_logprobs
 from fms_paged.engine.scheduler import SchedulerOutput, StepResult
 from fms_paged.kv.paged import PagedBackend
 from fms_paged.models.llama import LLaMA
@@ -141,18 +141,16 @@ class ModelRunner:
             logits = logits[torch.tensor(rows, device=logits.device)]
         settings = [(r.params.temperature, r.params.top_k, r.params.top_p, r.generator)
                     for r, _ in plan.sampled]
-        if masks is None and all(s[0] == 0 for s in settings):
-            tokens = greedy(logits)  # greedy rows alone: no fp32 copy of the logits
-        else:
+        x = logits  # (sample_each takes the model's dtype: its draws convert their rows to fp32)
+        if masks is not None:
             x = logits.float()
-            if masks is not None:
-                x = x.clone() if x is logits else x
-                t0 = time.perf_counter()
-                bitmask = masks.result()
-                self.mask_wait_s += time.perf_counter() - t0
-                self.grammars.apply(x, bitmask, [i for i, (r, _) in enumerate(plan.sampled)
-                                                        if r.matcher is not None])
-            tokens = sample_each(x, settings)  # [K]
+            x = x.clone() if x is logits else x
+            t0 = time.perf_counter()
+            bitmask = masks.result()
+            self.mask_wait_s += time.perf_counter() - t0
+            self.grammars.apply(x, bitmask, [i for i, (r, _) in enumerate(plan.sampled)
+                                                    if r.matcher is not None])
+        tokens = sample_each(x, settings)  # [K]
         asking = [i for i, (r, _) in enumerate(plan.sampled) if r.params.logprobs is not None]
         if not asking:
             return tokens.tolist(), None  # the step's one host sync

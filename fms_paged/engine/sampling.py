@@ -49,7 +49,8 @@ def sample_each(
     """logits: [K, V] -> tokens: [K] int64, row i drawn with its own (temperature, top_k, top_p,
     generator): a seeded row's token depends on its logits and its generator alone, not on the
     other rows (a seeded request samples the same tokens alone or in any batch). Greedy rows share
-    one argmax, unseeded rows with the same settings one draw from the global RNG; no host sync."""
+    one argmax (`greedy`, on the logits in their own dtype), unseeded rows with the same settings
+    one draw from the global RNG (`sample`: their rows in fp32); no host sync."""
     tokens = greedy(logits)
     unseeded: dict[tuple, list[int]] = {}
     for i, (temperature, top_k, top_p, generator) in enumerate(settings):

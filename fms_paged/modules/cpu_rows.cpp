@@ -168,10 +168,10 @@ void act_row(const T* x, int64_t n, bool gelu, T* o) {
 // lane keeps its largest and where it first saw it (a strict >, so the earliest of equals), then
 // the lanes' largest with the smallest index; a row with a NaN is scanned again for the first
 int64_t argmax_row(const T* r, int64_t n) {
-  const int64_t nv = n >= W ? n / W * W : 0;
-  float best = -INFINITY;
+  const int64_t nv = n / W * W;
+  float best = n ? to_f32(r[0]) : 0.0f;
   int64_t at = 0;
-  bool nan = false;
+  bool nan = best != best;
   if (nv) {
     vf mv = load(r);
     using vi = fms_vec::ivec<W>;
@@ -190,10 +190,8 @@ int64_t argmax_row(const T* r, int64_t n) {
       nan |= seen_nan[i] != 0;
       if (mv[i] > best || (mv[i] == best && where[i] < at)) best = mv[i], at = where[i];
     }
-  } else if (n) {
-    best = to_f32(r[0]), nan = best != best;
   }
-  for (int64_t i = std::max<int64_t>(nv, 1); i < n; ++i) {
+  for (int64_t i = std::max<int64_t>(nv, 1); i < n; ++i) {  // the tail (all of a row shorter than W)
     const float v = to_f32(r[i]);
     nan |= v != v;
     if (v > best) best = v, at = i;

@@ -296,10 +296,17 @@ def test_rms_norm_takes_the_rows_kernel_where_it_is_loaded(dtype, unit_offset, i
         norm.weight.copy_(torch.randn(576, generator=g) * 0.5 + (0.0 if unit_offset else 1.0))
     norm = norm.to(dtype)
     x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    op, calls = torch.ops.fms_paged.rms_norm, []
+
+    def counted(*args):
+        calls.append(args)
+        return op(*args)
+
     with isa_build(isa, dtype, monkeypatch):
+        monkeypatch.setattr(torch.ops.fms_paged, "rms_norm", counted)
         with torch.inference_mode():
             got = norm(x)
-            assert torch.equal(got, torch.ops.fms_paged.rms_norm(x, norm.weight, 1e-5, unit_offset))
+            assert len(calls) == 1 and torch.equal(got, op(x, norm.weight, 1e-5, unit_offset))
             with monkeypatch.context() as mp:
                 mp.setattr(native, "kernel_ready", lambda *args: False)
                 ref = norm(x)  # the torch formula
@@ -307,4 +314,4 @@ def test_rms_norm_takes_the_rows_kernel_where_it_is_loaded(dtype, unit_offset, i
         assert ((got.float() - ref.float()).abs() <= ulp * ref.float().abs() + 1e-6).all()
         y = norm(x.float().requires_grad_().to(dtype))  # autograd: the torch formula
         y.float().sum().backward()
-        assert norm.weight.grad is not None and y.grad_fn is not None
+        assert len(calls) == 1 and norm.weight.grad is not None and y.grad_fn is not None
