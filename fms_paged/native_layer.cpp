@@ -13,12 +13,17 @@
 // handing over and checking some four hundred weight tensors at every step (their Python objects
 // and TensorImpls cold in the cache after the step before streamed the weights) cost a tenth of it.
 //
-// Beside it, fms_paged::rms_norm and fms_paged::argmax run the rows kernel's RMSNorm and argmax on
-// any rows: the model's final norm and greedy sampling, which as ATen's operations (eight for the
-// norm; argmax's own scalar loop) took a one-request decode step ~0.1 ms each for a single row.
+// Beside it, fms_paged::decoder_logits runs the model's whole forward in one call where the stack
+// has its ends (the embedding, final norm and head: `set_ends`): the host work around the blocks
+// (the lookups, the norm and head calls, their Python) left to the model's forward had cost a
+// one-request decode step ~0.25 ms.
+#include <ATen/ops/clamp_min.h>
+#include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,50 +34,6 @@
 
 namespace fms_paged_ops {
 namespace {
-// the row-wise ops of the loaded rows kernel (modules/cpu_rows.cpp; its ops and fields:
-// native_kernels.h) for storage type T
-template <class T>
-struct Rows {
-  KernelFn fn;
-  double eps;
-  bool unit_offset;
-  RowsArgs<T> base() const {
-    RowsArgs<T> a{};
-    a.eps = (float)eps, a.unit_offset = unit_offset, a.threads = threads();
-    return a;
-  }
-  void call(const RowsArgs<T>& a) const {
-    TORCH_CHECK(timed([&] { return fn(&a); }) == 0, "the rows kernel refused op ", a.op);
-  }
-  // out [M, n] = RMSNorm(x rows [M, n] at row stride st) with weight w
-  void norm(const void* x, int64_t M, int64_t n, int64_t st, const void* w, void* out) const {
-    RowsArgs<T> a = base();
-    a.op = 0, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = st;
-    a.w = static_cast<const T*>(w), a.out = static_cast<T*>(out);
-    call(a);
-  }
-  // index [M] = the first largest of each row of x [M, n] (row stride st)
-  void argmax(const void* x, int64_t M, int64_t n, int64_t st, int64_t* index) const {
-    RowsArgs<T> a = base();
-    a.op = 5, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = st, a.index = index;
-    call(a);
-  }
-  // x [M, n] += h [M, n] (* multiplier)
-  void residual(void* x, const void* h, int64_t M, int64_t n, double multiplier) const {
-    RowsArgs<T> a = base();
-    a.op = 1, a.M = M, a.n = n, a.x = static_cast<T*>(x), a.x_st = n, a.h = static_cast<const T*>(h);
-    a.multiplier = (float)multiplier;
-    call(a);
-  }
-  // out [M, n] = act(x[:, :n]) * x[:, n:] (activation 0: SiLU, 1: tanh-GELU)
-  void act(const void* x, int64_t M, int64_t n, int64_t activation, void* out) const {
-    RowsArgs<T> a = base();
-    a.op = 3 + (int32_t)activation, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = 2 * n;
-    a.out = static_cast<T*>(out);
-    call(a);
-  }
-};
-
 // weights per layer of a stack, in this order (an undefined or empty tensor for one a family
 // lacks): ln, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, o, post_attn_ln, ff_ln, gate, up,
 // down, post_ff_ln
@@ -188,11 +149,19 @@ struct DecoderStack : torch::CustomClassHolder {
   bool unit_offset;
   int64_t activation, width = 0, head_dim = 0;  // C, and D: the RoPE tables' width
   at::ScalarType dtype = at::kFloat;
+  // the model's ends (undefined until `set_ends`): the embedding [V, C] and its scale (1: none;
+  // in_dtype: rounded to the dtype first, as the model multiplies by a tensor of its dtype), the
+  // final norm's weight [C], the head [V', C]: what decoder_logits adds around the blocks
+  at::Tensor embedding, final_norm, head;
+  std::array<std::vector<int64_t>, 3> end_shapes;
+  double emb_scale = 1.0;
+  bool emb_scale_in_dtype = false;
 
   DecoderStack(std::vector<at::Tensor> weights_, int64_t head_dim_, std::vector<int64_t> rope_index_,
                std::vector<double> scales_, std::vector<int64_t> windows_, std::vector<double> softcaps_,
                const c10::List<std::optional<at::Tensor>>& sinks_, double eps_, bool unit_offset_,
                double residual_multiplier_, int64_t activation_);
+  void set_ends(at::Tensor embedding_, double emb_scale_, bool in_dtype, at::Tensor final_norm_, at::Tensor head_);
   int64_t layers() const { return (int64_t)rope_index.size(); }
   const at::Tensor* weight(int64_t i, int64_t j) const {  // null: none
     const at::Tensor& w = weights[kLayerWeights * i + j];
@@ -273,6 +242,21 @@ DecoderStack::DecoderStack(std::vector<at::Tensor> weights_, int64_t head_dim_, 
   for (const at::Tensor& w : weights) shapes.push_back(w.defined() ? w.sizes().vec() : std::vector<int64_t>{});
 }
 
+void DecoderStack::set_ends(at::Tensor embedding_, double emb_scale_, bool in_dtype, at::Tensor final_norm_,
+                            at::Tensor head_) {
+  auto ok = [&](const at::Tensor& t, int64_t dim) {
+    return t.scalar_type() == dtype && t.is_cpu() && t.is_contiguous() && t.dim() == dim && t.size(-1) == width;
+  };
+  TORCH_CHECK_VALUE(ok(embedding_, 2) && ok(final_norm_, 1) && ok(head_, 2), "DecoderStack.set_ends: the embedding [V, ",
+                    width, "], final norm [", width, "] and head [V', ", width, "] must be contiguous CPU tensors of the ",
+                    "stack's dtype ", dtype_name(dtype), ", got ", dtype_name(embedding_.scalar_type()), " ",
+                    shape(embedding_), ", ", dtype_name(final_norm_.scalar_type()), " ", shape(final_norm_), " and ",
+                    dtype_name(head_.scalar_type()), " ", shape(head_));
+  embedding = std::move(embedding_), final_norm = std::move(final_norm_), head = std::move(head_);
+  emb_scale = emb_scale_, emb_scale_in_dtype = in_dtype;
+  end_shapes = {embedding.sizes().vec(), final_norm.sizes().vec(), head.sizes().vec()};
+}
+
 namespace {
 
 // ValueError unless the stack's weights still have the dtype, shape and layout they were made with
@@ -287,6 +271,15 @@ void check_unchanged(const DecoderStack& s) {
                       dtype_name(w.scalar_type()), " ", shape(w), w.is_contiguous() ? "" : " (not contiguous)",
                       "; the stack was made with ", dtype_name(s.dtype), " ", shape(s.shapes[j]),
                       ": make a new DecoderStack");
+  }
+  const std::array<const at::Tensor*, 3> ends = {&s.embedding, &s.final_norm, &s.head};
+  for (size_t j = 0; j < ends.size(); ++j) {
+    const at::Tensor& w = *ends[j];
+    TORCH_CHECK_VALUE(!w.defined() || (w.scalar_type() == s.dtype && w.sizes() == at::IntArrayRef(s.end_shapes[j]) &&
+                                       w.is_contiguous()),
+                      "decoder_stack: the ", std::array<const char*, 3>{"embedding", "final norm", "head"}[j],
+                      " is now ", dtype_name(w.scalar_type()), " ", shape(w), "; the stack's ends were set with ",
+                      dtype_name(s.dtype), " ", shape(s.end_shapes[j]), ": make a new DecoderStack");
   }
 }
 
@@ -343,12 +336,13 @@ void check_step(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, 
 
 }  // namespace
 
-at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& x, at::TensorList cos,
-                         at::TensorList sin, at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots,
-                         const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size) {
-  const DecoderStack& s = *stack;
-  check_unchanged(s);
-  check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks);
+namespace {
+
+// the blocks on the residual rows xs [M, C] in place (checked: check_step)
+void run_stack(const DecoderStack& s, at::Tensor& xs, at::TensorList cos, at::TensorList sin, at::TensorList k_pools,
+               at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& chunks,
+               int64_t page_size) {
+  const at::Tensor& x = xs;
   const int e = elem_index(s.dtype);
   const KernelFn attn = attention_fn(e, s.head_dim), mm = gemv_fn(e), rows_kernel = rows_fn(e);
   TORCH_CHECK(attn && mm && rows_kernel, "decoder_stack: no ", !attn ? "attention" : !mm ? "GEMV" : "rows",
@@ -366,7 +360,6 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
     L.cos = cos[r].data_ptr<float>(), L.sin = sin[r].data_ptr<float>(), L.pools = pool_ptrs(k_pools[i], v_pools[i]);
     L.scale = s.scales[i], L.softcap = s.softcaps[i], L.window = s.windows[i], L.sinks = &s.sinks[i];
   }
-  at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
   int64_t wide = Cd;
   for (const Layer& L : layers) wide = std::max({wide, 2 * L.n[kGate], L.n[kQ] + 2 * L.n[kK]});
   // the blocks' scratch rows, kept by the calling thread from one call to the next: a prefill
@@ -381,56 +374,61 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
     const Mm project{mm, e, linear_gemv_rows(), x.options()};
     const Rows<T> rows{rows_kernel, s.eps, s.unit_offset};
     for (const Layer& L : layers)
-      run_layer<T>(out.data_ptr(), M, Cd, s.head_dim, L, slots, page_table, chunks, page_size,
+      run_layer<T>(xs.data_ptr(), M, Cd, s.head_dim, L, slots, page_table, chunks, page_size,
                    s.residual_multiplier, s.activation, attn, project, rows, static_cast<T*>(h), static_cast<T*>(y),
                    att);
   });
-  return out;
-}
-
-namespace {
-
-// the loaded rows kernel for x's dtype (op: the operator's name, for the errors); ValueError
-// unless x is contiguous CPU rows [..., n > 0] of a dtype the kernels store
-KernelFn rows_for(const char* op, const at::Tensor& x) {
-  const int e = elem_index(x.scalar_type());
-  TORCH_CHECK_VALUE(e >= 0 && x.is_cpu() && x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous(), op,
-                    ": x must be contiguous CPU rows [..., n > 0] of ", elem_names, ", got ",
-                    dtype_name(x.scalar_type()), " ", shape(x), " on ", x.device());
-  const KernelFn fn = rows_fn(e);
-  TORCH_CHECK(fn, op, ": no rows kernel loaded for ", dtype_name(x.scalar_type()),
-              " (fms_paged.modules.linear.load_gemv loads it)");
-  return fn;
 }
 
 }  // namespace
 
-// RMSNorm of x [..., n] with weight [n] (the rows kernel's op 0: what `RMSNorm` computes)
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
-  const KernelFn fn = rows_for("rms_norm", x);
-  const int64_t n = x.size(-1);
-  TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type() && weight.is_cpu() && weight.dim() == 1 &&
-                        weight.size(0) == n && weight.is_contiguous(),
-                    "rms_norm: weight must be a contiguous CPU vector [", n, "] of x's dtype ",
-                    dtype_name(x.scalar_type()), ", got ", dtype_name(weight.scalar_type()), " ", shape(weight));
-  at::Tensor out = at::empty_like(x);
-  by_elem(elem_index(x.scalar_type()), [&](auto t) {
-    using T = decltype(t);
-    Rows<T>{fn, eps, unit_offset}.norm(x.data_ptr(), x.numel() / n, n, n, weight.data_ptr(), out.data_ptr());
-  });
+at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& x, at::TensorList cos,
+                         at::TensorList sin, at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots,
+                         const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size) {
+  const DecoderStack& s = *stack;
+  check_unchanged(s);
+  check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks);
+  at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
+  run_stack(s, out, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size);
   return out;
 }
 
-// the index of the first largest along x's last dim (torch.argmax(x, -1)): int64 [...]
-at::Tensor argmax(const at::Tensor& x) {
-  const KernelFn fn = rows_for("argmax", x);
-  const int64_t n = x.size(-1);
-  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
-  by_elem(elem_index(x.scalar_type()), [&](auto t) {
-    using T = decltype(t);
-    Rows<T>{fn, 0.0, false}.argmax(x.data_ptr(), x.numel() / n, n, n, out.data_ptr<int64_t>());
-  });
-  return out;
+// The model's whole forward on a step in one call (LLaMA.forward, where the stack has its ends):
+// the embedding of tokens [B, S] (times its scale), each RoPE table's rows at positions [B, S]
+// (clamped at 0), the blocks, then at the rows `logits_at` picks of the [B S] (all where None)
+// the final norm and the head -> logits [B, S, V] or [K, V]. The lookups and the scale are ATen's
+// operations, as the model's Python runs them; the norm and the head are the operators RMSNorm and
+// Linear call on the CPU (rms_norm, linear): the logits are the other path's bit for bit. Those
+// calls and their Python, each cold in the caches after the weights streamed through, are what a
+// step no longer spends.
+at::Tensor decoder_logits(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens,
+                          const at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables,
+                          at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots,
+                          const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size,
+                          const std::optional<at::Tensor>& logits_at) {
+  const DecoderStack& s = *stack;
+  TORCH_CHECK_VALUE(s.head.defined(), "decoder_logits: the stack has no ends (DecoderStack.set_ends)");
+  TORCH_CHECK_VALUE(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && positions.scalar_type() == at::kLong &&
+                        positions.sizes() == tokens.sizes(),
+                    "decoder_logits: tokens and positions must be int64 [B, S] alike, got ",
+                    dtype_name(tokens.scalar_type()), " ", shape(tokens), " and ", dtype_name(positions.scalar_type()),
+                    " ", shape(positions));
+  TORCH_CHECK_VALUE(cos_tables.size() == sin_tables.size(), "decoder_logits: one sin table per cos table, got ",
+                    cos_tables.size(), " and ", sin_tables.size());
+  check_unchanged(s);
+  const int64_t B = tokens.size(0), S = tokens.size(1), M = B * S;
+  at::Tensor x = at::embedding(s.embedding, tokens).view({M, s.width});  // fresh: the residual stream
+  if (s.emb_scale != 1.0)
+    x = s.emb_scale_in_dtype ? at::mul(x, at::scalar_tensor(s.emb_scale, x.options())) : at::mul(x, at::Scalar(s.emb_scale));
+  const at::Tensor pos = positions.clamp_min(0).view({M});
+  std::vector<at::Tensor> cos, sin;
+  for (size_t r = 0; r < cos_tables.size(); ++r) {
+    cos.push_back(at::index_select(cos_tables[r], 0, pos)), sin.push_back(at::index_select(sin_tables[r], 0, pos));
+  }
+  check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks);
+  run_stack(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size);
+  const at::Tensor rows = logits_at ? x.index_select(0, *logits_at) : x.view({B, S, s.width});
+  return linear(rms_norm(rows, s.final_norm, s.eps, s.unit_offset), {s.head}, std::nullopt);
 }
 
 }  // namespace fms_paged_ops
@@ -440,17 +438,19 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, int64_t, std::vector<int64_t>, std::vector<double>,
                        std::vector<int64_t>, std::vector<double>, c10::List<std::optional<at::Tensor>>, double, bool,
-                       double, int64_t>());
+                       double, int64_t>())
+      .def("set_ends", &DecoderStack::set_ends);
   m.def(
       "decoder_stack(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor x, Tensor[] cos, Tensor[] sin, "
       "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size) "
       "-> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
-  m.def("argmax(Tensor x) -> Tensor");
+  m.def(
+      "decoder_logits(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor tokens, Tensor positions, "
+      "Tensor[] cos_tables, Tensor[] sin_tables, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, "
+      "Tensor page_table, Tensor chunks, int page_size, Tensor? logits_at) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("decoder_stack", &fms_paged_ops::decoder_stack);
-  m.impl("rms_norm", &fms_paged_ops::rms_norm);
-  m.impl("argmax", &fms_paged_ops::argmax);
+  m.impl("decoder_logits", &fms_paged_ops::decoder_logits);
 }

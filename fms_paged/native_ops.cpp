@@ -17,13 +17,18 @@
 // - decoder_stack: a model's decoder blocks on a step in one call (norms, q/k/v, q/k norms, RoPE,
 //   ASSIGN, attention, output projection, residuals, gated MLP; native_layer.cpp, which registers
 //   it and the class DecoderStack): the host work of a step's layers is one
-//   dispatch instead of some fifty operator calls per layer.
+//   dispatch instead of some fifty operator calls per layer; decoder_logits: the model's whole
+//   forward (embedding, blocks, final norm, head) in one call;
+// - rms_norm, argmax: the rows kernel's RMSNorm and argmax on any rows: the model's final norm and
+//   greedy sampling, which as ATen's operations (eight for the norm; argmax's own scalar loop)
+//   took a one-request decode step ~0.1 ms each for a single row.
 #include <dlfcn.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
@@ -403,6 +408,53 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::option
 
 int64_t linear_gemv_rows() { return config().gemv_max_rows; }
 
+// ------------------------------------------------------------------------ rms_norm and argmax
+
+namespace {
+
+// the loaded rows kernel for x's dtype (op: the operator's name, for the errors); ValueError
+// unless x is contiguous CPU rows [..., n > 0] of a dtype the kernels store
+KernelFn rows_for(const char* op, const at::Tensor& x) {
+  const int e = elem_index(x.scalar_type());
+  TORCH_CHECK_VALUE(e >= 0 && x.is_cpu() && x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous(), op,
+                    ": x must be contiguous CPU rows [..., n > 0] of ", elem_names, ", got ",
+                    dtype_name(x.scalar_type()), " ", shape(x), " on ", x.device());
+  const KernelFn fn = rows_fn(e);
+  TORCH_CHECK(fn, op, ": no rows kernel loaded for ", dtype_name(x.scalar_type()),
+              " (fms_paged.modules.linear.load_gemv loads it)");
+  return fn;
+}
+
+}  // namespace
+
+// RMSNorm of x [..., n] with weight [n] (the rows kernel's op 0: what `RMSNorm` computes)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
+  const KernelFn fn = rows_for("rms_norm", x);
+  const int64_t n = x.size(-1);
+  TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type() && weight.is_cpu() && weight.dim() == 1 &&
+                        weight.size(0) == n && weight.is_contiguous(),
+                    "rms_norm: weight must be a contiguous CPU vector [", n, "] of x's dtype ",
+                    dtype_name(x.scalar_type()), ", got ", dtype_name(weight.scalar_type()), " ", shape(weight));
+  at::Tensor out = at::empty_like(x);
+  by_elem(elem_index(x.scalar_type()), [&](auto t) {
+    using T = decltype(t);
+    Rows<T>{fn, eps, unit_offset}.norm(x.data_ptr(), x.numel() / n, n, n, weight.data_ptr(), out.data_ptr());
+  });
+  return out;
+}
+
+// the index of the first largest along x's last dim (torch.argmax(x, -1)): int64 [...]
+at::Tensor argmax(const at::Tensor& x) {
+  const KernelFn fn = rows_for("argmax", x);
+  const int64_t n = x.size(-1);
+  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+  by_elem(elem_index(x.scalar_type()), [&](auto t) {
+    using T = decltype(t);
+    Rows<T>{fn, 0.0, false}.argmax(x.data_ptr(), x.numel() / n, n, n, out.data_ptr<int64_t>());
+  });
+  return out;
+}
+
 }  // namespace fms_paged_ops
 
 using namespace fms_paged_ops;
@@ -421,10 +473,14 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("gemv(Tensor x, Tensor[] weights) -> Tensor");
   m.def("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("gemv", &gemv);
   m.impl("linear", &linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("argmax", &argmax);
 }

@@ -1,6 +1,7 @@
 // What the operators' two sources share (native_ops.cpp: the kernel registry, paged_attention,
-// gemv, linear and the schemas; native_layer.cpp: decoder_stack): the kernels' storage types and
-// argument structs, and how a loaded kernel is called.
+// gemv, linear, rms_norm, argmax and the schemas; native_layer.cpp: decoder_stack and
+// decoder_logits): the kernels' storage types and argument structs, and how a loaded kernel is
+// called.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -115,6 +116,49 @@ void by_elem(int e, F&& f) {  // f(T{}) with T the kernels' storage type of inde
   else f(fms_f16{});
 }
 
+// the row-wise ops of the loaded rows kernel (modules/cpu_rows.cpp; its ops and fields:
+// native_kernels.h) for storage type T
+template <class T>
+struct Rows {
+  KernelFn fn;
+  double eps;
+  bool unit_offset;
+  RowsArgs<T> base() const {
+    RowsArgs<T> a{};
+    a.eps = (float)eps, a.unit_offset = unit_offset, a.threads = threads();
+    return a;
+  }
+  void call(const RowsArgs<T>& a) const {
+    TORCH_CHECK(timed([&] { return fn(&a); }) == 0, "the rows kernel refused op ", a.op);
+  }
+  // out [M, n] = RMSNorm(x rows [M, n] at row stride st) with weight w
+  void norm(const void* x, int64_t M, int64_t n, int64_t st, const void* w, void* out) const {
+    RowsArgs<T> a = base();
+    a.op = 0, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = st;
+    a.w = static_cast<const T*>(w), a.out = static_cast<T*>(out);
+    call(a);
+  }
+  // index [M] = the first largest of each row of x [M, n] (row stride st)
+  void argmax(const void* x, int64_t M, int64_t n, int64_t st, int64_t* index) const {
+    RowsArgs<T> a = base();
+    a.op = 5, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = st, a.index = index;
+    call(a);
+  }
+  // x [M, n] += h [M, n] (* multiplier)
+  void residual(void* x, const void* h, int64_t M, int64_t n, double multiplier) const {
+    RowsArgs<T> a = base();
+    a.op = 1, a.M = M, a.n = n, a.x = static_cast<T*>(x), a.x_st = n, a.h = static_cast<const T*>(h);
+    a.multiplier = (float)multiplier;
+    call(a);
+  }
+  // out [M, n] = act(x[:, :n]) * x[:, n:] (activation 0: SiLU, 1: tanh-GELU)
+  void act(const void* x, int64_t M, int64_t n, int64_t activation, void* out) const {
+    RowsArgs<T> a = base();
+    a.op = 3 + (int32_t)activation, a.M = M, a.n = n, a.x = static_cast<T*>(const_cast<void*>(x)), a.x_st = 2 * n;
+    a.out = static_cast<T*>(out);
+    call(a);
+  }
+};
 
 // y [M, sum N_i] = x [M, K] (row stride x_st) @ [w_1; w_2; ...]^T by the GEMV kernel of index e
 void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
@@ -124,5 +168,7 @@ void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x
 // most rows it gives the GEMV kernel
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias);
 int64_t linear_gemv_rows();
+// RMSNorm of x [..., n] by the rows kernel (native_ops.cpp)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 
 }  // namespace fms_paged_ops

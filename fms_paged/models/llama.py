@@ -280,7 +280,30 @@ class LLaMA(nn.Module):
         # tokens, positions: [B, S] int64 -> logits: [B, S, V]
         # logits_at: [K] indices into the flattened [B * S] positions -> logits of those only: [K, V]
         # (a prefill needs the logits of each sequence's last token, not of the whole prompt)
+        if not torch.compiler.is_compiling() and getattr(step, "fused", False):
+            logits = self._fused_forward(tokens, positions, step, logits_at)
+            if logits is not None:
+                return logits
         return self.logits(self.hidden(tokens, positions, step), logits_at)
+
+    def _fused_forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, step,
+                       logits_at: torch.Tensor | None) -> torch.Tensor | None:
+        """`forward` on a step of the cpp kernel in one operator call (`fms_paged::decoder_logits`:
+        the embedding, the RoPE rows, every block, the final norm and the head, as the modules
+        compute them), or None where the stack has no ends (`decoder_stack`) or the modules would
+        keep autograd's formulas."""
+        stack, ends = self._stack()
+        if not ends or positions is None:
+            return None
+        h = self.head.weight
+        if (torch.is_grad_enabled() and h.requires_grad) or not linear_ops(h.dtype):
+            return None
+        step = step.prepare()
+        view = step.view
+        logits = torch.ops.fms_paged.decoder_logits(
+            stack, tokens, positions, [r.cos for r in self.ropes], [r.sin for r in self.ropes], view.k_pools,
+            view.v_pools, step.slots, view.page_table, step.chunks, view.page_size, logits_at)
+        return self._logits_scaled(logits)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                step: AttentionStep | None = None) -> torch.Tensor:
@@ -319,10 +342,16 @@ class LLaMA(nn.Module):
         from step to step: a step hands the operator this one object instead of every block's
         weights. Made again after a parameter or submodule is registered anywhere
         (`_REGISTRATIONS`) or the model is converted (`_apply`: `.to`, `.half`)."""
-        made, stack = _STACKS.get(self, (-1, None))
+        return self._stack()[0]
+
+    def _stack(self):
+        """(`decoder_stack()`, whether its ends are set: the embedding, final norm and head, which
+        `fms_paged::decoder_logits` runs around the blocks; set where the head is a packed `Linear`
+        without a bias and the ends are contiguous in the blocks' dtype)."""
+        made, stack, ends = _STACKS.get(self, (-1, None, False))
         if made == _REGISTRATIONS[0]:
-            return stack
-        weights = []
+            return stack, ends
+        weights, ends = [], False
         for layer in self.layers:
             w = layer.fused_weights()
             if w is None:
@@ -337,10 +366,17 @@ class LLaMA(nn.Module):
                 [s.window or 0 for s in specs], [s.softcap or 0.0 for s in specs],
                 [None if s.sinks is None else s.sinks.float().contiguous() for s in specs], c.norm_eps,
                 c.norm_unit_offset, c.residual_multiplier, int(c.activation != "silu"))
+            ends = (self.embedding.weight, self.dec_norm.weight, self.head.weight)
+            if type(self.head) is Linear and self.head.pack and self.head.bias is None and all(
+                    w.dtype == weights[0].dtype and w.is_contiguous() for w in ends):
+                stack.set_ends(ends[0], float(c.emb_scale), bool(c.emb_scale_in_dtype), *ends[1:])
+                ends = True
+            else:
+                ends = False
         else:
             stack = None
-        _STACKS[self] = (_REGISTRATIONS[0], stack)
-        return stack
+        _STACKS[self] = (_REGISTRATIONS[0], stack, ends)
+        return stack, ends
 
     def _apply(self, fn, recurse=True):
         _STACKS.pop(self, None)  # its weights may change dtype or device
@@ -367,7 +403,9 @@ class LLaMA(nn.Module):
         """`hidden`'s output [B, S, D] -> logits [B, S, V], or [K, V] at `logits_at`."""
         if logits_at is not None:
             x = x.flatten(0, 1).index_select(0, logits_at)  # [K, D]
-        logits = self.head(self.dec_norm(x))
+        return self._logits_scaled(self.head(self.dec_norm(x)))
+
+    def _logits_scaled(self, logits: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.logits_scaling != 1.0:
             logits = logits / c.logits_scaling

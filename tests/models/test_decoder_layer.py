@@ -1,4 +1,5 @@
-"""The fused blocks (`torch.ops.fms_paged.decoder_layers`, `LLaMA._decoder_layers`) against
+"""The fused blocks (`torch.ops.fms_paged.decoder_stack`, `LLaMA._decoder_layers`; a decode step's
+whole forward, `torch.ops.fms_paged.decoder_logits`, `LLaMA._fused_forward`) against
 Hugging Face transformers (fp32) and against the blocks' modules on the same decode steps, for
 every family we load (their variants: q/k/v bias, q/k norms, sliding windows, soft-caps, Gemma's
 (1 + w) norms, sandwich norms and GeGLU, Granite's residual multiplier): the logits of each step,
@@ -31,13 +32,15 @@ def decode_logits(model, fused: bool, prompts: list[list[int]], steps: int, monk
     """Prefill `prompts` (the modules), then `steps` greedy decode steps of all of them at once, with
     the fused block or the modules -> (logits of each decode step [steps, B, V], the keys the
     sequences hold, the token each decode step took [B, steps])."""
-    calls, layers_call = [0], LLaMA._decoder_layers
+    calls, forward_call = [0], LLaMA._fused_forward
 
     def counted(self, *args):
         calls[0] += 1
-        return layers_call(self, *args) if fused else None
+        return forward_call(self, *args) if fused else None
 
-    monkeypatch.setattr(LLaMA, "_decoder_layers", counted)
+    monkeypatch.setattr(LLaMA, "_fused_forward", counted)  # a decode step's one operator call
+    if not fused:
+        monkeypatch.setattr(LLaMA, "_decoder_layers", lambda self, *args: None)
     cache = PagedCache(model, len(prompts), 128, kernel="cpp")
     ids, out = list(range(len(prompts))), []
     with torch.inference_mode():
@@ -100,6 +103,39 @@ def prefill_blocks(model, prompts: list[list[int]], fused: bool) -> tuple[torch.
         for layer in model.layers:
             out = layer(out, *ropes[layer.rope_index], step)
     return out.float(), torch.stack([k[0, :, step.slots].float() for k in cache.k_pools])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite"])
+def test_one_call_forward_is_the_two_call_path_bit_for_bit(family, hf_family, monkeypatch):
+    """`LLaMA.forward` on a step of the cpp kernel is one operator call (`fms_paged::decoder_logits`:
+    the embedding times its scale, the RoPE rows, the blocks, the final norm and the head) whose
+    logits are the model's other eager path's bit for bit (the lookups and the scale in Python,
+    `fms_paged::decoder_stack`, the norm and head modules), in bf16: on a prefill step of two
+    chunks with `logits_at` and on the decode step after it. Gemma 2 scales its embedding by a
+    tensor of its dtype and soft-caps its logits; Granite scales by a float and divides its logits."""
+    _, path = hf_family(family)
+    model = get_model(model_path=path, device="cpu", dtype=torch.bfloat16, page_size=P, attn_impl="paged")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (21, 9)]
+    calls, forward_call = [0], LLaMA._fused_forward
+
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = PagedCache(model, 2, 128, kernel="cpp")
+        with monkeypatch.context() as mp, torch.inference_mode():
+            def counted(self, *args):
+                calls[0] += 1
+                return forward_call(self, *args) if fused else None
+
+            mp.setattr(LLaMA, "_fused_forward", counted)
+            tokens, positions, step, last = cache.prefill([0, 1], prompts)
+            first = model(tokens, positions, step, logits_at=last)  # [2, V]
+            lengths = [len(p) for p in prompts]
+            tokens, positions, step = cache.decode([0, 1], first.argmax(-1), lengths, [True] * 2)
+            return first, model(tokens, positions, step)[:, -1]
+
+    (pf, df), (pp, dp) = run(True), run(False)
+    assert calls[0] == 4 and model._stack()[1]  # every call offered to the one-call path, which has the ends
+    assert torch.equal(pf, pp) and torch.equal(df, dp)
 
 
 def test_bad_arguments_raise():
@@ -174,7 +210,24 @@ def test_bad_arguments_raise():
         made_with = r"layer 1's o is now torch.float32 \(4, 4\); the stack was made with torch.float32 \(\d+"
         with pytest.raises(ValueError, match=made_with):
             call(made)
-        # only the null page's slot 0 was written (by the call that succeeded)
+        # the ends of a one-call forward (decoder_logits)
+        tokens = torch.tensor([[1], [2]])
+        ends = dict(stack=stack(), tokens=tokens, positions=tokens, cos_tables=[torch.zeros(64, D)],
+                    sin_tables=[torch.zeros(64, D)], k_pools=kp, v_pools=vp,
+                    slots=torch.zeros(2, dtype=torch.long), page_table=cache.backend.view.page_table,
+                    chunks=chunks, page_size=P, logits_at=None)
+        with pytest.raises(ValueError, match=r"the stack has no ends \(DecoderStack\.set_ends\)"):
+            torch.ops.fms_paged.decoder_logits(*ends.values())
+        emb, C = model.embedding.weight, model.config.emb_dim
+        with pytest.raises(ValueError, match=rf"set_ends: .* got torch.float32 \({emb.shape[0]}, {C}\), "
+                                             rf"torch.float64 \({C},\)"):
+            ends["stack"].set_ends(emb, 1.0, False, model.dec_norm.weight.double(), model.head.weight)
+        ends["stack"].set_ends(emb, 1.0, False, model.dec_norm.weight, model.head.weight)
+        with pytest.raises(ValueError, match=r"tokens and positions must be int64 \[B, S\] alike, got "
+                                             r"torch.int64 \(2, 1\) and torch.int32"):
+            torch.ops.fms_paged.decoder_logits(*{**ends, "positions": tokens.int()}.values())
+        assert torch.ops.fms_paged.decoder_logits(*ends.values()).shape == (2, 1, model.head.weight.shape[0])
+        # only the null page's slot 0 was written (by the calls that succeeded)
         assert all(torch.equal(a[:, :, P:], b[:, :, P:]) for a, b in zip(kp, before))
 
 
