@@ -51,6 +51,7 @@ HEADERS = (_HERE / "native_args.h", _HERE / "native_kernels.h", _HERE / "native_
 # the operators: the registry, paged_attention, gemv and linear; decoder_layer; what both include
 OPS_SOURCES = (_HERE / "native_ops.cpp", _HERE / "native_layer.cpp")
 OPS_HEADER = _HERE / "native_ops.h"
+STACK_HEADER = _HERE / "native_stack.h"  # (native_layer.cpp alone)
 
 # the tensor dtypes the kernels read and write -> the C++ type a kernel is built for with
 # -DFMS_ELEM=... (native_args.h)
@@ -274,8 +275,9 @@ def _load_ops() -> str | None:
     if version is None:
         return f"{cxx} --version failed"
     command = _ops_command(cxx)
-    made_from = [*(f.read_text() for f in (*OPS_SOURCES, OPS_HEADER, *HEADERS)), " ".join(command), version,
-                 torch.__version__, str(torch.version.git_version), sys.version]
+    sources = (*OPS_SOURCES, OPS_HEADER, STACK_HEADER, *HEADERS)
+    made_from = [*(f.read_text() for f in sources), " ".join(command), version, torch.__version__,
+                 str(torch.version.git_version), sys.version]
     path, why = _build("native_ops", command, made_from, OPS_SOURCES)
     if path is None:
         return why

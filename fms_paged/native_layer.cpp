@@ -17,36 +17,26 @@
 // has its ends (the embedding, final norm and head: `set_ends`): the host work around the blocks
 // (the lookups, the norm and head calls, their Python) left to the model's forward had cost a
 // one-request decode step ~0.25 ms.
+#include <ATen/ops/add.h>
 #include <ATen/ops/clamp_min.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/tanh.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <initializer_list>
 
-#include "native_ops.h"
+#include "native_stack.h"
 
 namespace fms_paged_ops {
 namespace {
-// weights per layer of a stack, in this order (an undefined or empty tensor for one a family
-// lacks): ln, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, o, post_attn_ln, ff_ln, gate, up,
-// down, post_ff_ln
-constexpr int64_t kLayerWeights = 16;
-constexpr std::array<const char*, kLayerWeights> kWeightNames = {
-    "ln", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "o", "post_attn_ln", "ff_ln", "gate",
-    "up", "down", "post_ff_ln"};
-
-// a weight's index among a layer's (kWeightNames)
-enum Weight {
-  kLn, kQ, kK, kV, kQBias, kKBias, kVBias, kQNorm, kKNorm, kO, kPostAttnLn, kFfLn, kGate, kUp, kDown, kPostFfLn
-};
-
 // one block's arguments for a step: its weights (null: the family has none), their data and rows,
 // its RoPE table's rows, pools and spec. The data pointers and sizes are read from the tensors for
 // every layer when the step starts, in one pass: read as each layer runs, every TensorImpl and
@@ -133,42 +123,6 @@ void run_layer(void* xs, int64_t M, int64_t Cd, int64_t D, const Layer& L, const
 
 }  // namespace
 
-// A model's decoder blocks as the operators run them: each layer's weights, RoPE table and
-// attention spec, and the model's norm / residual / activation settings; checked when made
-// (ValueError naming what is wrong). It holds the weight tensors themselves, not copies: values
-// written into them in place reach the next step. Each step checks that every weight still has the
-// dtype, shape and layout it was made with (a `param.data = ...` that changed one: ValueError, make
-// a new stack), and reads the pools, RoPE rows and slots it is given.
-struct DecoderStack : torch::CustomClassHolder {
-  std::vector<at::Tensor> weights;  // kLayerWeights per layer, undefined where a family has none
-  std::vector<std::vector<int64_t>> shapes;  // each weight's shape when made
-  std::vector<int64_t> rope_index, windows;
-  std::vector<double> scales, softcaps;
-  std::vector<std::optional<at::Tensor>> sinks;
-  double eps, residual_multiplier;
-  bool unit_offset;
-  int64_t activation, width = 0, head_dim = 0;  // C, and D: the RoPE tables' width
-  at::ScalarType dtype = at::kFloat;
-  // the model's ends (undefined until `set_ends`): the embedding [V, C] and its scale (1: none;
-  // in_dtype: rounded to the dtype first, as the model multiplies by a tensor of its dtype), the
-  // final norm's weight [C], the head [V', C]: what decoder_logits adds around the blocks
-  at::Tensor embedding, final_norm, head;
-  std::array<std::vector<int64_t>, 3> end_shapes;
-  double emb_scale = 1.0;
-  bool emb_scale_in_dtype = false;
-
-  DecoderStack(std::vector<at::Tensor> weights_, int64_t head_dim_, std::vector<int64_t> rope_index_,
-               std::vector<double> scales_, std::vector<int64_t> windows_, std::vector<double> softcaps_,
-               const c10::List<std::optional<at::Tensor>>& sinks_, double eps_, bool unit_offset_,
-               double residual_multiplier_, int64_t activation_);
-  void set_ends(at::Tensor embedding_, double emb_scale_, bool in_dtype, at::Tensor final_norm_, at::Tensor head_);
-  int64_t layers() const { return (int64_t)rope_index.size(); }
-  const at::Tensor* weight(int64_t i, int64_t j) const {  // null: none
-    const at::Tensor& w = weights[kLayerWeights * i + j];
-    return w.defined() ? &w : nullptr;
-  }
-};
-
 namespace {
 
 std::string names(const std::vector<at::Tensor>& weights, int64_t i) {  // "ln (576,), q (576, 576), ..."
@@ -243,7 +197,10 @@ DecoderStack::DecoderStack(std::vector<at::Tensor> weights_, int64_t head_dim_, 
 }
 
 void DecoderStack::set_ends(at::Tensor embedding_, double emb_scale_, bool in_dtype, at::Tensor final_norm_,
-                            at::Tensor head_) {
+                            at::Tensor head_, double logits_scaling_, double final_softcap_) {
+  TORCH_CHECK_VALUE(logits_scaling_ != 0.0 && final_softcap_ >= 0.0, "DecoderStack.set_ends: logits_scaling=",
+                    py_float(logits_scaling_), ", final_softcap=", py_float(final_softcap_),
+                    "; expected a non-zero divisor and a cap >= 0 (0: none)");
   auto ok = [&](const at::Tensor& t, int64_t dim) {
     return t.scalar_type() == dtype && t.is_cpu() && t.is_contiguous() && t.dim() == dim && t.size(-1) == width;
   };
@@ -253,7 +210,8 @@ void DecoderStack::set_ends(at::Tensor embedding_, double emb_scale_, bool in_dt
                     shape(embedding_), ", ", dtype_name(final_norm_.scalar_type()), " ", shape(final_norm_), " and ",
                     dtype_name(head_.scalar_type()), " ", shape(head_));
   embedding = std::move(embedding_), final_norm = std::move(final_norm_), head = std::move(head_);
-  emb_scale = emb_scale_, emb_scale_in_dtype = in_dtype;
+  emb_scale = emb_scale_, emb_scale_in_dtype = in_dtype, logits_scaling = logits_scaling_;
+  final_softcap = final_softcap_;
   end_shapes = {embedding.sizes().vec(), final_norm.sizes().vec(), head.sizes().vec()};
 }
 
@@ -401,25 +359,32 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
 // Linear call on the CPU (rms_norm, linear): the logits are the other path's bit for bit. Those
 // calls and their Python, each cold in the caches after the weights streamed through, are what a
 // step no longer spends.
-at::Tensor decoder_logits(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens,
-                          const at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables,
-                          at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots,
-                          const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size,
-                          const std::optional<at::Tensor>& logits_at) {
-  const DecoderStack& s = *stack;
-  TORCH_CHECK_VALUE(s.head.defined(), "decoder_logits: the stack has no ends (DecoderStack.set_ends)");
+namespace {
+
+// ValueError unless the stack has its ends, tokens and positions are int64 [B, S] alike and the
+// RoPE tables pair up (op: the operator's name)
+void check_forward(const char* op, const DecoderStack& s, const at::Tensor& tokens, const at::Tensor& positions,
+                   at::TensorList cos_tables, at::TensorList sin_tables) {
+  TORCH_CHECK_VALUE(s.head.defined(), op, ": the stack has no ends (DecoderStack.set_ends)");
   TORCH_CHECK_VALUE(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && positions.scalar_type() == at::kLong &&
                         positions.sizes() == tokens.sizes(),
-                    "decoder_logits: tokens and positions must be int64 [B, S] alike, got ",
-                    dtype_name(tokens.scalar_type()), " ", shape(tokens), " and ", dtype_name(positions.scalar_type()),
-                    " ", shape(positions));
-  TORCH_CHECK_VALUE(cos_tables.size() == sin_tables.size(), "decoder_logits: one sin table per cos table, got ",
+                    op, ": tokens and positions must be int64 [B, S] alike, got ", dtype_name(tokens.scalar_type()), " ",
+                    shape(tokens), " and ", dtype_name(positions.scalar_type()), " ", shape(positions));
+  TORCH_CHECK_VALUE(cos_tables.size() == sin_tables.size(), op, ": one sin table per cos table, got ",
                     cos_tables.size(), " and ", sin_tables.size());
   check_unchanged(s);
+}
+
+// decoder_logits once checked (check_forward)
+at::Tensor forward_logits(const DecoderStack& s, const at::Tensor& tokens, const at::Tensor& positions,
+                          at::TensorList cos_tables, at::TensorList sin_tables, at::TensorList k_pools,
+                          at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table,
+                          const at::Tensor& chunks, int64_t page_size, const std::optional<at::Tensor>& logits_at) {
   const int64_t B = tokens.size(0), S = tokens.size(1), M = B * S;
   at::Tensor x = at::embedding(s.embedding, tokens).view({M, s.width});  // fresh: the residual stream
   if (s.emb_scale != 1.0)
-    x = s.emb_scale_in_dtype ? at::mul(x, at::scalar_tensor(s.emb_scale, x.options())) : at::mul(x, at::Scalar(s.emb_scale));
+    x = s.emb_scale_in_dtype ? at::mul(x, at::scalar_tensor(s.emb_scale, x.options()))
+                             : at::mul(x, at::Scalar(s.emb_scale));
   const at::Tensor pos = positions.clamp_min(0).view({M});
   std::vector<at::Tensor> cos, sin;
   for (size_t r = 0; r < cos_tables.size(); ++r) {
@@ -428,7 +393,74 @@ at::Tensor decoder_logits(const c10::intrusive_ptr<DecoderStack>& stack, const a
   check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks);
   run_stack(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size);
   const at::Tensor rows = logits_at ? x.index_select(0, *logits_at) : x.view({B, S, s.width});
-  return linear(rms_norm(rows, s.final_norm, s.eps, s.unit_offset), {s.head}, std::nullopt);
+  at::Tensor logits = linear(rms_norm(rows, s.final_norm, s.eps, s.unit_offset), {s.head}, std::nullopt);
+  if (s.logits_scaling != 1.0) logits = at::div(logits, at::Scalar(s.logits_scaling));  // as LLaMA.logits
+  if (s.final_softcap != 0.0)
+    logits = at::mul(at::tanh(at::div(logits, at::Scalar(s.final_softcap))), at::Scalar(s.final_softcap));
+  return logits;
+}
+
+}  // namespace
+
+at::Tensor decoder_logits(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens,
+                          const at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables,
+                          at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots,
+                          const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size,
+                          const std::optional<at::Tensor>& logits_at) {
+  check_forward("decoder_logits", *stack, tokens, positions, cos_tables, sin_tables);
+  return forward_logits(*stack, tokens, positions, cos_tables, sin_tables, k_pools, v_pools, slots, page_table,
+                        chunks, page_size, logits_at);
+}
+
+// `steps` greedy decode steps of B sequences in one call: row b is sequence seqs[b], whose last
+// token tokens[b] sits at position positions[b]. Each step writes every row's key and value at its
+// position's slot (its page in the page table: RESERVEd for the steps' positions before), runs the
+// forward (decoder_logits) and takes each row's first largest logit (argmax, as the engine's
+// greedy sampler does) as the row's next token and input -> the tokens, int64 [B, steps]. The
+// engine's lookahead decode steps (`Engine(decode_steps=...)`): no return to Python, and none of
+// its host work, between the steps.
+at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens,
+                         const at::Tensor& positions, const at::Tensor& seqs, at::TensorList cos_tables,
+                         at::TensorList sin_tables, at::TensorList k_pools, at::TensorList v_pools,
+                         const at::Tensor& page_table, int64_t page_size, int64_t steps) {
+  TORCH_CHECK_VALUE(steps >= 1 && page_size > 0, "decode_greedy: steps=", steps, ", page_size=", page_size,
+                    "; expected both >= 1");
+  TORCH_CHECK_VALUE(tokens.dim() == 1 && seqs.scalar_type() == at::kLong && seqs.sizes() == tokens.sizes() &&
+                        positions.sizes() == tokens.sizes() &&
+                        page_table.scalar_type() == at::kInt && page_table.dim() == 2 && page_table.is_contiguous(),
+                    "decode_greedy: tokens, positions and seqs int64 [B] alike and an int32 page table [seqs, pages]",
+                    ", contiguous, got tokens ", shape(tokens), ", positions ", shape(positions), ", seqs ", dtype_name(seqs.scalar_type()), " ",
+                    shape(seqs), ", page table ", dtype_name(page_table.scalar_type()), " ", shape(page_table));
+  const int64_t B = tokens.size(0), P = page_size, n_seqs = page_table.size(0), pages = page_table.size(1);
+  at::Tensor tok = tokens.contiguous().view({B, 1}), pos = positions.contiguous().view({B, 1});
+  check_forward("decode_greedy", *stack, tok, pos, cos_tables, sin_tables);
+  const at::Tensor seq_c = seqs.contiguous();
+  const int64_t *seq = seq_c.data_ptr<int64_t>(), *first = pos.data_ptr<int64_t>();
+  const int32_t* table = page_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = seq[b], p = first[b], last = (p + steps - 1) / P;
+    bool held = s >= 0 && s < n_seqs && p >= 0 && last < pages;
+    for (int64_t g = p / P; held && g <= last; ++g) held = table[s * pages + g] > 0;  // page 0: the null page
+    TORCH_CHECK_VALUE(held, "decode_greedy: row ", b, ": sequence ", s, " holds no pages for positions ", p, "..",
+                      p + steps - 1, " in the page table (", n_seqs, " seqs x ", pages, " pages of ", P,
+                      "): RESERVE them first");
+  }
+  at::Tensor out = at::empty({B, steps}, tok.options()), slots = at::empty({B}, tok.options());
+  at::Tensor chunks = at::empty({B, 4}, tok.options());
+  int64_t *slot = slots.data_ptr<int64_t>(), *chunk = chunks.data_ptr<int64_t>();
+  for (int64_t j = 0; j < steps; ++j) {
+    const at::Tensor at_j = at::add(pos, j);
+    for (int64_t b = 0; b < B; ++b) {  // a chunk of one token per row (kv/kernels/cpp.py: CppKernel.decode)
+      const int64_t p = first[b] + j;
+      slot[b] = table[seq[b] * pages + p / P] * P + p % P;
+      chunk[4 * b] = seq[b], chunk[4 * b + 1] = p, chunk[4 * b + 2] = 1, chunk[4 * b + 3] = b;
+    }
+    const at::Tensor logits = forward_logits(*stack, tok, at_j, cos_tables, sin_tables, k_pools, v_pools, slots,
+                                             page_table, chunks, P, std::nullopt);
+    tok = argmax(logits.view({B, -1})).view({B, 1});
+    out.select(1, j).copy_(tok.view({B}));
+  }
+  return out;
 }
 
 }  // namespace fms_paged_ops
@@ -448,9 +480,14 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       "decoder_logits(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor tokens, Tensor positions, "
       "Tensor[] cos_tables, Tensor[] sin_tables, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, "
       "Tensor page_table, Tensor chunks, int page_size, Tensor? logits_at) -> Tensor");
+  m.def(
+      "decode_greedy(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor tokens, Tensor positions, "
+      "Tensor seqs, Tensor[] cos_tables, Tensor[] sin_tables, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
+      "Tensor page_table, int page_size, int steps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("decoder_stack", &fms_paged_ops::decoder_stack);
   m.impl("decoder_logits", &fms_paged_ops::decoder_logits);
+  m.impl("decode_greedy", &fms_paged_ops::decode_greedy);
 }

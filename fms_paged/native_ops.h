@@ -168,7 +168,8 @@ void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x
 // most rows it gives the GEMV kernel
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias);
 int64_t linear_gemv_rows();
-// RMSNorm of x [..., n] by the rows kernel (native_ops.cpp)
+// RMSNorm of x [..., n] and the first largest of each row by the rows kernel (native_ops.cpp)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+at::Tensor argmax(const at::Tensor& x);
 
 }  // namespace fms_paged_ops

@@ -106,10 +106,11 @@ def check_kernel_pick(model: torch.nn.Module, log: Callable[[str], None]) -> dic
     if device.type == "cuda":
         want = "FlexAttention's decoding template (inductor chose it, and a triton_tem_ kernel ran)"
         ok = any(choices) and any(n.startswith("triton_tem") for n in names)
-    else:  # the CPU's kernel, in every dtype: inside the fused decode layers (or alone, compiled)
-        want = "the C++ kernel: fms_paged::decoder_stack or fms_paged::paged_attention"
-        ok = eng.backend.kernel.name == "cpp" and bool({"fms_paged::decoder_stack",
-                                                        "fms_paged::paged_attention"} & set(names))
+    else:  # the CPU's kernel, in every dtype: inside the one-call forward or the fused decode layers
+        # (or alone, compiled)
+        ops = ("fms_paged::decoder_logits", "fms_paged::decoder_stack", "fms_paged::paged_attention")
+        want = f"the C++ kernel: {', '.join(ops[:-1])} or {ops[-1]}"
+        ok = eng.backend.kernel.name == "cpp" and bool(set(ops) & set(names))
     log(f"[kernels] decode on {device.type} ({eng.backend.kernel}, cuda_graphs={eng.runner.cuda_graphs}): "
         f"{'ok' if ok else 'WRONG'}; top kernels {names[:4]}")
     return {"name": "decode kernel", "kernel": eng.backend.kernel.name, "cuda_graphs": eng.runner.cuda_graphs,

@@ -63,6 +63,10 @@ ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 # the targets (issue: ahead of the native CPU engines): output tok/s against the best peer at its
 # best dtype on each workload; one request's decode against the read roofline; start-up seconds
 PEER_RATIO, ROOFLINE_SHARE, COLD_START_S, WARM_START_S = 1.0, 0.8, 10.0, 3.0
+# the engine's lookahead decode steps in these runs (`Engine(decode_steps=...)`): up to this many
+# greedy steps in one operator call once nothing waits, as a user sets it for throughput (1: a
+# token per engine step, `--decode-steps 1`)
+DECODE_STEPS = 8
 ONE_REQUEST = "SmolLM2-135M shape, 1 prompt of 64, 64 new"
 
 
@@ -86,6 +90,7 @@ def engine_job(job: dict[str, Any]) -> dict[str, Any]:
         compile=job.get("compile", "auto"),
         enable_prefix_caching=False,
         max_model_len=max(len(r["prompt"]) + r["max_new_tokens"] for r in reqs),
+        decode_steps=job.get("decode_steps", 1),
     )
 
     def run() -> tuple[float, list[float], list[list[int]], float]:
@@ -156,12 +161,14 @@ def step_anatomy(eng, req: dict[str, Any]) -> dict[str, float]:
     the whole `Engine.step`, the model's forward in it, and the time inside the C++ kernels (GEMV,
     attention and the rows kernel, counted by the operators: `fms_paged::_kernel_ns`); host = step -
     kernels,
-    of it outside the forward (scheduling, sampling, bookkeeping) = step - forward."""
+    of it outside the forward (scheduling, sampling, bookkeeping) = step - forward. One-token steps
+    (`decode_steps` 1 meanwhile): the step that lookahead steps run several of in one call."""
     import torch
 
     from fms_paged.engine import SamplingParams
 
-    runner, timings = eng.runner, {"forward": []}
+    runner, timings, lookahead = eng.runner, {"forward": []}, eng.decode_steps
+    eng.decode_steps = 1
     decode = runner._decode
 
     def timed_decode(*args, **kw):
@@ -182,7 +189,7 @@ def step_anatomy(eng, req: dict[str, Any]) -> dict[str, float]:
             steps.append(time.perf_counter() - t0)
             kernels.append((torch.ops.fms_paged._kernel_ns() - k0) * 1e-9)
     finally:
-        runner._decode = decode
+        runner._decode, eng.decode_steps = decode, lookahead
     med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     step, forward, kernel = med(steps), med(timings["forward"]), med(kernels)
     return {
@@ -230,10 +237,11 @@ def _engine_cmd() -> list[str]:
     return [sys.executable, "-m", "fms_paged.bench.vs_native", "engine"]
 
 
-def vs_native(out: Path, repeats: int = 3, rounds: int = 2, log=print) -> dict[str, Any]:
-    """Every `VS_VLLM` workload through the engine and each peer of `PEERS`, at each of their dtypes,
-    in `rounds` processes each (`pool_processes`); the engine's cold start; the read roofline of
-    the one-request decode; the targets."""
+def vs_native(out: Path, repeats: int = 3, rounds: int = 2, log=print,
+              decode_steps: int = DECODE_STEPS) -> dict[str, Any]:
+    """Every `VS_VLLM` workload through the engine (with `decode_steps` lookahead steps) and each
+    peer of `PEERS`, at each of their dtypes, in `rounds` processes each (`pool_processes`); the
+    engine's cold start; the read roofline of the one-request decode; the targets."""
     import torch
 
     from fms_paged.bench.environment import environment_info, kv_bytes_per_token, measure_read_bandwidth
@@ -247,6 +255,7 @@ def vs_native(out: Path, repeats: int = 3, rounds: int = 2, log=print) -> dict[s
         "environment": environment_info(torch.device("cpu")),
         "repeats": repeats,
         "rounds": rounds,
+        "decode_steps": decode_steps,
         "read_bandwidth_gbs": measure_read_bandwidth(torch.device("cpu")),
         "workloads": {},
     }
@@ -275,7 +284,7 @@ def vs_native(out: Path, repeats: int = 3, rounds: int = 2, log=print) -> dict[s
                 ],
             }
             w = res["workloads"][name] = {}
-            systems = [(ENGINE, _engine_cmd(), ENGINE_DTYPES, {})] + [
+            systems = [(ENGINE, _engine_cmd(), ENGINE_DTYPES, {"decode_steps": decode_steps})] + [
                 (peer, [str(py), str(script)], dts, extra) for peer, (py, script, dts, extra) in PEERS.items()
             ]
             runs = [(system, cmd, dtype, extra) for system, cmd, dtypes, extra in systems for dtype in dtypes]
@@ -318,8 +327,8 @@ def vs_native(out: Path, repeats: int = 3, rounds: int = 2, log=print) -> dict[s
                 )
                 log(f"[bench-native] cold start of the engine, {dtype} ...")
                 res["cold_start"][dtype] = _run(
-                    _engine_cmd(), {**job, "dtype": dtype}, tmp, out, f"cold_{dtype}", env=env
-                )
+                    _engine_cmd(), {**job, "dtype": dtype, "decode_steps": decode_steps}, tmp, out,
+                    f"cold_{dtype}", env=env)
     from fms_paged.bench.vs_native_report import per_bandwidth, targets
 
     res["targets"] = targets(res)
@@ -339,11 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("results/bench-native"))
     p.add_argument("--repeats", type=int, default=3, help="timed runs per process")
     p.add_argument("--rounds", type=int, default=2, help="processes per system and dtype, one a round")
+    p.add_argument("--decode-steps", type=int, default=DECODE_STEPS,
+                   help="the engine's lookahead decode steps (Engine(decode_steps=...); 1: none)")
     args = p.parse_args(argv)
     from fms_paged.bench.report import write_report
     from fms_paged.bench.vs_native_report import figures, markdown
 
-    res = vs_native(args.out, args.repeats, args.rounds)
+    res = vs_native(args.out, args.repeats, args.rounds, decode_steps=args.decode_steps)
     paths = write_report(args.out, res, markdown=markdown(res), rows={}, figures=figures(res))
     print(markdown(res))
     print(f"written: {', '.join(str(p) for p in paths.values())}")

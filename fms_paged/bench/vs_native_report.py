@@ -172,8 +172,9 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         (f"Each system and dtype in {rounds} processes of its own, one a round (the order reversed every "
          f"other round), each a warm-up and {res['repeats']} timed runs: the median of the "
-         f"{rounds * res['repeats']} runs; read " if rounds > 1 else
-         f"Median of {res['repeats']} timed runs after a warm-up, each system in its own process; read ")
+         f"{rounds * res['repeats']} runs; " if rounds > 1 else
+         f"Median of {res['repeats']} timed runs after a warm-up, each system in its own process; ")
+        + f"the engine with decode_steps={res.get('decode_steps', 1)} (lookahead decode steps); read "
         + f"bandwidth {res['read_bandwidth_gbs']:.1f} GB/s in the benchmark's process"
         + "".join(f", {dt} {r['read_bandwidth_gbs']:.1f} in the one-request engine's (its roofline)"
                   for dt, r in res["workloads"].get(ONE_REQUEST, {}).get(ENGINE, {}).items()
@@ -187,7 +188,8 @@ def markdown(res: dict[str, Any]) -> str:
         if "step_anatomy_ms" in r:
             a = r["step_anatomy_ms"]
             lines.append(
-                f"Engine decode step, one request, {dt} (ms): {a['step']:.2f} a step, {a['kernels']:.2f} "
+                f"Engine decode step, one request, one token a step, {dt} (ms): {a['step']:.2f} a step, "
+                f"{a['kernels']:.2f} "
                 f"in the C++ kernels, {a['host']:.2f} host work ({a['host_outside_forward']:.2f} of it "
                 f"outside the model's forward: scheduling, sampling, bookkeeping)."
             )

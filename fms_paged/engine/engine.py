@@ -77,6 +77,11 @@ class Engine:
         same on every rank) in place, or, under torchrun, uses the ranks there
         (`fms_paged.engine.tensor_parallel`). A model already split (`model.tp`) brings its own
         rank: rank 0 is driven as any engine, the others by `run_worker`.
+    decode_steps: up to this many greedy decode steps in one forward where every running request
+        decodes greedily (no log-probabilities, no grammar) and none waits (vLLM's multi-step
+        scheduling): on the cpp kernel, one operator call with no host work between the steps
+        (`fms_paged::decode_greedy`); a request's tokens of such a step arrive together, and those
+        after its stop are dropped. 1 (default): a token per step.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class Engine:
         cuda_graphs: bool | str = "auto",
         tokenizer=None,
         tensor_parallel_size: int = 1,
+        decode_steps: int = 1,
     ):
         if type(model).__module__.startswith("fms."):  # an IBM FMS model: through our plugin
             from fms_paged.integrations.fms import paged_model
@@ -117,6 +123,9 @@ class Engine:
                 "every running request needs a token of the step's budget to decode"
             )
         check_modes(compile, cuda_graphs)
+        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
+            raise ValueError(f"decode_steps={decode_steps!r}; expected an int >= 1")
+        self.decode_steps = decode_steps
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or (
                 tensor_parallel_size < 1):
             raise TensorParallelError(f"tensor_parallel_size={tensor_parallel_size!r}; expected an int >= 1")
@@ -318,6 +327,8 @@ class Engine:
             self._ranks.send()
         plan = self.scheduler.schedule()
         if plan.scheduled:
+            if self.decode_steps > 1 and self._ranks is None:
+                self.scheduler.lookahead(plan, self.decode_steps)
             result = self.runner.run(plan)
             if self._ranks is not None:  # sent with the next step's message
                 self._ranks.pending.sampled, self._ranks.pending.tokens = len(result.tokens), result.tokens

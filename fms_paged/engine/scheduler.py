@@ -61,6 +61,7 @@ class SchedulerOutput:
     scored: list[tuple[Request, list[int]]] = field(default_factory=list)
     # requests whose prompt completes now and that generate nothing (max_new_tokens=0)
     scored_only: list[Request] = field(default_factory=list)
+    steps: int = 1  # greedy decode steps of `decodes` in this forward (`Scheduler.lookahead`)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class StepResult:
     tokens: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[list[TokenLogprobs]] | None = None
+    steps: list[list[int]] | None = None  # a plan of lookahead steps: each request's tokens in turn
 
 
 class Scheduler:
@@ -133,6 +135,31 @@ class Scheduler:
         self._plan_rows(out, now)
         return out
 
+    def lookahead(self, plan: SchedulerOutput, steps: int) -> int:
+        """Extend a plan whose rows all decode greedily (no log-probabilities, no grammar), with no
+        request waiting, to up to `steps` decode steps in one forward (vLLM's multi-step
+        scheduling): no request past its `max_new_tokens`, each its share of the token budget,
+        the pages for them RESERVEd now where the pool has them (else one step). -> the steps
+        planned (`plan.steps`). `update` keeps each request's tokens up to its stop."""
+        reqs = plan.decodes
+        if (plan.prefills or plan.forks or plan.preempted or plan.scored_only or self.waiting or not reqs
+                or any(r.params.temperature != 0 or r.params.logprobs is not None or r.matcher is not None
+                       for r in reqs)):
+            return plan.steps
+        k = min([steps, self.max_num_batched_tokens // len(reqs)]
+                + [r.params.max_new_tokens - len(r.output) for r in reqs])
+        if k <= 1:
+            return plan.steps
+        ids, lengths = [r.seq_id for r in reqs], [r.num_computed + k for r in reqs]
+        need = sum(self.pm.pages_needed(s, n) for s, n in zip(ids, lengths))
+        if need > self.available_pages():
+            return plan.steps
+        if need > self.pm.num_free_pages:
+            self.cache.evict(need - self.pm.num_free_pages)
+        plan.reservation.extend_with(self.pm.reserve(ids, lengths))
+        plan.steps = k
+        return k
+
     def _release_behind_windows(self) -> None:
         """ERASE the pages of running requests that no layer's window reaches again: those wholly
         before the first key their next query sees (num_computed - horizon + 1)."""
@@ -185,6 +212,8 @@ class Scheduler:
         request asks. -> (the outputs of the requests that produced a token or finished, the
         requests that finished: their output is final and carries `Request.stats`). A request's
         first output carries its prompt's log-probabilities, which it keeps no longer."""
+        if plan.steps > 1:
+            return self._update_steps(plan, result.steps)
         P, cache, tokens, logprobs = self.pm.page_size, self.cache, result.tokens, result.logprobs
         for (r, _), lps in zip(plan.scored, result.prompt_logprobs or ()):
             r.prompt_lps.extend(lps)  # (positions start where the scored ones end, a recompute too)
@@ -226,6 +255,39 @@ class Scheduler:
             lps = None if r.params.logprobs is None or logprobs is None else [logprobs[i]]
             outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason, r.index,
                                          lps, stats, self._take_prompt_logprobs(r)))
+        return outputs, finished
+
+    def _update_steps(self, plan: SchedulerOutput, steps: list[list[int]]
+                      ) -> tuple[list[RequestOutput], list[Request]]:
+        """`update` of a plan of lookahead decode steps: each request keeps its tokens in turn up
+        to the first that ends it (a stop token, its `max_new_tokens`), the later ones dropped (their
+        keys sit in pages it gives back now); its tokens computed grow by those it keeps."""
+        P, cache, now = self.pm.page_size, self.cache, time.perf_counter()
+        outputs, finished = [], []
+        for (r, _), toks in zip(plan.sampled, steps):
+            kept, reason = [], None
+            for tok in toks:
+                kept.append(tok)
+                if tok in r.stop_ids:
+                    reason = "stop"
+                elif len(r.output) + len(kept) >= r.params.max_new_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
+            r.output.extend(kept)
+            r.token_times.extend([now] * len(kept))
+            self.num_output_tokens += len(kept)
+            r.num_computed += len(kept)
+            if cache is not None and r.num_computed // P > len(r.cache_chain):  # a page filled up
+                cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed, r.cache_chain,
+                             r.cache_salt)
+            stats = None
+            if reason is not None:
+                self.finish(r)
+                finished.append(r)
+                stats = r.stats(reason)
+            outputs.append(RequestOutput(r.request_id, kept, reason is not None, reason, r.index, None, stats,
+                                         self._take_prompt_logprobs(r)))
         return outputs, finished
 
     @staticmethod

@@ -300,10 +300,23 @@ class LLaMA(nn.Module):
             return None
         step = step.prepare()
         view = step.view
-        logits = torch.ops.fms_paged.decoder_logits(
+        return torch.ops.fms_paged.decoder_logits(
             stack, tokens, positions, [r.cos for r in self.ropes], [r.sin for r in self.ropes], view.k_pools,
             view.v_pools, step.slots, view.page_table, step.chunks, view.page_size, logits_at)
-        return self._logits_scaled(logits)
+
+    def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor, view,
+                      steps: int) -> torch.Tensor | None:
+        """`steps` greedy decode steps of the sequences `seqs` [B] in one operator call
+        (`fms_paged::decode_greedy`): row b's last token tokens[b] at position positions[b], its
+        pages RESERVEd in `view`'s page table for the steps' positions -> the tokens [B, steps];
+        each step is `forward`'s one call and the sampler's argmax. None where the forward is not
+        one call (`_fused_forward`: no ends)."""
+        stack, ends = self._stack()
+        if not ends:
+            return None
+        return torch.ops.fms_paged.decode_greedy(
+            stack, tokens, positions, seqs, [r.cos for r in self.ropes], [r.sin for r in self.ropes],
+            view.k_pools, view.v_pools, view.page_table, view.page_size, steps)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                step: AttentionStep | None = None) -> torch.Tensor:
@@ -369,7 +382,8 @@ class LLaMA(nn.Module):
             ends = (self.embedding.weight, self.dec_norm.weight, self.head.weight)
             if type(self.head) is Linear and self.head.pack and self.head.bias is None and all(
                     w.dtype == weights[0].dtype and w.is_contiguous() for w in ends):
-                stack.set_ends(ends[0], float(c.emb_scale), bool(c.emb_scale_in_dtype), *ends[1:])
+                stack.set_ends(ends[0], float(c.emb_scale), bool(c.emb_scale_in_dtype), *ends[1:],
+                               float(c.logits_scaling), float(c.final_softcap or 0.0))
                 ends = True
             else:
                 ends = False
@@ -403,10 +417,8 @@ class LLaMA(nn.Module):
         """`hidden`'s output [B, S, D] -> logits [B, S, V], or [K, V] at `logits_at`."""
         if logits_at is not None:
             x = x.flatten(0, 1).index_select(0, logits_at)  # [K, D]
-        return self._logits_scaled(self.head(self.dec_norm(x)))
-
-    def _logits_scaled(self, logits: torch.Tensor) -> torch.Tensor:
-        c = self.config
+        logits = self.head(self.dec_norm(x))
+        c = self.config  # (fms_paged::decoder_logits scales and soft-caps them as here)
         if c.logits_scaling != 1.0:
             logits = logits / c.logits_scaling
         if c.final_softcap is not None:

@@ -2,7 +2,8 @@
 each request gets the tokens it gets alone (dense `generate`, which test_families ties to
 transformers), and the page pool accounts for every page after every step. For a model whose every
 layer is windowed (Mistral), the pages behind the window are released as requests grow: a request
-holds at most the pages of a step and the window before it, and the outputs do not change.
+holds at most the pages of a step and the window before it, and the outputs do not change. With
+lookahead decode steps (`decode_steps=4`) the tokens are the same.
 
 The device's production kernel (cpp on the CPU), eager steps; pages of 16 tokens, a token budget
 of 32 (prompts of up to 70 tokens are prefilled in chunks), a pool small enough to preempt, four
@@ -70,6 +71,17 @@ def test_each_request_gets_its_tokens_alone(family, hf_family, device):
         assert most <= pages_held(70 + NEW, P, FAMILY_WINDOW, BUDGET) < pages_held(70 + NEW, P)
     eng.reset_prefix_cache()
     assert eng.pm.num_free_pages == eng.pm.num_pages - 1
+    # lookahead decode steps (up to 4 greedy steps in one call once nothing waits): the same tokens
+    eng = Engine(paged, max_num_seqs=3, max_num_batched_tokens=BUDGET, num_pages=8 if windowed else 10,
+                 max_model_len=128, compile=False, kernel=kernel_for(device), decode_steps=4)
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+    got, multi = {}, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            multi += len(out.new_token_ids) > 1
+        check_pool(eng)
+    assert [got[i] for i in ids] == alone and (multi > 0 or device.type != "cpu")
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

@@ -221,8 +221,11 @@ def test_bad_arguments_raise():
         emb, C = model.embedding.weight, model.config.emb_dim
         with pytest.raises(ValueError, match=rf"set_ends: .* got torch.float32 \({emb.shape[0]}, {C}\), "
                                              rf"torch.float64 \({C},\)"):
-            ends["stack"].set_ends(emb, 1.0, False, model.dec_norm.weight.double(), model.head.weight)
-        ends["stack"].set_ends(emb, 1.0, False, model.dec_norm.weight, model.head.weight)
+            ends["stack"].set_ends(emb, 1.0, False, model.dec_norm.weight.double(), model.head.weight, 1.0,
+                                   0.0)
+        with pytest.raises(ValueError, match=r"logits_scaling=0.0, final_softcap=-1.0; expected a non-zero"):
+            ends["stack"].set_ends(emb, 1.0, False, model.dec_norm.weight, model.head.weight, 0.0, -1.0)
+        ends["stack"].set_ends(emb, 1.0, False, model.dec_norm.weight, model.head.weight, 1.0, 0.0)
         with pytest.raises(ValueError, match=r"tokens and positions must be int64 \[B, S\] alike, got "
                                              r"torch.int64 \(2, 1\) and torch.int32"):
             torch.ops.fms_paged.decoder_logits(*{**ends, "positions": tokens.int()}.values())

@@ -1,0 +1,113 @@
+"""Lookahead decode steps (`Engine(decode_steps=k)`: up to k greedy decode steps in one forward,
+`fms_paged::decode_greedy` on the cpp kernel) against dense `generate()` of each prompt alone (an
+independent path: contiguous cache, SDPA, no pages, no scheduler) and against the engine's own
+one-token steps: the same tokens and finish reasons, the tokens after a stop dropped, every page
+back in the pool at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fms_paged import Engine, SamplingParams, generate, get_model
+from fms_paged.kv.cache import PagedCache
+from tests.engine.test_engine import cpu_only, engine, random_prompt
+
+
+def lookahead_outputs(eng: Engine) -> tuple[dict[int, list[int]], dict[int, str], int]:
+    """Step to the end -> each request's tokens, its finish reason, and how many outputs carried
+    more than one token (lookahead steps that ran)."""
+    got, reasons, multi = {}, {}, 0
+    for out in eng.stream():
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        multi += len(out.new_token_ids) > 1
+        if out.finished:
+            reasons[out.request_id] = out.finish_reason
+    return got, reasons, multi
+
+
+def test_lookahead_steps_equal_dense_alone_under_page_pressure(models):
+    """40 greedy requests of 1..40 new tokens through 8 rows and 24 pages (preemptions), prefix
+    caching on, 8 steps at a time once nothing waits: each request's tokens are dense generate()'s
+    of its prompt alone; a seeded sampled request and one asking for log-probabilities (which keep
+    their batches to one step) get the tokens they get with one-token steps."""
+    dense, paged = models
+    cpu_only(paged, "the cpp kernel's one-call steps")
+    rng = random.Random(3)
+    reqs = [(random_prompt(rng, rng.randint(1, 70)), rng.randint(1, 40)) for _ in range(40)]
+    special = [SamplingParams(max_new_tokens=30, temperature=0.8, seed=5, ignore_eos=True),
+               SamplingParams(max_new_tokens=20, logprobs=2, ignore_eos=True)]
+    results = []
+    for steps in (1, 8):
+        eng = engine(paged, decode_steps=steps)
+        ids = [eng.add_request(reqs[i][0], sp) for i, sp in enumerate(special)]  # (first: done early)
+        ids += [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in reqs]
+        got, reasons, multi = lookahead_outputs(eng)
+        m = eng.metrics()
+        assert m["kv_pages_used"] == 0 and m["running"] == m["waiting"] == 0  # every page came back
+        results.append(([got[i] for i in ids], [reasons[i] for i in ids], multi, m["preemptions"]))
+    (one, one_reasons, one_multi, _), (eight, eight_reasons, multi, preemptions) = results
+    assert one_multi == 0 and multi > 0 and preemptions > 0
+    assert eight == one and eight_reasons == one_reasons == ["length"] * len(eight)
+    for toks, (prompt, n) in zip(eight[len(special):], reqs):
+        assert toks == generate(dense, [prompt], n, eos_id=None)[0]
+
+
+def test_lookahead_steps_stop_where_one_token_steps_stop(models):
+    """A stop token, the end of max_new_tokens and the model's EOS inside a lookahead of 8 steps:
+    each request ends at the same token with the same reason as dense generate() gives, and the
+    tokens the lookahead computed past it are dropped."""
+    dense, paged = models
+    cpu_only(paged, "the cpp kernel's one-call steps")
+    prompt = [5, 6, 7, 8]
+    free = generate(dense, [prompt], 20, eos_id=None)[0]
+    stop = free[5]
+    eng = engine(paged, decode_steps=8)
+    a = eng.add_request(prompt, SamplingParams(max_new_tokens=20, stop_token_ids=[stop]))
+    b = eng.add_request(prompt, SamplingParams(max_new_tokens=11, ignore_eos=True))
+    got, reasons, multi = lookahead_outputs(eng)
+    assert multi > 0
+    assert got[a] == free[: free.index(stop) + 1] and reasons[a] == "stop"
+    assert got[b] == free[:11] and reasons[b] == "length"
+    model_eos = get_model(variant="micro", device=paged.device, seed=0, attn_impl="paged", page_size=16,
+                          eos_token_id=free[3])
+    eng = engine(model_eos, decode_steps=8)
+    c = eng.add_request(prompt, SamplingParams(max_new_tokens=20))
+    got, reasons, _ = lookahead_outputs(eng)
+    assert got[c] == free[:4] and reasons[c] == "stop" and eng.metrics()["kv_pages_used"] == 0
+
+
+@pytest.mark.parametrize("value", [0, 1.5, True, "2"])
+def test_bad_decode_steps_name_the_value(models, value):
+    _, paged = models
+    with pytest.raises(ValueError, match=rf"decode_steps={value!r}; expected an int >= 1"):
+        engine(paged, decode_steps=value)
+
+
+def test_decode_greedy_refuses_positions_without_pages(models):
+    """The operator writes only slots the page table gives a row for every step's position: a row
+    whose later steps fall on pages not RESERVEd, or a sequence outside the table, is a ValueError
+    before anything is written."""
+    _, paged = models
+    cpu_only(paged, "the cpp kernel")
+    cache = PagedCache(paged, 2, 64, kernel="cpp")
+    with torch.inference_mode():
+        tokens, positions, step, _ = cache.prefill([0], [[5, 6, 7]])
+        paged(tokens, positions, step)  # loads the operators; sequence 0 holds one page (16 slots)
+        before = [p.clone() for p in cache.k_pools]
+        view, one = cache.backend.view, torch.tensor([9])
+
+        def call(pos, seq=0, steps=4):
+            return paged.decode_greedy(one, torch.tensor([pos]), torch.tensor([seq]), view, steps)
+
+        with pytest.raises(ValueError, match=r"row 0: sequence 0 holds no pages for positions 14\.\.17 .* "
+                                             r"RESERVE them first"):
+            call(14)
+        with pytest.raises(ValueError, match=r"row 0: sequence 5 holds no pages"):
+            call(3, seq=5)
+        with pytest.raises(ValueError, match=r"steps=0, page_size=16; expected both >= 1"):
+            call(3, steps=0)
+        assert all(torch.equal(a, b) for a, b in zip(cache.k_pools, before))
+        assert call(3).shape == (1, 4)
