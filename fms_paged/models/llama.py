@@ -379,14 +379,12 @@ class LLaMA(nn.Module):
                 [s.window or 0 for s in specs], [s.softcap or 0.0 for s in specs],
                 [None if s.sinks is None else s.sinks.float().contiguous() for s in specs], c.norm_eps,
                 c.norm_unit_offset, c.residual_multiplier, int(c.activation != "silu"))
-            ends = (self.embedding.weight, self.dec_norm.weight, self.head.weight)
-            if type(self.head) is Linear and self.head.pack and self.head.bias is None and all(
-                    w.dtype == weights[0].dtype and w.is_contiguous() for w in ends):
-                stack.set_ends(ends[0], float(c.emb_scale), bool(c.emb_scale_in_dtype), *ends[1:],
+            emb, norm, head = self.embedding.weight, self.dec_norm.weight, self.head.weight
+            ends = type(self.head) is Linear and self.head.pack and self.head.bias is None and all(
+                w.dtype == weights[0].dtype and w.is_contiguous() for w in (emb, norm, head))
+            if ends:
+                stack.set_ends(emb, float(c.emb_scale), bool(c.emb_scale_in_dtype), norm, head,
                                float(c.logits_scaling), float(c.final_softcap or 0.0))
-                ends = True
-            else:
-                ends = False
         else:
             stack = None
         _STACKS[self] = (_REGISTRATIONS[0], stack, ends)
