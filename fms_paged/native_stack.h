@@ -31,7 +31,8 @@ enum Weight {
 // (ValueError naming what is wrong). It holds the weight tensors themselves, not copies: values
 // written into them in place reach the next step. Each step checks that every weight still has the
 // dtype, shape and layout it was made with (a `param.data = ...` that changed one: ValueError, make
-// a new stack), and reads the pools, RoPE rows and slots it is given.
+// a new stack), and reads the pools, RoPE rows and slots it is given. `set_ends` adds the model's
+// embedding, final norm and head (decoder_logits and decode_greedy run the whole forward).
 struct DecoderStack : torch::CustomClassHolder {
   std::vector<at::Tensor> weights;  // kLayerWeights per layer, undefined where a family has none
   std::vector<std::vector<int64_t>> shapes;  // each weight's shape when made

@@ -108,11 +108,12 @@ def prefill_blocks(model, prompts: list[list[int]], fused: bool) -> tuple[torch.
 @pytest.mark.parametrize("family", ["gemma2", "granite"])
 def test_one_call_forward_is_the_two_call_path_bit_for_bit(family, hf_family, monkeypatch):
     """`LLaMA.forward` on a step of the cpp kernel is one operator call (`fms_paged::decoder_logits`:
-    the embedding times its scale, the RoPE rows, the blocks, the final norm and the head) whose
-    logits are the model's other eager path's bit for bit (the lookups and the scale in Python,
-    `fms_paged::decoder_stack`, the norm and head modules), in bf16: on a prefill step of two
-    chunks with `logits_at` and on the decode step after it. Gemma 2 scales its embedding by a
-    tensor of its dtype and soft-caps its logits; Granite scales by a float and divides its logits."""
+    the embedding times its scale, the RoPE rows, the blocks, the final norm, the head, the logits'
+    scaling and soft-cap) whose logits are the model's other eager path's bit for bit (the lookups,
+    scales and soft-cap in Python, `fms_paged::decoder_stack`, the norm and head modules), in bf16:
+    on a prefill step of two chunks with `logits_at` and on the decode step after it. Gemma 2
+    scales its embedding by a tensor of its dtype and soft-caps its logits; Granite scales by a
+    float and divides its logits."""
     _, path = hf_family(family)
     model = get_model(model_path=path, device="cpu", dtype=torch.bfloat16, page_size=P, attn_impl="paged")
     g = torch.Generator().manual_seed(3)
