@@ -297,11 +297,10 @@ void check_step(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, 
 
 namespace {
 
-// the blocks on the residual rows xs [M, C] in place (checked: check_step)
-void run_stack(const DecoderStack& s, at::Tensor& xs, at::TensorList cos, at::TensorList sin, at::TensorList k_pools,
-               at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& chunks,
-               int64_t page_size) {
-  const at::Tensor& x = xs;
+// the blocks on the residual rows x [M, C], updated in place (checked: check_step)
+void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, at::TensorList sin,
+               at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table,
+               const at::Tensor& chunks, int64_t page_size) {
   const int e = elem_index(s.dtype);
   const KernelFn attn = attention_fn(e, s.head_dim), mm = gemv_fn(e), rows_kernel = rows_fn(e);
   TORCH_CHECK(attn && mm && rows_kernel, "decoder_stack: no ", !attn ? "attention" : !mm ? "GEMV" : "rows",
@@ -333,7 +332,7 @@ void run_stack(const DecoderStack& s, at::Tensor& xs, at::TensorList cos, at::Te
     const Mm project{mm, e, linear_gemv_rows(), x.options()};
     const Rows<T> rows{rows_kernel, s.eps, s.unit_offset};
     for (const Layer& L : layers)
-      run_layer<T>(xs.data_ptr(), M, Cd, s.head_dim, L, slots, page_table, chunks, page_size,
+      run_layer<T>(x.data_ptr(), M, Cd, s.head_dim, L, slots, page_table, chunks, page_size,
                    s.residual_multiplier, s.activation, attn, project, rows, static_cast<T*>(h), static_cast<T*>(y),
                    att);
   });

@@ -142,7 +142,7 @@ class Scheduler:
         the pages for them RESERVEd now where the pool has them (else one step). -> the steps
         planned (`plan.steps`). `update` keeps each request's tokens up to its stop."""
         reqs = plan.decodes
-        if (plan.prefills or plan.forks or plan.preempted or plan.scored_only or self.waiting or not reqs
+        if (plan.prefills or plan.preempted or self.waiting or not reqs  # (forks come with prefills)
                 or any(r.params.temperature != 0 or r.params.logprobs is not None or r.matcher is not None
                        for r in reqs)):
             return plan.steps
@@ -211,18 +211,17 @@ class Scheduler:
         `result.tokens[i]`, sampled for `plan.sampled[i]`, with its log-probabilities where its
         request asks. -> (the outputs of the requests that produced a token or finished, the
         requests that finished: their output is final and carries `Request.stats`). A request's
-        first output carries its prompt's log-probabilities, which it keeps no longer."""
-        if plan.steps > 1:
-            return self._update_steps(plan, result.steps)
-        P, cache, tokens, logprobs = self.pm.page_size, self.cache, result.tokens, result.logprobs
+        first output carries its prompt's log-probabilities, which it keeps no longer. A plan of
+        lookahead steps (`result.steps`): each request keeps its tokens in turn up to the first that
+        ends it, the later ones dropped (their keys sit in pages it gives back now); each token it
+        keeps past the first was computed by a later step."""
+        logprobs = result.logprobs
         for (r, _), lps in zip(plan.scored, result.prompt_logprobs or ()):
             r.prompt_lps.extend(lps)  # (positions start where the scored ones end, a recompute too)
         for r, n in plan.scheduled:
             self.num_prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
             r.num_computed += n
-            if cache is not None and r.num_computed // P > len(r.cache_chain):  # a page filled up
-                cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed,
-                             r.cache_chain, r.cache_salt)
+            self._cache_filled(r)
         for parent, child in plan.forks:  # the parent's prompt is computed: share its pages
             self.pm.fork(parent.seq_id, child.seq_id)
             self.released[child.seq_id] = self.released[parent.seq_id]
@@ -235,17 +234,24 @@ class Scheduler:
             finished.append(r)
             outputs.append(RequestOutput(r.request_id, [], True, "length", r.index, None, r.stats("length"),
                                          self._take_prompt_logprobs(r)))
-        for i, ((r, _), tok) in enumerate(zip(plan.sampled, tokens)):
-            r.output.append(tok)
-            r.token_times.append(now)
-            self.num_output_tokens += 1
+        rows = result.steps if result.steps is not None else [[t] for t in result.tokens]
+        for i, ((r, _), toks) in enumerate(zip(plan.sampled, rows)):
             reason = None
-            if r.matcher is not None:  # its grammar masked the logits: the token is one it takes
-                r.matcher.accept_token(tok)
-            if tok in r.stop_ids or (r.matcher is not None and r.matcher.is_terminated()):
-                reason = "stop"
-            elif len(r.output) >= r.params.max_new_tokens:
-                reason = "length"
+            for j, tok in enumerate(toks):
+                if j:  # a later lookahead step computed the token before this one
+                    r.num_computed += 1
+                    self._cache_filled(r)
+                r.output.append(tok)
+                r.token_times.append(now)
+                self.num_output_tokens += 1
+                if r.matcher is not None:  # its grammar masked the logits: the token is one it takes
+                    r.matcher.accept_token(tok)
+                if tok in r.stop_ids or (r.matcher is not None and r.matcher.is_terminated()):
+                    reason = "stop"
+                elif len(r.output) >= r.params.max_new_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
             stats = None
             if reason is not None:
                 self.finish(r)
@@ -253,42 +259,15 @@ class Scheduler:
                 stats = r.stats(reason)
             # (no logprobs at all: a tensor-parallel worker's update, which outputs nothing)
             lps = None if r.params.logprobs is None or logprobs is None else [logprobs[i]]
-            outputs.append(RequestOutput(r.request_id, [tok], reason is not None, reason, r.index,
+            outputs.append(RequestOutput(r.request_id, toks[: j + 1], reason is not None, reason, r.index,
                                          lps, stats, self._take_prompt_logprobs(r)))
         return outputs, finished
 
-    def _update_steps(self, plan: SchedulerOutput, steps: list[list[int]]
-                      ) -> tuple[list[RequestOutput], list[Request]]:
-        """`update` of a plan of lookahead decode steps: each request keeps its tokens in turn up
-        to the first that ends it (a stop token, its `max_new_tokens`), the later ones dropped (their
-        keys sit in pages it gives back now); its tokens computed grow by those it keeps."""
-        P, cache, now = self.pm.page_size, self.cache, time.perf_counter()
-        outputs, finished = [], []
-        for (r, _), toks in zip(plan.sampled, steps):
-            kept, reason = [], None
-            for tok in toks:
-                kept.append(tok)
-                if tok in r.stop_ids:
-                    reason = "stop"
-                elif len(r.output) + len(kept) >= r.params.max_new_tokens:
-                    reason = "length"
-                if reason is not None:
-                    break
-            r.output.extend(kept)
-            r.token_times.extend([now] * len(kept))
-            self.num_output_tokens += len(kept)
-            r.num_computed += len(kept)
-            if cache is not None and r.num_computed // P > len(r.cache_chain):  # a page filled up
-                cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed, r.cache_chain,
-                             r.cache_salt)
-            stats = None
-            if reason is not None:
-                self.finish(r)
-                finished.append(r)
-                stats = r.stats(reason)
-            outputs.append(RequestOutput(r.request_id, kept, reason is not None, reason, r.index, None, stats,
-                                         self._take_prompt_logprobs(r)))
-        return outputs, finished
+    def _cache_filled(self, r: Request) -> None:
+        """Put the request's pages filled up to its tokens computed into the prefix cache."""
+        if self.cache is not None and r.num_computed // self.pm.page_size > len(r.cache_chain):
+            self.cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed, r.cache_chain,
+                              r.cache_salt)
 
     @staticmethod
     def _take_prompt_logprobs(r: Request) -> list[TokenLogprobs | None] | None:
