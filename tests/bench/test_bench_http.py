@@ -284,8 +284,9 @@ port = int(sys.argv[sys.argv.index("--port") + 1])
 mode, ready_after, calls = sys.argv[1], int(sys.argv[2]), [0]
 if mode == "exit":
     sys.exit("boom: bad checkpoint")
-if mode == "stubborn":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+# a Ctrl-C stops it, as it stops a server, even where this process was started with SIGINT ignored
+# (a background job of a non-interactive shell: Python then installs no handler of its own)
+signal.signal(signal.SIGINT, signal.SIG_IGN if mode == "stubborn" else signal.default_int_handler)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         calls[0] += 1
