@@ -372,3 +372,22 @@ def test_rms_norm_takes_the_rows_kernel_where_it_is_loaded(dtype, unit_offset, i
         y = norm(x.float().requires_grad_().to(dtype))  # autograd: the torch formula
         y.float().sum().backward()
         assert len(calls) == 1 and norm.weight.grad is not None and y.grad_fn is not None
+
+
+def test_a_models_first_forward_computes_what_later_ones_do(monkeypatch):
+    """In a process where no kernel is loaded yet, a CPU model's first forward (whose first operator
+    is a norm, ahead of any projection) loads the rows kernel for its norms as the projections load
+    theirs, so it takes the paths every later forward takes: fp32 logits bit for bit the same (the
+    norm's torch formula sums the squares in another order: ~1e-5 apart)."""
+    if (why := native.ops()) is not None:
+        pytest.skip(f"no operators here: {why}")
+    monkeypatch.setattr(linear, "_READY", {})  # no kernel loaded in this "process" yet
+    monkeypatch.setattr(native, "_REGISTERED", {})
+    model = get_model(variant="micro", attn_impl="sdpa", device="cpu", dtype=torch.float32)
+    op, calls = torch.ops.fms_paged.rms_norm, []
+    monkeypatch.setattr(torch.ops.fms_paged, "rms_norm", lambda *args: calls.append(1) or op(*args))
+    tokens = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        first, second = model(tokens), model(tokens)
+    assert calls and len(calls) % 2 == 0  # every norm of both forwards
+    assert torch.equal(first, second)
