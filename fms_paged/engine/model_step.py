@@ -44,6 +44,8 @@ def decode_fn(cache: object, compile: bool, collectives: bool = False) -> Callab
     if not compile:
         return decode_one_token
     kernel: Kernel | None = getattr(cache, "kernel", None)
+    if kernel is not None and kernel.dynamic_shapes:
+        getattr(cache, "backend", cache).mark_dynamic()  # (a PagedCache's backend, or the backend)
     cpu = getattr(getattr(cache, "device", None), "type", None) == "cpu"
     fn = compiled_decode(kernel is not None and kernel.static_decode, cpu and not collectives)
     return functools.partial(_rows_dynamic, fn) if kernel is not None and kernel.dynamic_shapes else fn

@@ -90,18 +90,25 @@ class PagedBackend:
         for pool in self.k_pools + self.v_pools:
             pool[:, :, :P].zero_()
         # the page size the cpp op is given: an int that a compiled step takes as an input
-        # (SymInt), as it takes the pool length and the page table's size (dynamic dims): one
-        # compiled decode graph serves every pool, page size and `max_model_len` of a model shape
+        # (SymInt), as it takes the pool length and the page table's size (dynamic dims:
+        # `mark_dynamic`): one compiled decode graph serves every pool, page size and
+        # `max_model_len` of a model shape
         page_size_arg = DynamicInt(P)
+        self.view = PoolView(
+            self.k_pools, self.v_pools, self.pm.page_table, self.pm.phys_to_logical, P, page_size_arg,
+            self.num_pages, max_batch * self.pm.max_pages_per_seq, self.specs, c.nheads // c.kvheads,
+            self.device)
+
+    def mark_dynamic(self) -> None:
+        """For a compiled step of a kernel with dynamic shapes (cpp): the pools' length and the
+        page table's size as dynamic dims, so that one compiled decode graph serves every pool and
+        `max_model_len` of a model shape. Called where a step is compiled (`decode_fn`), not when
+        the pools are made: marking imports torch._dynamo, ~1 s of a start that runs eager steps."""
         if self.kernel.dynamic_shapes:
             for pool in self.k_pools + self.v_pools:
                 torch._dynamo.maybe_mark_dynamic(pool, 2)
             torch._dynamo.maybe_mark_dynamic(self.pm.page_table, 0)
             torch._dynamo.maybe_mark_dynamic(self.pm.page_table, 1)
-        self.view = PoolView(
-            self.k_pools, self.v_pools, self.pm.page_table, self.pm.phys_to_logical, P, page_size_arg,
-            self.num_pages, max_batch * self.pm.max_pages_per_seq, self.specs, c.nheads // c.kvheads,
-            self.device)
 
     @property
     def kv_bytes(self) -> int:

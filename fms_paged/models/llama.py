@@ -230,7 +230,13 @@ class LLaMA(nn.Module):
     def __init__(self, config: LLaMAConfig):
         super().__init__()
         self.config = c = config
-        self.embedding = nn.Embedding(c.src_vocab_size, c.emb_dim)
+        # nn.Embedding's own init (normal(0, 1)), drawn where the weight exists: on the meta device
+        # (where the loaders build a model before its weights arrive) there is nothing to draw, and
+        # torch's meta normal_ imports torch._dynamo (~1 s of every start)
+        weight = torch.empty(c.src_vocab_size, c.emb_dim)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embedding = nn.Embedding(c.src_vocab_size, c.emb_dim, _weight=weight)
         self.layers = nn.ModuleList(LLaMABlock(c, i) for i in range(c.nlayers))
         self.dec_norm = RMSNorm(c.emb_dim, c.norm_eps, c.norm_unit_offset)
         self.head = Linear(c.emb_dim, c.src_vocab_size, bias=False)

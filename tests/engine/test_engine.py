@@ -652,3 +652,27 @@ def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel, req
     assert counters["stats"]["unique_graphs"] == graphs
     for rid, (prompt, k) in zip(ids, reqs):
         assert got[rid] == generate(dense, [prompt], k, eos_id=None)[0]
+
+
+def test_an_eager_start_does_not_import_the_compiler(tmp_path):
+    """A model loaded from a checkpoint (built on the meta device first) and from a variant, and an
+    eager engine's steps, never import torch._dynamo (~1 s of a start: torch's meta normal_ and
+    marking the pools' dims dynamic imported it); a compiled step marks the pools when it is made
+    (`test_cpp_decode_graphs_are_shared_by_pools_page_sizes_and_buckets`). In a fresh interpreter:
+    this one has imported it long ago."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from fms_paged import Engine, SamplingParams, get_model\n"
+        "for model in (get_model(attn_impl='paged', dtype=torch.bfloat16),\n"
+        "              get_model(variant='micro', attn_impl='paged')):\n"
+        "    eng = Engine(model, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)\n"
+        "    eng.add_request(list(range(3, 40)), SamplingParams(max_new_tokens=3, ignore_eos=True))\n"
+        "    assert sum(len(o.new_token_ids) for _ in range(8) for o in eng.step()) == 3\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "False"
