@@ -654,7 +654,7 @@ def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel, req
         assert got[rid] == generate(dense, [prompt], k, eos_id=None)[0]
 
 
-def test_an_eager_start_does_not_import_the_compiler(tmp_path):
+def test_an_eager_start_does_not_import_the_compiler():
     """A model loaded from a checkpoint (built on the meta device first) and from a variant, and an
     eager engine's steps, never import torch._dynamo (~1 s of a start: torch's meta normal_ and
     marking the pools' dims dynamic imported it); a compiled step marks the pools when it is made
