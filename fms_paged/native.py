@@ -19,6 +19,10 @@ later process loads them at once and a changed source is built again:
   inductor's generated code and an AOT-compiled graph reach the kernels through the dispatcher
   alone: no Python, no ctypes.
 
+A first start on a machine builds them in background threads while a paged CPU model loads
+(`prebuild_model`), and the model does not wait: while they compile (`compiling`) it computes
+with torch's operations, and takes the operators and kernels at its first call after.
+
 The instruction set is chosen on the machine, when a kernel is first used: by default a kernel is
 built for the CPU it runs on (`-march=native`), so its vectors are that CPU's widest (AVX-512,
 else AVX2; NEON on Arm) and its half-precision loads use the conversion instructions that CPU has
@@ -29,6 +33,7 @@ else AVX2; NEON on Arm) and its half-precision loads use the conversion instruct
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import logging
@@ -148,15 +153,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fms_paged" / "kernels"
 
 
+def _library(name: str, made_from: list[str], cache: Path | None = None) -> Path:
+    """Where the library `name` made from `made_from` is kept: `name`_<hash of made_from>.so."""
+    key = hashlib.sha256("\n".join(made_from).encode()).hexdigest()[:16]
+    return (cache or cache_dir()) / f"{name}_{key}.so"
+
+
 def _build(name: str, command: list[str], made_from: list[str],
            sources: tuple[Path, ...] = (), cache: Path | None = None) -> tuple[Path | None, str | None]:
-    """The library `name`_<hash of made_from>.so in `cache_dir()`: found, or built aside and renamed
+    """The library `name` made from `made_from` (`_library`): found, or built aside and renamed
     into place (atomic: another process building the same library at once does no harm) ->
     (path, None), or (None, why not). Built by `command` with the output path appended; with
     `sources`, `command` compiles each of them (`-c`) at once in processes of their own, and the
     objects are linked by `command`'s link flags (those after `-L`)."""
-    key = hashlib.sha256("\n".join(made_from).encode()).hexdigest()[:16]
-    path = (cache or cache_dir()) / f"{name}_{key}.so"
+    path = _library(name, made_from, cache)
     if path.exists():
         return path, None
     try:
@@ -202,17 +212,27 @@ def load(source: Path, **defines: int | str) -> tuple[Path | None, str | None]:
 
 @functools.cache
 def _load(source: Path, which: str, cache: Path, **defines: int | str) -> tuple[Path | None, str | None]:
+    recipe = _kernel_recipe(source, which, **defines)
+    if isinstance(recipe, str):
+        return None, recipe
+    name, command, made_from = recipe
+    return _build(name, command, made_from, cache=cache)
+
+
+def _kernel_recipe(source: Path, which: str, **defines: int | str) -> tuple[str, list[str], list[str]] | str:
+    """(name, compile command, what it is made from) of the kernel library `_load` builds, or why
+    it cannot be built here."""
     cxx = compiler()
     if cxx is None:
-        return None, "no C++ compiler found ($CXX, g++ or c++)"
+        return "no C++ compiler found ($CXX, g++ or c++)"
     version = _compiler_version(cxx)
     if version is None:
-        return None, f"{cxx} --version failed"
+        return f"{cxx} --version failed"
     flags = _flags(which) + [f"-I{_HERE}"] + [f"-D{k}={v}" for k, v in sorted(defines.items())]
     made_from = [source.read_text(), *(h.read_text() for h in HEADERS), " ".join(flags), version, _cpu_id()]
     tag = "".join(f"_{k.lower()}{v}" for k, v in sorted(defines.items()))
     tag += "" if which == "native" else f"_{which}"
-    return _build(source.stem + tag, [cxx, *flags, str(source)], made_from, cache=cache)
+    return source.stem + tag, [cxx, *flags, str(source)], made_from
 
 
 def _cpp_extension():
@@ -267,7 +287,9 @@ def ops_loaded() -> bool:
     return _OPS == [None]
 
 
-def _load_ops() -> str | None:
+def _ops_recipe() -> tuple[list[str], list[str]] | str:
+    """(compile command, what it is made from) of the operators' library, or why it cannot be
+    built here."""
     cxx = compiler()
     if cxx is None:
         return "no C++ compiler found ($CXX, g++ or c++)"
@@ -276,8 +298,15 @@ def _load_ops() -> str | None:
         return f"{cxx} --version failed"
     command = _ops_command(cxx)
     sources = (*OPS_SOURCES, OPS_HEADER, STACK_HEADER, *HEADERS)
-    made_from = [*(f.read_text() for f in sources), " ".join(command), version, torch.__version__,
-                 str(torch.version.git_version), sys.version]
+    return command, [*(f.read_text() for f in sources), " ".join(command), version, torch.__version__,
+                     str(torch.version.git_version), sys.version]
+
+
+def _load_ops() -> str | None:
+    recipe = _ops_recipe()
+    if isinstance(recipe, str):
+        return recipe
+    command, made_from = recipe
     path, why = _build("native_ops", command, made_from, OPS_SOURCES)
     if path is None:
         return why
@@ -308,6 +337,9 @@ def _submit(fn, *args, **kwargs) -> concurrent.futures.Future:
 
 _FUTURES: dict[tuple, concurrent.futures.Future] = {}  # each kernel's build, once per cache dir
 _FUTURES_LOCK = threading.Lock()
+# the background builds this process started that compile (their library was not in the cache
+# when they started), until they are done: see `compiling`
+_COMPILING: list[concurrent.futures.Future] = []
 
 
 def _building(source: Path, dtype: torch.dtype, **defines: int | str) -> concurrent.futures.Future:
@@ -317,7 +349,48 @@ def _building(source: Path, dtype: torch.dtype, **defines: int | str) -> concurr
     with _FUTURES_LOCK:
         if key not in _FUTURES:  # (the cache dir of now: the build may run after it changes)
             _FUTURES[key] = _submit(_load, source, which, cache, **defines)
+            recipe = _kernel_recipe(source, which, **defines)
+            if not isinstance(recipe, str) and not _library(recipe[0], recipe[2], cache).exists():
+                _COMPILING.append(_FUTURES[key])
         return _FUTURES[key]
+
+
+def compiling() -> bool:
+    """Whether a build this process started in the background (`prebuild_model`, `prebuild`) is
+    still compiling: a first start on this machine, its libraries not in the cache yet. While one
+    is, a paged CPU model computes with torch's operations instead of waiting (`linear.serves`,
+    `cpu_kernel.loaded`: the first tokens come in seconds), and takes the operators and kernels at
+    its first call after the builds are done. Where every library was found built, this is False
+    from the start: a model's every call takes the same path."""
+    with _FUTURES_LOCK:
+        _COMPILING[:] = [f for f in _COMPILING if not f.done()]
+        return bool(_COMPILING)
+
+
+@contextlib.contextmanager
+def yielding_to_builds():
+    """Torch's operations on one thread inside, while this process's first builds compile
+    (`compiling`; as they were otherwise): the steps that run meanwhile by torch's operations
+    leave the other cores to the compilers. On two cores, two intra-op threads beside three
+    compilers doubled the builds' time (their OpenMP threads spin between operations) and ran the
+    steps no faster."""
+    if not compiling():
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def wait_for_builds() -> None:
+    """Wait for the background builds this process started (`compiling`): what a compiled graph
+    needs before it is traced, so that it calls the operators rather than torch's fallbacks."""
+    with _FUTURES_LOCK:
+        pending = list(_COMPILING)
+    concurrent.futures.wait(pending)
 
 
 def prebuild(source: Path, dtype: torch.dtype, **defines: int | str) -> None:
@@ -359,8 +432,11 @@ def prebuild_model(device: torch.device, dtype: torch.dtype | None, head_dim: in
 
     if attn_impl != "paged" or device.type != "cpu" or dtype not in ELEM_TYPES or compiler() is None:
         return
-    if not _OPS:
-        _submit(ops)  # (a build that fails is reported where the operators are first asked for)
+    if not _OPS:  # (a build that fails is reported where the operators are first asked for)
+        future, recipe = _submit(ops), _ops_recipe()
+        if not isinstance(recipe, str) and not _library("native_ops", recipe[1]).exists():
+            with _FUTURES_LOCK:
+                _COMPILING.append(future)
     linear.prebuild_kernels(dtype)
     if head_dim % cpu_kernel.HEAD_DIM_MULTIPLE == 0 and not os.environ.get("FMS_PAGED_FORCE_GATHER"):
         prebuild(cpu_kernel.SOURCE, dtype, HEAD_DIM=head_dim)

@@ -127,6 +127,15 @@ def targets(res: dict[str, Any]) -> list[dict[str, str]]:
     return rows
 
 
+def cold_line(dtype: str, r: dict[str, Any]) -> str:
+    """One dtype's cold start: first token from Engine(...), builds done (from process start), rate."""
+    if "engine_first_token_s" not in r:
+        return f"{dtype} failed"
+    nan = float("nan")
+    return (f"{dtype} {r['engine_first_token_s']:.1f} s, builds done by {r.get('builds_done_s', nan):.1f} s, "
+            f"{r.get('output_tok_s', nan):.1f} tok/s")
+
+
 def markdown(res: dict[str, Any]) -> str:
     from fms_paged.bench.report import table
 
@@ -206,11 +215,10 @@ def markdown(res: dict[str, Any]) -> str:
     lines.append("")
     if cold:
         lines += [
-            "Engine cold start (empty kernel and compile caches), Engine(...) to first token: "
-            + "; ".join(
-                f"{dt} {r['engine_first_token_s']:.1f} s" if "engine_first_token_s" in r else f"{dt} failed"
-                for dt, r in cold.items()
-            ),
+            "Engine cold start (empty kernel and compile caches), Engine(...) to first token (the "
+            "first steps by torch's operations while the operators and kernels build in the background), "
+            "then the builds done, from process start, and the timed run's rate with the kernels: "
+            + "; ".join(cold_line(dt, r) for dt, r in cold.items()),
             "",
         ]
     lines += [

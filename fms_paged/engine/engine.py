@@ -327,7 +327,7 @@ class Engine:
             self._ranks.send()
         plan = self.scheduler.schedule()
         if plan.scheduled:
-            if self.decode_steps > 1 and self._ranks is None:
+            if self.decode_steps > 1 and self._ranks is None and self.runner.decodes_in_one_call():
                 self.scheduler.lookahead(plan, self.decode_steps)
             result = self.runner.run(plan)
             if self._ranks is not None:  # sent with the next step's message

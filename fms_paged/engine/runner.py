@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from fms_paged import native
 from fms_paged.engine.model_step import (
     CUDA_GRAPH_MODES,
     GraphedDecode,
@@ -77,6 +78,8 @@ class ModelRunner:
         self.model, self.backend = model, backend
         self.kernel = backend.kernel
         self.compiled = self.kernel.compiles if compile == "auto" else bool(compile)
+        if self.compiled:  # a graph traced now must call the operators, not their fallbacks
+            native.wait_for_builds()
         self._decode = decode_fn(backend, self.compiled, collectives=getattr(model, "tp", None) is not None)
         why_not = cuda_graphs_unavailable_reason(backend, self.compiled)
         if cuda_graphs is True and why_not:
@@ -100,7 +103,12 @@ class ModelRunner:
         """One forward over `plan` -> the token sampled for each of `plan.sampled`, each one's
         `TokenLogprobs` where its request asks (None elsewhere; None when no request asks), and
         the log-probabilities of the prompt tokens `plan.scored` asks for. `sample=False`: the
-        forward alone, -> None (a tensor-parallel worker: rank 0 samples)."""
+        forward alone, -> None (a tensor-parallel worker: rank 0 samples). On one thread while a
+        first start's builds compile (`native.yielding_to_builds`)."""
+        with native.yielding_to_builds():
+            return self._run(plan, sample)
+
+    def _run(self, plan: SchedulerOutput, sample: bool) -> StepResult | None:
         self.backend.prepare_pages(plan.reservation)
         masks = None  # the grammars' bitmasks: filled in a thread while the forward runs, or inline
         if sample and self.grammars is not None and any(r.matcher is not None for r, _ in plan.sampled):
@@ -191,6 +199,13 @@ class ModelRunner:
         last = torch.tensor([(r.output or r.prompt)[-1] for r in reqs] + [0] * pad).to(self.model.device)
         return ([r.seq_id for r in reqs] + [0] * pad, last,
                 [r.num_computed for r in reqs] + [0] * pad, [True] * n + [False] * pad)
+
+    def decodes_in_one_call(self) -> bool:
+        """Whether lookahead decode steps run in one call now (`LLaMA.decodes_in_one_call`, eager
+        steps): what the engine asks before it plans them (`Scheduler.lookahead` RESERVEs their
+        pages)."""
+        ready = getattr(self.model, "decodes_in_one_call", None)
+        return self.kernel.one_call and ready is not None and not self.compiled and ready(self.backend.view)
 
     def _decode_steps(self, reqs: list[Request], steps: int) -> list[list[int]] | None:
         """`steps` greedy decode steps of `reqs` in one call (`LLaMA.decode_greedy`) -> each

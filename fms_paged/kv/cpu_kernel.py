@@ -27,6 +27,7 @@ mode and in a compiled graph.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,7 +48,9 @@ def load_attention(head_dim: int, dtype: torch.dtype = torch.float32) -> str | N
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> str | None:
-    """Why the kernel cannot serve this model here (None if it can; builds it if need be)."""
+    """Why the kernel cannot serve this model here (None if it can; builds it if need be, or, while
+    a first start's builds compile (`native.compiling`), starts its build and says it can: the
+    steps attend by torch's operations until it is loaded, `loaded`)."""
     if device.type != "cpu":
         return f"it runs on the CPU, the model is on {device.type}"
     if dtype not in native.ELEM_TYPES:
@@ -59,7 +62,30 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
     if os.environ.get("FMS_PAGED_FORCE_GATHER"):
         return "FMS_PAGED_FORCE_GATHER is set"
     prebuild_kernels(dtype)  # the model's blocks need them next: built beside this one
+    native.prebuild(SOURCE, dtype, HEAD_DIM=head_dim)
+    if native.compiling():  # a first start: served once built, by torch's operations until then
+        return None
     return load_attention(head_dim, dtype)
+
+
+_WARNED: set[tuple[int, torch.dtype]] = set()
+
+
+def loaded(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel for `head_dim` and `dtype` is loaded into the operators, loading it if it
+    is built; False while a first start's builds compile (`native.compiling`), and where it could
+    not be built (warned once: the cpp kernel's steps then attend by torch's operations,
+    `CppStep.attention`)."""
+    if native.kernel_ready("attention", dtype, head_dim):
+        return True
+    if native.compiling():
+        return False
+    why = load_attention(head_dim, dtype)
+    if why is not None and (head_dim, dtype) not in _WARNED:
+        _WARNED.add((head_dim, dtype))
+        warnings.warn(f"fms_paged: the CPU attention kernel could not be had ({why}); the cpp kernel's "
+                      "steps attend by GATHER + SDPA", stacklevel=2)
+    return why is None
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,

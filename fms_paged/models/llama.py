@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fms_paged.kv import cpu_kernel
 from fms_paged.kv.spec import AttentionSpec
 from fms_paged.modules import (
     LINEAR_IMPLS,
@@ -310,16 +311,24 @@ class LLaMA(nn.Module):
             stack, tokens, positions, [r.cos for r in self.ropes], [r.sin for r in self.ropes], view.k_pools,
             view.v_pools, step.slots, view.page_table, step.chunks, view.page_size, logits_at)
 
+    def decodes_in_one_call(self, view) -> bool:
+        """Whether `decode_greedy` runs over `view`'s pools now: the operators and kernels loaded (not
+        while a first start's builds compile, `native.compiling`) and the stack has its ends
+        (`_fused_forward`)."""
+        kp = view.k_pools[0]
+        return (kp.device.type == "cpu" and linear_ops(kp.dtype) and cpu_kernel.loaded(kp.shape[-1], kp.dtype)
+                and self._stack()[1])
+
     def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor, view,
                       steps: int) -> torch.Tensor | None:
         """`steps` greedy decode steps of the sequences `seqs` [B] in one operator call
         (`fms_paged::decode_greedy`): row b's last token tokens[b] at position positions[b], its
         pages RESERVEd in `view`'s page table for the steps' positions -> the tokens [B, steps];
         each step is `forward`'s one call and the sampler's argmax. None where the forward is not
-        one call (`_fused_forward`: no ends)."""
-        stack, ends = self._stack()
-        if not ends:
+        one call (`decodes_in_one_call`)."""
+        if not self.decodes_in_one_call(view):
             return None
+        stack, _ = self._stack()
         return torch.ops.fms_paged.decode_greedy(
             stack, tokens, positions, seqs, [r.cos for r in self.ropes], [r.sin for r in self.ropes],
             view.k_pools, view.v_pools, view.page_table, view.page_size, steps)

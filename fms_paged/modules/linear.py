@@ -114,8 +114,11 @@ def load_gemv(dtype: torch.dtype) -> str | None:
 
 
 def serves(dtype: torch.dtype) -> bool:
-    """Whether `torch.ops.fms_paged.linear` serves `dtype` here (loading it on first use)."""
+    """Whether `torch.ops.fms_paged.linear` serves `dtype` here (loading it on first use); False
+    while a first start's builds compile (`native.compiling`: torch's operations meanwhile)."""
     if dtype not in _READY:
+        if native.compiling():
+            return False
         load_gemv(dtype)
     return native.ops_loaded()
 

@@ -8,6 +8,7 @@ use the compiled steps. Models and engines are on the test device (`--device`).
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 
@@ -676,3 +677,50 @@ def test_an_eager_start_does_not_import_the_compiler():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[-1] == "False"
+
+
+def test_a_first_start_serves_by_torch_while_its_builds_compile(models):
+    """While a first start's builds compile (`native.compiling`), an engine's steps run by torch's
+    operations on one thread (the projections F.linear, the norms, attention by GATHER + SDPA, one
+    token a step, torch's argmax) instead of waiting for the compilers, and once the builds are done
+    its next steps take the operators and kernels (the one-call forward and lookahead steps): the
+    fp32 tokens are those an engine with the kernels loaded throughout computes. In a fresh
+    interpreter (this one has loaded them), with the builds' end simulated mid-run."""
+    import subprocess
+    import sys
+
+    if models[1].device.type != "cpu":
+        pytest.skip("the CPU's operators and kernels")
+    prompts, new = [list(range(3, 40)), list(range(50, 61))], 12
+    code = (
+        "import json, torch\n"
+        "from fms_paged import Engine, SamplingParams, get_model, native\n"
+        "building, seen = [True], []\n"
+        "native.compiling = lambda: building[0]\n"
+        "model = get_model(variant='micro', attn_impl='paged', page_size=16, seed=0)\n"
+        "eng = Engine(model, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=96, decode_steps=4)\n"
+        "model.register_forward_pre_hook(lambda m, a: seen.append(\n"
+        "    (building[0], torch.get_num_threads(), native.kernel_ready('gemv', torch.float32))))\n"
+        f"params = SamplingParams(max_new_tokens={new}, ignore_eos=True)\n"
+        f"ids = [eng.add_request(p, params) for p in {prompts}]\n"
+        "out, one_call = {i: [] for i in ids}, []\n"
+        "for o in eng.stream():\n"
+        "    out[o.request_id] += o.new_token_ids\n"
+        "    one_call.append(eng.runner.decodes_in_one_call())\n"
+        "    building[0] = building[0] and sum(map(len, out.values())) < 6  # the builds end here\n"
+        "print(json.dumps([[out[i] for i in ids], seen, one_call, torch.get_num_threads()]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tokens, seen, one_call, threads = json.loads(run.stdout.splitlines()[-1])
+    during = [s for s in seen if s[0]]
+    assert during and all(t == 1 and not gemv for _, t, gemv in during)  # torch's operations, one thread
+    after = [s for s in seen if not s[0]]
+    assert after and all(t == threads and gemv for _, t, gemv in after)
+    assert not one_call[0] and one_call[-1]  # lookahead steps once the kernels are loaded
+    eng = Engine(models[1], max_num_seqs=2, max_num_batched_tokens=64, max_model_len=96, decode_steps=4)
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True)) for p in prompts]
+    want = {i: [] for i in ids}
+    for o in eng.stream():
+        want[o.request_id] += o.new_token_ids
+    assert tokens == [want[i] for i in ids]

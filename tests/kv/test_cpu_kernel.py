@@ -281,6 +281,40 @@ def test_window_softcap_and_sinks_match_float64(isa, dtype, H, Hkv, window, soft
     assert ok.all(), f"{(~ok).sum().item()} outputs off by more than the dtype's rounding"
 
 
+@pytest.mark.parametrize("window,softcap,sinks,P", [pytest.param(0, 0.0, None, 8, id="plain"), *VARIANTS])
+def test_steps_fallback_matches_float64(window, softcap, sinks, P):
+    """What a cpp step computes by torch's operations while a first start's builds compile
+    (`CppStep.gathered`), on the variants' chunks and pools (NaN in every stale slot and at every
+    key older than all its sequence's queries' windows: never read): the reference's attention,
+    fp32, GQA, and zero for the row of no sequence."""
+    from types import SimpleNamespace
+
+    from fms_paged.kv.kernels.cpp import CppStep
+    from fms_paged.kv.spec import AttentionSpec
+
+    H, Hkv, D = 4, 2, 32
+    parts = [*VARIANT_PARTS, (-1, 0, 1)]
+    k, v, table, slots = make_pool([q0 + n for _, q0, n in VARIANT_PARTS], H, Hkv, D, P)
+    offs = torch.tensor([0] + [n for _, _, n in parts]).cumsum(0)
+    chunks = torch.tensor([(s, q0, n, int(o)) for (s, q0, n), o in zip(parts, offs)])
+    q = torch.randn(1, int(offs[-1]), H, D, generator=torch.Generator().manual_seed(1))
+    q = (q * (4.0 if softcap else 1.0)).transpose(1, 2)  # [1, H, T, D], a view
+    sinks = None if sinks is None else sink_logits(sinks, H)
+    kp, vp = k.clone(), v.clone()
+    if window:
+        for s, q0, _ in VARIANT_PARTS:
+            old = slots[s][: max(0, q0 - window + 1)]
+            kp[0, :, old] = float("nan")
+            vp[0, :, old] = float("nan")
+    step = CppStep(SimpleNamespace(page_table=table, page_size=P, k_pools=[kp]), torch.zeros(0), chunks)
+    spec = AttentionSpec(D**-0.5, window or None, softcap or None, sinks)
+    out = step.gathered(q, kp, vp, spec)
+    assert out.shape == q.shape
+    ref = reference(q, k, v, slots, chunks, H, window, softcap, sinks)
+    assert (out.transpose(1, 2).double() - ref).abs().max().item() <= TOL
+    assert (out[0, :, -1] == 0).all()
+
+
 def test_variants_off_are_the_plain_kernel():
     """A window no query outgrows and sinks of -inf (no weight) leave every output bit as without
     them: masked keys get exactly zero weight and the softmax's start changes nothing; the

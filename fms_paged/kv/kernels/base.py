@@ -102,6 +102,9 @@ class Kernel:
     min_rows: ClassVar[int] = 1  # fewest rows of a compiled decode batch (a lone request is padded)
     min_prefill_tokens: ClassVar[int] = 1  # fewest tokens of a compiled prefill step (padded)
     takes_score_mod: ClassVar[bool] = False  # applies a user score_mod (in logical positions)
+    # its eager steps may run the model's whole forward, and several greedy decode steps, in one
+    # operator call (`LLaMA.decode_greedy`: the cpp kernel's operators)
+    one_call: ClassVar[bool] = False
 
     def __str__(self) -> str:
         return self.name

@@ -12,8 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fms_paged.kv import cpu_kernel
+from fms_paged.kv._pool_ops import read_slots
 from fms_paged.kv.kernels.base import Kernel, PoolStep
-from fms_paged.kv.spec import AttentionSpec
+from fms_paged.kv.spec import AttentionSpec, attend, visible
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 
 
@@ -21,21 +23,62 @@ class CppStep(PoolStep):
     """A step of the cpp kernel: the slots of its new tokens and its chunk list. `fused`: an eager
     forward of our models runs the step's blocks in one call of the operator
     `fms_paged::decoder_stack` (`LLaMA.hidden`), decode rows and prefill chunks alike; compiled
-    forwards and FMS's models attend layer by layer."""
+    forwards and FMS's models attend layer by layer.
 
-    fused = True
+    While a first start's builds compile (`native.compiling`), or where the kernel could not be
+    built, an eager step attends by torch's operations instead (`gathered`: GATHER each chunk's
+    keys and values, then `attend`, the gather kernel's math) and is not fused."""
 
     def __init__(self, view: PoolView, slots: torch.Tensor, chunks: torch.Tensor):
         self.view, self.slots, self.chunks = view, slots, chunks
+        self._fused: bool | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Whether an eager forward runs the step's blocks in one call: where the kernel is loaded,
+        unless set False (the modules then run the step)."""
+        return self.kernel_loaded() if self._fused is None else self._fused and self.kernel_loaded()
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self._fused = value
+
+    def kernel_loaded(self) -> bool:
+        """Whether the kernel for the pools' head dim and dtype is loaded (`cpu_kernel.loaded`)."""
+        kp = self.view.k_pools[0]
+        return cpu_kernel.loaded(kp.shape[-1], kp.dtype)
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                   spec: AttentionSpec) -> torch.Tensor:
         # q: [B', H, S', D]; kp, vp: [1, Hkv, NP, D] -> [B', H, S', D] (a view of [B', S', H, D])
+        if not torch.compiler.is_compiling() and not self.kernel_loaded():
+            return self.gathered(q, kp, vp, spec)
         v = self.view
         sinks = None if spec.sinks is None else spec.sinks.float().contiguous()  # the op takes fp32 [H]
         out = torch.ops.fms_paged.paged_attention(q, kp, vp, v.page_table, self.chunks, v.page_size_arg,
                                                   spec.scale, spec.window or 0, spec.softcap or 0.0, sinks)
         return out.transpose(1, 2)
+
+    def gathered(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
+                 spec: AttentionSpec) -> torch.Tensor:
+        """What the kernel computes, by torch's operations: each chunk's queries (rows `offset` ..
+        `offset + tokens - 1` of the step's tokens) over its sequence's keys up to its last
+        position (from the first its window still sees), GATHERed from the pages, causal and
+        within the layer's window (`attend`); rows of no sequence are zero.
+        q: [B', H, S', D] -> [B', H, S', D]."""
+        B, H, S, D = q.shape
+        rows = q.transpose(1, 2).reshape(B * S, H, D)
+        out = torch.zeros_like(rows)
+        P, table = self.view.page_size, self.view.page_table
+        for seq, first, n, off in self.chunks.tolist():
+            if seq < 0:
+                continue
+            pos = torch.arange(0 if spec.window is None else max(0, first - spec.window + 1), first + n)
+            keys, values = read_slots(kp, vp, table[seq, pos // P].long() * P + pos % P)  # [1, Hkv, L, D]
+            mask = visible(torch.arange(first, first + n)[:, None], pos[None, :], spec.window)[None, None]
+            qc = rows[off : off + n].transpose(0, 1)[None]  # [1, H, n, D]
+            out[off : off + n] = attend(qc, keys, values, spec, mask=mask)[0].transpose(0, 1)
+        return out.view(B, S, H, D).transpose(1, 2)
 
 
 class CppKernel(Kernel):
@@ -50,6 +93,7 @@ class CppKernel(Kernel):
     dynamic_shapes = True
     min_rows = 2
     min_prefill_tokens = 2
+    one_call = True
 
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
         counts, T = batch.counts, batch.tokens.shape[1]
