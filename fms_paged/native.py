@@ -20,8 +20,9 @@ later process loads them at once and a changed source is built again:
   alone: no Python, no ctypes.
 
 A first start on a machine builds them in background threads while a paged CPU model loads
-(`prebuild_model`), and the model does not wait: while they compile (`compiling`) it computes
-with torch's operations, and takes the operators and kernels at its first call after.
+(`prebuild_model`), and the model does not wait: while they compile it computes with torch's
+operations, and takes the operators and kernels at its first call after (`deferred`;
+`$FMS_PAGED_WAIT_FOR_BUILDS=1` waits instead).
 
 The instruction set is chosen on the machine, when a kernel is first used: by default a kernel is
 built for the CPU it runs on (`-march=native`), so its vectors are that CPU's widest (AVX-512,
@@ -357,24 +358,30 @@ def _building(source: Path, dtype: torch.dtype, **defines: int | str) -> concurr
 
 def compiling() -> bool:
     """Whether a build this process started in the background (`prebuild_model`, `prebuild`) is
-    still compiling: a first start on this machine, its libraries not in the cache yet. While one
-    is, a paged CPU model computes with torch's operations instead of waiting (`linear.serves`,
-    `cpu_kernel.loaded`: the first tokens come in seconds), and takes the operators and kernels at
-    its first call after the builds are done. Where every library was found built, this is False
-    from the start: a model's every call takes the same path."""
+    still compiling: a first start on this machine, its libraries not in the cache yet."""
     with _FUTURES_LOCK:
         _COMPILING[:] = [f for f in _COMPILING if not f.done()]
         return bool(_COMPILING)
 
 
+def deferred() -> bool:
+    """Whether a paged CPU model computes with torch's operations now rather than wait for the
+    operators and kernels: while this process's background builds compile (`compiling`), unless
+    `$FMS_PAGED_WAIT_FOR_BUILDS` is set. The first tokens then come in seconds (`linear.serves`,
+    `cpu_kernel.loaded` say no meanwhile), and the model takes the operators and kernels at its
+    first call after the builds are done. Where every library was found built this is False from
+    the start, and with the variable set a first start waits: a model's every call takes one path."""
+    return compiling() and not os.environ.get("FMS_PAGED_WAIT_FOR_BUILDS")
+
+
 @contextlib.contextmanager
 def yielding_to_builds():
-    """Torch's operations on one thread inside, while this process's first builds compile
-    (`compiling`; as they were otherwise): the steps that run meanwhile by torch's operations
+    """Torch's operations on one thread inside, while a model does not wait for this process's
+    first builds (`deferred`; as they were otherwise): the steps that run meanwhile by torch's operations
     leave the other cores to the compilers. On two cores, two intra-op threads beside three
     compilers doubled the builds' time (their OpenMP threads spin between operations) and ran the
     steps no faster."""
-    if not compiling():
+    if not deferred():
         yield
         return
     threads = torch.get_num_threads()

@@ -20,6 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fms_paged.kv.kernels import choose_kernel, flex_unavailable_reason
 
 DEVICE_ENV = "FMS_PAGED_TEST_DEVICE"
+# a model whose C++ kernels are still compiling waits for them here (a user's first start computes
+# with torch's operations meanwhile): every test's model takes one path, whatever the kernel cache
+# held when the suite started (tests/engine: the start that does not wait, simulated)
+os.environ["FMS_PAGED_WAIT_FOR_BUILDS"] = "1"
 _DEVICE = pytest.StashKey[torch.device]()
 
 

@@ -49,7 +49,7 @@ def load_attention(head_dim: int, dtype: torch.dtype = torch.float32) -> str | N
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> str | None:
     """Why the kernel cannot serve this model here (None if it can; builds it if need be, or, while
-    a first start's builds compile (`native.compiling`), starts its build and says it can: the
+    a first start's builds compile (`native.deferred`), starts its build and says it can: the
     steps attend by torch's operations until it is loaded, `loaded`)."""
     if device.type != "cpu":
         return f"it runs on the CPU, the model is on {device.type}"
@@ -63,7 +63,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
         return "FMS_PAGED_FORCE_GATHER is set"
     prebuild_kernels(dtype)  # the model's blocks need them next: built beside this one
     native.prebuild(SOURCE, dtype, HEAD_DIM=head_dim)
-    if native.compiling():  # a first start: served once built, by torch's operations until then
+    if native.deferred():  # a first start: served once built, by torch's operations until then
         return None
     return load_attention(head_dim, dtype)
 
@@ -73,12 +73,12 @@ _WARNED: set[tuple[int, torch.dtype]] = set()
 
 def loaded(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel for `head_dim` and `dtype` is loaded into the operators, loading it if it
-    is built; False while a first start's builds compile (`native.compiling`), and where it could
+    is built; False while a first start's builds compile (`native.deferred`), and where it could
     not be built (warned once: the cpp kernel's steps then attend by torch's operations,
     `CppStep.attention`)."""
     if native.kernel_ready("attention", dtype, head_dim):
         return True
-    if native.compiling():
+    if native.deferred():
         return False
     why = load_attention(head_dim, dtype)
     if why is not None and (head_dim, dtype) not in _WARNED:

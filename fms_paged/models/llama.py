@@ -313,7 +313,7 @@ class LLaMA(nn.Module):
 
     def decodes_in_one_call(self, view) -> bool:
         """Whether `decode_greedy` runs over `view`'s pools now: the operators and kernels loaded (not
-        while a first start's builds compile, `native.compiling`) and the stack has its ends
+        while a first start's builds compile, `native.deferred`) and the stack has its ends
         (`_fused_forward`)."""
         kp = view.k_pools[0]
         return (kp.device.type == "cpu" and linear_ops(kp.dtype) and cpu_kernel.loaded(kp.shape[-1], kp.dtype)

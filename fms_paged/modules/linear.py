@@ -115,9 +115,9 @@ def load_gemv(dtype: torch.dtype) -> str | None:
 
 def serves(dtype: torch.dtype) -> bool:
     """Whether `torch.ops.fms_paged.linear` serves `dtype` here (loading it on first use); False
-    while a first start's builds compile (`native.compiling`: torch's operations meanwhile)."""
+    while a first start's builds compile (`native.deferred`: torch's operations meanwhile)."""
     if dtype not in _READY:
-        if native.compiling():
+        if native.deferred():
             return False
         load_gemv(dtype)
     return native.ops_loaded()

@@ -680,7 +680,7 @@ def test_an_eager_start_does_not_import_the_compiler():
 
 
 def test_a_first_start_serves_by_torch_while_its_builds_compile(models):
-    """While a first start's builds compile (`native.compiling`), an engine's steps run by torch's
+    """While a first start's builds compile (`native.deferred`), an engine's steps run by torch's
     operations on one thread (the projections F.linear, the norms, attention by GATHER + SDPA, one
     token a step, torch's argmax) instead of waiting for the compilers, and once the builds are done
     its next steps take the operators and kernels (the one-call forward and lookahead steps): the
@@ -696,7 +696,7 @@ def test_a_first_start_serves_by_torch_while_its_builds_compile(models):
         "import json, torch\n"
         "from fms_paged import Engine, SamplingParams, get_model, native\n"
         "building, seen = [True], []\n"
-        "native.compiling = lambda: building[0]\n"
+        "native.deferred = lambda: building[0]\n"
         "model = get_model(variant='micro', attn_impl='paged', page_size=16, seed=0)\n"
         "eng = Engine(model, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=96, decode_steps=4)\n"
         "model.register_forward_pre_hook(lambda m, a: seen.append(\n"

@@ -25,7 +25,7 @@ class CppStep(PoolStep):
     `fms_paged::decoder_stack` (`LLaMA.hidden`), decode rows and prefill chunks alike; compiled
     forwards and FMS's models attend layer by layer.
 
-    While a first start's builds compile (`native.compiling`), or where the kernel could not be
+    While a first start's builds compile (`native.deferred`), or where the kernel could not be
     built, an eager step attends by torch's operations instead (`gathered`: GATHER each chunk's
     keys and values, then `attend`, the gather kernel's math) and is not fused."""
 
