@@ -225,18 +225,16 @@ def sink_logits(kind, H):
     return big
 
 
-def variant_call(isa, dtype, H, Hkv, P, window, softcap, sinks, monkeypatch):
-    """The kernel's output for VARIANT_PARTS in one call, the reference's, and (bf16 probabilities:
-    `rounds_probabilities`) the reference's over |v|, else None. The kernel's pools hold
-    NaN, besides the stale slots, at every key older than all its sequence's queries' windows: it
-    must neither read their values nor let their scores through. With a soft-cap, q is scaled by 4
-    so that scores reach well past the cap (the tanh matters)."""
-    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
-    D = 32
+def variant_inputs(dtype, H, Hkv, P, window, softcap, sinks, extra=()):
+    """One call's inputs for VARIANT_PARTS and the chunks `extra` after them (head dim 32): q
+    [1, H, T, D] (a view), the pools k, v and the kernel's kp, vp (NaN, besides the stale slots, at
+    every key older than all its sequence's queries' windows), the page table, each sequence's
+    slots, the chunk list and the [H] sink logits (or None)."""
+    D, parts = 32, [*VARIANT_PARTS, *extra]
     k, v, table, slots = make_pool([q0 + n for _, q0, n in VARIANT_PARTS], H, Hkv, D, P)
     k, v = k.to(dtype), v.to(dtype)
-    offs = torch.tensor([0] + [n for _, _, n in VARIANT_PARTS]).cumsum(0)
-    chunks = torch.tensor([(s, q0, n, int(o)) for (s, q0, n), o in zip(VARIANT_PARTS, offs)])
+    offs = torch.tensor([0] + [n for _, _, n in parts]).cumsum(0)
+    chunks = torch.tensor([(s, q0, n, int(o)) for (s, q0, n), o in zip(parts, offs)])
     q = torch.randn(1, int(offs[-1]), H, D, generator=torch.Generator().manual_seed(1))
     q = (q * (4.0 if softcap else 1.0)).to(dtype).transpose(1, 2)  # [1, H, T, D], a view
     sinks = None if sinks is None else sink_logits(sinks, H)
@@ -246,6 +244,17 @@ def variant_call(isa, dtype, H, Hkv, P, window, softcap, sinks, monkeypatch):
             old = slots[s][: max(0, q0 - window + 1)]
             kp[0, :, old] = float("nan")
             vp[0, :, old] = float("nan")
+    return q, k, v, kp, vp, table, slots, chunks, sinks
+
+
+def variant_call(isa, dtype, H, Hkv, P, window, softcap, sinks, monkeypatch):
+    """The kernel's output for VARIANT_PARTS in one call, the reference's, and (bf16 probabilities:
+    `rounds_probabilities`) the reference's over |v|, else None. The kernel's pools hold
+    NaN, besides the stale slots, at every key older than all its sequence's queries' windows: it
+    must neither read their values nor let their scores through. With a soft-cap, q is scaled by 4
+    so that scores reach well past the cap (the tanh matters)."""
+    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
+    q, k, v, kp, vp, table, slots, chunks, sinks = variant_inputs(dtype, H, Hkv, P, window, softcap, sinks)
     out = run(q, kp, vp, table, chunks, P, window=window, softcap=softcap, sinks=sinks)
     ref_abs = (reference(q, k, v.abs(), slots, chunks, H, window, softcap, sinks)
                if rounds_probabilities(isa, dtype) else None)
@@ -292,22 +301,11 @@ def test_steps_fallback_matches_float64(window, softcap, sinks, P):
     from fms_paged.kv.kernels.cpp import CppStep
     from fms_paged.kv.spec import AttentionSpec
 
-    H, Hkv, D = 4, 2, 32
-    parts = [*VARIANT_PARTS, (-1, 0, 1)]
-    k, v, table, slots = make_pool([q0 + n for _, q0, n in VARIANT_PARTS], H, Hkv, D, P)
-    offs = torch.tensor([0] + [n for _, _, n in parts]).cumsum(0)
-    chunks = torch.tensor([(s, q0, n, int(o)) for (s, q0, n), o in zip(parts, offs)])
-    q = torch.randn(1, int(offs[-1]), H, D, generator=torch.Generator().manual_seed(1))
-    q = (q * (4.0 if softcap else 1.0)).transpose(1, 2)  # [1, H, T, D], a view
-    sinks = None if sinks is None else sink_logits(sinks, H)
-    kp, vp = k.clone(), v.clone()
-    if window:
-        for s, q0, _ in VARIANT_PARTS:
-            old = slots[s][: max(0, q0 - window + 1)]
-            kp[0, :, old] = float("nan")
-            vp[0, :, old] = float("nan")
+    H, Hkv = 4, 2
+    q, k, v, kp, vp, table, slots, chunks, sinks = variant_inputs(
+        torch.float32, H, Hkv, P, window, softcap, sinks, extra=[(-1, 0, 1)])
     step = CppStep(SimpleNamespace(page_table=table, page_size=P, k_pools=[kp]), torch.zeros(0), chunks)
-    spec = AttentionSpec(D**-0.5, window or None, softcap or None, sinks)
+    spec = AttentionSpec(q.shape[-1] ** -0.5, window or None, softcap or None, sinks)
     out = step.gathered(q, kp, vp, spec)
     assert out.shape == q.shape
     ref = reference(q, k, v, slots, chunks, H, window, softcap, sinks)
