@@ -78,8 +78,9 @@ class ModelRunner:
         self.model, self.backend = model, backend
         self.kernel = backend.kernel
         self.compiled = self.kernel.compiles if compile == "auto" else bool(compile)
-        if self.compiled:  # a graph traced now must call the operators, not their fallbacks
+        if self.compiled:  # a graph traced now must call the operators and kernels, not their fallbacks
             native.wait_for_builds()
+            self.kernel.load(backend.view)
         self._decode = decode_fn(backend, self.compiled, collectives=getattr(model, "tp", None) is not None)
         why_not = cuda_graphs_unavailable_reason(backend, self.compiled)
         if cuda_graphs is True and why_not:

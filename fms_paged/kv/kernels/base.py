@@ -112,6 +112,10 @@ class Kernel:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def load(self, view: PoolView) -> None:
+        """Load what its steps over `view` call, where a step loads it on first use in eager mode: what
+        a compiled step needs before it is traced (nothing by default)."""
+
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, PoolStep]:
         raise NotImplementedError
 

@@ -95,6 +95,10 @@ class CppKernel(Kernel):
     min_prefill_tokens = 2
     one_call = True
 
+    def load(self, view: PoolView) -> None:
+        kp = view.k_pools[0]
+        cpu_kernel.loaded(kp.shape[-1], kp.dtype)  # (a kernel that cannot be had was announced)
+
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
         counts, T = batch.counts, batch.tokens.shape[1]
         offsets = np.cumsum([0, *counts]).tolist()
