@@ -79,6 +79,23 @@ def test_lookahead_steps_stop_where_one_token_steps_stop(models):
     assert got[c] == free[:4] and reasons[c] == "stop" and eng.metrics()["kv_pages_used"] == 0
 
 
+def test_a_model_without_one_call_steps_decodes_a_token_a_step(models):
+    """decode_steps on a model whose forward is not one call (`linear_impl="torch"`: no packed
+    projections, so no stack ends): the engine plans no lookahead (it had RESERVEd pages for steps
+    the model then ran as one, and the next step's RESERVE refused to shrink the sequence) and
+    gives dense generate()'s tokens, every page back in the pool."""
+    dense, paged = models
+    prompt = [5, 6, 7, 8]
+    free = generate(dense, [prompt], 12, eos_id=None)[0]
+    model = get_model(variant="micro", device=paged.device, seed=0, attn_impl="paged", page_size=16,
+                      linear_impl="torch")
+    eng = engine(model, decode_steps=4)
+    a = eng.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    got, reasons, multi = lookahead_outputs(eng)
+    assert got[a] == free and reasons[a] == "length" and multi == 0
+    assert eng.metrics()["kv_pages_used"] == 0
+
+
 @pytest.mark.parametrize("value", [0, 1.5, True, "2"])
 def test_bad_decode_steps_name_the_value(models, value):
     _, paged = models
