@@ -122,11 +122,10 @@ class ModelRunner:
                 if self._masker is None:
                     self._masker = concurrent.futures.ThreadPoolExecutor(1, "fms-paged-grammar")
                 masks = self._masker.submit(self._fill, matchers)
-        if plan.steps > 1:  # lookahead decode steps (`Scheduler.lookahead`): greedy, in one call
+        if plan.steps > 1:  # lookahead decode steps (`Scheduler.lookahead`, planned where
+            # `decodes_in_one_call`): greedy, in one call
             rows = self._decode_steps(plan.decodes, plan.steps)
-            if rows is not None:
-                return StepResult([row[0] for row in rows], steps=rows)
-            plan.steps = 1  # (the model has no one-call forward now: one step, its extra pages unused)
+            return StepResult([row[0] for row in rows], steps=rows)
         scored = None
         if plan.prefills:
             logits, scored = self._forward_mixed(plan.decodes, plan.prefills, plan.scored)
@@ -208,16 +207,16 @@ class ModelRunner:
         ready = getattr(self.model, "decodes_in_one_call", None)
         return self.kernel.one_call and ready is not None and not self.compiled and ready(self.backend.view)
 
-    def _decode_steps(self, reqs: list[Request], steps: int) -> list[list[int]] | None:
+    def _decode_steps(self, reqs: list[Request], steps: int) -> list[list[int]]:
         """`steps` greedy decode steps of `reqs` in one call (`LLaMA.decode_greedy`) -> each
-        request's tokens, or None where the model cannot."""
-        decode = getattr(self.model, "decode_greedy", None)
-        if decode is None or self.compiled:
-            return None
-        out = decode(torch.tensor([(r.output or r.prompt)[-1] for r in reqs]),
-                     torch.tensor([r.num_computed for r in reqs]), torch.tensor([r.seq_id for r in reqs]),
-                     self.backend.view, steps)
-        return None if out is None else out.tolist()
+        request's tokens. Planned only where `decodes_in_one_call` (their pages are RESERVEd)."""
+        last = torch.tensor([(r.output or r.prompt)[-1] for r in reqs])
+        out = self.model.decode_greedy(last, torch.tensor([r.num_computed for r in reqs]),
+                                       torch.tensor([r.seq_id for r in reqs]), self.backend.view, steps)
+        if out is None:
+            raise RuntimeError(f"{steps} lookahead decode steps were planned where the model cannot run them "
+                               "in one call (ModelRunner.decodes_in_one_call)")
+        return out.tolist()
 
     def _forward_decode(self, reqs: list[Request]) -> torch.Tensor:
         tokens, positions, step = self.backend.decode_inputs(*self._decode_rows(reqs))

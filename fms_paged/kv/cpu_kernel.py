@@ -71,6 +71,12 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
 _WARNED: set[tuple[int, torch.dtype]] = set()
 
 
+def loaded_for(view) -> bool:
+    """`loaded` for the head dim and dtype of `view`'s pools ([1, Hkv, NP, D])."""
+    kp = view.k_pools[0]
+    return loaded(kp.shape[-1], kp.dtype)
+
+
 def loaded(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel for `head_dim` and `dtype` is loaded into the operators, loading it if it
     is built; False while a first start's builds compile (`native.deferred`), and where it could

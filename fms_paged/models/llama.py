@@ -316,7 +316,7 @@ class LLaMA(nn.Module):
         while a first start's builds compile, `native.deferred`) and the stack has its ends
         (`_fused_forward`)."""
         kp = view.k_pools[0]
-        return (kp.device.type == "cpu" and linear_ops(kp.dtype) and cpu_kernel.loaded(kp.shape[-1], kp.dtype)
+        return (kp.device.type == "cpu" and linear_ops(kp.dtype) and cpu_kernel.loaded_for(view)
                 and self._stack()[1])
 
     def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor, view,

@@ -655,15 +655,23 @@ def test_compiled_prefill_equals_the_eager_forward_and_dense(models, kernel, req
         assert got[rid] == generate(dense, [prompt], k, eos_id=None)[0]
 
 
+def fresh_interpreter(code: str) -> str:
+    """The last line `code` prints, run by a fresh Python interpreter (nothing of this one's
+    imports or loaded libraries); its stderr's end where it fails."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()[-1]
+
+
 def test_an_eager_start_does_not_import_the_compiler():
     """A model loaded from a checkpoint (built on the meta device first) and from a variant, and an
     eager engine's steps, never import torch._dynamo (~1 s of a start: torch's meta normal_ and
     marking the pools' dims dynamic imported it); a compiled step marks the pools when it is made
     (`test_cpp_decode_graphs_are_shared_by_pools_page_sizes_and_buckets`). In a fresh interpreter:
     this one has imported it long ago."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, torch\n"
         "from fms_paged import Engine, SamplingParams, get_model\n"
@@ -674,9 +682,7 @@ def test_an_eager_start_does_not_import_the_compiler():
         "    assert sum(len(o.new_token_ids) for _ in range(8) for o in eng.step()) == 3\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split()[-1] == "False"
+    assert fresh_interpreter(code) == "False"
 
 
 def test_a_first_start_serves_by_torch_while_its_builds_compile(models):
@@ -684,11 +690,8 @@ def test_a_first_start_serves_by_torch_while_its_builds_compile(models):
     operations on one thread (the projections F.linear, the norms, attention by GATHER + SDPA, one
     token a step, torch's argmax) instead of waiting for the compilers, and once the builds are done
     its next steps take the operators and kernels (the one-call forward and lookahead steps): the
-    fp32 tokens are those an engine with the kernels loaded throughout computes. In a fresh
-    interpreter (this one has loaded them), with the builds' end simulated mid-run."""
-    import subprocess
-    import sys
-
+    fp32 tokens are dense generate()'s of each prompt alone. In a fresh interpreter (this one has
+    loaded them), with the builds' end simulated mid-run."""
     if models[1].device.type != "cpu":
         pytest.skip("the CPU's operators and kernels")
     prompts, new = [list(range(3, 40)), list(range(50, 61))], 12
@@ -710,17 +713,10 @@ def test_a_first_start_serves_by_torch_while_its_builds_compile(models):
         "    building[0] = building[0] and sum(map(len, out.values())) < 6  # the builds end here\n"
         "print(json.dumps([[out[i] for i in ids], seen, one_call, torch.get_num_threads()]))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    tokens, seen, one_call, threads = json.loads(run.stdout.splitlines()[-1])
+    tokens, seen, one_call, threads = json.loads(fresh_interpreter(code))
     during = [s for s in seen if s[0]]
     assert during and all(t == 1 and not gemv for _, t, gemv in during)  # torch's operations, one thread
     after = [s for s in seen if not s[0]]
     assert after and all(t == threads and gemv for _, t, gemv in after)
     assert not one_call[0] and one_call[-1]  # lookahead steps once the kernels are loaded
-    eng = Engine(models[1], max_num_seqs=2, max_num_batched_tokens=64, max_model_len=96, decode_steps=4)
-    ids = [eng.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True)) for p in prompts]
-    want = {i: [] for i in ids}
-    for o in eng.stream():
-        want[o.request_id] += o.new_token_ids
-    assert tokens == [want[i] for i in ids]
+    assert tokens == [generate(models[0], [p], new, eos_id=None)[0] for p in prompts]

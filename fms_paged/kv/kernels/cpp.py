@@ -45,8 +45,7 @@ class CppStep(PoolStep):
 
     def kernel_loaded(self) -> bool:
         """Whether the kernel for the pools' head dim and dtype is loaded (`cpu_kernel.loaded`)."""
-        kp = self.view.k_pools[0]
-        return cpu_kernel.loaded(kp.shape[-1], kp.dtype)
+        return cpu_kernel.loaded_for(self.view)
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                   spec: AttentionSpec) -> torch.Tensor:
@@ -96,8 +95,7 @@ class CppKernel(Kernel):
     one_call = True
 
     def load(self, view: PoolView) -> None:
-        kp = view.k_pools[0]
-        cpu_kernel.loaded(kp.shape[-1], kp.dtype)  # (a kernel that cannot be had was announced)
+        cpu_kernel.loaded_for(view)  # (a kernel that cannot be had was announced)
 
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
         counts, T = batch.counts, batch.tokens.shape[1]
