@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fms_paged.kv.geometry import pages_held
+from fms_paged.kv.kernels import flex_max_pages
 from fms_paged.kv.paged import attention_specs
 from fms_paged.kv.spec import release_horizon
 from fms_paged.modules.linear import unpacked_bytes
@@ -97,10 +98,11 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
                     kv_memory_fraction: float | None = None) -> KVCacheBudget:
     """Pages for the engine's pool. CUDA / MPS: `kv_memory_fraction` (default 0.9) of the free
     memory (weights already loaded) minus the activation peak of a forward at
-    `max_num_batched_tokens`. CPU: `$FMS_PAGED_CPU_KV_SPACE` GiB if set, else
-    `kv_memory_fraction` of the available RAM if given, else 4 GiB (at most half the available
-    RAM), the available RAM counted less the packed weight copies still to be made; the pool is
-    allocated untouched, so RAM is used only as pages are.
+    `max_num_batched_tokens`, on CUDA at most `flex_max_pages` (a layer's pool under 2**31
+    elements, which Triton's flex kernels need; reached by small models alone). CPU:
+    `$FMS_PAGED_CPU_KV_SPACE` GiB if set, else `kv_memory_fraction` of the available RAM if given,
+    else 4 GiB (at most half the available RAM), the available RAM counted less the packed weight
+    copies still to be made; the pool is allocated untouched, so RAM is used only as pages are.
     Raises KVBudgetError if one sequence of `max_model_len` tokens does not fit (with every layer
     windowed: the pages it holds at once, `fms_paged.kv.geometry.pages_held`)."""
     if kv_memory_fraction is not None and not (
@@ -134,6 +136,10 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
         source = (f"kv_memory_fraction={fraction} of {_gib(free)} free on {dev} after the weights, "
                   f"less a {_gib(activation)} activation peak")
     num_pages = max(0, kv // per_page)
+    most = flex_max_pages(c.kvheads, c.head_dim, c.page_size)
+    if dev.type == "cuda" and num_pages > most:
+        num_pages = most  # Triton's flex kernels address a layer's pool in 32 bits
+        source += f", capped at {most} pages (a layer's pool under 2**31 elements for Triton)"
     # one sequence at its most pages at once (behind a window on every layer: its step and window)
     # + the null page
     horizon = release_horizon(attention_specs(model))

@@ -23,7 +23,7 @@ import torch
 
 from fms_paged.kv._pool_ops import to_device
 from fms_paged.kv.geometry import page_slots, pool_pages, slot
-from fms_paged.kv.kernels import choose_kernel
+from fms_paged.kv.kernels import choose_kernel, flex_max_pages
 from fms_paged.kv.page_manager import PageManager, Reservation
 from fms_paged.kv.spec import AttentionSpec, default_spec
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
@@ -79,6 +79,12 @@ class PagedBackend:
         self.specs = attention_specs(model)
         self.kernel = choose_kernel(kernel, self.device, P, head_dim=c.head_dim, dtype=model.dtype,
                                     score_mod=score_mod, sinks=any(s.sinks is not None for s in self.specs))
+        if self.kernel.name == "flex" and self.device.type == "cuda":
+            most = flex_max_pages(c.kvheads, c.head_dim, P)
+            if self.num_pages > most:
+                raise ValueError(f"num_pages={self.num_pages}; expected at most {most} for the flex kernel "
+                                 f"on CUDA: a layer's pool of {c.kvheads} kv heads x {P}-token pages x "
+                                 f"{c.head_dim} must stay under 2**31 elements for Triton's kernels")
         self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
         shape = (1, c.kvheads, self.num_pages * P, c.head_dim)
         # one pool per layer: [1, Hkv, num_pages * P, D]. Left uninitialised: a page is zeroed when

@@ -340,7 +340,10 @@ class LLaMA(nn.Module):
         if step is not None:
             step = step.prepare()  # per-step metadata (slots, masks), built once for all layers
         # (compiling first: a graph never reads, so never guards on, the step's `fused`)
-        if not torch.compiler.is_compiling() and getattr(step, "fused", False) and linear_ops(x.dtype):
+        # (the fused operator has no autograd formula: where autograd records, the layers run, whose
+        # attention refuses a backward pass, `PoolStep.attend`)
+        if (not torch.compiler.is_compiling() and getattr(step, "fused", False) and linear_ops(x.dtype)
+                and not (torch.is_grad_enabled() and x.requires_grad)):
             fused = self._decoder_layers(x, ropes, step)
             if fused is not None:
                 return fused

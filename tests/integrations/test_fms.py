@@ -312,10 +312,15 @@ def test_engine_serves_every_fms_decoder(arch, kernel, device, require_kernel):
     for o in engine.stream():
         got[o.request_id][0].extend(o.new_token_ids)
         got[o.request_id][1].extend(o.logprobs)
+    # CUDA, mixture of experts: FMS's expert matmuls are a Triton kernel whose fp32 dots run in
+    # TF32 (unit roundoff 2**-11 ~ 4.9e-4), tiled by the tokens each expert gets, so a prompt alone
+    # and in the engine's batches round differently (up to 2.1e-3 apart on log-probs of order 3
+    # on an H100)
+    atol = 5e-3 if device.type == "cuda" and arch in ("mixtral", "gpt_oss") else 1e-4
     for i, (tokens, top) in zip(ids, ref):
         assert got[i][0] == tokens
         for lp, want in zip(got[i][1], top):
-            torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), want.cpu(), rtol=0, atol=1e-4)
+            torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), want.cpu(), rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("arch", list(REFUSED))

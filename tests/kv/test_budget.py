@@ -10,6 +10,8 @@ import torch
 from fms_paged import get_model
 from fms_paged.kv import budget as budget_mod
 from fms_paged.kv.budget import CPU_KV_SPACE_ENV, KVBudgetError, kv_cache_budget, page_bytes
+from fms_paged.kv.cache import PagedCache
+from fms_paged.kv.kernels import flex_max_pages
 
 
 def test_page_bytes_7b_fp16():
@@ -57,8 +59,8 @@ def test_cpu_budget_leaves_room_for_packed_weights(monkeypatch):
 def test_budget_on_the_test_device(device, monkeypatch):
     """CPU: the default KV space (4 GiB, at most half the free RAM), no activation term. CUDA / MPS:
     `kv_memory_fraction` (default 0.9) of the free memory less the activation peak of a forward at
-    max_num_batched_tokens, measured (> 0); a budget below one sequence is refused, naming the
-    fraction to raise."""
+    max_num_batched_tokens, measured (> 0), on CUDA at most the pages Triton's flex kernels
+    address; a budget below one sequence is refused, naming the fraction to raise."""
     monkeypatch.delenv(CPU_KV_SPACE_ENV, raising=False)
     free = 3 << 30
     monkeypatch.setattr(budget_mod, "free_memory_bytes", lambda dev: free)
@@ -74,6 +76,15 @@ def test_budget_on_the_test_device(device, monkeypatch):
     assert b.num_pages == (int(free * 0.9) - b.activation_bytes) // per_page
     half = kv_cache_budget(model, 64, 256, kv_memory_fraction=0.5)
     assert half.num_pages == (int(free * 0.5) - half.activation_bytes) // per_page
+    if device.type == "cuda":  # a pool past 2**31 elements a layer: capped (budget), refused (given)
+        most = flex_max_pages(c.kvheads, c.head_dim, c.page_size)
+        free = (most + 10) * per_page * 2
+        capped = kv_cache_budget(model, 64, 256)
+        assert capped.num_pages == most and "capped" in capped.source
+        paged = get_model(variant="micro", device=device, page_size=16, attn_impl="paged")
+        with pytest.raises(ValueError, match=f"num_pages={most + 1}; expected at most {most}"):
+            PagedCache(paged, 2, 64, num_pages=most + 1, kernel="flex")
+        free = 3 << 30
     free = half.activation_bytes // 2  # less than the activation peak alone
     with pytest.raises(KVBudgetError, match="raise kv_memory_fraction"):
         kv_cache_budget(model, 64, 256, kv_memory_fraction=1.0)

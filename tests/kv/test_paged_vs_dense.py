@@ -441,8 +441,9 @@ def lockstep_logits(model, prompts, kernel=None):
 def test_user_score_mod_same_in_packed_decode_and_prefill(device, require_kernel):
     """A user score_mod in logical coordinates (head- and distance-dependent) gives the same logits
     whether a token is decoded (GQA groups packed into the query) or prefilled (one query per head):
-    the wrapper maps packed (kv head, group index) back to the query head and positions to logical."""
-    _, paged = pair(device, page_size=16, nheads=8, kvheads=2)
+    the wrapper maps packed (kv head, group index) back to the query head and positions to logical.
+    (Heads of 16: Triton's flex compiles no smaller.)"""
+    _, paged = pair(device, page_size=16, emb_dim=128, nheads=8, kvheads=2)
 
     def bias(score, b, h, q_pos, kv_pos):
         return score + 0.05 * h - 0.02 * (q_pos - kv_pos)
@@ -464,6 +465,20 @@ def test_user_score_mod_same_in_packed_decode_and_prefill(device, require_kernel
         unbiased = paged(t, p, s)[0, len(x) - 1]
     assert (got - ref).abs().max().item() <= TOL
     assert (ref - unbiased).abs().max().item() > 1e-2  # the score_mod really changed the result
+
+
+def test_padded_prefill_hands_the_model_valid_positions(device, require_kernel):
+    """The flex kernel's BlockMask prefill pads its packed row to a bucket: the pad tokens'
+    positions, handed to the model, are 0 (-1 is the masks' "no query" alone: a model with a
+    position-embedding table indexed with it hit a device-side assert on CUDA)."""
+    require_kernel("flex")
+    _, paged = pair(device, page_size=16)
+    cache = PagedCache(paged, 2, 64, num_pages=NUM_PAGES, kernel="flex",
+                       score_mod=lambda score, b, h, q, kv: score)  # the BlockMask path on the CPU too
+    tokens, positions, _, _ = cache.prefill([0, 1], prompts_of([5, 9]))
+    assert tokens.shape == positions.shape and positions.shape[1] > 14  # padded
+    assert positions[0, :14].tolist() == [*range(5), *range(9)]
+    assert positions[0, 14:].eq(0).all()
 
 
 def test_prefill_path_choice_and_score_mod_errors(device, require_kernel):

@@ -31,6 +31,7 @@ from fms_paged.kv.kernels.flex import (
     allow_shape_variants,
     compiled_flex,
     flex_kernel_options,
+    flex_max_pages,
     flex_unavailable_reason,
     prefill_bucket,
     probe_compiled_flex,
@@ -43,7 +44,8 @@ __all__ = [
     "KERNELS", "TRITON_MIN_HEAD_DIM", "TRITON_MIN_PAGE", "CppKernel", "CppStep", "FlexKernel",
     "GatherKernel", "Kernel",
     "MixedStep", "PoolStep", "allow_shape_variants", "choose_kernel", "compiled_flex",
-    "flex_kernel_options", "flex_unavailable_reason", "prefill_bucket", "probe_compiled_flex",
+    "flex_kernel_options", "flex_max_pages",
+    "flex_unavailable_reason", "prefill_bucket", "probe_compiled_flex",
 ]
 
 

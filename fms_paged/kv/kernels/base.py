@@ -18,6 +18,20 @@ from fms_paged.kv.spec import AttentionSpec
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 
 
+class _NoBackward(torch.autograd.Function):
+    """Paged attention's output `out` as a function of `q` whose backward pass raises."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError("paged attention has no backward pass: it reads a KV cache written in place. "
+                           "Run the paged model under torch.inference_mode() or torch.no_grad(); train "
+                           "with attn_impl='sdpa'")
+
+
 class PoolStep:
     """A prepared step over a view's per-layer pools: the slots of its new tokens and whatever its
     kernel needs to find each sequence's pages. `attend` runs ASSIGN (`store`) and `attention` on
@@ -33,6 +47,14 @@ class PoolStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B', H, S', D]; k, v: [B', Hkv, S', D]
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            # autograd records (a model run outside inference_mode / no_grad): the pools are a cache
+            # written in place, not a differentiable input, so ASSIGN and attention run untracked
+            # (no pool joins a graph that would outlive the step; flex's kernels would want a
+            # backward BlockMask) and a backward pass through the output is refused
+            with torch.no_grad():
+                out = self.attend(layer, q, k, v)
+            return _NoBackward.apply(q, out)
         kp, vp = self.view.k_pools[layer], self.view.v_pools[layer]
         self.store(kp, vp, k, v)
         return self.attention(q, kp, vp, self.view.specs[layer])

@@ -51,6 +51,16 @@ from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 # tl.dot needs tiles of at least 16 columns.
 TRITON_MIN_PAGE = 16
 TRITON_MIN_HEAD_DIM = 16  # inductor's Triton flex lowering: "embedding dimension ... at least 16"
+# a layer's pool [1, Hkv, N * P, D] of more elements than an int32 holds gives Triton 64-bit
+# strides and lengths, and torch 2.11's flex decoding template then fails to compile ("Ternary
+# expression with dynamic condition has inconsistent types int64 and int32"): a small model's
+# pool sized by a GPU's free memory reaches it (4 layers of 2 kv heads of 32: ~2.1M pages of 16)
+TRITON_MAX_POOL_ELEMENTS = 2**31 - 1
+
+
+def flex_max_pages(kvheads: int, head_dim: int, page_size: int) -> int:
+    """The most pages (the null page included) of a pool the Triton flex kernels address."""
+    return TRITON_MAX_POOL_ELEMENTS // (kvheads * page_size * head_dim)
 
 
 def allow_shape_variants() -> None:
@@ -259,6 +269,9 @@ class FlexKernel(Kernel):
         tok_seq = np.concatenate([np.repeat(np.asarray(batch.seq_ids, dtype=np.int64), batch.counts),
                                   np.zeros(pad, dtype=np.int64)])
         tok_pos = np.concatenate([batch.positions, np.full(pad, -1, dtype=np.int64)])
+        # the model's positions: 0 for a pad token (-1 is the masks' "no query" alone: a model with
+        # position embeddings would index its table with it, a device-side assert on CUDA)
+        positions = np.concatenate([batch.positions.astype(np.int64), np.zeros(pad, np.int64)])
         slots = batch.slots
         if pad:
             slots = torch.cat([slots, torch.zeros(pad, dtype=torch.long, device=dev)])
@@ -271,7 +284,7 @@ class FlexKernel(Kernel):
             masks[w] = prefill_block_mask(
                 [*batch.pages, []], [*batch.starts, 0], [*batch.counts, pad], view.num_pages,
                 view.page_size, mask_mod, dev, max_blocks=view.max_blocks, window=w)
-        return tokens.to(dev), q_pos.long(), FlexStep(view, self, slots, masks, q_pos)
+        return tokens.to(dev), to_device(positions[None], dev), FlexStep(view, self, slots, masks, q_pos)
 
     def decode(self, view: PoolView, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor, FlexDecodeStep]:
         B = len(batch.seq_ids)
