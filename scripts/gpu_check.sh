@@ -14,6 +14,14 @@ py=${PYTHON:-python3}
                                                # venv's python is a link: keep it, do not resolve it)
 mkdir -p "$out"
 start=$SECONDS
+# GPU_CHECK_WHEELS=DIR: install DIR's wheels (scripts/gpu_wheels.sh: the extras' packages the
+# machine lacks) into a folder of their own on PYTHONPATH, without the network
+if [[ -n ${GPU_CHECK_WHEELS:-} ]]; then
+    site=/tmp/fms-paged-gpu-site
+    "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$GPU_CHECK_WHEELS"/*.whl \
+        || exit 2
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if ! (cd / && "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('fms_paged') is None)"); then
     echo "[gpu-check] installing fms_paged from $(pwd) (no dependencies, no network)"
     "$py" -m pip install -q --no-deps --no-build-isolation --no-index . || exit 2
