@@ -9,12 +9,13 @@ Elsewhere (MPS, other OSes) the peak is not measured.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,32 @@ def measure_read_bandwidth(device: torch.device, nbytes: int = 2**30, repeats: i
         sync(device)
         times.append(time.perf_counter() - t0)
     return nbytes / min(times[1:]) / 1e9
+
+
+def time_calls(fn: Callable[[], Any], device: torch.device, calls: int = 20, repeats: int = 5) -> float:
+    """Seconds one call of `fn` takes on `device`: the fastest of `repeats` runs of `calls` calls
+    after a warm-up call; on CUDA the calls are replayed from one CUDA graph, so the host's launch
+    cost is not counted."""
+    fn()
+    sync(device)
+
+    def run():
+        for _ in range(calls):
+            fn()
+
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay
+    best = math.inf
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best / calls
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

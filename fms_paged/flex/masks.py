@@ -123,7 +123,8 @@ def decode_meta(seq_ids: Sequence[int], q_pos: Sequence[int], slots: Sequence[in
 
 
 def decode_block_mask(page_table: torch.Tensor, meta: torch.Tensor, num_pages: int, page_size: int,
-                      mask_mod: Callable, q_len: int = 1, window: int | None = None) -> BlockMask:
+                      mask_mod: Callable, q_len: int = 1, window: int | None = None,
+                      full_blocks: bool = True) -> BlockMask:
     """BlockMask for decode (one query row per sequence), from the page table by device ops alone.
 
     page_table: [max_seqs, C] int32; meta: [6, B] from `decode_meta`, on the table's device. Row b
@@ -134,10 +135,24 @@ def decode_block_mask(page_table: torch.Tensor, meta: torch.Tensor, num_pages: i
     last partial where the window or q_pos cuts them (`window_blocks`). Shapes depend only on
     (B, num_pages), so a compiled decode step never recompiles; no host sync, no loop over pages.
     `q_len`: queries per row (G when GQA groups are packed into the query).
+    `full_blocks=False`: every page the row reaches as a partial block (mask_mod on each, no full
+    blocks), the same visible set. Triton's flex decoding template (torch 2.11) splits a row's
+    blocks over its CTAs by the row's own block count only when the mask has no full blocks; with
+    them it splits the KV axis, the whole pool here (`cdiv(KV_LEN, SPLIT_KV)` per CTA).
     """
     B, N, P = meta.shape[1], num_pages, page_size
     seq, slots = meta[0], meta[2]
     rows = page_table.index_select(0, seq)  # [B, C]
+    if not full_blocks:
+        q_pos, C = meta[1], rows.shape[1]
+        first = torch.zeros_like(q_pos) if window is None else (q_pos - window + 1).clamp(min=0) // P
+        count = ((q_pos.clamp(min=0) // P - first + 1) * (q_pos >= 0)).to(torch.int32).view(B, 1, 1)
+        if window is not None:  # each row's pages from the first the window reaches
+            rows = rows.gather(1, (first[:, None] + torch.arange(C, device=rows.device)).clamp(max=C - 1))
+        return BlockMask.from_kv_blocks(
+            count, spanning_view(rows, N, (B, 1, 1)), BLOCK_SIZE=(Q_BLOCK, P), mask_mod=mask_mod,
+            seq_lengths=(q_len, N * P), compute_q_blocks=False,
+        )
     if window is None:
         # separate buffers: inductor's CPU flex template names its pointer arguments by storage
         full_num = meta[3].to(torch.int32).view(B, 1, 1)

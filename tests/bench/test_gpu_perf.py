@@ -16,7 +16,7 @@ from fms_paged.bench.latency import final_lengths
 from fms_paged.models import get_model
 
 CPU = torch.device("cpu")
-SECTIONS = ("engine_decode", "decode_vs_dense", "mixed_batch", "chat", "serving")
+SECTIONS = ("engine_decode", "decode_blocks", "decode_vs_dense", "mixed_batch", "chat", "serving")
 
 # gpu-check's CPU dry run: on a GPU, `make gpu-check` runs the stages themselves
 pytestmark = pytest.mark.usefixtures("cpu_only")
@@ -135,6 +135,12 @@ def test_tiny_run_is_complete_and_consistent(tiny):
         assert r["roofline_tok_s"] == pytest.approx(m["read_bandwidth_gbs"] * 1e9 / r["step_bytes"])
         assert r["roofline_share"] == pytest.approx(r["tokens_per_s"] / r["roofline_tok_s"])
 
+    blocks = res["decode_blocks"]["rows"]  # both forms of the decode BlockMask: SDPA's result
+    assert [r["context"] for r in blocks] == list(size["contexts"])
+    for r in blocks:
+        assert r["full_error"] < 1e-5 and r["partial_error"] < 1e-5, r
+        assert _finite(r["full_us"], r["partial_us"], r["full_bandwidth_share"], r["partial_bandwidth_share"])
+
     vs, chat = res["decode_vs_dense"], res["chat"]
     assert [r["context"] for r in vs["rows"]] == list(size["contexts"])  # the ladder's turns
     msg = chat["message"]  # turn k of the chat holds k messages and k - 1 replies of `new` tokens
@@ -163,7 +169,7 @@ def test_tiny_run_is_complete_and_consistent(tiny):
     assert engine["over_hf"] == pytest.approx(engine["output_tok_s"] / hf["output_tok_s"])
 
     perf = [ln for ln in lines if ln.startswith("[perf]")]
-    assert len(perf) == len(lines) == 1 + 3 + 3 + 2 + 4 + 2 + 1  # the model, one per measurement, the end
+    assert len(perf) == len(lines) == 1 + 3 + 3 + 3 + 2 + 4 + 2 + 1  # the model, one per measurement, the end
 
 
 def test_tiny_markdown_has_every_table(tiny):
@@ -172,7 +178,8 @@ def test_tiny_markdown_has_every_table(tiny):
     assert res["environment"]["device_name"] in md
     for header in ("| target | value | wanted | met |", "| cuda_graphs | context | ms/token p50 |",
                    "| turn | context | dense TTFT ms | paged TTFT ms | dense ms/token p50 |",
-                   "| backend | TTFT ms |", "| system | output tok/s | engine / HF |"):
+                   "| backend | TTFT ms |", "| system | output tok/s | engine / HF |",
+                   "| context | pool pages | full blocks us |"):
         assert header in md, header
     assert md.count("\n### ") == len(SECTIONS) and "| HF generate_batch |" in md and "| sdpa |" in md
     assert "wall time (s):" in md and "- error:" not in md

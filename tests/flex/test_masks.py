@@ -60,8 +60,10 @@ def listed_blocks(bm):
                 out[b, j, idx[b, 0, j, : num[b, 0, j]].numpy()] = True
         return out
 
-    return (dense(bm.full_kv_num_blocks.cpu(), bm.full_kv_indices.cpu()),
-            dense(bm.kv_num_blocks.cpu(), bm.kv_indices.cpu()))
+    part = dense(bm.kv_num_blocks.cpu(), bm.kv_indices.cpu())
+    if bm.full_kv_num_blocks is None:
+        return np.zeros_like(part), part
+    return dense(bm.full_kv_num_blocks.cpu(), bm.full_kv_indices.cpu()), part
 
 
 def check_block_mask(bm, E, P, q_block):
@@ -97,6 +99,15 @@ def test_decode_mask_and_blocks(P, device):
     got = create_mask(mm, len(seq_ids), 1, 1, pm.num_pages * P, device=device)[:, 0]
     assert np.array_equal(got.cpu().numpy(), E)
     check_block_mask(decode_block_mask(pm.page_table, meta, pm.num_pages, P, mm), E, P, q_block=1)
+    # every page a row reaches as a partial block (no full ones), with and without a window: the
+    # pages listed are exactly those holding a visible slot
+    for window in (None, P + 1, 3 * P):
+        mm = paged_mask_mod(pm.page_table, pm.phys_to_logical, q_seq, q_p, P, window=window)
+        seen = create_mask(mm, len(seq_ids), 1, 1, pm.num_pages * P, device=device)[:, 0].cpu().numpy()
+        bm = decode_block_mask(pm.page_table, meta, pm.num_pages, P, mm, window=window, full_blocks=False)
+        full, part = listed_blocks(bm)
+        assert bm.full_kv_num_blocks is None
+        assert np.array_equal(part[:, 0], seen[:, 0].reshape(len(seq_ids), -1, P).any(-1)), window
 
 
 @pytest.mark.parametrize("P", [4, 16])
