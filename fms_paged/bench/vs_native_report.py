@@ -40,8 +40,9 @@ def per_bandwidth(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def roofline_share(res: dict[str, Any], dt: str, r: dict[str, Any]) -> float | None:
-    """A one-request engine process's decode steps/s over its roofline: the bytes a step reads
-    (weights and live KV) at the bandwidth read in that same process; None without both."""
+    """A one-request engine process's decode steps/s (its median run's) over its roofline: the
+    bytes a step reads (weights and live KV) at the bandwidth read in that process beside that run
+    (the mean of the readings just before and just after it); None without both."""
     step_bytes = res.get("roofline_bytes_per_step", {}).get(dt)
     if not (step_bytes and r.get("decode_steps_s") and r.get("read_bandwidth_gbs")):
         return None
