@@ -166,10 +166,10 @@ def test_soak_thousands_of_requests_leave_nothing_behind(models):
     # memory: what the second 2000 requests left allocated beyond what the first 2000 left, of the
     # Python heap allocated by the project's code (and this test's): whatever the engine keeps, in
     # its containers or elsewhere, was allocated there. One leaked int per request would add 56 kB,
-    # a leaked stats dict or Request far more; measured growth: under 20 kB (torch's per-shape
-    # caches filled from the runner's calls, the prefix cache's listing of at most 7 pages). Other
-    # threads' allocations (a tqdm monitor, an exporter left by another test) are not counted: with
-    # them the growth ranged to 33 kB.
+    # a leaked stats dict or Request far more; measured growth: ~3 kB with the test alone (small
+    # objects under the runner's and the pools' torch calls), up to ~20 kB after the other engine
+    # tests. Other threads' allocations (a tqdm monitor, an exporter left by another test) are not
+    # counted: with them the whole heap's growth ranged to 33 kB.
     growth = snapshots[1].compare_to(snapshots[0], "lineno")
     grew = sum(s.size_diff for s in growth)
     top = "; ".join(str(s) for s in sorted(growth, key=lambda s: -s.size_diff)[:3])
