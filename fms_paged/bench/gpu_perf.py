@@ -42,6 +42,7 @@ from fms_paged.device import default_page_size
 from fms_paged.engine import Engine, SamplingParams
 from fms_paged.flex.masks import decode_block_mask, decode_meta, paged_mask_mod
 from fms_paged.kv import PageManager
+from fms_paged.kv.geometry import page_slots
 from fms_paged.kv.kernels import compiled_flex, flex_kernel_options
 from fms_paged.models import get_model
 from fms_paged.models.hf import config_to_hf
@@ -232,7 +233,7 @@ def decode_blocks(model, size: Result, specs, bw: float, log) -> Result:
         meta = decode_meta([0], [ctx - 1], pm.slots([0], [ctx - 1]).tolist(), P).to(dev)
         mm = paged_mask_mod(pm.page_table, pm.phys_to_logical, meta[0][:, None].int(),
                             meta[1][:, None].int(), P, gqa_packed=True)
-        seen = torch.tensor([p * P + i for p in pm.pages_of(0) for i in range(P)][:ctx], device=dev)
+        seen = torch.from_numpy(page_slots(np.asarray(pm.pages_of(0)), P).reshape(-1)[:ctx]).to(dev)
         ref = F.scaled_dot_product_attention(q.float(), kp[:, :, seen].float(), vp[:, :, seen].float())
         kv_bytes = 2 * ctx * c.kvheads * c.head_dim * kp.element_size()
         row = {"context": ctx, "pool_pages": N}

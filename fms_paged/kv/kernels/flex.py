@@ -271,7 +271,7 @@ class FlexKernel(Kernel):
         tok_pos = np.concatenate([batch.positions, np.full(pad, -1, dtype=np.int64)])
         # the model's positions: 0 for a pad token (-1 is the masks' "no query" alone: a model with
         # position embeddings would index its table with it, a device-side assert on CUDA)
-        positions = np.concatenate([batch.positions.astype(np.int64), np.zeros(pad, np.int64)])
+        positions = np.maximum(tok_pos, 0)
         slots = batch.slots
         if pad:
             slots = torch.cat([slots, torch.zeros(pad, dtype=torch.long, device=dev)])
