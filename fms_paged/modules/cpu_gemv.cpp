@@ -15,7 +15,10 @@
 // prefetcher alone leaves part of the read bandwidth unused on this access pattern (many short
 // streams, one per weight row of a block); a far prefetch into L1 alone left the rate at the mercy
 // of L1's few outstanding misses (a process reading fast lost most), one into L2 alone left every
-// load of the block an L1 miss on the critical path.
+// load of the block an L1 miss on the critical path. A decode step's product of one row
+// is different where its multiply-adds are cheap: it reads one weight row at a time and prefetches
+// nothing, so a thread's share of the weights is one sequential stream, which the hardware
+// prefetcher follows better than any software prefetch did (see STREAM).
 #include <omp.h>
 
 #include "native_args.h"
@@ -55,17 +58,28 @@ constexpr int NR = kF32 ? 4 : 2;  // weight rows per register tile
 // 1.06x in fp16, 1.07x in fp32, in one process with the two builds swapped between runs.)
 constexpr int64_t PREFETCH_BYTES = 18432;
 // A product of at most FEW rows (a decode step of one or two sequences) takes blocks of NR_FEW
-// weight rows. With AVX2's conversions of half-precision weights, blocks of 4 rows (more
-// independent sums: a short K, such as a 576-wide model's, leaves the chains of dependent
-// multiply-adds exposed) read faster than 2. With AVX-512, 2 rows four blocks ahead read faster
-// than blocks of 4 or 8 rows. Each row's sums run in the same order either way: a row's result
-// does not depend on how many rows its call has.
-constexpr int FEW = 2;
-#ifdef __AVX512F__
-constexpr int NR_FEW = NR;
+// weight rows. Where a multiply-add is cheap (AVX-512, whose bf16 pairs need no conversion; fp32
+// weights with AVX2) a product of one row streams (STREAM): one weight row a block and no software
+// prefetch, so each thread reads its contiguous share of the weights in order and the hardware
+// prefetcher sees one stream. On a Zen 4 VM, in one process with the builds swapped between runs,
+// a one-request SmolLM2 decode read its weights 1.08x as fast in bf16 as with blocks of 2 rows and
+// the prefetches (level in fp16 and fp32); the AVX2 build forced there, fp32, 1.2x. Two rows of x
+// stream no better: a two-request decode ran 0.95x as fast streamed; and blocks of 2 weight rows
+// without the prefetches read at ~60% (two interleaved streams defeat the hardware prefetcher).
+// With AVX2's conversions of half-precision weights the multiply-adds bound one row's chain of
+// dependent sums (a short K, such as a 576-wide model's, leaves them exposed): there blocks of 4
+// rows, prefetched, read 1.1-1.2x as fast as one row streamed, for one or two rows of x. A row's
+// sums run in the same order any way: its result does not depend on how many rows its call has
+// or on the block size.
+#if defined(__AVX512F__)
+constexpr bool STREAM = true;
+#elif defined(__AVX2__)
+constexpr bool STREAM = kF32;
 #else
-constexpr int NR_FEW = kF32 ? NR : 4;
+constexpr bool STREAM = false;  // (NEON builds: not measured)
 #endif
+constexpr int FEW = STREAM ? 1 : 2;
+constexpr int NR_FEW = STREAM ? 1 : kF32 ? NR : 4;
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (see the kernel)
 
 using vf = fms_vec::vec<W>;
@@ -220,7 +234,7 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   std::vector<float> xf;
   int64_t x_st = a.x_st;
   const X* x = rows_f32(a.x, M, K, x_st, xf);
-  const bool few = NR_FEW != NR && M <= FEW;
+  const bool few = M <= FEW;
   const int64_t nr = few ? NR_FEW : NR;
   const int64_t ahead = std::clamp<int64_t>(PREFETCH_BYTES / (nr * K * (int64_t)sizeof(T)), 2, 8);
   // the column blocks of nr weight rows, segment by segment: block b is segment i's rows
@@ -255,8 +269,8 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t j0 = locate(b, i);
       const Segment& s = segs[i];
-      const T* next = nullptr;
-      if (b + ahead < nb) {
+      const T* next = nullptr;  // (none: streamed)
+      if (!(few && STREAM) && b + ahead < nb) {
         const int64_t jn = locate(b + ahead, i_next);
         next = segs[i_next].w + jn * K;
       }
