@@ -68,7 +68,7 @@ constexpr int64_t PREFETCH_BYTES = 18432;
 // without the prefetches read at ~60% (two interleaved streams defeat the hardware prefetcher).
 // With AVX2's conversions of half-precision weights the multiply-adds bound one row's chain of
 // dependent sums (a short K, such as a 576-wide model's, leaves them exposed): there blocks of 4
-// rows, prefetched, read 1.1-1.2x as fast as one row streamed, for one or two rows of x. A row's
+// rows, prefetched, read 1.1-1.2x as fast as one row streamed (one row of x). A row's
 // sums run in the same order any way: its result does not depend on how many rows its call has
 // or on the block size.
 #if defined(__AVX512F__)
