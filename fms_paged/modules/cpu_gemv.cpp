@@ -269,7 +269,7 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t j0 = locate(b, i);
       const Segment& s = segs[i];
-      const T* next = nullptr;  // (none: streamed)
+      const T* next = nullptr;  // stays null for a streamed one-row product: it prefetches nothing
       if (!(few && STREAM) && b + ahead < nb) {
         const int64_t jn = locate(b + ahead, i_next);
         next = segs[i_next].w + jn * K;
