@@ -19,6 +19,10 @@
 // is different where its multiply-adds are cheap: it reads one weight row at a time and prefetches
 // nothing, so a thread's share of the weights is one sequential stream, which the hardware
 // prefetcher follows better than any software prefetch did (see STREAM).
+//
+// Each thread starts on its own contiguous share of the blocks, taken in chunks of CHUNK_BYTES
+// of weights from its front; a thread done with its share takes the last chunks of the share with
+// the most left (see Share): a product's threads end together however unevenly memory serves them.
 #include <omp.h>
 
 #include "native_args.h"
@@ -26,6 +30,7 @@
 #include "native_vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +86,12 @@ constexpr bool STREAM = false;  // (NEON builds: not measured)
 constexpr int FEW = STREAM ? 1 : 2;
 constexpr int NR_FEW = STREAM ? 1 : kF32 ? NR : 4;
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (see the kernel)
+// Weights a thread claims at a time. Memory serves a product's threads unevenly, now one and now
+// another ahead, so that fixed shares leave the first done waiting for the last; a thread done
+// with its share takes the last chunks of another's (Share). Smaller chunks break each thread's
+// stream (the hardware prefetcher's) more often, larger ones leave less to even out with: see
+// docs/design.md for the measured trade-off.
+constexpr int64_t CHUNK_BYTES = int64_t(128) << 10;
 
 using vf = fms_vec::vec<W>;
 inline vf load(const T* p) { return fms_vec::load<W>(p); }
@@ -217,6 +228,31 @@ const float* rows_f32(const U* x, int64_t M, int64_t K, int64_t& x_st, std::vect
   return buf.data();
 }
 
+// One thread's share of a call's chunks, [front, end): its owner claims chunks from the front, a
+// thread done with its own share claims them from the end. Both in one word, so that a chunk is
+// claimed once (compare-and-swap); a cache line a share, so that the owners do not contend.
+struct alignas(64) Share {
+  std::atomic<uint64_t> v{0};  // front (low 32 bits), end (high 32 bits)
+  void set(int64_t front, int64_t end) { v.store(uint64_t(end) << 32 | uint64_t(front), std::memory_order_relaxed); }
+  int64_t left() const {
+    const uint64_t x = v.load(std::memory_order_relaxed);
+    return int64_t(x >> 32) - int64_t(uint32_t(x));
+  }
+  // -> whether a chunk was left: then `chunk` is the front's (the owner) or the end's (a thief)
+  bool claim(bool front, int64_t& chunk) {
+    uint64_t x = v.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint32_t f = uint32_t(x), e = uint32_t(x >> 32);
+      if (f >= e) return false;
+      const uint64_t want = front ? x + 1 : (uint64_t(e - 1) << 32 | f);
+      if (v.compare_exchange_weak(x, want, std::memory_order_relaxed)) {
+        chunk = front ? f : e - 1;
+        return true;
+      }
+    }
+  }
+};
+
 }  // namespace
 
 // The kernel's arguments, passed by pointer: the struct of FMS_PAGED_GEMV_FIELDS
@@ -260,25 +296,44 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   // keeps a core busy and the region waits for a thread the OS has descheduled
   const int64_t by_work = std::max<int64_t>(1, M * col * K / GRAIN);
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, nb, by_work}));
+  // the chunks in contiguous shares, one a thread (as schedule(static) would hand them out)
+  const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (nr * K * (int64_t)sizeof(T)));
+  const int64_t n_chunks = (nb + chunk - 1) / chunk;
+  std::vector<Share> shares(threads);
+  for (int t = 0; t < threads; ++t) shares[t].set(n_chunks * t / threads, n_chunks * (t + 1) / threads);
 #pragma omp parallel num_threads(threads)
   {
-    // the blocks in contiguous shares, one a thread (as schedule(static) would hand them out)
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t b0 = nb * t / nt, b1 = nb * (t + 1) / nt;
+    const int t = omp_get_thread_num();
     int i = 0, i_next = 0;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t j0 = locate(b, i);
-      const Segment& s = segs[i];
-      const T* next = nullptr;  // stays null for a streamed one-row product: it prefetches nothing
-      if (!(few && STREAM) && b + ahead < nb) {
-        const int64_t jn = locate(b + ahead, i_next);
-        next = segs[i_next].w + jn * K;
+    // chunk c's blocks; prefetching into the chunks after it where the thread's own (those it
+    // will likely read next), not past a stolen one
+    const auto run = [&](int64_t c, bool own) {
+      const int64_t b1 = std::min(nb, (c + 1) * chunk), stop = own ? nb : b1;
+      if (!own) i = i_next = 0;  // (locate searches forwards)
+      for (int64_t b = c * chunk; b < b1; ++b) {
+        const int64_t j0 = locate(b, i);
+        const Segment& s = segs[i];
+        const T* next = nullptr;  // stays null for a streamed one-row product: it prefetches nothing
+        if (!(few && STREAM) && b + ahead < stop) {
+          const int64_t jn = locate(b + ahead, i_next);
+          next = segs[i_next].w + jn * K;
+        }
+        const int64_t n = std::min<int64_t>(nr, s.n - j0);
+        if (few)
+          block<FEW, NR_FEW>(n, x, x_st, M, K, s, j0, y, col, next);
+        else
+          block<MR, NR>(n, x, x_st, M, K, s, j0, y, col, next);
       }
-      const int64_t n = std::min<int64_t>(nr, s.n - j0);
-      if (few)
-        block<FEW, NR_FEW>(n, x, x_st, M, K, s, j0, y, col, next);
-      else
-        block<MR, NR>(n, x, x_st, M, K, s, j0, y, col, next);
+    };
+    int64_t c;
+    while (shares[t].claim(true, c)) run(c, true);
+    for (;;) {  // then the last chunk of the share with the most left, until none is
+      int from = -1;
+      int64_t most = 0;
+      for (int u = 0; u < (int)shares.size(); ++u)  // (all: a team may have fewer threads than shares)
+        if (const int64_t left = shares[u].left(); u != t && left > most) from = u, most = left;
+      if (from < 0) break;
+      if (shares[from].claim(false, c)) run(c, false);
     }
   }
   return 0;
