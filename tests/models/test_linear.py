@@ -54,6 +54,31 @@ def test_gemv_in_half_precision(dtype, rows, isa, monkeypatch):
     assert_rounded_from(got, torch.cat([x.double() @ w.double().T for w in ws], -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemv_bits_do_not_depend_on_the_threads(dtype, rows):
+    """Which thread computes a block of output columns (each starts on its own share, claimed in
+    chunks; the first done takes the others' last chunks) leaves every output bit as one thread's:
+    a stack of weights of many chunks on 1, 2 and 3 threads, against float64 as well."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    ws = [(torch.randn(n, 576, generator=g) / 24).to(dtype) for n in (1536, 1536, 100)]
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(L.gemv(x, ws))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    ref = torch.cat([x.double() @ w.double().T for w in ws], -1)
+    if dtype == torch.float32:
+        torch.testing.assert_close(outs[0].double(), ref, **TOL)
+    else:
+        assert_rounded_from(outs[0], ref)
+
+
 @pytest.mark.parametrize("fp32_copy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, L.GEMV_MAX_ROWS + 1, 300])
