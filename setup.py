@@ -11,7 +11,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["fms_paged", "fms_paged.*"]),
-    package_data={"fms_paged": ["assets/default_model/*", "kv/*.cpp", "modules/*.cpp", "*.h", "*.cpp"]},
+    package_data={"fms_paged": ["assets/default_model/*", "kv/*.cpp", "kv/*.h", "modules/*.cpp", "*.h", "*.cpp"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.6",

@@ -230,7 +230,9 @@ def _kernel_recipe(source: Path, which: str, **defines: int | str) -> tuple[str,
     if version is None:
         return f"{cxx} --version failed"
     flags = _flags(which) + [f"-I{_HERE}"] + [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    made_from = [source.read_text(), *(h.read_text() for h in HEADERS), " ".join(flags), version, _cpu_id()]
+    parts = sorted(source.parent.glob(source.stem + "*.h"))  # the kernel's own headers
+    made_from = [source.read_text(), *(h.read_text() for h in (*parts, *HEADERS)), " ".join(flags), version,
+                 _cpu_id()]
     tag = "".join(f"_{k.lower()}{v}" for k, v in sorted(defines.items()))
     tag += "" if which == "native" else f"_{which}"
     return source.stem + tag, [cxx, *flags, str(source)], made_from

@@ -448,6 +448,22 @@ def test_built_once_per_head_dim_into_the_cache_dir(tmp_path, monkeypatch):
         native._load.cache_clear()
 
 
+def test_a_kernels_own_header_is_part_of_its_librarys_key(tmp_path):
+    """Editing the decode path's header (cpu_attention_decode.h, included by cpu_attention.cpp)
+    names a new library, so a cached build of the old text is not loaded for the new one."""
+    for f in (cpu_kernel.SOURCE, cpu_kernel.SOURCE.with_name("cpu_attention_decode.h")):
+        (tmp_path / f.name).write_text(f.read_text())
+    src, header = tmp_path / cpu_kernel.SOURCE.name, tmp_path / "cpu_attention_decode.h"
+
+    def library():
+        name, _, made_from = native._kernel_recipe(src, "native", HEAD_DIM=64, FMS_ELEM="float")
+        return native._library(name, made_from)
+
+    before = library()
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert library() != before
+
+
 def _library(tmp_path, fields: str, elem: str = "float") -> str:
     """A kernel library whose argument struct is declared from `fields` (an X-macro list like
     FMS_PAGED_ATTENTION_FIELDS), exporting fms_paged_attention and its layout."""

@@ -1,0 +1,123 @@
+// A decode row's path of the paged attention kernel: a part of cpu_attention.cpp, included by it
+// inside its namespace after what it uses (T, D, W, the vectors, Args, Item, Scratch, the key
+// rows, prefetches and softmax helpers), and built with it (fms_paged/native.py hashes a kernel's
+// own headers, <source stem>*.h, into the library's key). Keys sit in the lanes: see the top of
+// cpu_attention.cpp.
+#pragma once
+
+// the scores of keys krow[0 .. n) (n <= W) with q (qv: D / W vectors, scaled), one per lane (0 in
+// the lanes past n). All W keys: unrolled, so that the W keys' dot products run side by side
+// in registers; each key's is the same chain of multiply-adds over d either way.
+inline vf key_scores(const T* const* krow, int n, const vf* qv) {
+  vf part[W];
+  if (n == W) {
+#pragma GCC unroll 16
+    for (int j = 0; j < W; ++j) {
+      vf acc = splat(0.0f);
+#pragma GCC unroll 16
+      for (int i = 0; i < D / W; ++i) acc += load(krow[j] + i * W) * qv[i];
+      part[bitrev(j)] = acc;
+    }
+    return reduce_lanes(part);
+  }
+  for (int j = 0; j < W; ++j) {
+    vf acc = splat(0.0f);
+    if (j < n)
+      for (int i = 0; i < D / W; ++i) acc += load(krow[j] + i * W) * qv[i];
+    part[bitrev(j)] = acc;
+  }
+  return reduce_lanes(part);
+}
+
+// heads whose outputs a decode block's value rows update together: each value row is loaded (and
+// converted) once for the group, and the group's D / W accumulators a head are independent chains
+constexpr int HG = std::max(1, (W == 16 ? 16 : 8) / (D / W));
+
+// O[g] = O[g] * alpha[g] + sum_j p[g][j] V[j] for NH heads g (O: o, [NH, D]; p: [NH, BK]) over
+// keys j < nk in order: per head the same multiply-adds in the same order as one head at a time
+template <int NH>
+inline void accumulate_values(float* o, const float* alpha, const float* p, const T* const* vrow, int nk) {
+  vf ov[NH][D / W];
+  for (int g = 0; g < NH; ++g)
+    for (int i = 0; i < D / W; ++i) ov[g][i] = load(o + g * D + i * W) * alpha[g];
+  for (int j = 0; j < nk; ++j) {
+    vf v[D / W];
+    for (int i = 0; i < D / W; ++i) v[i] = load(vrow[j] + i * W);
+#pragma GCC unroll 16
+    for (int g = 0; g < NH; ++g) {
+      const vf pj = splat(p[g * BK + j]);
+      for (int i = 0; i < D / W; ++i) ov[g][i] += pj * v[i];
+    }
+  }
+  for (int g = 0; g < NH; ++g)
+    for (int i = 0; i < D / W; ++i) store(o + g * D + i * W, ov[g][i]);
+}
+
+// accumulate_values for nh <= HG heads, nh known at run time
+template <int NH = HG>
+inline void accumulate_values_n(int nh, float* o, const float* alpha, const float* p, const T* const* vrow, int nk) {
+  if constexpr (NH > 1)
+    if (nh < NH) return accumulate_values_n<NH - 1>(nh, o, alpha, p, vrow, nk);
+  accumulate_values<NH>(o, alpha, p, vrow, nk);
+}
+
+// a decode row: heads r0 .. r1 - 1 of the item's kv head for one token at position q0, which sees
+// keys first_key(q0) .. q0 (all of them from 0 without a window); keys in lanes (see the top).
+// A block's scores and softmax run head by head, then its values update the heads' outputs HG
+// heads at a time.
+void run_decode(const Args& a, const Item& it, Scratch& sc) {
+  const int G = a.H / a.Hkv, nh = it.r1 - it.r0;
+  const int64_t* c = a.chunks + 4 * it.chunk;
+  const int64_t n_keys = c[1] + 1, off = c[3];
+  const int32_t* pt = a.pages + c[0] * a.pages_st;
+  const T* kh = a.k + (int64_t)it.kvh * a.pool_tokens * D;
+  const T* vh = a.v + (int64_t)it.kvh * a.pool_tokens * D;
+  const T* q = a.q + off * a.q_st + (int64_t)(it.kvh * G + it.r0) * a.q_sh;
+  const float inv_cap = 1.0f / a.softcap;  // (used only when softcap > 0)
+  float m[LG * W], l[LG * W], alpha[LG * W];  // per head: the softmax's running max and sum, a block's rescale
+  for (int g = 0; g < nh; ++g) softmax_start(a, it.kvh * G + it.r0 + g, m[g], l[g]);
+  std::memset(sc.ot, 0, sizeof(float) * nh * D);  // O per head, [nh, D] (unnormalised)
+  vf lane;
+  for (int i = 0; i < W; ++i) lane[i] = (float)i;
+  const T* krow[BK];
+  const T* vrow[BK];
+  for (int64_t k0 = first_key(a, c[1]); k0 < n_keys; k0 += BK) {  // every key of a block is seen
+    const int nk = (int)std::min<int64_t>(BK, n_keys - k0), nkt = (nk + W - 1) / W * W;
+    key_rows(a, pt, k0, nk, kh, vh, krow, vrow);
+    prefetch_keys(a, pt, k0 + BK, (int)std::min<int64_t>(BK, n_keys - k0 - BK), kh, vh);
+    for (int g = 0; g < nh; ++g) {
+      float* s = sc.pd + g * BK;
+      vf qv[D / W];
+      for (int i = 0; i < D / W; ++i) qv[i] = load(q + g * a.q_sh + i * W) * a.scale;
+      for (int j0 = 0; j0 < nk; j0 += W) {  // scores of keys j0 .. j0 + W - 1, one per lane
+        const int n = std::min(W, nk - j0);
+        vf sv = key_scores(krow + j0, n, qv);
+        if (a.softcap > 0.0f) sv = vtanh(sv * inv_cap) * a.softcap;
+        store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
+      }
+      vf mv = load(s);
+      for (int j0 = W; j0 < nkt; j0 += W) mv = vmax(mv, load(s + j0));
+      float mx = mv[0];
+      for (int i = 1; i < W; ++i) mx = std::max(mx, mv[i]);
+      const float mnew = std::max(m[g], mx);  // m[g] is finite
+      alpha[g] = std::exp(m[g] - mnew);
+      m[g] = mnew;
+      vf sum = splat(0.0f);
+      for (int j0 = 0; j0 < nkt; j0 += W) {
+        const vf p = vexp(load(s + j0) - mnew);
+        sum += p;
+        store(s + j0, p);
+      }
+      float total = 0.0f;
+      for (int i = 0; i < W; ++i) total += sum[i];
+      l[g] = l[g] * alpha[g] + total;
+    }
+    for (int g = 0; g < nh; g += HG)
+      accumulate_values_n(std::min(HG, nh - g), sc.ot + g * D, alpha + g, sc.pd + g * BK, vrow, nk);
+  }
+  for (int g = 0; g < nh; ++g) {
+    T* dst = a.out + (off * a.H + it.kvh * G + it.r0 + g) * D;
+    const vf inv = splat(1.0f / l[g]);
+    for (int i = 0; i < D / W; ++i) store(dst + i * W, load(sc.ot + g * D + i * W) * inv);
+  }
+}
