@@ -5,25 +5,17 @@
 // cpu_attention.cpp.
 #pragma once
 
-// the scores of keys krow[0 .. n) (n <= W) with q (qv: D / W vectors, scaled), one per lane (0 in
-// the lanes past n). All W keys: unrolled, so that the W keys' dot products run side by side
-// in registers; each key's is the same chain of multiply-adds over d either way.
-inline vf key_scores(const T* const* krow, int n, const vf* qv) {
+// the scores of W keys (rows krow[0 .. W)) with q (qv: D / W vectors, scaled), one per lane:
+// unrolled, so that the W keys' dot products run side by side in registers. A lane's score
+// depends on its own key alone (reduce_lanes), so a block's last vector pads its rows past the
+// keys with a real one and the caller masks those lanes.
+inline vf key_scores(const T* const* krow, const vf* qv) {
   vf part[W];
-  if (n == W) {
 #pragma GCC unroll 16
-    for (int j = 0; j < W; ++j) {
-      vf acc = splat(0.0f);
-#pragma GCC unroll 16
-      for (int i = 0; i < D / W; ++i) acc += load(krow[j] + i * W) * qv[i];
-      part[bitrev(j)] = acc;
-    }
-    return reduce_lanes(part);
-  }
   for (int j = 0; j < W; ++j) {
     vf acc = splat(0.0f);
-    if (j < n)
-      for (int i = 0; i < D / W; ++i) acc += load(krow[j] + i * W) * qv[i];
+#pragma GCC unroll 16
+    for (int i = 0; i < D / W; ++i) acc += load(krow[j] + i * W) * qv[i];
     part[bitrev(j)] = acc;
   }
   return reduce_lanes(part);
@@ -84,6 +76,7 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   for (int64_t k0 = first_key(a, c[1]); k0 < n_keys; k0 += BK) {  // every key of a block is seen
     const int nk = (int)std::min<int64_t>(BK, n_keys - k0), nkt = (nk + W - 1) / W * W;
     key_rows(a, pt, k0, nk, kh, vh, krow, vrow);
+    for (int j = nk; j < nkt; ++j) krow[j] = krow[0];  // (their scores masked below)
     prefetch_keys(a, pt, k0 + BK, (int)std::min<int64_t>(BK, n_keys - k0 - BK), kh, vh);
     for (int g = 0; g < nh; ++g) {
       float* s = sc.pd + g * BK;
@@ -91,7 +84,7 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
       for (int i = 0; i < D / W; ++i) qv[i] = load(q + g * a.q_sh + i * W) * a.scale;
       for (int j0 = 0; j0 < nk; j0 += W) {  // scores of keys j0 .. j0 + W - 1, one per lane
         const int n = std::min(W, nk - j0);
-        vf sv = key_scores(krow + j0, n, qv);
+        vf sv = key_scores(krow + j0, qv);
         if (a.softcap > 0.0f) sv = vtanh(sv * inv_cap) * a.softcap;
         store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
       }
