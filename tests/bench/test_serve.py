@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+from benchmarks import peers, vs_vllm
 from fms_paged import generate, get_model
-from fms_paged.bench import cli, peers, serve, vs_vllm
+from fms_paged.bench import cli, serve
 from fms_paged.models.hf import save_hf_llama
 
 
@@ -120,7 +121,7 @@ def test_vs_vllm_targets_are_judged_from_the_runs():
 
 
 def test_warm_start_job_times_each_part_of_a_start(tmp_path):
-    """`python -m fms_paged.bench.peers warm`: a checkpoint loaded in the job's dtype, its engine built
+    """`python -m benchmarks.peers warm`: a checkpoint loaded in the job's dtype, its engine built
     and warmed up, each part timed, the parts adding up to the start."""
     save_hf_llama(get_model(variant="micro", seed=0), tmp_path / "ckpt")
     job = {"model_path": str(tmp_path / "ckpt"), "dtype": "bfloat16", "device": "cpu", "max_num_seqs": 2,
