@@ -27,10 +27,10 @@ test-slow: install
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 lint: install
-	$(PY) -m ruff check fms_paged tests scripts
+	$(PY) -m ruff check fms_paged tests scripts benchmarks
 
 format: install
-	$(PY) -m ruff format fms_paged tests scripts
+	$(PY) -m ruff format fms_paged tests scripts benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info results .pytest_cache
@@ -67,9 +67,10 @@ bench-fidelity: install
 # the engine under serving traffic: offline / Poisson rates, shared prefix (cache on / off),
 # multi-turn, n=8, capacity under a KV budget, the engine beside vLLM (vs_vllm), and the peers on the
 # offline mix, each in its own process: dense static waves, HF generate_batch, vLLM's CPU build
-# (when `make peer-vllm` made its venv)
+# (when `make peer-vllm` made its venv). The peers' drivers are the checkout's benchmarks/ (not in the
+# wheel): run from the repository root, where `python -m` finds them
 bench-serve: install
-	$(PY) scripts/benchmark_inference.py --scenario serve --out results/bench-serve $(BENCH_ARGS)
+	$(PY) -m fms_paged.bench.cli --scenario serve --out results/bench-serve $(BENCH_ARGS)
 
 # what grammar masks cost a step: 16 requests decoding at once, JSON schema vs free-form, rounds
 # alternated in one process; the embedded model and a random-weight one with a 32k vocabulary
@@ -83,14 +84,14 @@ bench-structured: install
 # on the same workload; then 25% of the requests held to a JSON schema against none (a client of our
 # own); the targets met or missed. About 10 minutes on a 2-core CPU.
 bench-http: install
-	$(PY) scripts/bench_http.py --out results/bench-http $(BENCH_ARGS)
+	$(PY) -m benchmarks.http --out results/bench-http $(BENCH_ARGS)
 
 # the engine beside llama.cpp and OpenVINO GenAI (`make peer-llamacpp`, `make peer-openvino` make their
 # venvs; a peer without one is recorded as not run): SmolLM2-shaped and default-model workloads in each
 # system's dtypes, each system in its own process, start times (the engine's also cold), the decode
 # step's host time and the targets met or missed. About 20 minutes on a 2-core CPU with both peers.
 bench-native: install
-	$(PY) -m fms_paged.bench.vs_native --out results/bench-native $(BENCH_ARGS)
+	$(PY) -m benchmarks.vs_native --out results/bench-native $(BENCH_ARGS)
 
 # tensor parallelism on this host's CPU: the same batch on 1 rank and on N (spawned, sharing the cores),
 # the default model and a SmolLM2-135M-shaped one: decode step time and the collectives' share of it

@@ -10,7 +10,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["fms_paged", "fms_paged.*"]),
+    packages=find_packages(include=["fms_paged", "fms_paged.*"],  # not the checkout's benchmarks/, scripts/
+                           exclude=["benchmarks*", "scripts*", "tests*"]),
     package_data={"fms_paged": ["assets/default_model/*", "kv/*.cpp", "kv/*.h", "modules/*.cpp", "*.h", "*.cpp"]},
     include_package_data=True,
     install_requires=[

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh OUTDIR --device cpu --tiny   # the dry run (CI runs it)
 # Uses the machine's own torch (PYTHON, default python3) and never installs torch: where the package
 # is not importable it is installed from this checkout without dependencies and without the network.
-# Stages, results and exit status: fms_paged/bench/gpu_check.py.
+# Stages, results and exit status: scripts/gpu_check/check.py (its stages: scripts/gpu_check/, run
+# from the checkout's root as `python -m scripts.gpu_check.<stage>`; the wheel does not ship them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash scripts/gpu_check.sh OUTDIR [--device cpu --tiny] [--stages tests,exact,kernels,bench]}
@@ -29,7 +30,7 @@ fi
 "$py" -c "import torch, fms_paged; print(f'[gpu-check] torch {torch.__version__}, CUDA {torch.version.cuda}, '
           f'GPU {torch.cuda.get_device_name() if torch.cuda.is_available() else None}, '
           f'fms_paged from {fms_paged.__file__}')" || exit 2
-"$py" -m fms_paged.bench.gpu_check "$out" "$@"
+"$py" -m scripts.gpu_check.check "$out" "$@"
 rc=$?
 echo "[gpu-check] exit $rc after $((SECONDS - start)) s; results in $out"
 exit $rc

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ppl-window", type=int, default=256)
     g.add_argument("--text-file", help="evaluation text (default: held-out Python stdlib source)")
     g = p.add_argument_group("serving (--scenario serve)")
-    g.add_argument("--workloads", default="mix,shared_prefix,multi_turn,parallel,capacity,vs_vllm,vs_native")
+    g.add_argument("--workloads", default=serve.default_workloads(),
+                   help="the peer ones (vs_vllm, vs_native) run from a checkout only")
     g.add_argument("--num-requests", type=int, help="requests of the mix (default 64)")
     g.add_argument("--rate-fractions", type=_csv(float), default=[0.25, 0.5, 1.0], help="x offline req/s")
     g.add_argument("--prefix-requests", type=int, default=64, help="requests sharing the system prompt")
@@ -81,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--num-pages", type=int, help="default: sized by memory")
     g.add_argument("--max-model-len", type=int)
-    g.add_argument("--peers", type=_csv(str), default=["dense", "hf", "vllm"], help="'' for none")
+    g.add_argument("--peers", type=_csv(str), default=serve.default_peers(),
+                   help="some of dense,hf,vllm; '' for none (from a checkout only)")
     g = p.add_argument_group("report")
     g.add_argument("--out", help="default: results/bench (results/bench-serve for serve)")
     g.add_argument("--name", help="run name (default: the --out folder's name)")

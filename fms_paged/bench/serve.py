@@ -8,15 +8,20 @@ Workloads (`--workloads`):
 - `multi_turn`: conversations whose every turn resends the history, prefix cache on / off;
 - `parallel`: one request with n=8 completions (FORK) against 8 separate requests;
 - `capacity`: how many mix requests run at once in the KV bytes of a dense cache;
-- `vs_vllm`: the engine beside vLLM's CPU build on the workloads vLLM was first measured on (`peers`).
-- `vs_native`: the engine beside llama.cpp and OpenVINO GenAI on those workloads, and each one's start
-  (`vs_native`).
-Then the peers on the offline mix, each in its own process. Greedy tokens are compared between the
-runs of a workload and with every peer.
+- `vs_vllm`: the engine beside vLLM's CPU build on the workloads vLLM was first measured on.
+- `vs_native`: the engine beside llama.cpp and OpenVINO GenAI on those workloads, and each one's start.
+Then the peers on the offline mix (`--peers`), each in its own process. Greedy tokens are compared
+between the runs of a workload and with every peer. The peer workloads and `--peers` run the peer
+drivers of the checkout's `benchmarks/` folder (`benchmarks.vs_vllm`, `benchmarks.vs_native`,
+`benchmarks.peers`), which the wheel does not ship: from a checkout (`make bench-serve`) they are the
+defaults; from an installed wheel they are left out of the defaults, and asking for them says where
+they live.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import random
 import statistics
@@ -24,11 +29,11 @@ import time
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from fms_paged.bench import peers, vs_native, vs_native_report, vs_vllm
 from fms_paged.bench.environment import kv_bytes_per_token
 from fms_paged.bench.latency import with_rope_len
 from fms_paged.bench.report import fmt, table
@@ -195,7 +200,41 @@ def capacity(model, args, max_len: int) -> dict[str, Any]:
 
 
 WORKLOADS = {"mix": _mix, "shared_prefix": _shared_prefix, "multi_turn": _multi_turn, "parallel": _parallel}
-OTHERS = ("capacity", "vs_vllm", "vs_native")
+PEER_WORKLOADS = ("vs_vllm", "vs_native")  # the peer drivers' (`benchmarks/`, in the checkout only)
+OTHERS = ("capacity", *PEER_WORKLOADS)
+PEERS = ("dense", "hf", "vllm")  # `--peers` on the offline mix (`benchmarks.peers`)
+PEER_DRIVERS = "benchmarks"  # the checkout's top-level package of peer drivers; not in the wheel
+
+
+def peer_drivers_present() -> bool:
+    """Whether the checkout's peer drivers are importable (run from the repository root, or with it
+    on PYTHONPATH); an installed wheel has none."""
+    return importlib.util.find_spec(PEER_DRIVERS) is not None
+
+
+def default_workloads() -> str:
+    """`--workloads`' default: every workload, the peer ones only where their drivers are present."""
+    return ",".join([*WORKLOADS, "capacity", *(PEER_WORKLOADS if peer_drivers_present() else ())])
+
+
+def default_peers() -> list[str]:
+    """`--peers`' default: all of `PEERS` where their drivers are present, else none."""
+    return list(PEERS) if peer_drivers_present() else []
+
+
+def peer_driver(name: str) -> ModuleType:
+    """The checkout's `benchmarks.<name>` (an optional dependency: the wheel does not ship it), or
+    SystemExit saying where it lives and how to run it."""
+    try:
+        return importlib.import_module(f"{PEER_DRIVERS}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in (PEER_DRIVERS, f"{PEER_DRIVERS}.{name}"):
+            raise
+        raise SystemExit(
+            f"fms-paged bench --scenario serve: {name} runs the peer drivers of the repository's "
+            f"`{PEER_DRIVERS}/` folder ({PEER_DRIVERS}.{name}), which an installed wheel does not ship; "
+            "run it from a checkout's root (`make bench-serve`, or `python -m fms_paged.bench.cli "
+            "--scenario serve ...`), or leave it out of --workloads / --peers") from e
 
 
 def run(args, model, spec: dict[str, Any], res: dict[str, Any], log=print) -> dict[str, Any]:
@@ -203,6 +242,8 @@ def run(args, model, spec: dict[str, Any], res: dict[str, Any], log=print) -> di
     todo = [w for w in args.workloads.split(",") if w]
     if set(todo) - {*WORKLOADS, *OTHERS}:
         raise SystemExit(f"--workloads {args.workloads}: expected some of {', '.join([*WORKLOADS, *OTHERS])}")
+    for name in [*(w for w in PEER_WORKLOADS if w in todo), *(["peers"] if args.peers else [])]:
+        peer_driver(name)  # before any run: a wheel without the drivers says so at once
     keep_freed_cpu_memory()  # this process serves: glibc keeps freed buffers (vLLM's peer: tcmalloc)
     t0 = time.perf_counter()
     res.update(workloads={}, warmup_s=Engine(model, **engine_kw(args)).warmup(progress=False))
@@ -215,9 +256,10 @@ def run(args, model, spec: dict[str, Any], res: dict[str, Any], log=print) -> di
         elif name == "capacity":
             res["capacity"] = [capacity(model, args, n) for n in args.capacity_lens]
         elif name == "vs_vllm":
-            res["vs_vllm"] = vs_vllm.vs_vllm(args, model, spec.get("model_path"), args.out, log=log)
+            res["vs_vllm"] = peer_driver("vs_vllm").vs_vllm(args, model, spec.get("model_path"), args.out,
+                                                            log=log)
         else:
-            res["vs_native"] = vs_native.vs_native(Path(args.out) / "vs_native", log=log)
+            res["vs_native"] = peer_driver("vs_native").vs_native(Path(args.out) / "vs_native", log=log)
         phase[name] = time.perf_counter() - t
     for name, runs in res["workloads"].items():  # greedy tokens across the runs of a workload
         toks = [r["tokens"] if name != "parallel" else [r["tokens"][0]]  # greedy: completions equal
@@ -227,7 +269,8 @@ def run(args, model, spec: dict[str, Any], res: dict[str, Any], log=print) -> di
         t = time.perf_counter()
         specs = workload("mix", args.scale, model.config.src_vocab_size, args.seed, args.num_requests)
         engine_run = lambda: serve(model, specs, engine_kw(args))["output_tok_s"]
-        res["peers"] = peers.run_peers(model, spec.get("model_path"), specs, args, args.out, engine_run, log)
+        res["peers"] = peer_driver("peers").run_peers(model, spec.get("model_path"), specs, args, args.out,
+                                                      engine_run, log)
         ours = res["workloads"]["mix"]["offline"]
         for r in res["peers"].values():
             if "tokens" in r:
@@ -302,9 +345,9 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['config']['scale']}, model {res['model']['source']}", "", table(runs, COLUMNS), "",
              *_notes(res)]
     if "vs_vllm" in res:
-        lines += vs_vllm.vs_vllm_markdown(res["vs_vllm"])
+        lines += peer_driver("vs_vllm").vs_vllm_markdown(res["vs_vllm"])
     if "vs_native" in res:
-        lines += ["", "#" + vs_native_report.markdown(res["vs_native"])]
+        lines += ["", "#" + peer_driver("vs_native_report").markdown(res["vs_native"])]
     parts = ", ".join(f"{k} {v:.0f}" for k, v in res["phase_s"].items())
     return "\n".join([*lines, "", f"Wall time of each part (s): {parts}"]) + "\n"
 

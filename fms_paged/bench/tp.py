@@ -27,11 +27,15 @@ import torch
 from fms_paged import Engine, SamplingParams, get_model
 from fms_paged.bench import environment as bench_env
 from fms_paged.bench.report import table
-from fms_paged.bench.vs_vllm import SMOLLM2_135M
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.parallel import TensorParallelError, clock, layout
 
 MODELS = ("default", "smollm2")
+# SmolLM2-135M's shape (its weights are not shipped or downloaded: a seeded random model stands in; a
+# step's speed does not depend on the values); the peer drivers' vs_vllm workloads use it too
+SMOLLM2_135M = dict(src_vocab_size=49152, emb_dim=576, nheads=9, kvheads=3, nlayers=30,
+                    hidden_grow_factor=1536 / 576, multiple_of=1, rope_theta=100000.0,
+                    max_expected_seq_len=8192, tie_heads=True)
 # SmolLM2-135M has 9 query heads and 3 kv heads: 2 ranks do not divide them, 3 do
 SIZES = {"default": (2,), "smollm2": (2, 3)}
 

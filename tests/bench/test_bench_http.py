@@ -1,4 +1,4 @@
-"""`make bench-http` (fms_paged/bench/http.py, http_report.py) without vLLM: argument checks, vLLM's
+"""`make bench-http` (benchmarks/http.py, http_report.py) without vLLM: argument checks, vLLM's
 result JSON read back (one built here the way vLLM's `calculate_metrics` builds it, checked against
 statistics computed independently), the /metrics deltas (Prometheus text made by prometheus_client
 itself), the targets, the report, a server's start / health wait / stop (a stand-in server in the
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from fms_paged.bench import http, http_report
+from benchmarks import http, http_report
 from fms_paged.models import default_model_path
 
 DEFAULT_MODEL = default_model_path()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fms_paged.bench import gpu_check
+from scripts.gpu_check import check as gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""gpu-check's exactness stage (`fms_paged.bench.gpu_exact`) in its CPU dry run (tiny mode): it
+"""gpu-check's exactness stage (`scripts.gpu_check.exact`) in its CPU dry run (tiny mode): it
 passes on a correct paged path, covers every dtype, and fails, without raising, on a broken one:
 keys written to the pool 1% off (fp32: rel error ~1e-2 against a tolerance of 2^10 u = 6e-5), NaN
 left in reused pages (a backend that skips zeroing the pages it hands out, read whole by the flex
@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from fms_paged.bench import gpu_exact
 from fms_paged.kv.kernels import base as steps
 from fms_paged.kv.paged import PagedBackend
+from scripts.gpu_check import exact as gpu_exact
 
 CPU = torch.device("cpu")
 FIELDS = {"name", "dtype", "model", "page_size", "kernel", "metric", "value", "tolerance", "why", "passed"}

@@ -1,4 +1,4 @@
-"""`make gpu-check` stage 4 (`fms_paged.bench.gpu_perf`): its roofline arithmetic against figures
+"""`make gpu-check` stage 4 (`scripts.gpu_check.perf`): its roofline arithmetic against figures
 worked out by hand from the `micro` config, its helpers, and the CPU dry run (`tiny`) end to end:
 every section with finite figures that agree with the workload sent, the targets listed, the
 markdown's tables, an HF peer in its own process."""
@@ -11,9 +11,10 @@ import math
 import pytest
 import torch
 
-from fms_paged.bench import environment, gpu_perf
+from fms_paged.bench import environment
 from fms_paged.bench.latency import final_lengths
 from fms_paged.models import get_model
+from scripts.gpu_check import perf as gpu_perf
 
 CPU = torch.device("cpu")
 SECTIONS = ("engine_decode", "decode_blocks", "decode_vs_dense", "mixed_batch", "chat", "serving")

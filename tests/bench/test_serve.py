@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
+from benchmarks import peers, vs_vllm
 from fms_paged import generate, get_model
-from fms_paged.bench import cli, peers, serve, vs_vllm
+from fms_paged.bench import cli, serve
 from fms_paged.models.hf import save_hf_llama
 
 
@@ -120,7 +123,7 @@ def test_vs_vllm_targets_are_judged_from_the_runs():
 
 
 def test_warm_start_job_times_each_part_of_a_start(tmp_path):
-    """`python -m fms_paged.bench.peers warm`: a checkpoint loaded in the job's dtype, its engine built
+    """`python -m benchmarks.peers warm`: a checkpoint loaded in the job's dtype, its engine built
     and warmed up, each part timed, the parts adding up to the start."""
     save_hf_llama(get_model(variant="micro", seed=0), tmp_path / "ckpt")
     job = {"model_path": str(tmp_path / "ckpt"), "dtype": "bfloat16", "device": "cpu", "max_num_seqs": 2,
@@ -130,3 +133,21 @@ def test_warm_start_job_times_each_part_of_a_start(tmp_path):
     got = json.loads((tmp_path / "out.json").read_text())
     assert got["kernel"] == "cpp" and min(got["load_s"], got["engine_s"], got["warmup_s"]) >= 0
     assert abs(got["load_s"] + got["engine_s"] + got["warmup_s"] - got["start_s"]) < 1e-6
+
+
+def test_peer_workloads_come_from_the_checkout_and_a_wheel_without_them_says_so(monkeypatch):
+    """The peer drivers (`benchmarks/`, not in the wheel) back `vs_vllm`, `vs_native` and `--peers`:
+    from the checkout they are the defaults and import as themselves; where they are absent (an
+    installed wheel, simulated by a package name nothing provides) the defaults leave them out and
+    asking for one exits, before any engine runs, with where they live and the checkout's command."""
+    assert serve.peer_driver("peers") is peers and serve.peer_driver("vs_vllm") is vs_vllm
+    assert serve.default_workloads().split(",")[-2:] == ["vs_vllm", "vs_native"]
+    assert serve.default_peers() == ["dense", "hf", "vllm"]
+    monkeypatch.setattr(serve, "PEER_DRIVERS", "fms_paged_test_absent_drivers")
+    assert serve.default_workloads() == "mix,shared_prefix,multi_turn,parallel,capacity"
+    assert serve.default_peers() == []
+    args = SimpleNamespace(workloads="mix,vs_vllm", peers=[])
+    with pytest.raises(SystemExit, match=r"vs_vllm .*make bench-serve"):
+        serve.run(args, model=None, spec={}, res={})
+    with pytest.raises(SystemExit, match=r"peers .*make bench-serve"):
+        serve.run(SimpleNamespace(workloads="mix", peers=["dense"]), model=None, spec={}, res={})

@@ -2,8 +2,13 @@
 (`vs_native_report.per_bandwidth`): each side's best rate per GB/s, which need not be its best
 tok/s, and no rate for a run that did not read its bandwidth."""
 
-from fms_paged.bench.vs_native import ENGINE, ONE_REQUEST
-from fms_paged.bench.vs_native_report import markdown, per_bandwidth, targets
+import pytest
+
+from benchmarks.vs_native import pool_processes
+from benchmarks.vs_native_cases import ENGINE, ONE_REQUEST
+from benchmarks.vs_native_engine import step_anatomy
+from benchmarks.vs_native_report import markdown, per_bandwidth, roofline_shares, targets
+from fms_paged import Engine, get_model, native
 
 
 def run(tok_s: float, gbs: float | None) -> dict:
@@ -37,8 +42,6 @@ def test_pool_processes_takes_the_median_of_every_rounds_runs():
     """A system's processes (one a round) -> the median of all their timed runs, the other figures
     from the process whose own median is nearest it, each process kept; a failed process fails
     the system's result rather than leaving it to the others."""
-    from fms_paged.bench.vs_native import pool_processes
-
     def proc(rates, start, gbs):
         rates = sorted(rates)
         return {"output_tok_s": rates[len(rates) // 2], "output_tok_s_runs": rates, "start_s": start,
@@ -64,8 +67,20 @@ def test_roofline_share_is_each_processes_own_and_the_target_takes_their_median(
             **one, "output_tok_s": 80.0,
             "processes": [one, {"decode_steps_s": 120.0, "read_bandwidth_gbs": 80.0}]}}}},
     }
-    from fms_paged.bench.vs_native_report import roofline_shares
-
     assert roofline_shares(res) == {"bfloat16": [(0.8, 50.0), (0.75, 80.0)]}  # 80/100, 120/160
     (row,) = [r for r in targets(res) if "roofline" in r["target"]]
     assert row["measured"] == "bfloat16 78% (80% at 50 GB/s, 75% at 80 GB/s)" and row["met"] == "no"
+
+
+@pytest.mark.skipif(not hasattr(native, "kernel_clock"), reason="needs the library's native.kernel_clock")
+def test_step_anatomy_times_the_decode_steps_through_the_public_hooks():
+    """bench-native's step anatomy on a micro model: one-request decode steps timed whole, their
+    forwards through the runner's `forward_hook` and their C++ time through `native.kernel_clock`;
+    the hook is unset and the engine's lookahead restored afterwards."""
+    eng = Engine(get_model(variant="micro", attn_impl="paged", device="cpu"), max_num_seqs=2,
+                 max_num_batched_tokens=64, compile=False, decode_steps=4)
+    a = step_anatomy(eng, {"prompt": list(range(3, 19)), "max_new_tokens": 6})
+    assert 0 < a["forward"] <= a["step"] and 0 <= a["kernels"] <= a["step"]
+    assert a["host"] == pytest.approx(a["step"] - a["kernels"])
+    assert a["host_outside_forward"] == pytest.approx(a["step"] - a["forward"])
+    assert eng.runner.forward_hook is None and eng.decode_steps == 4 and not eng.has_unfinished()

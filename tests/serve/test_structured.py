@@ -175,12 +175,12 @@ def test_a_grammar_xgrammar_refuses_is_a_400_naming_the_field(server, body, para
 
 
 def test_bench_http_structured_loads_count_each_kind(server):
-    """`make bench-http`'s structured-output loads (fms_paged.bench.http_structured) against this
+    """`make bench-http`'s structured-output loads (benchmarks.http_structured) against this
     server: every request done, the mixed run's JSON requests counted apart, each request's whole
     budget decoded (the schema cannot end within it) and the report's table written from them."""
     from types import SimpleNamespace
 
-    from fms_paged.bench import http_report, http_structured
+    from benchmarks import http_report, http_structured
 
     args = SimpleNamespace(seed=0, range_ratio=0.25, input_len=24, output_len=12, structured_prompts=8,
                            structured_ratio=0.5, structured_rounds=1, client_timeout=120)

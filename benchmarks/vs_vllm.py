@@ -5,7 +5,6 @@ roofline, each dtype's warm start, and the half-precision targets met or missed.
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -13,9 +12,10 @@ from typing import Any
 
 import torch
 
+from benchmarks.peers import around_vllm, hf_checkpoint_dir, offline_engine, peer_command, peer_job, run_peer
 from fms_paged.bench.environment import kv_bytes_per_token, measure_read_bandwidth, weight_bytes
-from fms_paged.bench.peers import _job, _run, around_vllm, hf_checkpoint_dir, offline_engine
 from fms_paged.bench.report import table
+from fms_paged.bench.tp import SMOLLM2_135M
 from fms_paged.engine import Engine, SamplingParams
 from fms_paged.models import get_model
 from fms_paged.models.hf import save_hf_llama
@@ -30,9 +30,6 @@ VS_VLLM = {
     "default model, 16 prompts 62..1000, 16 new": (
         "default", [round(62 + i * (1000 - 62) / 15) for i in range(16)], 16, 16, 1024),
 }
-SMOLLM2_135M = dict(src_vocab_size=49152, emb_dim=576, nheads=9, kvheads=3, nlayers=30,
-                    hidden_grow_factor=1536 / 576, multiple_of=1, rope_theta=100000.0,
-                    max_expected_seq_len=8192, tie_heads=True)
 
 
 def offline_runs(eng: Engine, prompts: list[list[int]], new: int, repeats: int) -> list[dict[str, Any]]:
@@ -103,8 +100,8 @@ def vs_vllm(args, model, model_path: str | None, out, log=print, repeats: int = 
                 prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
                 log(f"[bench-serve] {name}, {dtype}: engine compile={args.compile} ...")
                 eng, warm = offline_engine(m, seqs, budget, args.compile, spans[which])
-                job = _job(ckpts[which], m, prompts, [new] * len(lens), seqs, budget, kv_space_gib=1,
-                           repeats=repeats)
+                job = peer_job(ckpts[which], m, prompts, [new] * len(lens), seqs, budget, kv_space_gib=1,
+                               repeats=repeats)
                 v, runs = around_vllm(job, tmp, out, f"vllm_{which}_{len(lens)}_{dtype}",
                                       lambda e=eng, p=prompts, n=new: offline_runs(e, p, n, 1)[0],
                                       repeats, log)
@@ -124,8 +121,7 @@ def vs_vllm(args, model, model_path: str | None, out, log=print, repeats: int = 
             job = {"model_path": str(ckpts[which]), "dtype": dtype, "device": str(model.device),
                    "max_num_seqs": seqs, "max_num_batched_tokens": budget, "max_model_len": spans[which],
                    "compile": args.compile, "requests": []}
-            cmd = [sys.executable, "-m", "fms_paged.bench.peers", "warm"]
-            res["warm_start_s"][dtype] = _run(cmd, job, tmp, out, f"warm_{dtype}")
+            res["warm_start_s"][dtype] = run_peer(peer_command("warm"), job, tmp, out, f"warm_{dtype}")
     return res
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
+from benchmarks import peers, vs_vllm
 from fms_paged.bench import environment as bench_env
-from fms_paged.bench import peers, serve, vs_vllm
+from fms_paged.bench import serve
 from fms_paged.bench.latency import final_lengths, random_prompts, run_plan
 from fms_paged.bench.report import fmt, table
 from fms_paged.device import default_page_size
@@ -347,7 +347,7 @@ def hf_peer_run(model, prompts: list[list[int]], new: int, cb: Result | None = N
            "dtype": str(model.dtype).removeprefix("torch."),
            "requests": [{"prompt": p, "max_new_tokens": new} for p in prompts]}
     with tempfile.TemporaryDirectory() as tmp:
-        r = peers._run([sys.executable, "-m", "fms_paged.bench.peers", "hf"], job, Path(tmp), tmp, "hf")
+        r = peers.run_peer(peers.peer_command("hf"), job, Path(tmp), tmp, "hf")
     r.pop("tokens", None)
     return r
 

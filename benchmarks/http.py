@@ -1,15 +1,15 @@
-"""`make bench-http` (`scripts/bench_http.py`): `fms-paged serve` against vLLM's own OpenAI server,
+"""`make bench-http` (`python -m benchmarks.http`): `fms-paged serve` against vLLM's own OpenAI server,
 both measured by vLLM's own benchmark client (`vllm bench serve --backend openai --dataset-name
 random`, run from `.venv-vllm`) on the same model, dtype and scheduler limits, prefix caching off on
 both, one server after the other, each in its own process. Loads: saturation (`--request-rate inf`),
 then Poisson arrivals at fractions of vLLM's saturation request rate (ours' when vLLM cannot run),
 the same rates for both; then loads with a share of JSON-schema requests against all free-form ones
-(`fms_paged.bench.http_structured`, a client of our own). Per server and load: TTFT / TPOT / ITL /
+(`benchmarks.http_structured`, a client of our own). Per server and load: TTFT / TPOT / ITL /
 E2EL (mean, p50, p99), request and output-token throughput (vLLM's result JSON), and each server's
 engine-side mean TTFT and E2EL over the run (its /metrics histograms, read before and after):
 client TTFT - engine TTFT is what the HTTP layer adds to the first byte. Beside them, the same
 workload (the prompt and output lengths our server saw at saturation) through `Engine` in-process,
-in a process of its own (`python -m fms_paged.bench.http --inprocess JOB.json OUT.json`): HTTP /
+in a process of its own (`python -m benchmarks.http --inprocess JOB.json OUT.json`): HTTP /
 in-process is what the HTTP layer costs.
 
 vLLM runs through a small runner (`VLLM_RUNNER`, written to a temporary folder): its server as
@@ -44,10 +44,11 @@ from typing import Any
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from fms_paged.bench.environment import REPO_ROOT, environment_info
-from fms_paged.bench.http_report import NAMES, SERVERS, evaluate_targets, figures, markdown, rows
-from fms_paged.bench.http_structured import structured_loads
-from fms_paged.bench.peers import VLLM_PYTHON
+from benchmarks import REPO_ROOT, checkout_env
+from benchmarks.http_report import NAMES, SERVERS, evaluate_targets, figures, markdown, rows
+from benchmarks.http_structured import structured_loads
+from benchmarks.peers import VLLM_PYTHON
+from fms_paged.bench.environment import environment_info
 from fms_paged.bench.report import fmt, write_report
 from fms_paged.device import keep_freed_cpu_memory
 from fms_paged.engine import Engine, SamplingParams
@@ -93,8 +94,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="bench_http.py", description="fms-paged serve against vLLM's server, measured by "
-                "vLLM's benchmark client; and against the engine in-process.")
+    p = _Parser(prog="python -m benchmarks.http", description="fms-paged serve against vLLM's server, "
+                "measured by vLLM's benchmark client; and against the engine in-process.")
     p.add_argument("--model-dir", type=Path, default=default_model_path(),
                    help="an HF LLaMA dir with a tokenizer both servers and the client load (default: "
                         "the embedded model)")
@@ -420,8 +421,8 @@ def run_inprocess(job: dict[str, Any], tmp: Path, out: Path) -> dict[str, Any]:
     src, dst, log = tmp / "inprocess.in.json", tmp / "inprocess.out.json", out / "inprocess.log"
     src.write_text(json.dumps(job))
     with log.open("w") as f:
-        rc = subprocess.run([sys.executable, "-m", "fms_paged.bench.http", "--inprocess", str(src), str(dst)],
-                            stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run([sys.executable, "-m", "benchmarks.http", "--inprocess", str(src), str(dst)],
+                            stdout=f, stderr=subprocess.STDOUT, env=checkout_env()).returncode
     if rc or not dst.is_file():
         return {"error": f"exited with {rc}; {log}:\n{log_tail(log)}"}
     return json.loads(dst.read_text())

@@ -1,4 +1,4 @@
-"""`make bench-native`'s report (`fms_paged.bench.vs_native`): the targets against the peers, the
+"""`make bench-native`'s report (`benchmarks.vs_native`): the targets against the peers, the
 one-request rates per GB/s of each process's own bandwidth, the markdown and the figure."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from fms_paged.bench.vs_native import (
+from benchmarks.vs_native_cases import (
     COLD_START_S,
     ENGINE,
     ENGINE_DTYPES,
@@ -16,6 +16,7 @@ from fms_paged.bench.vs_native import (
     ROOFLINE_SHARE,
     WARM_START_S,
 )
+from fms_paged.bench.report import table
 
 
 def per_bandwidth(res: dict[str, Any]) -> dict[str, Any]:
@@ -138,8 +139,6 @@ def cold_line(dtype: str, r: dict[str, Any]) -> str:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    from fms_paged.bench.report import table
-
     env, rounds = res["environment"], res.get("rounds", 1)
     rows = []
     for name, w in res["workloads"].items():

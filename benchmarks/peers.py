@@ -1,5 +1,5 @@
 """The serving benchmark's peers, each in a process of its own on the engine's weights (a peer's
-threads in our process once slowed our decode tenfold; `python -m fms_paged.bench.peers
+threads in our process once slowed our decode tenfold; `python -m benchmarks.peers
 dense|hf|warm JOB.json OUT.json`): dense `generate` in static waves, Hugging Face `generate_batch`
 (its paged continuous batching) and vLLM's CPU build (`scripts/peer_vllm.py` in `.venv-vllm`, made
 by `make peer-vllm`; never a dependency of ours); `warm` times the engine's own start in a fresh
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import transformers
 
-from fms_paged.bench.environment import REPO_ROOT
+from benchmarks import REPO_ROOT, checkout_env
 from fms_paged.device import keep_freed_cpu_memory
 from fms_paged.engine import Engine
 from fms_paged.generation import generate
@@ -39,19 +39,26 @@ def hf_checkpoint_dir(model: torch.nn.Module, model_path: str | None, tmp: str |
     return Path(model_path)
 
 
-def _job(ckpt: Path, model, prompts: list[list[int]], news: list[int], seqs: int, budget: int,
-         **extra: Any) -> dict[str, Any]:
+def peer_job(ckpt: Path, model, prompts: list[list[int]], news: list[int], seqs: int, budget: int,
+             **extra: Any) -> dict[str, Any]:
+    """The job a peer's process reads: the checkpoint, dtype and device, the requests and the limits."""
     return {"model_path": str(ckpt), "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(model.device),
             "requests": [{"prompt": p, "max_new_tokens": n} for p, n in zip(prompts, news)],
             "max_num_seqs": seqs, "max_num_batched_tokens": budget, "block_size": 128, **extra}
 
 
-def _run(cmd: list[str], job: dict[str, Any], tmp: Path, out, tag: str) -> dict[str, Any]:
-    """`cmd JOB.json OUT.json` -> OUT.json's figures, or why it did not run (its log in `out`)."""
+def peer_command(peer: str) -> list[str]:
+    """The command that runs `peer` (dense, hf or warm: `peer_main`) on a job in a fresh process."""
+    return [sys.executable, "-m", "benchmarks.peers", peer]
+
+
+def run_peer(cmd: list[str], job: dict[str, Any], tmp: Path, out, tag: str) -> dict[str, Any]:
+    """`cmd JOB.json OUT.json` in a process of its own (the checkout on its PYTHONPATH) -> OUT.json's
+    figures, or why it did not run (its log in `out`/peer_`tag`.log)."""
     src, dst = tmp / f"{tag}.in.json", tmp / f"{tag}.out.json"
     src.write_text(json.dumps(job))
-    run = subprocess.run([*cmd, str(src), str(dst)], capture_output=True, text=True)
+    run = subprocess.run([*cmd, str(src), str(dst)], capture_output=True, text=True, env=checkout_env())
     (Path(out) / f"peer_{tag}.log").write_text(run.stdout[-20000:] + run.stderr[-20000:])
     if run.returncode or not dst.exists():
         return {"error": (run.stderr or run.stdout)[-1500:]}
@@ -66,7 +73,7 @@ def around_vllm(job: dict[str, Any], tmp: Path, out, tag: str, engine_run: Calla
     if not VLLM_PYTHON.exists():
         return {"error": f"{VLLM_PYTHON} not found: `make peer-vllm` creates it"}, before
     log(f"[bench-serve] vLLM peer ({tag}) ...")
-    v = _run([str(VLLM_PYTHON), str(VLLM_SCRIPT)], job, tmp, out, tag)
+    v = run_peer([str(VLLM_PYTHON), str(VLLM_SCRIPT)], job, tmp, out, tag)
     return v, before + [engine_run() for _ in range(repeats)]
 
 
@@ -76,7 +83,7 @@ def run_peers(model, model_path: str | None, specs, args, out, engine_run: Calla
     tokens, or why it did not run; vLLM's `around_vllm` (`engine_run`: our output tok/s on the mix)."""
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        job = _job(hf_checkpoint_dir(model, model_path, tmp), model, [s.prompt for s in specs],
+        job = peer_job(hf_checkpoint_dir(model, model_path, tmp), model, [s.prompt for s in specs],
                    [s.max_new_tokens for s in specs], args.max_num_seqs, args.max_num_batched_tokens,
                    kv_space_gib=4, compile=args.compile, repeats=repeats)
         for peer in args.peers:
@@ -86,7 +93,7 @@ def run_peers(model, model_path: str | None, specs, args, out, engine_run: Calla
                                  engine_output_tok_s=statistics.median(around))
                 continue
             log(f"[bench-serve] peer {peer} ...")
-            res[peer] = _run([sys.executable, "-m", "fms_paged.bench.peers", peer], job, Path(tmp), out, peer)
+            res[peer] = run_peer(peer_command(peer), job, Path(tmp), out, peer)
     return res
 
 

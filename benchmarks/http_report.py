@@ -1,4 +1,4 @@
-"""The report of `make bench-http` (`fms_paged.bench.http`): its four targets evaluated from one run,
+"""The report of `make bench-http` (`benchmarks.http`): its four targets evaluated from one run,
 the markdown table, the CSV rows and the plot, all from the results dict the driver builds:
 {"config", "environment", "rates", "servers": {"vllm" | "ours": {"runs": {load: figures}, "error"?,
 "startup_s"?}}, "inprocess", "targets"}; a load's figures: `http.measure`'s."""

@@ -1,19 +1,20 @@
 """`make gpu-check`: prove the CUDA path on a lent GPU in under ten minutes.
 
     bash scripts/gpu_check.sh OUTDIR [--device cpu --tiny]   (installs the package, then this)
-    python -m fms_paged.bench.gpu_check OUTDIR [--device cuda] [--tiny] [--stages tests,exact,...]
+    python -m scripts.gpu_check.check OUTDIR [--device cuda] [--tiny] [--stages tests,exact,...]
+                                             (from the repository root)
 
 Stages, each in a process of its own with a time budget (a crash or a hang in one is recorded and
 the next one runs):
   1. tests   the default test suite with `--device cuda`, plus the `gpu`-marked tests; the suite's
              conftest turns FlexAttention's eager-fallback warning and Dynamo's recompile-limit
              fallback into errors there
-  2. exact   paged vs dense SDPA vs `transformers` in bf16, fp16 and fp32 (`gpu_exact`)
+  2. exact   paged vs dense SDPA vs `transformers` in bf16, fp16 and fp32 (`exact`)
   3. kernels decode runs FlexAttention's decoding kernel; 500 engine steps recompile nothing
-             (`gpu_compile`)
+             (`kernels`)
   4. bench   an 8B-shaped model in bf16: batch-1 decode against the bandwidth roofline, the mixed
-             batch and the growing chat paged vs dense, the engine against HF (`gpu_perf`)
-  5. tp      the engine split over every GPU against one GPU, when there are several (`gpu_tp`;
+             batch and the growing chat paged vs dense, the engine against HF (`perf`)
+  5. tp      the engine split over every GPU against one GPU, when there are several (`tp`;
              skipped, saying so, on one)
   6. report  OUTDIR/gpu_check.json and OUTDIR/gpu_check.md (plus tests.log and tests.xml)
 `--device cpu --tiny` runs the same stages on a tiny model with short lengths and a few test files:
@@ -38,8 +39,10 @@ from typing import Any
 
 import torch
 
-from fms_paged.bench.environment import REPO_ROOT, environment_info
+from fms_paged.bench.environment import environment_info
 from fms_paged.bench.report import table
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: the stages run as `-m scripts.gpu_check.*`
 
 # stage -> (module with run/markdown, seconds on a GPU, seconds in the CPU dry run)
 # (each stage module's `run(device, tiny, log, deadline_s=)` starts no part past its deadline, which
@@ -52,10 +55,10 @@ from fms_paged.bench.report import table
 # ten-minute call: docs/gpu-check.md says how to split it)
 STAGES = {
     "tests": (None, 330, 150),
-    "exact": ("fms_paged.bench.gpu_exact", 150, 240),
-    "kernels": ("fms_paged.bench.gpu_compile", 120, 120),
-    "bench": ("fms_paged.bench.gpu_perf", 250, 150),
-    "tp": ("fms_paged.bench.gpu_tp", 40, 60),  # passes at once, skipped, on a one-GPU machine
+    "exact": ("scripts.gpu_check.exact", 150, 240),
+    "kernels": ("scripts.gpu_check.kernels", 120, 120),
+    "bench": ("scripts.gpu_check.perf", 250, 150),
+    "tp": ("scripts.gpu_check.tp", 40, 60),  # passes at once, skipped, on a one-GPU machine
 }
 STARTUP_S = 20  # a stage process's imports and CUDA start, before its deadline clock runs
 # the dry run's tests: two quick files (the point is the stage's plumbing; CI runs them all anyway)
@@ -160,7 +163,7 @@ def run_stage_process(args, stage: str, budget: float) -> dict[str, Any]:
     """Run `stage` in a child process (this module with --stage) -> its result (partial if it ran
     out of time: the stage modules stop at the interrupt and report what they did), or why none."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "fms_paged.bench.gpu_check", tmp, "--stage", stage,
+        cmd = [sys.executable, "-m", "scripts.gpu_check.check", tmp, "--stage", stage,
                "--device", args.device, "--deadline-s", str(max(1.0, 0.9 * budget - STARTUP_S))]
         cmd += ["--tiny"] if args.tiny else []
         rc = _wait_or_interrupt(subprocess.Popen(cmd, cwd=REPO_ROOT, preexec_fn=_interruptible), budget)
