@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fms_paged.engine.prefix_cache import PrefixCache
@@ -77,9 +78,14 @@ class StepResult:
 
 
 class Scheduler:
+    """decode_steps: up to this many greedy decode steps in one forward (`lookahead`), planned
+    where `lookahead_ready()` says the model runner runs them in one call now (None: never)."""
+
     def __init__(self, pm: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01, cache: PrefixCache | None = None, horizon: int | None = None):
+                 watermark: float = 0.01, cache: PrefixCache | None = None, horizon: int | None = None,
+                 *, decode_steps: int = 1, lookahead_ready: Callable[[], bool] | None = None):
         self.pm = pm
+        self.decode_steps, self.lookahead_ready = decode_steps, lookahead_ready
         self.horizon = horizon  # every layer windowed: keys this far back are all any layer reads
         self.released = [0] * max_num_seqs  # per row: pages given back behind the window so far
         self.cache = cache  # prefix caching: admissions share cached pages; evictable pages count as free
@@ -133,6 +139,9 @@ class Scheduler:
             out.reservation = self.pm.reserve([r.seq_id for r, _ in out.scheduled],
                                               [r.num_computed + n for r, n in out.scheduled])
         self._plan_rows(out, now)
+        if out.scheduled and self.decode_steps > 1 and self.lookahead_ready is not None and (
+                self.lookahead_ready()):
+            self.lookahead(out, self.decode_steps)
         return out
 
     def lookahead(self, plan: SchedulerOutput, steps: int) -> int:
