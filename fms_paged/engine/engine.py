@@ -31,7 +31,7 @@ from fms_paged.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from fms_paged.engine.structured import Grammar, Grammars
 from fms_paged.engine.tensor_parallel import split_for_engine
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
-from fms_paged.kv.geometry import pages_held
+from fms_paged.kv.geometry import min_pool_pages
 from fms_paged.kv.paged import PagedBackend, attention_specs
 from fms_paged.kv.spec import release_horizon
 from fms_paged.parallel import TensorParallelError
@@ -145,8 +145,7 @@ class Engine:
         # every layer windowed: pages behind the widest window are released (`Scheduler`), and a
         # request holds at most the pages of a step and the window before it
         horizon = release_horizon(attention_specs(model))
-        # one sequence (at its most pages at once) + the null page
-        need = pages_held(max_model_len, c.page_size, horizon, max_num_batched_tokens) + 1
+        need = min_pool_pages(max_model_len, c.page_size, horizon, max_num_batched_tokens)
         if backend is None and num_pages is not None:
             if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
                 raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
@@ -188,7 +187,7 @@ class Engine:
         # the longest request the pool can hold: every token's page, or with pages released behind
         # a window, any request whose step and window fit
         P, usable = self.pm.page_size, self.pm.num_pages - 1
-        fits_any = pages_held(self.max_model_len, P, horizon, max_num_batched_tokens) <= usable
+        fits_any = min_pool_pages(self.max_model_len, P, horizon, max_num_batched_tokens) <= self.pm.num_pages
         self.capacity = self.max_model_len if horizon is not None and fits_any else usable * P
         self.horizon = horizon
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
