@@ -6,7 +6,12 @@ thread), then, as nano-vllm and vLLM v1 do:
 
     plan = scheduler.schedule()             # host only: who runs, how many tokens, preemption
     result = runner.run(plan)               # the device: inputs, one forward, sampling
-    outputs = scheduler.update(plan, result)  # forks, cache inserts, stops, finishing
+    outputs = book(plan, result)            # `Scheduler.update`: forks, cache inserts, stops,
+                                            # finishing; finished requests leave, stats counted
+
+Tensor parallelism (`fms_paged.engine.tensor_parallel`) stays out of the step: rank 0's runner
+sends each step's message, and the other ranks drive their engines through the public surface
+`enqueue`, `queue_abort`, `take_submissions`, `book` and `forget_totals`.
 
 A process serving for weeks runs it, so the engine keeps nothing of a request past its end: the
 final output of each completion carries the request's statistics (`RequestOutput.stats`), and the
