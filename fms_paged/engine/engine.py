@@ -481,7 +481,9 @@ class Engine:
         if self._ranks is not None:
             spawned = bool(self._ranks.procs)
             self._ranks.stop(result)
-            self._ranks = self.runner.ranks = None
+            self._ranks = None
+            if getattr(self, "runner", None) is not None:  # (absent when the build failed)
+                self.runner.ranks = None
         torch.distributed.destroy_process_group(self.control)
         self.control = None
         if spawned:
