@@ -19,7 +19,8 @@ decodes of running requests, so a long prompt never stalls them.
    while rows are free (they sample their first token from its logits), else wait in the queue.
 4. With `decode_steps > 1`, where the model runner runs several decode steps in one call
    (`lookahead_ready`), a greedy all-decode plan is extended to several steps (`lookahead`).
-The scheduler decides from host counts alone (`PageManager.pages_needed`, `num_free_pages`), then
+The scheduler decides from host counts alone (`PageManager.pages_needed` for a running request,
+`pages_to_admit` for an admission: the page manager's one rule of page growth; `num_free_pages`), then
 RESERVEs exactly what it planned, which cannot fail: it is the one owner of the page table (RESERVE
 in `schedule()`, FORK and ERASE in `update()` and `finish()`), and the plan carries what the
 reservation handed out (`SchedulerOutput.reservation`: the pages to prepare, the copy-on-write
