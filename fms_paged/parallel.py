@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from fms_paged.models.llama import LLaMA
 from fms_paged.modules.linear import Linear
 
 # all_gather_single is all_gather_tensor's newer name (torch 2.13); the lent GPUs' torch 2.11 has
@@ -138,8 +140,6 @@ def _take_rows(linear: Linear, start: int, stop: int) -> None:
 def shard(model: nn.Module, rank: int, size: int, group: Any = None) -> nn.Module:
     """Keep rank `rank`'s part of `model` (a built `LLaMA`, the same weights on every rank), in
     place; -> the model. See the module docstring."""
-    from fms_paged.models.llama import LLaMA
-
     if not isinstance(model, LLaMA):
         raise TensorParallelError(f"tensor parallelism splits fms_paged's own models (LLaMA and the "
                                   f"families it loads), got {type(model).__name__}; an IBM FMS model "
@@ -147,8 +147,6 @@ def shard(model: nn.Module, rank: int, size: int, group: Any = None) -> nn.Modul
     if model.tp is not None:
         raise TensorParallelError(f"the model is already split (rank {model.tp.rank} of {model.tp.size})")
     if group is None:
-        import torch.distributed as dist
-
         group = dist.group.WORLD
     c = model.config
     hidden = model.layers[0].ff_sub_module.wg.out_features

@@ -6,7 +6,12 @@ thread), then, as nano-vllm and vLLM v1 do:
 
     plan = scheduler.schedule()             # host only: who runs, how many tokens, preemption
     result = runner.run(plan)               # the device: inputs, one forward, sampling
-    outputs = scheduler.update(plan, result)  # forks, cache inserts, stops, finishing
+    outputs = book(plan, result)            # `Scheduler.update`: forks, cache inserts, stops,
+                                            # finishing; finished requests leave, stats counted
+
+Tensor parallelism (`fms_paged.engine.tensor_parallel`) stays out of the step: rank 0's runner
+sends each step's message, and the other ranks drive their engines through the public surface
+`enqueue`, `queue_abort`, `take_submissions`, `book` and `forget_totals`.
 
 A process serving for weeks runs it, so the engine keeps nothing of a request past its end: the
 final output of each completion carries the request's statistics (`RequestOutput.stats`), and the
@@ -27,11 +32,11 @@ from fms_paged.engine import runner as model_runner
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
 from fms_paged.engine.runner import ModelRunner, check_modes
-from fms_paged.engine.scheduler import Scheduler
+from fms_paged.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from fms_paged.engine.structured import Grammar, Grammars
 from fms_paged.engine.tensor_parallel import split_for_engine
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
-from fms_paged.kv.geometry import pages_held
+from fms_paged.kv.geometry import min_pool_pages
 from fms_paged.kv.paged import PagedBackend, attention_specs
 from fms_paged.kv.spec import release_horizon
 from fms_paged.parallel import TensorParallelError
@@ -125,7 +130,6 @@ class Engine:
         check_modes(compile, cuda_graphs)
         if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
             raise ValueError(f"decode_steps={decode_steps!r}; expected an int >= 1")
-        self.decode_steps = decode_steps
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or (
                 tensor_parallel_size < 1):
             raise TensorParallelError(f"tensor_parallel_size={tensor_parallel_size!r}; expected an int >= 1")
@@ -146,24 +150,24 @@ class Engine:
         # every layer windowed: pages behind the widest window are released (`Scheduler`), and a
         # request holds at most the pages of a step and the window before it
         horizon = release_horizon(attention_specs(model))
-        # one sequence (at its most pages at once) + the null page
-        need = pages_held(max_model_len, c.page_size, horizon, max_num_batched_tokens) + 1
+        need = min_pool_pages(max_model_len, c.page_size, horizon, max_num_batched_tokens)
         if backend is None and num_pages is not None:
             if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
                 raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
             check_pages(num_pages, need, max_model_len, c.page_size)
-        model, self._ranks, self.control = split_for_engine(model, tensor_parallel_size, backend, settings)
+        model, self._ranks, self.control = split_for_engine(model, tensor_parallel_size, backend, Engine,
+                                                             settings)
         try:
             self._build(model, backend, num_pages, need, horizon, max_num_seqs, max_num_batched_tokens,
                         max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile,
-                        cuda_graphs, tokenizer)
+                        cuda_graphs, tokenizer, decode_steps)
         except BaseException:
             self.shutdown()  # the ranks spawned or joined for this engine are let go
             raise
 
     def _build(self, model, backend, num_pages, need, horizon, max_num_seqs, max_num_batched_tokens,
                max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile, cuda_graphs,
-               tokenizer) -> None:
+               tokenizer, decode_steps) -> None:
         c = model.config
         self.model = model
         self.budget = None
@@ -188,16 +192,19 @@ class Engine:
         # the longest request the pool can hold: every token's page, or with pages released behind
         # a window, any request whose step and window fit
         P, usable = self.pm.page_size, self.pm.num_pages - 1
-        fits_any = pages_held(self.max_model_len, P, horizon, max_num_batched_tokens) <= usable
+        fits_any = min_pool_pages(self.max_model_len, P, horizon, max_num_batched_tokens) <= self.pm.num_pages
         self.capacity = self.max_model_len if horizon is not None and fits_any else usable * P
         self.horizon = horizon
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}; expected a bool")
         self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching else None
-        self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, cache=self.prefix_cache,
-                                   horizon=horizon)
         self.runner = ModelRunner(model, backend, max_num_seqs, compile, cuda_graphs)
+        self.runner.ranks = self._ranks  # rank 0 of tensor-parallel ranks: each run sends the step
+        # lookahead decode steps where the runner runs them in one call (never split over ranks)
+        ready = self.runner.decodes_in_one_call if self.control is None else None
+        self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, cache=self.prefix_cache,
+                                   horizon=horizon, decode_steps=decode_steps, lookahead_ready=ready)
         self.vocab_size = c.src_vocab_size
         eos = c.eos_token_id
         self.eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
@@ -210,6 +217,17 @@ class Engine:
         self.tokenizer, self._grammars = tokenizer, None
         self._reset_totals()
 
+
+    @property
+    def decode_steps(self) -> int:
+        """Greedy decode steps one forward may take (`Scheduler.lookahead`); settable."""
+        return self.scheduler.decode_steps
+
+    @decode_steps.setter
+    def decode_steps(self, steps: int) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"decode_steps={steps!r}; expected an int >= 1")
+        self.scheduler.decode_steps = steps
 
     @property
     def tp_ranks(self):
@@ -266,11 +284,13 @@ class Engine:
                 f"{params.max_new_tokens} = {total} tokens > {limit}, {which}"
             )
         rid = next(self._ids)
-        self._enqueue(rid, prompt, params, cache_salt, arrival_time)
+        self.enqueue(rid, prompt, params, cache_salt, arrival_time)
         return rid
 
-    def _enqueue(self, rid: int, prompt: list[int], params: SamplingParams, cache_salt: str | None,
-                 arrival_time: float | None) -> None:
+    def enqueue(self, rid: int, prompt: list[int], params: SamplingParams, cache_salt: str | None = None,
+                arrival_time: float | None = None) -> None:
+        """Queue a request under id `rid` as it is (`add_request` checks it and picks the id; a
+        tensor-parallel worker queues rank 0's requests under rank 0's ids). Any thread."""
         completions = [self._request(rid, i, params.n, prompt,
                                      params.completion(i) if params.n > 1 else params, cache_salt)
                        for i in range(params.n)]
@@ -308,6 +328,12 @@ class Engine:
         if index is not None and not any(r.index == index for r in list(live)):
             raise ValueError(f"abort: completion {index!r} of request {request_id} is not live "
                              f"(live: {sorted(r.index for r in list(live))})")
+        self.queue_abort(request_id, index)
+
+    def queue_abort(self, request_id: int, index: int | None = None) -> None:
+        """Queue an abort as it is, applied by the next `take_submissions` and ignored if the
+        request has finished by then (`abort` checks it first; a tensor-parallel worker replays
+        rank 0's). Any thread."""
         self._aborted.append((request_id, index))
 
     def num_waiting(self) -> int:
@@ -320,26 +346,24 @@ class Engine:
         return bool(self._live or self._submitted or self._aborted)
 
     def step(self) -> list[RequestOutput]:
-        """Admit submissions, apply aborts, schedule, run one forward, sample; -> the outputs of
-        the requests that produced a token or finished in this step."""
-        outputs = self._take_submissions()
-        if self._ranks is not None:  # the other ranks take the same step
-            self._ranks.send()
-        plan = self.scheduler.schedule()
-        if plan.scheduled:
-            if self.decode_steps > 1 and self._ranks is None and self.runner.decodes_in_one_call():
-                self.scheduler.lookahead(plan, self.decode_steps)
-            result = self.runner.run(plan)
-            if self._ranks is not None:  # sent with the next step's message
-                self._ranks.pending.sampled, self._ranks.pending.tokens = len(result.tokens), result.tokens
-            new, finished = self.scheduler.update(plan, result)
-            for req in finished:
-                self._forget(req)
-            outputs += new
-            self._steps += 1
+        """One engine step -> the outputs of the requests that produced a token or finished in it."""
+        outputs = self.take_submissions()  # new requests queued, aborts applied
+        plan = self.scheduler.schedule()  # host only: who runs, how many tokens, their pages
+        result = self.runner.run(plan)  # the device: one forward, sampling
+        return outputs + self.book(plan, result)  # tokens appended, stops, finished requests dropped
+
+    def book(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """Book a step's results (`Scheduler.update`): finished completions leave the live table,
+        their statistics join the totals. -> the step's outputs. A tensor-parallel worker books
+        rank 0's tokens here too."""
+        outputs, finished = self.scheduler.update(plan, result)
+        for req in finished:
+            self._forget(req)
         for out in outputs:
             if out.stats is not None:
                 self._count(out.stats)
+        if plan.scheduled:
+            self._steps += 1
         return outputs
 
     def stream(self) -> Iterator[RequestOutput]:
@@ -347,26 +371,30 @@ class Engine:
         while self.has_unfinished():
             yield from self.step()
 
-    def _take_submissions(self) -> list[RequestOutput]:
-        pending = self._ranks.pending if self._ranks is not None else None
+    def take_submissions(self) -> list[RequestOutput]:
+        """The loop's intake: requests submitted since the last step go to the scheduler, aborts
+        asked since are applied (-> their final outputs). On rank 0 of tensor-parallel ranks, both
+        are noted for the other ranks' next message."""
+        ranks = self._ranks
         while self._submitted:
             req = self._submitted.popleft()
-            if pending is not None:
-                pending.adds.append((req.request_id, req.prompt, req.submitted, req.cache_salt))
+            if ranks is not None:
+                ranks.note_add(req.request_id, req.prompt, req.submitted, req.cache_salt)
             if req.status is not Status.FINISHED:  # an abort can overtake its submission
                 self.scheduler.add(req)
         outputs = []
         while self._aborted:
             rid, index = self._aborted.popleft()
-            if pending is not None:
-                pending.aborts.append((rid, index))
+            if ranks is not None:
+                ranks.note_abort(rid, index)
             for req in list(self._live.get(rid, ())):  # (none left: it finished meanwhile)
                 if index is None or req.index == index:
                     self.scheduler.finish(req)
                     self._forget(req)
                     lps = None if req.params.logprobs is None else []
-                    outputs.append(RequestOutput(rid, [], True, "abort", req.index, lps,
-                                                 req.stats("abort")))
+                    stats = req.stats("abort")
+                    self._count(stats)
+                    outputs.append(RequestOutput(rid, [], True, "abort", req.index, lps, stats))
         return outputs
 
     def _forget(self, req: Request) -> None:
@@ -418,13 +446,14 @@ class Engine:
         model_runner.warmup(self, start if progress else None)
         if bar is not None:
             bar.close()
-        self._forget_totals()  # forget the synthetic requests
+        self.forget_totals()  # forget the synthetic requests
         if self._ranks is not None:
-            self._ranks.pending.reset = True
+            self._ranks.note_reset()
         return time.perf_counter() - t0
 
-    def _forget_totals(self) -> None:
-        """The totals and the prefix cache as after a start (what a warm-up's requests left)."""
+    def forget_totals(self) -> None:
+        """The totals and the prefix cache as after a start (what a warm-up's requests left; a
+        tensor-parallel worker follows rank 0's)."""
         self._reset_totals()
         self.scheduler.num_output_tokens = self.scheduler.num_prompt_computed = 0
         self.scheduler.num_preemptions = 0
@@ -453,6 +482,8 @@ class Engine:
             spawned = bool(self._ranks.procs)
             self._ranks.stop(result)
             self._ranks = None
+            if getattr(self, "runner", None) is not None:  # (absent when the build failed)
+                self.runner.ranks = None
         torch.distributed.destroy_process_group(self.control)
         self.control = None
         if spawned:

@@ -98,16 +98,44 @@ class ModelRunner:
         # inline, or the wait for the masker's after the forward), over the runner's life
         self.mask_fill_s = self.mask_wait_s = 0.0
         self._fill_ema = self._last_fill_s = 0.0  # recent fills' seconds (INLINE_FILL_S)
+        # opt-in instrumentation: called as forward_hook(kind, seconds) after each model forward,
+        # kind "prefill", "decode" or "mixed" (decode rows and prefill chunks in one forward),
+        # seconds its host wall time (`time.perf_counter` around the model call; on an
+        # asynchronous device, what the host waited). None: nothing is timed.
+        self.forward_hook: Callable[[str, float], None] | None = None
+        # rank 0 of tensor-parallel ranks: the `tensor_parallel.Ranks` each run first sends the
+        # step's message to, so that the other ranks take the same step (nano-vllm's `call`)
+        self.ranks = None
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput, sample: bool = True) -> StepResult | None:
         """One forward over `plan` -> the token sampled for each of `plan.sampled`, each one's
         `TokenLogprobs` where its request asks (None elsewhere; None when no request asks), and
-        the log-probabilities of the prompt tokens `plan.scored` asks for. `sample=False`: the
-        forward alone, -> None (a tensor-parallel worker: rank 0 samples). On one thread while a
-        first start's builds compile (`native.yielding_to_builds`)."""
+        the log-probabilities of the prompt tokens `plan.scored` asks for. A plan that schedules
+        nothing runs nothing (-> no tokens), as vLLM v1's runner answers an empty step.
+        `sample=False`: the forward alone, -> None (a tensor-parallel worker: rank 0 samples).
+        On rank 0 of tensor-parallel ranks (`ranks`), the step's message goes to the others first,
+        and the tokens sampled ride with the next one. On one thread while a first start's builds
+        compile (`native.yielding_to_builds`)."""
+        if self.ranks is not None:
+            self.ranks.send()
+        if not plan.scheduled:
+            return StepResult([]) if sample else None
         with native.yielding_to_builds():
-            return self._run(plan, sample)
+            result = self._run(plan, sample)
+        if self.ranks is not None:
+            self.ranks.sampled(result.tokens)
+        return result
+
+    def _timed(self, kind: str, forward: Callable, *args, **kwargs):
+        """`forward(*args, **kwargs)`, reported to `forward_hook` (kind, seconds) where one is set."""
+        hook = self.forward_hook
+        if hook is None:
+            return forward(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        hook(kind, time.perf_counter() - t0)
+        return out
 
     def _run(self, plan: SchedulerOutput, sample: bool) -> StepResult | None:
         self.backend.prepare_pages(plan.reservation)
@@ -211,8 +239,8 @@ class ModelRunner:
         """`steps` greedy decode steps of `reqs` in one call (`LLaMA.decode_greedy`) -> each
         request's tokens. Planned only where `decodes_in_one_call` (their pages are RESERVEd)."""
         last = torch.tensor([(r.output or r.prompt)[-1] for r in reqs])
-        out = self.model.decode_greedy(last, torch.tensor([r.num_computed for r in reqs]),
-                                       torch.tensor([r.seq_id for r in reqs]), self.backend.view, steps)
+        lengths, ids = torch.tensor([r.num_computed for r in reqs]), torch.tensor([r.seq_id for r in reqs])
+        out = self._timed("decode", self.model.decode_greedy, last, lengths, ids, self.backend.view, steps)
         if out is None:
             raise RuntimeError(f"{steps} lookahead decode steps were planned where the model cannot run them "
                                "in one call (ModelRunner.decodes_in_one_call)")
@@ -220,7 +248,7 @@ class ModelRunner:
 
     def _forward_decode(self, reqs: list[Request]) -> torch.Tensor:
         tokens, positions, step = self.backend.decode_inputs(*self._decode_rows(reqs))
-        return self._decode(self.model, tokens, positions, step)[: len(reqs)]
+        return self._timed("decode", self._decode, self.model, tokens, positions, step)[: len(reqs)]
 
     def _prompt_logprobs(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[list[TokenLogprobs]]:
         """logits [M, V] at the positions of `plan.scored`, in its order -> for each entry, the
@@ -276,11 +304,17 @@ class ModelRunner:
             first = last.cpu() - torch.tensor([n - 1 for _, n in pre])
             rows = [int(first[chunk[id(r)]]) + p - starts[chunk[id(r)]] for r, ps in scored for p in ps]
             at = torch.cat([at, torch.tensor(rows, device=at.device)])
+        kind = "mixed" if dec else "prefill"
         if self._prefill is None or tokens.shape[1] < 2:  # 1 token (flex, gather): run eagerly
-            logits = self.model(tokens, positions, step, logits_at=at)
+            logits = self._timed(kind, self.model, tokens, positions, step, logits_at=at)
         else:
-            logits = self.model.logits(prefill_hidden(self._prefill, self.model, tokens, positions, step), at)
+            logits = self._timed(kind, self._prefill_logits, tokens, positions, step, at)
         return logits[:K], (logits[K:] if scored else None)
+
+    def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, step, at: torch.Tensor
+                        ) -> torch.Tensor:
+        """The compiled prefill graph's hidden states, then the LM head at rows `at`."""
+        return self.model.logits(prefill_hidden(self._prefill, self.model, tokens, positions, step), at)
 
 
 def warmup_waves(engine, rng: torch.Generator) -> list[tuple[list[tuple[list[int], int]], tuple | None]]:

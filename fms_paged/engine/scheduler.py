@@ -17,7 +17,10 @@ decodes of running requests, so a long prompt never stalls them.
    first (they go back to the pool, or stay with the prefix cache, evictable).
 3. The other completions of an `n > 1` request whose prompt this step finishes FORK its pages
    while rows are free (they sample their first token from its logits), else wait in the queue.
-The scheduler decides from host counts alone (`PageManager.pages_needed`, `num_free_pages`), then
+4. With `decode_steps > 1`, where the model runner runs several decode steps in one call
+   (`lookahead_ready`), a greedy all-decode plan is extended to several steps (`lookahead`).
+The scheduler decides from host counts alone (`PageManager.pages_needed` for a running request,
+`pages_to_admit` for an admission: the page manager's one rule of page growth; `num_free_pages`), then
 RESERVEs exactly what it planned, which cannot fail: it is the one owner of the page table (RESERVE
 in `schedule()`, FORK and ERASE in `update()` and `finish()`), and the plan carries what the
 reservation handed out (`SchedulerOutput.reservation`: the pages to prepare, the copy-on-write
@@ -34,11 +37,11 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, Status, TokenLogprobs
-from fms_paged.kv.geometry import pages_for
 from fms_paged.kv.page_manager import PageManager, Reservation
 
 
@@ -77,11 +80,15 @@ class StepResult:
 
 
 class Scheduler:
+    """decode_steps: up to this many greedy decode steps in one forward (`lookahead`), planned
+    where `lookahead_ready()` says the model runner runs them in one call now (None: never)."""
+
     def __init__(self, pm: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01, cache: PrefixCache | None = None, horizon: int | None = None):
+                 watermark: float = 0.01, cache: PrefixCache | None = None, horizon: int | None = None,
+                 *, decode_steps: int = 1, lookahead_ready: Callable[[], bool] | None = None):
         self.pm = pm
+        self.decode_steps, self.lookahead_ready = decode_steps, lookahead_ready
         self.horizon = horizon  # every layer windowed: keys this far back are all any layer reads
-        self.released = [0] * max_num_seqs  # per row: pages given back behind the window so far
         self.cache = cache  # prefix caching: admissions share cached pages; evictable pages count as free
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -133,6 +140,9 @@ class Scheduler:
             out.reservation = self.pm.reserve([r.seq_id for r, _ in out.scheduled],
                                               [r.num_computed + n for r, n in out.scheduled])
         self._plan_rows(out, now)
+        if out.scheduled and self.decode_steps > 1 and self.lookahead_ready is not None and (
+                self.lookahead_ready()):
+            self.lookahead(out, self.decode_steps)
         return out
 
     def lookahead(self, plan: SchedulerOutput, steps: int) -> int:
@@ -161,20 +171,11 @@ class Scheduler:
         return k
 
     def _release_behind_windows(self) -> None:
-        """ERASE the pages of running requests that no layer's window reaches again: those wholly
-        before the first key their next query sees (num_computed - horizon + 1)."""
-        P, ids, first = self.pm.page_size, [], []
-        for r in self.running:
-            keep = r.num_computed - self.horizon + 1
-            if keep // P > self.released[r.seq_id]:  # a page fell behind since the last release
-                ids.append(r.seq_id)
-                first.append(keep)
-        if not ids:
-            return
-        dropped = self.pm.release_prefix(ids, first)
-        for s, keep in zip(ids, first):
-            self.released[s] = keep // P
-        if self.cache is not None:
+        """ERASE the pages of running requests that no layer's window reaches again
+        (`PageManager.release_behind_window`: their next query is at num_computed)."""
+        dropped = self.pm.release_behind_window([r.seq_id for r in self.running],
+                                                [r.num_computed for r in self.running], self.horizon)
+        if dropped and self.cache is not None:
             self.cache.release(dropped)  # those the cache alone holds now: evictable
 
     def _plan_rows(self, out: SchedulerOutput, now: float) -> None:
@@ -224,7 +225,6 @@ class Scheduler:
             self._cache_filled(r)
         for parent, child in plan.forks:  # the parent's prompt is computed: share its pages
             self.pm.fork(parent.seq_id, child.seq_id)
-            self.released[child.seq_id] = self.released[parent.seq_id]
             child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)
             child.arrival = parent.arrival
         now = time.perf_counter()
@@ -295,7 +295,7 @@ class Scheduler:
                      if cache and not scores else [])
             cached = len(chain) * P
             n = min(req.num_tokens - cached, budget)
-            need = pages_for(cached + n, P) - len(chain)
+            need = self.pm.pages_to_admit(cached + n, len(chain))
             # hit pages that were evictable are not available to others once shared
             hit_evictable = sum(p in cache.evictable for _, p in chain) if chain else 0
             headroom = self.watermark_pages if self.running else 0  # alone, it may use every page
@@ -342,5 +342,4 @@ class Scheduler:
             if self.cache:
                 self.cache.release(pages)  # listed pages nobody holds now: evictable
             self.free_rows.append(req.seq_id)
-            self.released[req.seq_id] = 0
             req.seq_id, req.cache_chain = None, []

@@ -34,12 +34,20 @@ import socket
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fms_paged.engine.scheduler import StepResult
+from fms_paged.kv.kernels import choose_kernel
+from fms_paged.kv.paged import attention_specs
+from fms_paged.models.llama import LLaMA
+from fms_paged.parallel import TensorParallelError, layout, shard
 
 log = logging.getLogger("fms_paged.engine")
 TIMEOUT_ENV = "FMS_PAGED_TP_TIMEOUT_S"
@@ -82,12 +90,17 @@ def rank_device(model: torch.nn.Module, rank: int) -> torch.device:
     return dev if dev.type == "cpu" else torch.device(dev.type, rank)
 
 
-def share_cores(model: torch.nn.Module, size: int) -> None:
+def share_cores(model: torch.nn.Module, size: int) -> int | None:
     """CPU ranks on one host: each takes its share of the cores for its threads (else `size`
-    processes each run a thread per core, and every kernel's threads wait for each other)."""
-    if next(model.parameters()).device.type == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // size))
+    processes each run a thread per core, and every kernel's threads wait for each other).
+    -> this process's torch thread count before, to restore when the ranks stop (None: a GPU
+    model, nothing changed)."""
+    if next(model.parameters()).device.type != "cpu":
+        return None
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // size))
+    return before
 
 
 class Ranks:
@@ -101,33 +114,37 @@ class Ranks:
         self.dead: str | None = None  # why a spawned worker is gone
         self.on_dead = None  # called with that reason, in the watching thread (a server: exit)
         self.threads: int | None = None  # this process's torch threads before `share_cores`
+        # (rank 0 in the caller's process: restored by `stop`)
         self._watch: threading.Thread | None = None
 
     # ------------------------------------------------------------------ start
     @classmethod
-    def spawn(cls, model: torch.nn.Module, size: int, engine_kwargs: dict[str, Any]) -> Ranks:
-        """Start ranks 1..size-1 on this host, each building its part and its engine from
-        `model` and `engine_kwargs`; join them as rank 0."""
+    def spawn(cls, model: torch.nn.Module, size: int, make_engine: Callable[..., Any],
+              engine_kwargs: dict[str, Any]) -> Ranks:
+        """Start ranks 1..size-1 on this host, each building its part and its engine
+        (`make_engine(part, **engine_kwargs)`: the `Engine` class, picklable) from `model`; join
+        them as rank 0. This process's torch threads are its share of the cores until `stop`."""
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process: start "
                                "the ranks with torchrun and split the model there (Engine then uses "
                                "them), or build the Engine in a fresh process")
         addr, port = "127.0.0.1", _free_port()
-        threads = torch.get_num_threads()
-        share_cores(model, size)
+        threads = share_cores(model, size)
         ctx = mp.get_context("spawn")
         procs = []
-        for r in range(1, size):
-            p = ctx.Process(target=_worker_main, name=f"fms-paged-tp-rank{r}", daemon=False,
-                            args=(r, size, addr, port, model, engine_kwargs, os.getpid()))
-            p.start()
-            procs.append(p)
-            log.info("fms_paged: tensor-parallel rank %d of %d started (pid %d)", r, size, p.pid)
         try:
+            for r in range(1, size):
+                p = ctx.Process(target=_worker_main, name=f"fms-paged-tp-rank{r}", daemon=False,
+                                args=(r, size, addr, port, model, make_engine, engine_kwargs, os.getpid()))
+                p.start()
+                procs.append(p)
+                log.info("fms_paged: tensor-parallel rank %d of %d started (pid %d)", r, size, p.pid)
             init(0, size, addr, port, rank_device(model, 0))
         except BaseException:
             for p in procs:
                 p.kill()
+            if threads is not None:
+                torch.set_num_threads(threads)
             raise
         ranks = cls(size, 0, None, procs)
         ranks.threads = threads
@@ -147,8 +164,6 @@ class Ranks:
         """Log a spawned worker that exits before it is told to: rank 0's next collective with it
         then fails (gloo: at once, the connection closed; at worst after the collective timeout),
         and the step raises."""
-        from multiprocessing.connection import wait
-
         sentinels = {p.sentinel: p for p in self.procs}
         while sentinels and not self.stopped:
             for s in wait(list(sentinels), timeout=1.0):
@@ -166,8 +181,26 @@ class Ranks:
 
     # ------------------------------------------------------------------ each step
     def send(self) -> None:
+        """The step's message (what `note_*` gathered since the last one) to the other ranks."""
         msg, self.pending = self.pending, StepMessage()
         broadcast(msg, self.control)
+
+    def note_add(self, request_id: int, prompt: list[int], params: Any, cache_salt: str | None) -> None:
+        """A request rank 0's engine admitted: the others queue it with the next message."""
+        self.pending.adds.append((request_id, prompt, params, cache_salt))
+
+    def note_abort(self, request_id: int, index: int | None) -> None:
+        """An abort rank 0's engine applied: the others apply it with the next message."""
+        self.pending.aborts.append((request_id, index))
+
+    def note_reset(self) -> None:
+        """Rank 0 forgot its totals and prefix cache (after a warm-up): so do the others."""
+        self.pending.reset = True
+
+    def sampled(self, tokens: list[int]) -> None:
+        """The tokens rank 0 sampled in the step just run: the others book them with the next
+        message (and check that their own plan sampled as many)."""
+        self.pending.sampled, self.pending.tokens = len(tokens), tokens
 
     def stop(self, result: Any = None, timeout: float = 30.0) -> None:
         """Tell the workers to stop (their `run_worker` returns `result`) and wait for those
@@ -243,33 +276,28 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(rank: int, size: int, addr: str, port: int, model: torch.nn.Module,
-                 engine_kwargs: dict[str, Any], parent: int) -> None:
+                 make_engine: Callable[..., Any], engine_kwargs: dict[str, Any], parent: int) -> None:
+    """A spawned rank's process (its own: the thread count it sets is its own to set)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the process group: rank 0 decides
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before the line above took effect
         sys.exit(1)
-    from fms_paged.engine.engine import Engine
-    from fms_paged.parallel import shard
-
     device = rank_device(model, rank)
     share_cores(model, size)
     init(rank, size, addr, port, device)
     model = shard(model, rank, size, dist.group.WORLD).to(device)
-    engine = Engine(model, **engine_kwargs)
+    engine = make_engine(model, **engine_kwargs)
     run_worker(engine)
     engine.shutdown()
     dist.destroy_process_group()
 
 
-def split_for_engine(model: torch.nn.Module, size: int, backend, settings: dict):
+def split_for_engine(model: torch.nn.Module, size: int, backend, make_engine: Callable[..., Any],
+                     settings: dict):
     """-> (the model, rank 0's `Ranks` or None, the step-message group or None): `model`
     unchanged without tensor parallelism; else this rank's part (split here on rank 0, the
-    other ranks spawned or joined: `fms_paged.engine.tensor_parallel`)."""
-    from fms_paged.kv.kernels import choose_kernel
-    from fms_paged.kv.paged import attention_specs
-    from fms_paged.models.llama import LLaMA
-    from fms_paged.parallel import TensorParallelError, layout, shard
-
+    other ranks spawned, each building its engine with `make_engine(part, **settings)`, or
+    joined)."""
     tp = getattr(model, "tp", None)
     if tp is None and size == 1:
         return model, None, None
@@ -301,7 +329,7 @@ def split_for_engine(model: torch.nn.Module, size: int, backend, settings: dict)
     if torch.distributed.is_initialized():
         ranks = Ranks.joined(size)
     else:
-        ranks = Ranks.spawn(model, size, settings)
+        ranks = Ranks.spawn(model, size, make_engine, settings)
     model = shard(model, 0, size, torch.distributed.group.WORLD).to(rank_device(model, 0))
     return model, ranks, control_group(ranks)
 
@@ -309,9 +337,9 @@ def split_for_engine(model: torch.nn.Module, size: int, backend, settings: dict)
 def run_worker(engine) -> Any:
     """A worker rank's loop: each message from rank 0, then the same step as rank 0's; until told
     to stop (-> the result rank 0 stopped it with: `Engine.shutdown(result)`). `engine`: this
-    rank's `Engine` over its part of the model (`fms_paged.parallel.shard`)."""
-    from fms_paged.engine.scheduler import StepResult
-
+    rank's `Engine` over its part of the model (`fms_paged.parallel.shard`), driven through its
+    public surface: `book`, `forget_totals`, `enqueue`, `queue_abort`, `take_submissions`, its
+    `scheduler` and `runner`."""
     if engine.tp_rank == 0:
         raise RuntimeError("run_worker is for the ranks other than 0: rank 0 drives its Engine")
     plan = None
@@ -322,18 +350,17 @@ def run_worker(engine) -> Any:
             raise RuntimeError(f"tensor-parallel rank {engine.tp_rank} diverged from rank 0: its last "
                                f"step sampled {mine} tokens, rank 0's {msg.sampled}")
         if plan is not None:
-            _, finished = engine.scheduler.update(plan, StepResult(msg.tokens))
-            for req in finished:
-                engine._forget(req)
+            engine.book(plan, StepResult(msg.tokens))
             plan = None
         if msg.stop:
             return msg.result
         if msg.reset:
-            engine._forget_totals()
+            engine.forget_totals()
         for rid, prompt, params, cache_salt in msg.adds:
-            engine._enqueue(rid, prompt, params, cache_salt, None)
-        engine._aborted.extend(msg.aborts)
-        engine._take_submissions()
+            engine.enqueue(rid, prompt, params, cache_salt)
+        for rid, index in msg.aborts:
+            engine.queue_abort(rid, index)
+        engine.take_submissions()
         step = engine.scheduler.schedule()
         if step.scheduled:
             engine.runner.run(step, sample=False)

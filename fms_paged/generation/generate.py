@@ -18,8 +18,9 @@ from fms_paged.engine import Engine, SamplingParams
 from fms_paged.engine.model_step import compiled_decode, decode_fn, decode_one_token
 from fms_paged.engine.request import check_prompt
 from fms_paged.engine.sampling import sample_each
+from fms_paged.engine.tensor_parallel import run_worker
 from fms_paged.kv.cache import KVCacheBackend, make_cache
-from fms_paged.kv.geometry import pages_for
+from fms_paged.kv.geometry import min_pool_pages, pages_for
 
 __all__ = ["compiled_decode", "decode_fn", "decode_one_token", "generate", "validate_prompts"]
 
@@ -113,13 +114,14 @@ def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, co
     num_pages = None
     if cache is None:
         P = model.config.page_size
-        held = max(sum(pages_for(len(p) + max_new_tokens, P) for p in prompts), pages_for(max_model_len, P))
-        num_pages = 1 << held.bit_length()  # > held: the null page too
+        # every request whole and the null page, and at least what one sequence of max_model_len
+        # needs (every page held: no window release counted), rounded up to a power of two
+        need = max(sum(pages_for(len(p) + max_new_tokens, P) for p in prompts) + 1,
+                   min_pool_pages(max_model_len, P))
+        num_pages = 1 << (need - 1).bit_length()
     engine = Engine(model, max_num_seqs=rows, max_num_batched_tokens=budget, compile=compile,
                     max_model_len=max_model_len, backend=cache, num_pages=num_pages)
     if engine.tp_rank != 0:  # a split model on a rank other than 0: follow rank 0, get its tokens
-        from fms_paged.engine.tensor_parallel import run_worker
-
         out = run_worker(engine)
         engine.shutdown()
         return out

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fms_paged.kv.geometry import pages_held
+from fms_paged.kv.geometry import min_pool_pages
 from fms_paged.kv.kernels import flex_max_pages
 from fms_paged.kv.paged import attention_specs
 from fms_paged.kv.spec import release_horizon
@@ -104,7 +104,7 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
     else 4 GiB (at most half the available RAM), the available RAM counted less the packed weight
     copies still to be made; the pool is allocated untouched, so RAM is used only as pages are.
     Raises KVBudgetError if one sequence of `max_model_len` tokens does not fit (with every layer
-    windowed: the pages it holds at once, `fms_paged.kv.geometry.pages_held`)."""
+    windowed: the pages it holds at once; `fms_paged.kv.geometry.min_pool_pages`)."""
     if kv_memory_fraction is not None and not (
         isinstance(kv_memory_fraction, (int, float)) and 0 < kv_memory_fraction <= 1
     ):
@@ -143,7 +143,7 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
     # one sequence at its most pages at once (behind a window on every layer: its step and window)
     # + the null page
     horizon = release_horizon(attention_specs(model))
-    need_pages = pages_held(max_model_len, c.page_size, horizon, max_num_batched_tokens) + 1
+    need_pages = min_pool_pages(max_model_len, c.page_size, horizon, max_num_batched_tokens)
     if num_pages < need_pages:
         need = need_pages * per_page
         fix = (f"set {CPU_KV_SPACE_ENV}={math.ceil(need / GiB * 100) / 100} (GiB)" if dev.type == "cpu"

@@ -121,15 +121,9 @@ class PagedCache:
         self.horizon = release_horizon(backend.specs)
 
     def _release_behind_windows(self, seq_ids: Sequence[int], first: Sequence[int]) -> None:
-        """With every layer windowed: ERASE the pages of each live sequence wholly before the first
-        position its next query sees (`first[i]`: the step's first new position)."""
-        if self.horizon is None:
-            return
-        live = set(self.pm.live_seqs)
-        rows = [(s, p - self.horizon + 1) for s, p in zip(seq_ids, first) if s in live]
-        rows = [(s, keep) for s, keep in rows if keep >= self.pm.page_size]
-        if rows:
-            self.pm.release_prefix(*zip(*rows))
+        """With every layer windowed: ERASE the pages of each live sequence that no layer reads
+        again (`PageManager.release_behind_window`; `first[i]`: the step's first new position)."""
+        self.pm.release_behind_window(seq_ids, first, self.horizon)
 
     @property
     def kv_bytes(self) -> int:

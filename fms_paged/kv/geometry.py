@@ -45,6 +45,15 @@ def grows_into_partial_page(old_len, new_len, page_size: int):
     return (old_len % page_size != 0) & (new_len > old_len)
 
 
+def pages_grown(old_len, new_len, page_size: int, shares_partial_page=False):
+    """Pages a sequence takes from the pool growing from `old_len` to `new_len >= old_len`
+    tokens: the logical pages it opens, plus a private copy of its partly filled last page when
+    it writes into that page and the page is shared (`shares_partial_page`: copy-on-write).
+    Page growth is this rule alone: the page manager's RESERVE and planning calls apply it."""
+    copy = grows_into_partial_page(old_len, new_len, page_size) & shares_partial_page
+    return pages_for(new_len, page_size) - pages_for(old_len, page_size) + copy
+
+
 def pool_pages(max_seqs: int, max_seq_len: int, page_size: int) -> int:
     """Pages for `max_seqs` sequences of `max_seq_len` tokens each, plus the null page."""
     return max_seqs * pages_for(max_seq_len, page_size) + 1
@@ -60,3 +69,11 @@ def pages_held(num_tokens: int, page_size: int, horizon: int | None = None, chun
     if horizon is None:
         return full
     return min(full, pages_for(horizon - 1 + chunk, page_size) + 1)
+
+
+def min_pool_pages(max_model_len: int, page_size: int, horizon: int | None = None, chunk: int = 1) -> int:
+    """The fewest pages a pool needs to serve one sequence of `max_model_len` tokens: the most it
+    holds at once (`pages_held`, with `horizon` and `chunk` as there) and the null page. The
+    engine refuses a smaller `num_pages`, the memory budget a smaller pool, and `generate` sizes
+    its own pool from it."""
+    return pages_held(max_model_len, page_size, horizon, chunk) + 1

@@ -27,7 +27,7 @@ import torch
 
 from fms_paged.kv import _pool_ops as ops
 from fms_paged.kv._pool_ops import read_slots, write_slots
-from fms_paged.kv.geometry import NULL_PAGE, grows_into_partial_page, pages_for
+from fms_paged.kv.geometry import NULL_PAGE, grows_into_partial_page, pages_for, pages_grown
 from fms_paged.kv.page_data import PoolData
 from fms_paged.kv.page_sharing import PageSharing
 
@@ -220,16 +220,42 @@ class PageManager(PageSharing, PoolData):
         return self._table[s, : self._num_pages_for(self._lens[s])].tolist()
 
     def pages_needed(self, seq_id: int, new_length: int) -> int:
-        """Pages `reserve([seq_id], [new_length])` would take from the pool now: the new logical
-        pages plus a private copy of a shared, partly filled last page. Host ints only, no checks
-        (a scheduler's planning call; the reserve itself validates)."""
+        """Pages `reserve([seq_id], [new_length])` would take from the pool now (`pages_grown`):
+        the new logical pages plus a private copy of a shared, partly filled last page. Host ints
+        only, no checks (a scheduler's planning call; the reserve itself validates)."""
         cur, P = int(self._lens[seq_id]), self.page_size
         if new_length <= cur:
             return 0
-        need = pages_for(new_length, P) - pages_for(cur, P)
-        if grows_into_partial_page(cur, new_length, P) and self._refcount[self._table[seq_id, cur // P]] > 1:
-            need += 1
-        return need
+        shared = cur % P != 0 and self._refcount[self._table[seq_id, cur // P]] > 1
+        return pages_grown(cur, new_length, P, shared)
+
+    def pages_to_admit(self, new_length: int, shared_pages: int = 0) -> int:
+        """Pages a sequence not yet live takes from the pool to hold `new_length` tokens when it
+        starts by sharing `shared_pages` full pages (a prefix-cache hit: `share`): the scheduler's
+        admission plans with this, as it plans a running sequence's growth with `pages_needed`.
+        Host ints only, no checks."""
+        return pages_grown(shared_pages * self.page_size, new_length, self.page_size)
+
+    def release_behind_window(self, seq_ids: Sequence[int], next_positions: Sequence[int],
+                              horizon: int | None) -> list[int]:
+        """Sliding windows (every layer windowed; `horizon`: the widest window,
+        `fms_paged.kv.spec.release_horizon`; None: no-op): ERASE the pages of each live sequence
+        that lie wholly before the first key its next query (at `next_positions[i]`) sees,
+        `next_positions[i] - horizon + 1`: no layer reads them again (`release_prefix`). The
+        sequences with no such page still held are skipped. -> the pages whose reference was
+        dropped (a prefix cache may hold some of them still). The engine's scheduler and the static
+        batches' `PagedCache` both release through this."""
+        if horizon is None:
+            return []
+        ids, first, P, C = [], [], self.page_size, self.max_pages_per_seq
+        for s, pos in zip(seq_ids, next_positions):
+            keep = pos - horizon + 1
+            n = keep // P  # pages wholly before `keep`; the last of them still held: some to drop
+            if n > 0 and 0 <= s < self.max_seqs and self._live[s] and (
+                    n > C or self._table[s, n - 1] != NULL_PAGE):
+                ids.append(s)
+                first.append(keep)
+        return self.release_prefix(ids, first) if ids else []
 
     # ------------------------------------------------------------------ validation helpers
     def _num_pages_for(self, length: np.ndarray | int) -> np.ndarray | int:
@@ -307,13 +333,12 @@ class PageManager(PageSharing, PoolData):
         P = self.page_size
         cur = self._lens[ids]
         have = self._num_pages_for(cur)
-        grow = self._num_pages_for(lens) - have
         cow = grows_into_partial_page(cur, lens, P)  # grows into a partly filled last page ...
         if cow.any():  # ... that is shared with a forked sequence
             cow &= self._refcount[self._table[ids, np.maximum(have - 1, 0)]] > 1
             if cow.any():
                 cow = self._plan_cow(ids, have, cow)
-        need = grow + cow
+        need = pages_grown(cur, lens, P, cow)
         total = int(need.sum())
         if total == 0:  # no page changes hands: only the lengths move
             self._lens[ids] = lens
@@ -343,9 +368,9 @@ class PageManager(PageSharing, PoolData):
                 if n < cur or n > self.max_seq_len or (not live[s] and cur) or (
                         cur and n > cur and refs[table[s, (cur - 1) // P]] > 1):
                     return None  # grows into (or past) a shared page, or a case to validate
-                have = (cur + P - 1) // P
-                if n > have * P:
-                    opens.append((s, have, (n + P - 1) // P - have))
+                k = pages_grown(cur, n, P)  # (no shared partial page: that is the general path's)
+                if k:
+                    opens.append((s, pages_for(cur, P), k))
         except TypeError:
             return None
         if len(set(seq_ids)) != len(seq_ids):

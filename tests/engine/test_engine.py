@@ -394,6 +394,31 @@ def test_metrics_report_state_and_latencies(models):
         assert m[f"mean_{key}_s"] == pytest.approx(want)
 
 
+def test_forward_hook_reports_each_forward_and_changes_no_token(models):
+    """`ModelRunner.forward_hook` (opt-in instrumentation): called once per model forward with its
+    kind and wall seconds: a lone prefill, then prefill chunks beside decodes ("mixed"), then
+    decodes; the tokens are those of an engine without the hook. Unset (the default), nothing
+    is reported."""
+    _, paged = models
+    reqs = [([3 + i] * (10 + 30 * i), 3) for i in range(2)]
+
+    def serve(hook) -> tuple[dict[int, list[int]], int]:
+        eng = engine(paged, num_pages=60)
+        assert eng.runner.forward_hook is None
+        eng.runner.forward_hook = hook
+        eng.add_request(reqs[0][0], SamplingParams(max_new_tokens=reqs[0][1], ignore_eos=True))
+        eng.step()  # the first prompt alone
+        eng.add_request(reqs[1][0], SamplingParams(max_new_tokens=reqs[1][1], ignore_eos=True))
+        got = run(eng)
+        return got, eng.metrics()["steps"]
+
+    calls: list[tuple[str, float]] = []
+    got, steps = serve(lambda kind, seconds: calls.append((kind, seconds)))
+    assert [k for k, _ in calls] == ["prefill", "mixed", "decode", "decode"] and len(calls) == steps
+    assert all(isinstance(s, float) and s > 0 for _, s in calls)
+    assert got == serve(None)[0]
+
+
 def test_generate_paged_runs_on_the_engine_and_equals_dense(models):
     """generate() for attn_impl="paged" is the engine (a pool sized by memory): mixed lengths,
     per-sequence EOS, streaming, seeded sampling all equal the dense static batch."""

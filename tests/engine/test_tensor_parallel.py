@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from fms_paged import Engine, SamplingParams, get_model
+from fms_paged.engine import tensor_parallel
 from fms_paged.parallel import TensorParallelError, layout
 from tests.engine import tp_rank
 from tests.engine.test_half_precision import check_near_alone
@@ -176,3 +178,16 @@ def test_a_kernel_or_pool_no_rank_can_run_is_refused_before_a_rank_starts():
     with pytest.raises(KVBudgetError, match="num_pages=3 cannot hold"):
         Engine(model, num_pages=3, max_model_len=256, compile=False, tensor_parallel_size=2)
     assert not torch.distributed.is_initialized() and model.tp is None
+
+
+def test_engine_and_its_tensor_parallel_driver_do_not_import_each_other():
+    """engine.py imports tensor_parallel.py, never the reverse (not even inside a function): the
+    workers drive their `Engine` through its public surface, and a spawned rank gets the class to
+    build from its parent."""
+    tree = ast.parse(Path(tensor_parallel.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {"fms_paged.engine.engine", "fms_paged.engine", "fms_paged"} & imported, imported
+    private = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+               and isinstance(n.value, ast.Name) and n.value.id == "engine" and n.attr.startswith("_")}
+    assert not private, f"run_worker reaches into the engine's private names {sorted(private)}"

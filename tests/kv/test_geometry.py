@@ -5,9 +5,12 @@ import torch
 
 from fms_paged.kv.geometry import (
     grows_into_partial_page,
+    min_pool_pages,
     opened_pages,
     page_slots,
     pages_for,
+    pages_grown,
+    pages_held,
     pool_pages,
     slot,
 )
@@ -39,3 +42,22 @@ def test_vectorised_forms_agree_with_scalars(device):
     want = [[p * P + o for o in range(P)] for p in pages.tolist()]
     assert page_slots(pages, P).tolist() == want
     assert page_slots(torch.tensor(pages, device=device), P).tolist() == want
+
+
+def test_page_growth_and_the_smallest_pool():
+    """`pages_grown` is the pages opened plus a copy of a shared partial page written into (the
+    copy-on-write rule), scalar and vectorised; `min_pool_pages` is one sequence's most pages at
+    once and the null page."""
+    for P in (1, 3, 16):
+        for n in range(0, 3 * P + 2):
+            for m in range(n, n + 2 * P + 1):
+                for shared in (False, True):
+                    want = len(opened_pages(n, m, P)) + (shared and bool(grows_into_partial_page(n, m, P)))
+                    assert pages_grown(n, m, P, shared) == want
+        old = np.arange(0, 3 * P)
+        new = old + np.arange(3 * P) % 4
+        shared = np.arange(3 * P) % 2 == 0
+        assert pages_grown(old, new, P, shared).tolist() == [
+            pages_grown(int(a), int(b), P, bool(c)) for a, b, c in zip(old, new, shared)]
+        assert min_pool_pages(10 * P, P) == 11
+        assert min_pool_pages(10 * P, P, horizon=2 * P, chunk=P) == pages_held(10 * P, P, 2 * P, P) + 1

@@ -559,3 +559,52 @@ def test_share_and_hold_keep_pages_past_their_sequence(device):
     pm.erase([1])
     assert set(full) <= set(pm.free_pages) and len(pm.free_pages) == pm.num_pages - 1
     assert pm.phys_to_logical.tolist() == [-1] * pm.num_pages and pm.refcounts.sum() == 0
+
+
+@pytest.mark.parametrize("P", [1, 4, 16])
+def test_planning_calls_count_what_reserve_takes(P, device):
+    """Page growth has one rule (`geometry.pages_grown`): `pages_needed` (a running sequence's
+    growth, a private copy of a shared partial page included) and `pages_to_admit` (a new sequence
+    sharing a prefix-cache hit's full pages) count exactly the pages the RESERVE after them takes."""
+    pm = PageManager(64, P, 4, max_seq_len=8 * P, device=device)
+    for s, grow in ((0, [3, 3 * P, 3 * P + 1, 5 * P - 1]), (1, [P + 1])):
+        for n in grow:
+            want = pm.pages_needed(s, n)
+            free = pm.num_free_pages
+            pm.reserve([s], [n])
+            assert free - pm.num_free_pages == want, (s, n)
+    assert pm.pages_needed(0, 2) == 0  # no growth: nothing
+    pm.fork(1, 2)  # 2 shares 1's pages; its partial last page (P > 1) is copied when it grows into it
+    want = pm.pages_needed(2, P + 2)
+    assert want == 1  # P > 1: a copy of the partial page; P = 1: no partial page, a new one
+    free = pm.num_free_pages
+    copies = pm.reserve([2], [P + 2])
+    assert free - pm.num_free_pages == want and len(copies) == (P > 1)
+    pm.hold(pm.pages_of(0)[:3])
+    shared = pm.pages_of(0)[:3]
+    for n in (3 * P, 3 * P + 1, 5 * P):
+        assert pm.pages_to_admit(n, 3) == math.ceil(n / P) - 3
+    pm.share(3, shared)
+    free = pm.num_free_pages
+    pm.reserve([3], [4 * P + 1])
+    assert free - pm.num_free_pages == pm.pages_to_admit(4 * P + 1, 3) == 2
+
+
+def test_release_behind_window_drops_each_page_once(device):
+    """`release_behind_window` (the scheduler's and `PagedCache`'s one release rule): the pages
+    wholly before `next - horizon + 1` go back, each once (a later call with nothing new behind
+    the window changes nothing); sequences not live, and a horizon of None, are skipped."""
+    P = 4
+    pm = PageManager(20, P, 3, max_seq_len=32, device=device)
+    pm.reserve([0, 1], [20, 6])
+    pages = pm.pages_of(0)
+    assert pm.release_behind_window([0, 1], [20, 6], None) == []
+    # next query at 20 with a window of 9: keys 12.. are read, pages 0..2 (positions 0..11) are not
+    assert pm.release_behind_window([0, 1, 2], [20, 6, 0], 9) == pages[:3]
+    assert pm.pages_of(0) == [0, 0, 0, *pages[3:]] and pm.length(0) == 20
+    assert pm.release_behind_window([0, 1], [20, 6], 9) == []  # nothing new fell behind
+    pm.reserve([0], [21])
+    assert pm.release_behind_window([0], [21], 9) == []  # keys 13..: page 3 (12..15) still read
+    pm.reserve([0], [24])
+    assert pm.release_behind_window([0], [24], 9) == [pages[3]]
+    assert pm.num_free_pages == 19 - len(pm.pages_of(1)) - 2
