@@ -3,16 +3,13 @@
 #   docker build --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t fms-paged:cuda .
 # The install steps are the Makefile's own (`make install`), the same ones CI runs.
+#
+# Stages: `system` (the OS packages and the user), `runtime` (what running needs: the package with
+# its bench, serve and fms extras; the default image), `test` (runtime plus the dev and notebooks
+# extras, for `make test`: docker build --target test -t fms-paged:test .).
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE}
+FROM ${BASE_IMAGE} AS system
 
-# TORCH_INDEX_URL: the index torch comes from; empty means docker/wheelhouse/ first, then PyPI (whose
-# default torch is the multi-GB CUDA build: a CPU image wants the wheelhouse or the CPU index).
-# EXTRA_CA_CERT: a PEM file in the build context that pip must trust too (a proxy that re-signs TLS).
-# PIP_NO_INDEX=1: an air-gapped build, every wheel from docker/wheelhouse (unset: indexes are asked).
-ARG TORCH_INDEX_URL=
-ARG EXTRA_CA_CERT=
-ARG PIP_NO_INDEX
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -54,13 +51,39 @@ RUN pkgs=""; \
 RUN useradd --create-home --uid 1000 app && install -d -o app /app
 USER 1000:1000
 WORKDIR /app
+
+FROM system AS runtime
+# TORCH_INDEX_URL: the index torch comes from; empty means docker/wheelhouse/ first, then PyPI (whose
+# default torch is the multi-GB CUDA build: a CPU image wants the wheelhouse or the CPU index).
+# EXTRA_CA_CERT: a PEM file in the build context that pip must trust too (a proxy that re-signs TLS).
+# PIP_NO_INDEX=1: an air-gapped build, every wheel from docker/wheelhouse (unset: indexes are asked).
+ARG TORCH_INDEX_URL=
+ARG EXTRA_CA_CERT=
+ARG PIP_NO_INDEX
 COPY --chown=1000:1000 . .
+# The runtime extras only: bench (the default command), serve (`fms-paged serve`), fms (`--loader
+# fms`). xgrammar (serve) requires Triton, ~1 GB installed, which only its CUDA bitmask kernel
+# imports; its CPU path never does, so a torch without CUDA drops it in this same layer.
 RUN if [ -n "${EXTRA_CA_CERT}" ]; then \
         cat /etc/ssl/certs/ca-certificates.crt "${EXTRA_CA_CERT}" > /home/app/ca-bundle.pem; \
         export PIP_CERT=/home/app/ca-bundle.pem; \
     fi; \
-    make install TORCH_INDEX_URL="${TORCH_INDEX_URL}"
+    make install EXTRAS=bench,serve,fms TORCH_INDEX_URL="${TORCH_INDEX_URL}" \
+    && if python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then \
+        python -m pip uninstall -y -q triton; \
+    fi
 
 # `docker run -p 8000:8000 fms-paged fms-paged serve --host 0.0.0.0` serves the OpenAI API
 EXPOSE 8000
 CMD ["make", "bench-llama-paged"]
+
+FROM runtime AS test
+ARG PIP_NO_INDEX
+# The test tools on top (pytest, ruff, hadolint, lm-eval, the openai client; the notebooks' kernel),
+# the torch of the runtime stage kept; pip trusts the proxy's CA the runtime stage was given.
+RUN if [ -f /home/app/ca-bundle.pem ]; then export PIP_CERT=/home/app/ca-bundle.pem; fi; \
+    python -m pip install -q -e '.[dev,notebooks]' "torch==$(python -c 'import torch; print(torch.__version__)')"
+CMD ["make", "test"]
+
+# The default target (a build without --target): the runtime image.
+FROM runtime

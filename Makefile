@@ -6,6 +6,8 @@ PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 STAMP  := $(VENV)/.installed
+# the package's extras `install` puts in the venv (the Docker image's runtime stage asks for fewer)
+EXTRAS ?= bench,notebooks,dev,fms,serve
 PYTEST_ARGS ?=
 
 .PHONY: install test test-slow lint format clean
@@ -16,7 +18,7 @@ $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PIP) install -q -e '.[bench,notebooks,dev,fms,serve]' torch==$(TORCH_VERSION)  # keeps the torch above
+	$(PIP) install -q -e '.[$(EXTRAS)]' torch==$(TORCH_VERSION)  # keeps the torch above
 	$(VENV)/bin/fms-paged build-kernels || echo "install: the C++ CPU operators did not build; they build on first use"
 	touch $(STAMP)
 

@@ -23,7 +23,8 @@ setup(
         "numpy",
     ],
     extras_require={
-        "bench": ["wandb", "matplotlib", "psutil", "tqdm"],
+        "bench": ["wandb", "matplotlib", "psutil", "tqdm", "httpx",  # httpx: bench-structured's client
+                  "datasets>=2.16"],  # perplexity on a Hub / saved dataset (`--dataset`, e.g. WikiText-103)
         "notebooks": ["nbclient", "nbformat", "ipykernel", "matplotlib"],
         "fms": ["ibm-fms>=1.13,<1.14"],  # tested with 1.13.1
         "serve": ["fastapi>=0.110", "uvicorn[standard]>=0.29", "prometheus_client>=0.20", "jinja2>=3.1.6",

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from fms_paged.data import DatasetSource, heldout_text
 from fms_paged.serve.server import add_serve_args
 
 EXIT_USAGE = 2
@@ -87,12 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
 
     q = sub.add_parser("ppl", help="perplexity of the dense and paged backends",
-                       description="Perplexity with the KV cache enabled, for both backends, on the "
-                                   "default model's held-out text or a text file.")
+                       description="Perplexity with the KV cache enabled, for both backends, on "
+                                   "held-out Python standard-library source (offline), a text file or "
+                                   "a `datasets` dataset (e.g. --dataset wikitext --dataset-config "
+                                   "wikitext-103-raw-v1 --split validation).")
     _model_args(q)
-    q.add_argument("--text-file", type=Path, default=None,
+    t = q.add_argument_group("text")
+    t.add_argument("--text-file", type=Path, default=None,
                    help="text to score (default: held-out Python standard-library source)")
-    q.add_argument("--max-chars", type=_positive_int, default=50_000, help="characters to score")
+    DatasetSource.add_arguments(t)
+    t.add_argument("--max-chars", type=_positive_int, default=50_000, help="characters to score")
     q.add_argument("--window", type=_positive_int, default=256, help="tokens per scored window")
 
     i = sub.add_parser("info", help="device, torch, kernel availability and memory budget",
@@ -220,11 +225,17 @@ def cmd_serve(args) -> int:
 def cmd_ppl(args) -> int:
     from fms_paged.bench.perplexity import perplexity
 
+    dataset = DatasetSource.from_args(args)
+    if args.text_file is not None and dataset is not None:
+        raise ValueError("argument --dataset: not allowed with --text-file")
     if args.text_file is not None:
         text = args.text_file.read_text()[: args.max_chars]
+    elif dataset is not None:
+        try:
+            text = dataset.text(args.max_chars)
+        except ImportError as e:
+            raise ValueError(str(e)) from None
     else:
-        from fms_paged.data.stdlib_corpus import heldout_text
-
         text = heldout_text(args.max_chars)
     results = {}
     for impl in ("sdpa", "paged"):

@@ -2,7 +2,8 @@
 # Build the image, then prove it works offline: with --network=none, run `fms-paged info` (its paged
 # kernel must really compile), `fms-paged generate` on the embedded default model, and the image's
 # default command (make bench-llama-paged, at a small scale through BENCH_ARGS), checking that each
-# succeeds and that the benchmark wrote its results; then `fms-paged serve --host 0.0.0.0` in a
+# succeeds and that the benchmark wrote its results (and that the image holds no test tools, nor
+# Triton beside a CPU torch); then `fms-paged serve --host 0.0.0.0` in a
 # container, one completion through it from inside the container (no network), and its graceful
 # stop (exit 0 on SIGTERM). Where no Docker daemon answers, it says so and
 # exits 0 (skipped). DOCKER_IMAGE, DOCKER_BASE, DOCKER_CA_CERT and DOCKER_BUILD_ARGS pass through to
@@ -28,6 +29,12 @@ timed "make docker" make docker DOCKER="$docker" DOCKER_IMAGE="$image"
 echo "docker-smoke: image $image is $("$docker" image inspect -f '{{.Size}}' "$image" | awk '{printf "%.2f GB", $1 / 1e9}')"
 user=$("$docker" run --rm --network=none "$image" id -un)
 [ "$user" != root ] || fail "the image runs as root"
+# the runtime image carries what running needs: no test tools, and no Triton beside a CPU torch
+extra=$("$docker" run --rm --network=none "$image" python -c '
+import importlib.util, torch
+tools = ["pytest", "ruff", "lm_eval", "openai"] + (["triton"] if torch.version.cuda is None else [])
+print(" ".join(m for m in tools if importlib.util.find_spec(m)))')
+[ -z "$extra" ] || fail "the runtime image installs what running does not need: $extra"
 
 info=$(timed "fms-paged info" "$docker" run --rm --network=none "$image" fms-paged info)
 echo "$info"

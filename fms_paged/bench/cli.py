@@ -22,6 +22,7 @@ import torch
 from fms_paged.bench import inference, latency, serve
 from fms_paged.bench.environment import environment_info, weight_bytes
 from fms_paged.bench.report import write_report
+from fms_paged.data import DatasetSource
 from fms_paged.device import resolve_device
 from fms_paged.models.registry import default_model_path
 
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ppl-chars", type=int, default=20_000, help="characters of evaluation text")
     g.add_argument("--ppl-window", type=int, default=256)
     g.add_argument("--text-file", help="evaluation text (default: held-out Python stdlib source)")
+    DatasetSource.add_arguments(g)
     g = p.add_argument_group("serving (--scenario serve)")
     g.add_argument("--workloads", default=serve.default_workloads(),
                    help="the peer ones (vs_vllm, vs_native) run from a checkout only")

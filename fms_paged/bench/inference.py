@@ -21,6 +21,7 @@ from typing import Any
 from fms_paged.bench import latency, perplexity
 from fms_paged.bench.environment import REPO_ROOT, peak_meter
 from fms_paged.bench.report import MiB, table
+from fms_paged.data import DatasetSource
 
 COLORS = {"no-cache": "tab:gray", "sdpa": "tab:blue", "paged": "tab:orange"}
 LABELS = {"no-cache": "no cache", "sdpa": "dense cache", "paged": "paged cache"}
@@ -47,7 +48,8 @@ def run(args, model, spec: dict[str, Any], results: dict[str, Any], log=print) -
                 r.update({k: m.get(k) for k in ("run_peak_bytes", "process_peak_bytes")})
     results["compare"] = compare(runs)
     if args.ppl:
-        ids, what = perplexity.eval_tokens(model, spec.get("model_path"), args.text_file, args.ppl_chars)
+        ids, what = perplexity.eval_tokens(model, spec.get("model_path"), args.text_file, args.ppl_chars,
+                                           DatasetSource.from_args(args))
         log(f"[bench] perplexity over {len(ids)} tokens ...")
         ppl = perplexity.by_backend(model, args.impls, ids, args.ppl_window, args.kernel)
         results["perplexity"] = {**ppl, "text": what}

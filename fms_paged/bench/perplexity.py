@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fms_paged.bench.latency import with_config
-from fms_paged.data import heldout_text
+from fms_paged.data import DatasetSource, heldout_text
 from fms_paged.kv.cache import make_cache
 from fms_paged.tokenizers import load_tokenizer
 
@@ -67,11 +67,16 @@ def heldout_perplexity(model: torch.nn.Module, tokenizer: Any, max_chars: int = 
 
 
 def eval_tokens(model: torch.nn.Module, model_path: str | None, text_file: str | None = None,
-                chars: int = 20_000) -> tuple[list[int], str]:
-    """-> (token ids, what they are): the first `chars` characters of `text_file` or of the stdlib
-    held-out split, through the checkpoint's tokenizer, or as bytes (mod vocab) without one."""
+                chars: int = 20_000, dataset: DatasetSource | None = None) -> tuple[list[int], str]:
+    """-> (token ids, what they are): the first `chars` characters of `text_file`, of `dataset`'s
+    text column or of the stdlib held-out split, through the checkpoint's tokenizer, or as bytes
+    (mod vocab) without one."""
+    if text_file and dataset is not None:
+        raise ValueError(f"argument --dataset: not allowed with --text-file ({dataset} and {text_file})")
     if text_file:
         text, what = Path(text_file).read_text(encoding="utf-8", errors="replace")[:chars], text_file
+    elif dataset is not None:
+        text, what = dataset.text(chars), f"dataset {dataset}"
     else:
         text, what = heldout_text(chars)[:chars], "stdlib held-out split"
     if model_path and any((Path(model_path) / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fms_paged.kv.kernels import Kernel, allow_shape_variants
+from fms_paged.kv.kernels import Kernel, compile_shape_variants
 
 
 def decode_one_token(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
@@ -30,10 +30,9 @@ def compiled_decode(static_shapes: bool, cpp_wrapper: bool = False) -> Callable:
     That wrapper is one long function (every layer's calls in turn) that gcc is slow to optimize, so
     it is built apart from the kernels, at inductor's wrapper level (-O1): the warm-up is shorter
     and the step no slower (docs/benchmarks.md)."""
-    allow_shape_variants()
     options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True} if cpp_wrapper else None
-    return torch.compile(decode_one_token, fullgraph=True, dynamic=False if static_shapes else None,
-                         options=options)
+    return compile_shape_variants(decode_one_token, fullgraph=True,
+                                  dynamic=False if static_shapes else None, options=options)
 
 
 def decode_fn(cache: object, compile: bool, collectives: bool = False) -> Callable:
@@ -217,8 +216,7 @@ def compiled_prefill() -> Callable:
     every step length of 2 or more tokens (the projections pick their CPU path when they run).
     Its weights stay graph inputs, so the graph is shared by models of one shape and lands in
     inductor's on-disk cache."""
-    allow_shape_variants()
-    fn = torch.compile(prefill_layers, fullgraph=True, dynamic=True)
+    fn = compile_shape_variants(prefill_layers, fullgraph=True, dynamic=True)
 
     def run(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # floats as constants: with dynamic shapes Dynamo would make each RMSNorm's eps a symbolic

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,9 @@ def get_model(
     The weights do not depend on `attn_impl`; only the attention backend does. The KV page size
     is the device's default (`fms_paged.device.DEFAULT_PAGE_SIZE`) unless `page_size=` is given.
     `device="auto"` picks cuda > mps > cpu; `dtype=None` keeps the checkpoint's dtype (a variant's
-    parameters are fp32). A variant's random init draws from the global RNG, seeded with `seed`
-    first (None: not reseeded), in the dtype asked for (the model never exists in fp32 first); a
+    parameters are fp32). A variant's random init draws from the default generators seeded with
+    `seed` and restored after it (`seeded_rng`: the caller's RNG is left as it was; None: drawn from
+    the global RNG as it stands), in the dtype asked for (the model never exists in fp32 first); a
     checkpoint ignores `seed`. Other keyword arguments override
     `LLaMAConfig` fields (e.g. `linear_impl="torch"`).
     """
@@ -98,12 +100,36 @@ def get_model(
     if dt is not None:  # on the meta device: an 8B model in bf16 never exists in fp32 on the device
         model = model.to(dt)
     model = model.to_empty(device=dev)
-    if seed is not None:
-        torch.manual_seed(seed)
-    model.reset_parameters()
+    if seed is None:
+        model.reset_parameters()
+    else:
+        with seeded_rng(dev, seed):
+            model.reset_parameters()
     if dev.type == "cpu":  # (a checkpoint's CPU weights are loaded into huge pages by load_hf)
         hugepages.place_in_huge_pages(model)
     return _frozen_if_inference(model.eval())
+
+
+@contextlib.contextmanager
+def seeded_rng(device: torch.device, seed: int) -> Iterator[None]:
+    """The default generators of the CPU and of `device` seeded with `seed` inside the block, and
+    put back as they were after it: a variant's random init is reproducible without reseeding the
+    caller's global RNG. A draw inside gives what it gives after `torch.manual_seed(seed)` (the same
+    generators, the same seed); generators of other devices are neither read nor changed."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        forked, device_type = [index], "cuda"
+    elif device.type == "cpu":
+        forked, device_type = [], "cuda"  # the CPU's generator alone (fork_rng always keeps the CPU's)
+    else:
+        forked, device_type = [0], device.type  # mps: one device
+    with torch.random.fork_rng(devices=forked, device_type=device_type):
+        torch.random.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.default_generators[forked[0]].manual_seed(seed)
+        elif device.type != "cpu":
+            getattr(torch, device.type).manual_seed(seed)
+        yield
 
 
 def _frozen_if_inference(model: torch.nn.Module) -> torch.nn.Module:

@@ -75,7 +75,13 @@ def build_engine(spec: dict[str, Any]):
 def _engine_main(conn, spec: dict[str, Any]) -> None:
     """The engine process: build, report, warm up, then serve messages and step until told to stop
     (or until the front end's end of the pipe closes)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when this process stops
+    # The front end decides when this process stops: it drains its requests, then sends "stop". A
+    # Ctrl-C or a supervisor's SIGTERM reaches the whole process group (systemd's
+    # KillMode=control-group, `kill -TERM -PGID`), this process included; SIGINT is ignored and
+    # SIGTERM caught by a no-op, not ignored, so that processes spawned from here (tensor-parallel
+    # ranks) start with SIGTERM's default action and still die with their parent (PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _defer_to_front_end)
     logging.basicConfig(level=spec.get("log_level", "info").upper(),  # as the front end's
                         format="%(levelname)s %(name)s: %(message)s")
     from fms_paged.device import keep_freed_cpu_memory
@@ -104,6 +110,10 @@ def _engine_main(conn, spec: dict[str, Any]) -> None:
             pass
     finally:
         engine.shutdown()
+
+
+def _defer_to_front_end(signum: int, frame) -> None:
+    """SIGTERM in the engine process: nothing; the front end drains and then sends "stop"."""
 
 
 def _die(conn, why: str) -> None:

@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fms_paged.bench.perplexity import perplexity
-from fms_paged.models import get_model
+from fms_paged.bench.perplexity import eval_tokens, perplexity
+from fms_paged.data import DatasetSource, MissingSplit, MissingTextColumn
+from fms_paged.models import default_model_path, get_model
 
 RTOL = 1e-5
 WINDOW = 64
@@ -115,3 +116,57 @@ def test_bad_arguments(device) -> None:
         perplexity(model, [1, 2, 3], window=8, chunk=0)
     with pytest.raises(ValueError, match="maximum sequence length"):
         perplexity(model, [1, 2, 3], window=10**6)
+
+
+# ------------------------------------------------------------------ text from a `datasets` dataset
+ROWS = [" = Valkyria Chronicles = \n", "", " Senjō no Valkyria 3 is a tactical role @-@ playing game .\n",
+        " It was released in January 2011 in Japan .\n"]
+
+
+def _saved(tmp_path, splits: bool = False, column: str = "text"):
+    """A dataset saved with `save_to_disk` in the test (nothing downloads): one `Dataset`, or a
+    `DatasetDict` with a validation and a test split."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({column: ROWS, "id": list(range(len(ROWS)))})
+    if splits:
+        ds = datasets.DatasetDict({"validation": ds, "test": ds.select([0])})
+    ds.save_to_disk(str(tmp_path / "saved"))
+    return tmp_path / "saved"
+
+
+def test_dataset_text_is_the_rows_joined_by_a_blank_line(tmp_path) -> None:
+    src = DatasetSource(str(_saved(tmp_path)))
+    assert src.is_saved
+    assert src.text() == "\n\n".join(ROWS)  # as `"\n\n".join(ds["text"])` in the transformers guide
+    assert src.text(max_chars=30) == "\n\n".join(ROWS)[:30]  # cut at the characters asked for
+    assert src.text(max_chars=10_000) == "\n\n".join(ROWS)
+
+
+def test_dataset_dict_split_and_its_errors(tmp_path) -> None:
+    path = str(_saved(tmp_path, splits=True))
+    assert DatasetSource(path, split="test").text() == ROWS[0]
+    assert DatasetSource(path).text() == "\n\n".join(ROWS)  # the validation split by default
+    with pytest.raises(MissingSplit, match=r"'train'.*\['test', 'validation'\]"):
+        DatasetSource(path, split="train").text()
+    with pytest.raises(ValueError, match="wikitext-103-raw-v1"):
+        DatasetSource(path, config="wikitext-103-raw-v1").text()
+
+
+def test_a_missing_text_column_names_it_and_the_columns_present(tmp_path) -> None:
+    path = str(_saved(tmp_path, column="content"))
+    with pytest.raises(MissingTextColumn, match=r"'text'.*\['content', 'id'\]"):
+        DatasetSource(path).text()
+    assert DatasetSource(path, text_column="content").text() == "\n\n".join(ROWS)
+
+
+def test_eval_tokens_of_a_dataset_are_those_of_the_same_text_in_a_file(tmp_path) -> None:
+    """The dataset path and the text-file path (independent readers) give the same token ids."""
+    model = get_model(variant="micro", device="cpu")
+    text_file = tmp_path / "rows.txt"
+    text_file.write_text("\n\n".join(ROWS), encoding="utf-8")
+    src = DatasetSource(str(_saved(tmp_path)))
+    ids, what = eval_tokens(model, str(default_model_path()), chars=100, dataset=src)
+    ref, _ = eval_tokens(model, str(default_model_path()), text_file=str(text_file), chars=100)
+    assert ids == ref and len(ids) > 10 and what.startswith("dataset ")
+    with pytest.raises(ValueError, match="--text-file"):
+        eval_tokens(model, None, text_file=str(text_file), dataset=src)

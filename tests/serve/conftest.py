@@ -72,13 +72,15 @@ def wait_healthy(server: Server, timeout: float, on_status=None) -> None:
         time.sleep(0.05)
 
 
-def launch(args: list[str], log: Path, env: dict | None = None) -> Server:
-    """`python -m fms_paged.cli serve ARGS --port P` on the CPU, not waited for."""
+def launch(args: list[str], log: Path, env: dict | None = None, new_session: bool = False) -> Server:
+    """`python -m fms_paged.cli serve ARGS --port P` on the CPU, not waited for. `new_session`: in a
+    process group of its own (its pid is the group's id), as a supervisor starts a service."""
     port = free_port()
     cmd = [sys.executable, "-m", "fms_paged.cli", "serve", "--device", "cpu", *map(str, args),
            "--port", str(port)]
     out = open(log, "wb")  # a file, not a pipe: a chatty server never blocks on a full pipe
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            start_new_session=new_session)
     out.close()
     return Server(f"http://127.0.0.1:{port}", proc, log)
 

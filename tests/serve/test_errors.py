@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 
@@ -265,6 +266,26 @@ def test_sigint_lets_a_running_stream_finish(tmp_path):
         assert reasons == [None] * (len(reasons) - 1) + ["length"]
         assert refused and refused[0] < len(lines), refused  # refused before the stream's end
         assert s.proc.wait(30) == 0
+    finally:
+        stop_server(s)
+
+
+def test_sigterm_to_the_process_group_drains_and_exits_0(tmp_path):
+    """A supervisor's stop (systemd's KillMode=control-group, `kill -TERM -PGID`) signals the engine
+    process too: it leaves the stop to the front end, so a stream running at the signal ends whole
+    and the server exits 0, as on a SIGTERM to the front end alone (not 1: "the engine stopped")."""
+    s = launch(["--enforce-eager", "--max-num-seqs", "2", "--shutdown-timeout", "30"], tmp_path / "log",
+               new_session=True)
+    try:
+        wait_healthy(s, 120)
+        pgid = os.getpgid(s.proc.pid)
+        assert pgid == s.proc.pid  # its own group: the signal reaches the server and nothing else
+        lines = _stream_lines(s.url, 200, lambda k: k == 1 and os.killpg(pgid, signal.SIGTERM))
+        assert lines[-1] == "[DONE]", s.output()  # the whole stream, though the group got SIGTERM
+        reasons = [c["choices"][0]["finish_reason"] for c in lines[:-1]]
+        assert reasons == [None] * (len(reasons) - 1) + ["length"]
+        assert s.proc.wait(30) == 0, s.output()
+        assert "the engine stopped" not in s.output()
     finally:
         stop_server(s)
 

@@ -74,6 +74,26 @@ def test_ppl_both_backends_agree(device):
     assert 1 < ppl["sdpa"] < 4096
 
 
+def test_ppl_of_a_saved_dataset_is_that_of_its_text_in_a_file(tmp_path, device):
+    """`--dataset FOLDER` (saved with `save_to_disk` here: nothing downloads) scores its text column's
+    rows joined by blank lines: the very numbers `--text-file` gives for that text."""
+    datasets = pytest.importorskip("datasets")
+    rows = [" = Robert Boulter = \n", "", " Robert Boulter is an English film , television and theatre "
+            "actor .\n", " He had a guest @-@ starring role on the television series The Bill in 2000 .\n"]
+    datasets.Dataset.from_dict({"content": rows}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "rows.txt").write_text("\n\n".join(rows), encoding="utf-8")
+    common = ["ppl", "--max-chars", "3000", "--window", "32", "--device", str(device)]
+    by_dataset = run(*common, "--dataset", str(tmp_path / "saved"), "--text-column", "content")
+    by_file = run(*common, "--text-file", str(tmp_path / "rows.txt"))
+    assert by_dataset.returncode == 0, by_dataset.stderr
+    assert by_file.returncode == 0, by_file.stderr
+    assert by_dataset.stdout == by_file.stdout and " ppl " in by_dataset.stdout
+    missing = run("ppl", "--dataset", str(tmp_path / "saved"))  # the default column, "text"
+    assert missing.returncode == 2
+    lines = missing.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'text'" in lines[0] and "['content']" in lines[0], missing.stderr
+
+
 def test_info_json():
     r = run("info", "--json", "--device", "cpu")  # the CPU's kernel (cpp) and KV space
     assert r.returncode == 0, r.stderr

@@ -42,6 +42,24 @@ def test_uses_makefile_install_and_runs_main_job():
     assert (ROOT / ".dockerignore").read_text().count(".venv")
 
 
+def test_the_default_image_is_the_runtime_stage_without_the_test_tools():
+    """A build without --target gives the runtime stage: the bench, serve and fms extras, no dev or
+    notebooks extra (pytest, ruff, hadolint, lm-eval, the openai client), and no Triton on a CPU
+    torch; the test stage adds the test tools and runs `make test`."""
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, re.M)
+    assert [name for _, name in stages] == ["system", "runtime", "test", ""], stages
+    assert stages[-1][0] == "runtime"  # the last stage, the default target, is the runtime image
+    runtime = text.split("FROM system AS runtime")[1].split("FROM runtime AS test")[0]
+    test = text.split("FROM runtime AS test")[1].split("FROM runtime\n")[0]
+    extras = set(re.search(r"make install EXTRAS=(\S+)", runtime).group(1).split(","))
+    assert extras == {"bench", "serve", "fms"}
+    assert "uninstall -y -q triton" in runtime and "torch.version.cuda" in runtime
+    assert "'.[dev,notebooks]'" in test and 'CMD ["make", "test"]' in test
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^EXTRAS \?= ", make, re.M) and "'.[$(EXTRAS)]'" in make
+
+
 def test_runs_as_a_user_and_gives_python_its_headers():
     text = (ROOT / "Dockerfile").read_text()
     users = re.findall(r"^USER (\S+)", text, re.M)

@@ -28,7 +28,7 @@ from fms_paged.kv.kernels.flex import (
     TRITON_MIN_HEAD_DIM,
     TRITON_MIN_PAGE,
     FlexKernel,
-    allow_shape_variants,
+    compile_shape_variants,
     compiled_flex,
     flex_kernel_options,
     flex_max_pages,
@@ -43,7 +43,7 @@ KERNELS = ("auto", "cpp", "flex", "gather")
 __all__ = [
     "KERNELS", "TRITON_MIN_HEAD_DIM", "TRITON_MIN_PAGE", "CppKernel", "CppStep", "FlexKernel",
     "GatherKernel", "Kernel",
-    "MixedStep", "PoolStep", "allow_shape_variants", "choose_kernel", "compiled_flex",
+    "MixedStep", "PoolStep", "choose_kernel", "compile_shape_variants", "compiled_flex",
     "flex_kernel_options", "flex_max_pages",
     "flex_unavailable_reason", "prefill_bucket", "probe_compiled_flex",
 ]

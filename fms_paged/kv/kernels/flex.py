@@ -16,6 +16,7 @@ the BlockMask path (`blockmask_prefill`).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sysconfig
 from collections.abc import Callable
@@ -63,16 +64,37 @@ def flex_max_pages(kvheads: int, head_dim: int, page_size: int) -> int:
     return TRITON_MAX_POOL_ELEMENTS // (kvheads * page_size * head_dim)
 
 
-def allow_shape_variants() -> None:
-    """Raise Dynamo's recompile limits (per code object 8 -> 64, in all 256 -> 512) for the
-    static-shape steps compiled here: each (pool size, rows, decode or prefill bucket) is a
-    specialization of the same code object, and a process that serves several pools or page sizes
-    meets more than 8 (within a pool, decode shapes never change: see the recompile test).
-    Process-wide, like Dynamo's own config; called where such a step is made."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.accumulated_recompile_limit = max(
-        torch._dynamo.config.accumulated_recompile_limit, 512
-    )
+RECOMPILE_LIMIT = 64  # specializations one compiled step may have (Dynamo's default: 8)
+ACCUMULATED_RECOMPILE_LIMIT = 512  # torch without per-call limits: its process-wide cap (default 256)
+_PER_CALL_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
+def compile_shape_variants(fn: Callable, **compile_kwargs) -> Callable:
+    """`torch.compile(fn, **compile_kwargs)` allowed `RECOMPILE_LIMIT` specializations rather than
+    Dynamo's 8. Each (pool size, rows, decode or prefill bucket) of the static-shape steps compiled
+    here is a specialization of the same code object, and a process that serves several pools or
+    page sizes meets more than 8 (within a pool, decode shapes never change: see the recompile test).
+
+    The limit is this compiled function's own: torch.compile's `recompile_limit` where the torch
+    has it (2.13 does; Dynamo applies it only while it compiles). On an older torch the limits are
+    raised around each call of the returned function and restored after it. Either way Dynamo's
+    process-wide settings are what they were for every other compiled function of the process."""
+    if _PER_CALL_LIMIT:
+        return torch.compile(fn, recompile_limit=RECOMPILE_LIMIT, **compile_kwargs)
+    compiled = torch.compile(fn, **compile_kwargs)
+    config = torch._dynamo.config
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        saved = config.recompile_limit, config.accumulated_recompile_limit
+        config.recompile_limit = max(saved[0], RECOMPILE_LIMIT)
+        config.accumulated_recompile_limit = max(saved[1], ACCUMULATED_RECOMPILE_LIMIT)
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            config.recompile_limit, config.accumulated_recompile_limit = saved
+
+    return call
 
 
 @functools.cache
@@ -80,10 +102,9 @@ def compiled_flex(dynamic: bool) -> Callable:
     """One compiled flex_attention per shape policy, shared by every backend in the process."""
     # Inductor's CPU kernels and ATen share the OpenMP runtime; re-applying the thread count aligns
     # their team sizes (without it, decode steps that alternate ATen matmuls with the compiled flex
-    # kernel ran an order of magnitude slower on a 2-core CPU).
+    # kernel ran an order of magnitude slower on a 2-core CPU). The count itself stays what it was.
     torch.set_num_threads(torch.get_num_threads())
-    allow_shape_variants()
-    return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
+    return compile_shape_variants(flex_attention, fullgraph=True, dynamic=dynamic)
 
 
 def flex_kernel_options(device: torch.device, page_size: int, prefill: bool = False) -> dict | None:
