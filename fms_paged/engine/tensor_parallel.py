@@ -268,17 +268,26 @@ def join_torchrun(device: torch.device) -> tuple[int, int]:
 
 
 def _die_with_parent() -> None:
-    """Linux: this process gets SIGTERM when its parent exits (a worker never outlives rank 0)."""
+    """Linux: this process gets SIGKILL when its parent exits (a worker never outlives rank 0;
+    SIGKILL, since a worker leaves SIGTERM to rank 0: see `_worker_main`)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
 
+def _leave_to_rank0(signum: int, frame) -> None:
+    """SIGTERM in a spawned rank: nothing; rank 0 stops the ranks (`_worker_main`)."""
+
+
 def _worker_main(rank: int, size: int, addr: str, port: int, model: torch.nn.Module,
                  make_engine: Callable[..., Any], engine_kwargs: dict[str, Any], parent: int) -> None:
-    """A spawned rank's process (its own: the thread count it sets is its own to set)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the process group: rank 0 decides
+    """A spawned rank's process (its own: the thread count it sets is its own to set). A Ctrl-C or
+    a supervisor's SIGTERM sent to the process group reaches this process too; rank 0 decides when
+    the ranks stop (a server drains first, then rank 0 tells its workers to stop), so SIGINT is
+    ignored and SIGTERM caught by a no-op here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _leave_to_rank0)
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before the line above took effect
         sys.exit(1)

@@ -9,6 +9,7 @@ with are CPU models in this process."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -176,3 +177,22 @@ def wait_idle(url: str, timeout: float = 5.0, until=None) -> tuple[dict, float]:
                      if any(w in k[0] for w in ("num_requests", "kv_cache", "success"))}
             pytest.fail(f"the server is not idle within {timeout} s: {shown}")
         time.sleep(0.02)
+
+
+def stream_lines(url: str, max_tokens: int, on_chunk=None) -> list[dict | str]:
+    """The data of a completion stream's events; `on_chunk(k)` after the k-th (from 1)."""
+    body = {"prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    out = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+                if on_chunk is not None:
+                    on_chunk(len(out))
+    except httpx.TransportError:  # the server closed the connection at the end of its grace period
+        pass
+    return out

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from fms_paged.serve.app import MAX_BODY_BYTES
-from tests.serve.conftest import launch, running_server, stop_server, wait_healthy
+from tests.serve.conftest import launch, running_server, stop_server, stream_lines, wait_healthy
 
 MODEL = "default_model"
 MAX_MODEL_LEN = 256
@@ -223,25 +223,6 @@ def test_max_waiting_answers_429_with_retry_after(tmp_path):
 
 
 # ------------------------------------------------------------------ graceful shutdown
-def _stream_lines(url: str, max_tokens: int, on_chunk=None) -> list[dict | str]:
-    """The data of a completion stream's events; `on_chunk(k)` after the k-th (from 1)."""
-    body = {"prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    out = []
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                out.append(data if data == "[DONE]" else json.loads(data))
-                if on_chunk is not None:
-                    on_chunk(len(out))
-    except httpx.TransportError:  # the server closed the connection at the end of its grace period
-        pass
-    return out
-
-
 def test_sigint_lets_a_running_stream_finish(tmp_path):
     """SIGINT lands after the stream's first chunk. New connections are refused while the stream is
     still being read (uvicorn closes its listener within a tick of the signal, however fast the
@@ -260,7 +241,7 @@ def test_sigint_lets_a_running_stream_finish(tmp_path):
 
     try:
         wait_healthy(s, 120)
-        lines = _stream_lines(s.url, 400, on_chunk)
+        lines = stream_lines(s.url, 400, on_chunk)
         assert lines[-1] == "[DONE]"  # the whole stream, though SIGINT came after its first chunk
         reasons = [c["choices"][0]["finish_reason"] for c in lines[:-1]]
         assert reasons == [None] * (len(reasons) - 1) + ["length"]
@@ -280,7 +261,7 @@ def test_sigterm_to_the_process_group_drains_and_exits_0(tmp_path):
         wait_healthy(s, 120)
         pgid = os.getpgid(s.proc.pid)
         assert pgid == s.proc.pid  # its own group: the signal reaches the server and nothing else
-        lines = _stream_lines(s.url, 200, lambda k: k == 1 and os.killpg(pgid, signal.SIGTERM))
+        lines = stream_lines(s.url, 200, lambda k: k == 1 and os.killpg(pgid, signal.SIGTERM))
         assert lines[-1] == "[DONE]", s.output()  # the whole stream, though the group got SIGTERM
         reasons = [c["choices"][0]["finish_reason"] for c in lines[:-1]]
         assert reasons == [None] * (len(reasons) - 1) + ["length"]
@@ -295,7 +276,7 @@ def test_sigint_aborts_a_stream_past_the_shutdown_timeout(tmp_path):
     try:
         wait_healthy(s, 120)
         t0 = []
-        lines = _stream_lines(s.url, 1500, lambda k: k == 1 and (t0.append(time.monotonic()),
+        lines = stream_lines(s.url, 1500, lambda k: k == 1 and (t0.append(time.monotonic()),
                                                                  s.proc.send_signal(signal.SIGINT)))
         # cut after the grace period: no [DONE], no finish reason (uvicorn cancels the response task
         # and logs it; the engine loop then aborts the request)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from fms_paged import generate
-from tests.serve.conftest import Server, free_port, launch, stop_server, wait_healthy
+from tests.serve.conftest import Server, free_port, launch, stop_server, stream_lines, wait_healthy
 
 DEATH_S = 30.0  # the bound: the rank's exit is seen at once (a watcher on its process), 1 s polling
 ARGS = ["--enforce-eager", "--max-num-seqs", "2", "--tensor-parallel-size", "2", "--log-level", "info"]
@@ -46,9 +46,9 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return True
 
 
-def two_rank_server(tmp_path, env: dict | None = None):
+def two_rank_server(tmp_path, env: dict | None = None, new_session: bool = False):
     """A 2-rank server, healthy -> (it, {rank: pid} of its spawned ranks)."""
-    server = launch(ARGS, tmp_path / "server.log", env)
+    server = launch(ARGS, tmp_path / "server.log", env, new_session=new_session)
     wait_healthy(server, 120)
     pids = rank_pids(server)
     assert set(pids) == {1}, server.output()
@@ -78,10 +78,18 @@ def test_a_killed_rank_takes_the_server_down_with_its_cause(tmp_path):
     assert took < DEATH_S
 
 
-def test_sigterm_stops_every_rank(tmp_path):
-    server, pids = two_rank_server(tmp_path)
+def test_sigterm_to_the_process_group_drains_and_stops_every_rank(tmp_path):
+    """A supervisor's stop (systemd's KillMode=control-group, `kill -TERM -PGID`) reaches every
+    process of the server, the spawned rank too: the rank leaves the stop to rank 0, so a stream
+    running at the signal ends whole, the server exits 0 (not 1: "rank 1 exited"), and the rank is
+    gone with it."""
+    server, pids = two_rank_server(tmp_path, new_session=True)
     try:
-        server.proc.send_signal(signal.SIGTERM)
+        pgid = os.getpgid(server.proc.pid)
+        assert pgid == server.proc.pid and os.getpgid(pids[1]) == pgid  # the signal reaches the rank
+        lines = stream_lines(server.url, 64, lambda k: k == 1 and os.killpg(pgid, signal.SIGTERM))
+        assert lines[-1] == "[DONE]", server.output()
+        assert lines[-2]["choices"][0]["finish_reason"] == "length"
         assert server.proc.wait(30) == 0, server.output()
         assert wait_gone(pids[1], 30), f"rank 1 (pid {pids[1]}) outlived the server:\n{server.output()}"
     finally:
