@@ -5,7 +5,6 @@ Also the API key (401), the waiting-queue bound (429 + Retry-After) and graceful
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
