@@ -32,6 +32,7 @@ from torch import nn
 
 from fms_paged import native
 from fms_paged.native import configure, load_gemv
+from fms_paged.native.gemm import DTYPES as CPU_DTYPES
 from fms_paged.native.gemm import GEMV_MAX_ROWS, ONEDNN, PACK_DTYPES, PACK_MIN_ROWS, PACK_MIN_WEIGHT
 
 __all__ = [
@@ -106,9 +107,9 @@ def unpacked_bytes(model: nn.Module) -> int:
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # the calls the CPU paths serve: fp32, bf16 or fp16 on the CPU, no gradient wanted (what a
     # trace may decide)
-    # (the dtypes spelled out, not looked up in PACK_DTYPES: a trace would guard on that dict)
+    # (a tuple, not a lookup in PACK_DTYPES: a trace would guard on that dict)
     return (x.device.type == "cpu" and x.dtype == weight.dtype
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.dtype in CPU_DTYPES
             and not (torch.is_grad_enabled() and weight.requires_grad))
 
 

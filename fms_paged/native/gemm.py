@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from fms_paged.native.build import ELEM_TYPES
+
 # a call with at most this many rows (a decode step of up to 8 sequences) runs the project's GEMV
 # kernel (`csrc/kernels/gemv.cpp`): it streams each weight row once and costs less per call than
 # oneDNN, so it reads the weights closer to the memory bandwidth up to about this many rows; past
@@ -24,8 +26,8 @@ PACK_MIN_ROWS = 256
 
 # whether this torch build has oneDNN (read once: Dynamo cannot trace the query)
 ONEDNN = torch.backends.mkldnn.is_available()
-# the dtypes the CPU paths serve
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the dtypes the CPU paths serve: the kernels' (a tuple: a trace may test a dtype's membership)
+DTYPES = tuple(ELEM_TYPES)
 
 
 def onednn_native(dtype: torch.dtype) -> bool:

@@ -20,6 +20,7 @@ import torch
 
 from fms_paged import native
 from fms_paged.kv._pool_ops import read_slots
+from fms_paged.kv.geometry import slot
 from fms_paged.kv.kernels.base import Kernel, PoolStep
 from fms_paged.kv.spec import AttentionSpec, attend, visible
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
@@ -37,9 +38,9 @@ def ready(view: PoolView) -> bool:
 
 class CppStep(PoolStep):
     """A step of the cpp kernel: the slots of its new tokens and its chunk list. `fused`: an eager
-    forward of our models runs the step's blocks in one call of the operator
-    `fms_paged::decoder_stack` (`LLaMA.hidden`), decode rows and prefill chunks alike; compiled
-    forwards and FMS's models attend layer by layer.
+    forward of our models runs in one operator call (`forward_model`: `fms_paged::decoder_logits`,
+    or `run_blocks`: `fms_paged::decoder_stack`), decode rows and prefill chunks alike; compiled
+    forwards and FMS's models attend layer by layer (`attention`).
 
     While a first start's builds compile (`native.deferred`), or where the kernel could not be
     built, an eager step attends by torch's operations instead (`gathered`: GATHER each chunk's
@@ -53,15 +54,11 @@ class CppStep(PoolStep):
     def fused(self) -> bool:
         """Whether an eager forward runs the step's blocks in one call: where the kernel is loaded,
         unless set False (the modules then run the step)."""
-        return self.kernel_loaded() if self._fused is None else self._fused and self.kernel_loaded()
+        return (self._fused is None or self._fused) and ready(self.view)
 
     @fused.setter
     def fused(self, value: bool) -> None:
         self._fused = value
-
-    def kernel_loaded(self) -> bool:
-        """Whether the C++ path runs now for the pools' dtype and head dim (`native.ready`)."""
-        return ready(self.view)
 
     def forward_model(self, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor | None,
                       logits_at: torch.Tensor | None) -> torch.Tensor | None:
@@ -111,7 +108,7 @@ class CppStep(PoolStep):
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                   spec: AttentionSpec) -> torch.Tensor:
         # q: [B', H, S', D]; kp, vp: [1, Hkv, NP, D] -> [B', H, S', D] (a view of [B', S', H, D])
-        if not torch.compiler.is_compiling() and not self.kernel_loaded():
+        if not torch.compiler.is_compiling() and not ready(self.view):
             return self.gathered(q, kp, vp, spec)
         v = self.view
         sinks = None if spec.sinks is None else spec.sinks.float().contiguous()  # the op takes fp32 [H]
@@ -134,7 +131,7 @@ class CppStep(PoolStep):
             if seq < 0:
                 continue
             pos = torch.arange(0 if spec.window is None else max(0, first - spec.window + 1), first + n)
-            keys, values = read_slots(kp, vp, table[seq, pos // P].long() * P + pos % P)  # [1, Hkv, L, D]
+            keys, values = read_slots(kp, vp, slot(table[seq, pos // P].long(), pos, P))  # [1, Hkv, L, D]
             mask = visible(torch.arange(first, first + n)[:, None], pos[None, :], spec.window)[None, None]
             qc = rows[off : off + n].transpose(0, 1)[None]  # [1, H, n, D]
             out[off : off + n] = attend(qc, keys, values, spec, mask=mask)[0].transpose(0, 1)
