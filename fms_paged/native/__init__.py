@@ -41,18 +41,18 @@ from fms_paged.native.build import (
     ISAS,
     OPS_SOURCES,
     ROWS_SOURCE,
-    _build,
-    _cpp_extension,
-    _kernel_recipe,
-    _library,
-    _load,
-    _ops_recipe,
+    build_library,
     cache_dir,
     compiler,
     cpu_flags,
     elem,
+    import_cpp_extension,
     isa,
     kernel_isa,
+    kernel_library,
+    kernel_recipe,
+    library_path,
+    ops_recipe,
 )
 from fms_paged.native.fakes import register_fakes
 
@@ -87,11 +87,11 @@ def ops_loaded() -> bool:
 
 
 def _load_ops() -> str | None:
-    recipe = _ops_recipe()
+    recipe = ops_recipe()
     if isinstance(recipe, str):
         return recipe
     command, made_from = recipe
-    path, why = _build("native_ops", command, made_from, OPS_SOURCES)
+    path, why = build_library("native_ops", command, made_from, OPS_SOURCES)
     if path is None:
         return why
     try:
@@ -113,7 +113,7 @@ def _submit(fn, *args, **kwargs) -> concurrent.futures.Future:
     on a build thread while this thread imports a module, that can make Python's search skip the
     path finder (ModuleNotFoundError: No module named 'torch._dynamo', seen while a model was made
     beside its first builds)."""
-    _cpp_extension()
+    import_cpp_extension()
     return _BUILDS.submit(fn, *args, **kwargs)
 
 
@@ -125,14 +125,14 @@ _COMPILING: list[concurrent.futures.Future] = []
 
 
 def _building(source: Path, dtype: torch.dtype, **defines: int | str) -> concurrent.futures.Future:
-    """The build of kernel `source` for `dtype` and `isa()` (`_load`), started now unless it was."""
+    """The build of kernel `source` for `dtype` and `isa()` (`kernel_library`), started now unless it was."""
     which, cache, defines = isa(), cache_dir(), dict(defines, FMS_ELEM=elem(dtype))
     key = (source, which, str(cache), tuple(sorted(defines.items())))
     with _FUTURES_LOCK:
         if key not in _FUTURES:  # (the cache dir of now: the build may run after it changes)
-            _FUTURES[key] = _submit(_load, source, which, cache, **defines)
-            recipe = _kernel_recipe(source, which, **defines)
-            if not isinstance(recipe, str) and not _library(recipe[0], recipe[2], cache).exists():
+            _FUTURES[key] = _submit(kernel_library, source, which, cache, **defines)
+            recipe = kernel_recipe(source, which, **defines)
+            if not isinstance(recipe, str) and not library_path(recipe[0], recipe[2], cache).exists():
                 _COMPILING.append(_FUTURES[key])
         return _FUTURES[key]
 
@@ -225,8 +225,8 @@ def prebuild_model(device: torch.device, dtype: torch.dtype | None, head_dim: in
     if attn_impl != "paged" or device.type != "cpu" or dtype not in ELEM_TYPES or compiler() is None:
         return
     if not _OPS:  # (a build that fails is reported where the operators are first asked for)
-        future, recipe = _submit(ops), _ops_recipe()
-        if not isinstance(recipe, str) and not _library("native_ops", recipe[1]).exists():
+        future, recipe = _submit(ops), ops_recipe()
+        if not isinstance(recipe, str) and not library_path("native_ops", recipe[1]).exists():
             with _FUTURES_LOCK:
                 _COMPILING.append(future)
     prebuild_kernels(dtype)

@@ -147,20 +147,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fms_paged" / "kernels"
 
 
-def _library(name: str, made_from: list[str], cache: Path | None = None) -> Path:
+def library_path(name: str, made_from: list[str], cache: Path | None = None) -> Path:
     """Where the library `name` made from `made_from` is kept: `name`_<hash of made_from>.so."""
     key = hashlib.sha256("\n".join(made_from).encode()).hexdigest()[:16]
     return (cache or cache_dir()) / f"{name}_{key}.so"
 
 
-def _build(name: str, command: list[str], made_from: list[str],
+def build_library(name: str, command: list[str], made_from: list[str],
            sources: tuple[Path, ...] = (), cache: Path | None = None) -> tuple[Path | None, str | None]:
-    """The library `name` made from `made_from` (`_library`): found, or built aside and renamed
+    """The library `name` made from `made_from` (`library_path`): found, or built aside and renamed
     into place (atomic: another process building the same library at once does no harm) ->
     (path, None), or (None, why not). Built by `command` with the output path appended; with
     `sources`, `command` compiles each of them (`-c`) at once in processes of their own, and the
     objects are linked by `command`'s link flags (those after `-L`)."""
-    path = _library(name, made_from, cache)
+    path = library_path(name, made_from, cache)
     if path.exists():
         return path, None
     try:
@@ -201,21 +201,23 @@ def load(source: Path, **defines: int | str) -> tuple[Path | None, str | None]:
     """The kernel library built from `source` for `isa()` with `-DNAME=value` for each define (an
     int, or a C++ name such as `FMS_ELEM=fms_bf16`; built now, or found built) -> (path, None), or
     (None, why not)."""
-    return _load(source, isa(), cache_dir(), **defines)
+    return kernel_library(source, isa(), cache_dir(), **defines)
 
 
 @functools.cache
-def _load(source: Path, which: str, cache: Path, **defines: int | str) -> tuple[Path | None, str | None]:
-    recipe = _kernel_recipe(source, which, **defines)
+def kernel_library(source: Path, which: str, cache: Path,
+                   **defines: int | str) -> tuple[Path | None, str | None]:
+    """`load` for the ISA `which` and the cache dir `cache` (once per process and arguments)."""
+    recipe = kernel_recipe(source, which, **defines)
     if isinstance(recipe, str):
         return None, recipe
     name, command, made_from = recipe
-    return _build(name, command, made_from, cache=cache)
+    return build_library(name, command, made_from, cache=cache)
 
 
-def _kernel_recipe(source: Path, which: str, **defines: int | str) -> tuple[str, list[str], list[str]] | str:
-    """(name, compile command, what it is made from) of the kernel library `_load` builds, or why
-    it cannot be built here."""
+def kernel_recipe(source: Path, which: str, **defines: int | str) -> tuple[str, list[str], list[str]] | str:
+    """(name, compile command, what it is made from) of the kernel library `kernel_library`
+    builds, or why it cannot be built here."""
     cxx = compiler()
     if cxx is None:
         return "no C++ compiler found ($CXX, g++ or c++)"
@@ -231,7 +233,7 @@ def _kernel_recipe(source: Path, which: str, **defines: int | str) -> tuple[str,
     return source.stem + tag, [cxx, *flags, str(source)], made_from
 
 
-def _cpp_extension():
+def import_cpp_extension():
     """torch.utils.cpp_extension, imported without its warning that a CUDA_HOME has no CUDA runtime
     (these builds are for the CPU; a first start's model load would print it, from a background
     build)."""
@@ -254,7 +256,7 @@ def _ops_command(cxx: str) -> list[str]:
     one, as ATen's vectorized CPU ops do. -O1: the operators are glue around the kernels (built
     -O3); a decode step's host work is the same as at -O2, and each source compiles ~1.2 s sooner
     (a cold start waits for them). The link flags come last, from -L on."""
-    cpp_extension = _cpp_extension()
+    cpp_extension = import_cpp_extension()
 
     lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -265,7 +267,7 @@ def _ops_command(cxx: str) -> list[str]:
             f"-I{sysconfig.get_paths()['include']}", f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"]
 
 
-def _ops_recipe() -> tuple[list[str], list[str]] | str:
+def ops_recipe() -> tuple[list[str], list[str]] | str:
     """(compile command, what it is made from) of the operators' library, or why it cannot be
     built here."""
     cxx = compiler()

@@ -436,17 +436,17 @@ def test_built_once_per_head_dim_into_the_cache_dir(tmp_path, monkeypatch):
     """The library is built into $FMS_PAGED_CACHE_DIR, keyed by what it was built from, and a second
     request loads the file built (no rebuild)."""
     monkeypatch.setenv("FMS_PAGED_CACHE_DIR", str(tmp_path))
-    build._load.cache_clear()
+    build.kernel_library.cache_clear()
     try:
         lib, why = build.load(build.ATTENTION_SOURCE, HEAD_DIM=48, FMS_ELEM="float")
         assert why is None and lib is not None
         (built,) = tmp_path.glob("attention_fms_elemfloat_head_dim48_*.so")
         mtime = built.stat().st_mtime_ns
-        build._load.cache_clear()
+        build.kernel_library.cache_clear()
         assert build.load(build.ATTENTION_SOURCE, HEAD_DIM=48, FMS_ELEM="float")[1] is None
         assert built.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 1
     finally:
-        build._load.cache_clear()
+        build.kernel_library.cache_clear()
 
 
 def test_a_kernels_own_header_is_part_of_its_librarys_key(tmp_path):
@@ -458,8 +458,8 @@ def test_a_kernels_own_header_is_part_of_its_librarys_key(tmp_path):
     src, header = tmp_path / source.name, tmp_path / "attention_decode.h"
 
     def library():
-        name, _, made_from = build._kernel_recipe(src, "native", HEAD_DIM=64, FMS_ELEM="float")
-        return build._library(name, made_from)
+        name, _, made_from = build.kernel_recipe(src, "native", HEAD_DIM=64, FMS_ELEM="float")
+        return build.library_path(name, made_from)
 
     before = library()
     header.write_text(header.read_text() + "\n// edited\n")
@@ -478,7 +478,7 @@ FMS_PAGED_ARGS(FmsPagedAttentionArgs, FIELDS, fms_paged_attention_layout)
 int fms_paged_attention(const FmsPagedAttentionArgs*) {{ return 0; }}
 }}
 """)
-    path, why = build._build("other", [native.compiler(), "-shared", "-fPIC", "-std=c++17",
+    path, why = build.build_library("other", [native.compiler(), "-shared", "-fPIC", "-std=c++17",
                                        f"-I{build.KERNELS_DIR}", str(src)], [src.read_text()])
     assert why is None
     return str(path)
