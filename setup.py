@@ -12,7 +12,9 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["fms_paged", "fms_paged.*"],  # not the checkout's benchmarks/, scripts/
                            exclude=["benchmarks*", "scripts*", "tests*"]),
-    package_data={"fms_paged": ["assets/default_model/*", "kv/*.cpp", "kv/*.h", "modules/*.cpp", "*.h", "*.cpp"]},
+    # the C++ (fms_paged/csrc): built on the user's machine at install time or first use
+    package_data={"fms_paged": ["assets/default_model/*", "csrc/kernels/*.cpp", "csrc/kernels/*.h",
+                                "csrc/ops/*.cpp", "csrc/ops/*.h"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.6",

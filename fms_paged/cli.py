@@ -106,10 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     b = sub.add_parser("build-kernels", help="build the C++ CPU operators and this CPU's kernels now",
-                       description="Build the PyTorch operators (native_ops.cpp) against this torch and the "
-                                   "CPU kernels for this CPU into the kernel cache ($FMS_PAGED_CACHE_DIR), "
-                                   "so that a first model starts without a compiler run (`make install` "
-                                   "runs it).")
+                       description="Build the PyTorch operators (fms_paged/csrc/ops) against this torch "
+                                   "and the CPU kernels (fms_paged/csrc/kernels) for this CPU into the "
+                                   "kernel cache ($FMS_PAGED_CACHE_DIR), so that a first model starts "
+                                   "without a compiler run (`make install` runs it).")
     b.add_argument("--head-dims", type=_positive_int, nargs="+", default=[64, 128],
                    help="attention head dims to build kernels for (default: 64 128)")
     return p

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from fms_paged import native
 from fms_paged.kv.kernels import Kernel, compile_shape_variants
 
 
@@ -39,10 +40,18 @@ def decode_fn(cache: object, compile: bool, collectives: bool = False) -> Callab
     """The decode-step function for a KV cache (a paged one, which has a `Kernel`, or the dense
     one): eager, or the shared compiled one for its shapes. `collectives`: the model is split over
     ranks (`fms_paged.parallel`); inductor's C++ wrapper cannot call torch's functional
-    collectives (torch 2.13), so its graph keeps the Python one."""
+    collectives (torch 2.13), so its graph keeps the Python one.
+
+    A compiled step waits first for the builds this process started in the background
+    (`native.wait_for_builds`: a first start's) and loads the kernel its steps call
+    (`Kernel.load`): a graph traced before they are loaded would trace torch's fallbacks, or
+    operators not registered yet, for good."""
     if not compile:
         return decode_one_token
     kernel: Kernel | None = getattr(cache, "kernel", None)
+    native.wait_for_builds()
+    if kernel is not None:
+        kernel.load(getattr(cache, "backend", cache).view)
     if kernel is not None and kernel.dynamic_shapes:
         getattr(cache, "backend", cache).mark_dynamic()  # (a PagedCache's backend, or the backend)
     cpu = getattr(getattr(cache, "device", None), "type", None) == "cpu"

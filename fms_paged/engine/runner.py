@@ -78,9 +78,8 @@ class ModelRunner:
         self.model, self.backend = model, backend
         self.kernel = backend.kernel
         self.compiled = self.kernel.compiles if compile == "auto" else bool(compile)
-        if self.compiled:  # a graph traced now must call the operators and kernels, not their fallbacks
-            native.wait_for_builds()
-            self.kernel.load(backend.view)
+        # (compiled: `decode_fn` waits for this process's builds and loads the kernel first, which
+        # the compiled prefill graph needs as well)
         self._decode = decode_fn(backend, self.compiled, collectives=getattr(model, "tp", None) is not None)
         why_not = cuda_graphs_unavailable_reason(backend, self.compiled)
         if cuda_graphs is True and why_not:
@@ -229,18 +228,18 @@ class ModelRunner:
                 [r.num_computed for r in reqs] + [0] * pad, [True] * n + [False] * pad)
 
     def decodes_in_one_call(self) -> bool:
-        """Whether lookahead decode steps run in one call now (`LLaMA.decodes_in_one_call`, eager
+        """Whether lookahead decode steps run in one call now (`Kernel.decodes_in_one_call`, eager
         steps): what the engine asks before it plans them (`Scheduler.lookahead` RESERVEs their
         pages)."""
-        ready = getattr(self.model, "decodes_in_one_call", None)
-        return self.kernel.one_call and ready is not None and not self.compiled and ready(self.backend.view)
+        return not self.compiled and self.kernel.decodes_in_one_call(self.model, self.backend.view)
 
     def _decode_steps(self, reqs: list[Request], steps: int) -> list[list[int]]:
-        """`steps` greedy decode steps of `reqs` in one call (`LLaMA.decode_greedy`) -> each
+        """`steps` greedy decode steps of `reqs` in one call (`Kernel.decode_greedy`) -> each
         request's tokens. Planned only where `decodes_in_one_call` (their pages are RESERVEd)."""
         last = torch.tensor([(r.output or r.prompt)[-1] for r in reqs])
         lengths, ids = torch.tensor([r.num_computed for r in reqs]), torch.tensor([r.seq_id for r in reqs])
-        out = self._timed("decode", self.model.decode_greedy, last, lengths, ids, self.backend.view, steps)
+        out = self._timed("decode", self.kernel.decode_greedy, self.model, last, lengths, ids, self.backend.view,
+                          steps)
         if out is None:
             raise RuntimeError(f"{steps} lookahead decode steps were planned where the model cannot run them "
                                "in one call (ModelRunner.decodes_in_one_call)")

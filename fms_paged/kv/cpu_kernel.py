@@ -1,11 +1,12 @@
-"""The CPU paged-attention kernel (`cpu_attention.cpp`, built by `fms_paged.native`): a torch op.
+"""The CPU paged-attention kernel (`csrc/kernels/attention.cpp`, built and loaded by `fms_paged.native`)
+as the paged backend sees it: whether it serves a model here, and its operator's checked call.
 
 The kernel attends prefill chunks and decode rows of one step in a single call, reading K and V in
 place through the page table (no GATHER into logical order, no BlockMask), with the step's rows
 spread over the intra-op threads. It is the paged backend's `kernel="cpp"`, chosen by `"auto"` on
 the CPU for fp32, bf16 and fp16 models whose head dim is a multiple of 16 and whose pages hold a
 multiple of 8 tokens, when no `score_mod` is asked for. One library per head dim and dtype; in
-bf16 and fp16 it reads the half-precision pools and computes in fp32 (`cpu_attention.cpp`).
+bf16 and fp16 it reads the half-precision pools and computes in fp32 (`attention.cpp`).
 
 Besides the causal mask and the softmax scale, a call may ask for the per-layer attention variants
 of the model families the project serves, each the function Hugging Face transformers computes:
@@ -19,38 +20,27 @@ of the model families the project serves, each the function Hugging Face transfo
   joins the softmax's denominator and adds nothing to the output:
   out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)).
 
-The kernel is the operator `torch.ops.fms_paged.paged_attention` (`fms_paged/native_ops.cpp`,
-which validates its arguments and calls the kernel library built here), the same call in eager
-mode and in a compiled graph.
+The kernel is the operator `torch.ops.fms_paged.paged_attention` (`csrc/ops/ops.cpp`, which
+validates its arguments and calls the kernel library `fms_paged.native` loaded), the same call in
+eager mode and in a compiled graph.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
-from pathlib import Path
 
 import torch
 
 from fms_paged import native
-from fms_paged.modules.linear import prebuild_kernels
+from fms_paged.native import HEAD_DIM_MULTIPLE, PAGE_MULTIPLE
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-# the kernel's tile sizes: 16 query rows per vector, 8 keys (of one page) per score tile
-HEAD_DIM_MULTIPLE = 16
-PAGE_MULTIPLE = 8
-
-
-def load_attention(head_dim: int, dtype: torch.dtype = torch.float32) -> str | None:
-    """Build (for `native.isa()`, once per machine) and load the kernel for `head_dim` and `dtype`
-    into the operators -> None, or why it cannot be had here."""
-    return native.register("attention", SOURCE, dtype, head_dim, HEAD_DIM=head_dim)
+__all__ = ["HEAD_DIM_MULTIPLE", "PAGE_MULTIPLE", "paged_attention", "unavailable_reason"]
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> str | None:
     """Why the kernel cannot serve this model here (None if it can; builds it if need be, or, while
     a first start's builds compile (`native.deferred`), starts its build and says it can: the
-    steps attend by torch's operations until it is loaded, `loaded`)."""
+    steps attend by torch's operations until it is loaded, `native.ready`)."""
     if device.type != "cpu":
         return f"it runs on the CPU, the model is on {device.type}"
     if dtype not in native.ELEM_TYPES:
@@ -61,38 +51,10 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
         return f"page_size={page_size} is not a multiple of {PAGE_MULTIPLE}"
     if os.environ.get("FMS_PAGED_FORCE_GATHER"):
         return "FMS_PAGED_FORCE_GATHER is set"
-    prebuild_kernels(dtype)  # the model's blocks need them next: built beside this one
-    native.prebuild(SOURCE, dtype, HEAD_DIM=head_dim)
+    native.prebuild_attention(dtype, head_dim)  # with the GEMV and rows kernels the blocks need next
     if native.deferred():  # a first start: served once built, by torch's operations until then
         return None
-    return load_attention(head_dim, dtype)
-
-
-_WARNED: set[tuple[int, torch.dtype]] = set()
-
-
-def loaded_for(view) -> bool:
-    """`loaded` for the head dim and dtype of `view`'s pools ([1, Hkv, NP, D])."""
-    kp = view.k_pools[0]
-    return loaded(kp.shape[-1], kp.dtype)
-
-
-def loaded(head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel for `head_dim` and `dtype` is loaded into the operators, loading it if it
-    is built; False while a first start's builds compile (`native.deferred`), and where it could
-    not be built (warned once: the cpp kernel's steps then attend by torch's operations,
-    `CppStep.attention`)."""
-    if native.kernel_ready("attention", dtype, head_dim):
-        return True
-    if native.deferred():
-        return False
-    why = load_attention(head_dim, dtype)
-    if why is not None and (head_dim, dtype) not in _WARNED:
-        _WARNED.add((head_dim, dtype))
-        warnings.warn(f"fms_paged: the CPU attention kernel could not be had ({why}); the cpp kernel's "
-                      "steps attend by GATHER + SDPA", stacklevel=2)
-    return why is None
-
+    return native.load_attention(head_dim, dtype)
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                     chunks: torch.Tensor, page_size: int, scale: float, window: int = 0,
@@ -119,7 +81,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          f"{got}")
     why = native.ops()
     if why is None and q.dtype in native.ELEM_TYPES and q.dim() == 4 and q.shape[-1] % HEAD_DIM_MULTIPLE == 0:
-        why = load_attention(q.shape[-1], q.dtype)
+        why = native.load_attention(q.shape[-1], q.dtype)
     if why is not None:
         raise RuntimeError(f"fms_paged CPU attention kernel unavailable: {why}")
     return torch.ops.fms_paged.paged_attention(q, k_pool, v_pool, page_table, chunks, page_size, scale,

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fms_paged.kv import cpu_kernel
 from fms_paged.kv.spec import AttentionSpec
 from fms_paged.modules import (
     LINEAR_IMPLS,
@@ -40,7 +39,6 @@ from fms_paged.modules import (
 )
 from fms_paged.modules.attention import AttentionStep
 from fms_paged.modules.feedforward import ACTIVATIONS, swiglu_hidden_dim
-from fms_paged.modules.linear import serves as linear_ops
 
 ATTN_IMPLS = ("sdpa", "paged")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -208,16 +206,25 @@ class LLaMABlock(nn.Module):
 # A count of the parameters and submodules registered on any module of the process (torch's global
 # registration hooks: an assignment, `load_state_dict(assign=True)`, a rank's split): a model's
 # DecoderStack made before a registration is made again (`LLaMA.decoder_stack`). A tensor changed in
-# place needs nothing: the stack holds the tensors themselves.
+# place needs nothing: the stack holds the tensors themselves. The hooks are registered when the
+# process makes its first stack (`_count_registrations`), not at import: a process that never runs
+# the cpp kernel's one-call forward has none.
 _REGISTRATIONS = [0]
+_COUNTING: list[bool] = []  # [True] once the hooks are registered
 
 
 def _registered(*_) -> None:
     _REGISTRATIONS[0] += 1
 
 
-nn.modules.module.register_module_parameter_registration_hook(_registered)
-nn.modules.module.register_module_module_registration_hook(_registered)
+def _count_registrations() -> None:
+    """Register the hooks that count registrations (`_REGISTRATIONS`), once per process."""
+    if not _COUNTING:
+        nn.modules.module.register_module_parameter_registration_hook(_registered)
+        nn.modules.module.register_module_module_registration_hook(_registered)
+        _COUNTING.append(True)
+
+
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (registrations, stack)
 
 
@@ -287,51 +294,13 @@ class LLaMA(nn.Module):
         # tokens, positions: [B, S] int64 -> logits: [B, S, V]
         # logits_at: [K] indices into the flattened [B * S] positions -> logits of those only: [K, V]
         # (a prefill needs the logits of each sequence's last token, not of the whole prompt)
-        if not torch.compiler.is_compiling() and getattr(step, "fused", False):
-            logits = self._fused_forward(tokens, positions, step, logits_at)
-            if logits is not None:
-                return logits
+        # a step whose kernel runs the whole forward in one call of its own does (the cpp kernel's:
+        # `CppStep.forward_model`); every other step, and a forward it declines, runs the layers
+        forward_model = getattr(step, "forward_model", None)
+        logits = None if forward_model is None else forward_model(self, tokens, positions, logits_at)
+        if logits is not None:
+            return logits
         return self.logits(self.hidden(tokens, positions, step), logits_at)
-
-    def _fused_forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, step,
-                       logits_at: torch.Tensor | None) -> torch.Tensor | None:
-        """`forward` on a step of the cpp kernel in one operator call (`fms_paged::decoder_logits`:
-        the embedding, the RoPE rows, every block, the final norm and the head, as the modules
-        compute them), or None where the stack has no ends (`decoder_stack`) or the modules would
-        keep autograd's formulas."""
-        stack, ends = self._stack()
-        if not ends or positions is None:
-            return None
-        h = self.head.weight
-        if (torch.is_grad_enabled() and h.requires_grad) or not linear_ops(h.dtype):
-            return None
-        step = step.prepare()
-        view = step.view
-        return torch.ops.fms_paged.decoder_logits(
-            stack, tokens, positions, [r.cos for r in self.ropes], [r.sin for r in self.ropes], view.k_pools,
-            view.v_pools, step.slots, view.page_table, step.chunks, view.page_size, logits_at)
-
-    def decodes_in_one_call(self, view) -> bool:
-        """Whether `decode_greedy` runs over `view`'s pools now: the operators and kernels loaded (not
-        while a first start's builds compile, `native.deferred`) and the stack has its ends
-        (`_fused_forward`)."""
-        kp = view.k_pools[0]
-        return (kp.device.type == "cpu" and linear_ops(kp.dtype) and cpu_kernel.loaded_for(view)
-                and self._stack()[1])
-
-    def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor, view,
-                      steps: int) -> torch.Tensor | None:
-        """`steps` greedy decode steps of the sequences `seqs` [B] in one operator call
-        (`fms_paged::decode_greedy`): row b's last token tokens[b] at position positions[b], its
-        pages RESERVEd in `view`'s page table for the steps' positions -> the tokens [B, steps];
-        each step is `forward`'s one call and the sampler's argmax. None where the forward is not
-        one call (`decodes_in_one_call`)."""
-        if not self.decodes_in_one_call(view):
-            return None
-        stack, _ = self._stack()
-        return torch.ops.fms_paged.decode_greedy(
-            stack, tokens, positions, seqs, [r.cos for r in self.ropes], [r.sin for r in self.ropes],
-            view.k_pools, view.v_pools, view.page_table, view.page_size, steps)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                step: AttentionStep | None = None) -> torch.Tensor:
@@ -339,33 +308,14 @@ class LLaMA(nn.Module):
         x, ropes = self.embed(tokens, positions)
         if step is not None:
             step = step.prepare()  # per-step metadata (slots, masks), built once for all layers
-        # (compiling first: a graph never reads, so never guards on, the step's `fused`)
-        # (the fused operator has no autograd formula: where autograd records, the layers run, whose
-        # attention refuses a backward pass, `PoolStep.attend`)
-        if (not torch.compiler.is_compiling() and getattr(step, "fused", False) and linear_ops(x.dtype)
-                and not (torch.is_grad_enabled() and x.requires_grad)):
-            fused = self._decoder_layers(x, ropes, step)
-            if fused is not None:
-                return fused
+        # (the cpp kernel's steps run every block in one call of their own: `CppStep.run_blocks`)
+        run_blocks = getattr(step, "run_blocks", None)
+        out = None if run_blocks is None else run_blocks(self, x, ropes)
+        if out is not None:
+            return out
         for layer in self.layers:
             x = layer(x, *ropes[layer.rope_index], step)
         return x
-
-    def _decoder_layers(self, x: torch.Tensor, ropes, step) -> torch.Tensor | None:
-        """Every block on a step of the cpp kernel in one operator call (`fms_paged::decoder_stack`:
-        the function the blocks' modules compute, in C++ without a Python call per operation), or
-        None where a block cannot (`LLaMABlock.fused_weights`). x: [B, S, C] (decode rows [B, 1],
-        or a packed row of prefill chunks [1, T]); ropes: per table (cos, sin) [B, S, 1, D]."""
-        stack = self.decoder_stack()
-        if stack is None:
-            return None
-        B, S, C = x.shape
-        view = step.view
-        out = torch.ops.fms_paged.decoder_stack(
-            stack, x.reshape(B * S, C), [cos.reshape(B * S, -1) for cos, _ in ropes],
-            [sin.reshape(B * S, -1) for _, sin in ropes], view.k_pools, view.v_pools, step.slots,
-            view.page_table, step.chunks, view.page_size)
-        return out.view(B, S, C)
 
     def decoder_stack(self):
         """The blocks' weights, RoPE tables and attention specs as one `fms_paged::DecoderStack`
@@ -375,6 +325,16 @@ class LLaMA(nn.Module):
         (`_REGISTRATIONS`) or the model is converted (`_apply`: `.to`, `.half`)."""
         return self._stack()[0]
 
+    def logits_stack(self):
+        """`decoder_stack()` where its ends are set too (the embedding, final norm and head, which
+        `fms_paged::decoder_logits` and `decode_greedy` run around the blocks), else None."""
+        stack, ends = self._stack()
+        return stack if ends else None
+
+    def rope_tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each RoPE table's cos and sin [max_expected_seq_len, D], as the fused operators take them."""
+        return [r.cos for r in self.ropes], [r.sin for r in self.ropes]
+
     def _stack(self):
         """(`decoder_stack()`, whether its ends are set: the embedding, final norm and head, which
         `fms_paged::decoder_logits` runs around the blocks; set where the head is a packed `Linear`
@@ -382,6 +342,7 @@ class LLaMA(nn.Module):
         made, stack, ends = _STACKS.get(self, (-1, None, False))
         if made == _REGISTRATIONS[0]:
             return stack, ends
+        _count_registrations()  # (before the stack is made: every later registration is counted)
         weights, ends = [], False
         for layer in self.layers:
             w = layer.fused_weights()

@@ -1,6 +1,6 @@
 """`nn.Linear` whose CPU GEMMs run through oneDNN with a prepacked weight (vLLM's CPU path), and
 whose decode GEMVs run the project's kernel, in fp32, bf16 and fp16: one operator,
-`torch.ops.fms_paged.linear` (`fms_paged/native_ops.cpp`), in eager mode and in compiled graphs.
+`torch.ops.fms_paged.linear` (`csrc/ops/ops.cpp`), in eager mode and in compiled graphs.
 
 MKL's GEMV reads a plain row-major weight at a fraction of the memory bandwidth, and its GEMMs at
 these widths leave FLOPs unused; oneDNN's blocked weight layout does better at both ends. The
@@ -12,115 +12,42 @@ only a new storage is seen for it: after an in-place write to such a weight, giv
 tensor (`load_state_dict(..., assign=True)`, `module.weight = nn.Parameter(...)`) or load the
 model outside inference mode. It costs one more copy of each packed weight in memory;
 `LLaMAConfig(linear_impl="torch")` turns it off. The packed copies are kept by the operator
-(`native_ops.cpp`), each with a weak reference to its weight; without a C++ compiler (no operators)
+(`csrc/ops/ops.cpp`), each with a weak reference to its weight; without a C++ compiler (no operators)
 every projection is `F.linear`.
 
 Calls of at most `GEMV_MAX_ROWS` rows (decode steps of a few sequences) take the project's GEMV
-kernel instead (`cpu_gemv.cpp`). Which other calls pack: CPU, fp32, no gradient wanted, and either
+kernel instead (`csrc/kernels/gemv.cpp`). Which other calls pack: CPU, fp32, no gradient wanted, and either
 a large weight (decode of more sequences: reading the weight dominates) or many rows (prefill: the
 GEMM is compute-bound), so small GEMMs keep MKL's lower per-call cost. The operator picks its path
 by the rows when it runs (one compiled graph for every row count); `cpu_path` says which it takes.
+The thresholds and the packed dtypes are `fms_paged.native.gemm`'s (handed to the operator when it
+loads); whether the operator serves a dtype is `fms_paged.native.ready`.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fms_paged import native
+from fms_paged.native import configure, load_gemv
+from fms_paged.native.gemm import DTYPES as CPU_DTYPES
+from fms_paged.native.gemm import GEMV_MAX_ROWS, ONEDNN, PACK_DTYPES, PACK_MIN_ROWS, PACK_MIN_WEIGHT
+
+__all__ = [
+    "GEMV_MAX_ROWS", "LINEAR_IMPLS", "PACK_DTYPES", "PACK_MIN_ROWS", "PACK_MIN_WEIGHT", "Linear", "configure",
+    "cpu_path", "gemm_paths", "gemv", "is_packed", "linear_cat", "load_gemv", "packed_copy", "serves",
+    "unpacked_bytes",
+]
 
 LINEAR_IMPLS = ("auto", "torch")
 
-# a call with at most this many rows (a decode step of up to 8 sequences) runs the project's GEMV
-# kernel (`cpu_gemv.cpp`): it streams each weight row once and costs less per call than oneDNN, so
-# it reads the weights closer to the memory bandwidth up to about this many rows; past it oneDNN's
-# blocked GEMM leads (docs/benchmarks.md has the measurements)
-GEMV_MAX_ROWS = 8
-GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
-# the row-wise ops of a decoder block (norms, RoPE and ASSIGN, activations, residuals) that
-# `fms_paged::decoder_stack` runs between its projections: loaded with the GEMV kernel
-ROWS_SOURCE = Path(__file__).with_name("cpu_rows.cpp")
-
-
-def prebuild_kernels(dtype: torch.dtype) -> None:
-    """Start the background builds of the GEMV and rows kernels for `dtype` (`native.prebuild`):
-    what a paged CPU model's blocks load at their first forward."""
-    for source in (GEMV_SOURCE, ROWS_SOURCE):
-        native.prebuild(source, dtype)
-
-# otherwise a call packs when its weight (a stack's: all of them) has this many elements (64 KiB
-# of fp32) ... : past a tiny weight, oneDNN's packed GEMM costs less per call than at::linear (and
-# a stack then runs as one call, not one at::linear each and a cat); docs/design.md has the figures
-PACK_MIN_WEIGHT = 1 << 14
-# ... or when it has this many rows
-PACK_MIN_ROWS = 256
-
-# whether this torch build has oneDNN (read once: Dynamo cannot trace the query)
-_ONEDNN = torch.backends.mkldnn.is_available()
-
-
-def _onednn_native(dtype: torch.dtype) -> bool:
-    """Whether oneDNN computes packed GEMMs in `dtype` on this CPU: torch's check of the CPU's ISA
-    (bf16: AVX512_BF16 or AMX; fp16: AVX512_FP16 or AMX-FP16), then one small packed GEMM against
-    fp32, so that a torch build whose half-precision path fails here falls back to fp32 instead
-    of failing a model's first call."""
-    if not _ONEDNN:
-        return False
-    if dtype == torch.float32:
-        return True
-    checks = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
-    if not getattr(torch.ops.mkldnn, checks[dtype])():
-        return False
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(48, 64, generator=g), torch.randn(4, 64, generator=g)
-    try:
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.to(dtype), torch.ops.mkldnn._reorder_linear_weight(w.to(dtype)), None, "none", [], "")
-    except RuntimeError:
-        return False
-    ref = x.to(dtype).double() @ w.to(dtype).double().T  # |y| ~ 8: a few of dtype's ulps
-    return bool(((y.double() - ref).abs() <= 0.1).all())
-
-
-# the dtypes the CPU paths serve -> the dtype of their packed weights here (read once)
-PACK_DTYPES = {dt: dt if _onednn_native(dt) else torch.float32
-               for dt in (torch.float32, torch.bfloat16, torch.float16)}
-
-
-def configure() -> str | None:
-    """Load the operators (`native.ops`) and hand them the path rules above (`PACK_DTYPES`, the
-    thresholds) -> None, or why there are no operators here. Called again after changing them."""
-    why = native.ops()
-    if why is None:
-        pack = [PACK_DTYPES[dt] for dt in native.ELEM_TYPES] if _ONEDNN else []
-        torch.ops.fms_paged._configure_linear(GEMV_MAX_ROWS, PACK_MIN_WEIGHT, PACK_MIN_ROWS, pack)
-    return why
-
-
-_READY: dict[torch.dtype, bool] = {}  # dtype -> the operators and its GEMV kernel are loaded
-
-
-def load_gemv(dtype: torch.dtype) -> str | None:
-    """Load the operators and the GEMV and rows kernels for `dtype` (built for `native.isa()` once
-    per machine) -> None, or why not (the operator then computes its few-row products with ATen)."""
-    prebuild_kernels(dtype)  # both at once
-    why = ((configure() if not _READY else native.ops()) or native.register("gemv", GEMV_SOURCE, dtype)
-           or native.register("rows", ROWS_SOURCE, dtype))
-    _READY[dtype] = True  # tried: the operators take it from here
-    return why
-
 
 def serves(dtype: torch.dtype) -> bool:
-    """Whether `torch.ops.fms_paged.linear` serves `dtype` here (loading it on first use); False
-    while a first start's builds compile (`native.deferred`: torch's operations meanwhile)."""
-    if dtype not in _READY:
-        if native.deferred():
-            return False
-        load_gemv(dtype)
-    return native.ops_loaded()
+    """Whether `torch.ops.fms_paged.linear` serves `dtype` here (`native.ready`: loading it on
+    first use; False while a first start's builds compile: torch's operations meanwhile)."""
+    return native.ready(dtype)
 
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
@@ -141,7 +68,7 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         kinds = ", ".join(map(str, native.ELEM_TYPES))
         raise ValueError(f"gemv: x must be a CPU tensor [..., K] of {kinds}, "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-    if load_gemv(x.dtype) is not None and not native.ops_loaded():
+    if native.load_gemv(x.dtype) is not None and not native.ops_loaded():
         return torch.cat([F.linear(x, w) for w in weights], dim=-1)
     return torch.ops.fms_paged.gemv(x, weights)
 
@@ -155,7 +82,7 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, str]:
         decode = f"GEMV kernel on the {name} weights, fp32 sums ({native.kernel_isa()})"
     else:
         decode = "F.linear (no C++ compiler for the GEMV kernel)"
-    if not _ONEDNN:
+    if not ONEDNN:
         prefill = "F.linear (this torch has no oneDNN)"
     elif PACK_DTYPES[dtype] != dtype:
         prefill = (f"oneDNN fp32 GEMM on a packed fp32 copy of the weights: oneDNN has no {name} GEMM "
@@ -173,16 +100,16 @@ def unpacked_bytes(model: nn.Module) -> int:
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear) and m.pack}
     packed = set(torch.ops.fms_paged._packed_data_ptrs()) if native.ops_loaded() else set()
     return sum(w.numel() * PACK_DTYPES[w.dtype].itemsize for w in weights.values()
-               if w.device.type == "cpu" and w.dtype in PACK_DTYPES and _ONEDNN
+               if w.device.type == "cpu" and w.dtype in native.ELEM_TYPES and ONEDNN
                and w.data_ptr() not in packed)
 
 
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # the calls the CPU paths serve: fp32, bf16 or fp16 on the CPU, no gradient wanted (what a
     # trace may decide)
-    # (the dtypes spelled out, not looked up in PACK_DTYPES: a trace would guard on that dict)
+    # (a tuple, not a lookup in PACK_DTYPES: a trace would guard on that dict)
     return (x.device.type == "cpu" and x.dtype == weight.dtype
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.dtype in CPU_DTYPES
             and not (torch.is_grad_enabled() and weight.requires_grad))
 
 

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from fms_paged import native
-from fms_paged.modules.linear import serves
 
 
 class RMSNorm(nn.Module):
@@ -26,9 +25,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., C]
         if (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == self.weight.dtype
-                and x.dtype in native.ELEM_TYPES
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                and serves(x.dtype) and native.kernel_ready("rows", x.dtype)):
+                and native.ready(x.dtype) and native.kernel_ready("rows", x.dtype)):
             # eager on the CPU, where the rows kernel can be had (loaded on first use, as the
             # projections load theirs: a model's first forward, whose first op is a norm, then
             # computes what every later one does): the same norm in one operator call instead of

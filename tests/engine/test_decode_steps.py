@@ -114,10 +114,10 @@ def test_decode_greedy_refuses_positions_without_pages(models):
         tokens, positions, step, _ = cache.prefill([0], [[5, 6, 7]])
         paged(tokens, positions, step)  # loads the operators; sequence 0 holds one page (16 slots)
         before = [p.clone() for p in cache.k_pools]
-        view, one = cache.backend.view, torch.tensor([9])
+        view, one, kernel = cache.backend.view, torch.tensor([9]), cache.backend.kernel
 
         def call(pos, seq=0, steps=4):
-            return paged.decode_greedy(one, torch.tensor([pos]), torch.tensor([seq]), view, steps)
+            return kernel.decode_greedy(paged, one, torch.tensor([pos]), torch.tensor([seq]), view, steps)
 
         with pytest.raises(ValueError, match=r"row 0: sequence 0 holds no pages for positions 14\.\.17 .* "
                                              r"RESERVE them first"):

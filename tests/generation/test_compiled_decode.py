@@ -8,6 +8,10 @@ tests/kv/test_paged_vs_dense.py.) The cases share one shape (micro model, 4 rows
 so the graph is compiled once per test process. Models on the test device (`--device`).
 """
 
+import os
+import subprocess
+import sys
+
 import torch
 
 from fms_paged import generate, get_model
@@ -90,3 +94,34 @@ def test_prepare_returns_a_new_step_and_leaves_its_input_alone(device):
             assert ready.prepare() is ready
             if i == 1:
                 assert ready is not step
+
+
+def test_a_compiled_decode_step_waits_for_a_first_starts_builds(tmp_path):
+    """`decode_fn(..., compile=True)` in a first start (an empty kernel cache: the model's builds
+    still compiling in the background, its eager steps served by torch's operations meanwhile)
+    waits for the builds and loads the kernel before it traces, so the graph calls the operators
+    (not their fallbacks, nor operators not registered yet) and gives the eager step's logits. In a
+    fresh interpreter, whose kernel cache is `tmp_path`."""
+    code = (
+        "import torch\n"
+        "from fms_paged import get_model, native\n"
+        "from fms_paged.engine.model_step import decode_fn\n"
+        "from fms_paged.kv.cache import PagedCache\n"
+        "model = get_model(variant='micro', attn_impl='paged', page_size=16, seed=0, device='cpu')\n"
+        "assert native.compiling()  # an empty cache: the builds started with the model\n"
+        "cache = PagedCache(model, 2, 64, kernel='cpp')\n"
+        "with torch.inference_mode():\n"
+        "    tokens, positions, step, last = cache.prefill([0, 1], [[5, 6, 7], [8, 9]])\n"
+        "    nxt = model(tokens, positions, step, logits_at=last).argmax(-1)\n"
+        "    decode = decode_fn(cache, compile=True)\n"
+        "    assert not native.compiling() and native.ready(torch.float32, model.config.head_dim)\n"
+        "    tokens, positions, step = cache.decode([0, 1], nxt, [3, 2], [True, True])\n"
+        "    got = decode(model, tokens, positions, step)\n"
+        "    want = model(tokens, positions, step)[:, -1]  # eager: the same keys to the same slots\n"
+        "print(float((got - want).abs().max()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FMS_PAGED_WAIT_FOR_BUILDS"}
+    env["FMS_PAGED_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.split()[-1]) <= TOL

@@ -27,6 +27,7 @@ from fms_paged.kv import cpu_kernel
 from fms_paged.kv._pool_ops import write_slots
 from fms_paged.kv.kernels import choose_kernel
 from fms_paged.kv.paged import PagedBackend
+from fms_paged.native import build
 
 # a machine with a C++ compiler must build the kernel: a failed build fails these tests
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
@@ -435,29 +436,30 @@ def test_built_once_per_head_dim_into_the_cache_dir(tmp_path, monkeypatch):
     """The library is built into $FMS_PAGED_CACHE_DIR, keyed by what it was built from, and a second
     request loads the file built (no rebuild)."""
     monkeypatch.setenv("FMS_PAGED_CACHE_DIR", str(tmp_path))
-    native._load.cache_clear()
+    build.kernel_library.cache_clear()
     try:
-        lib, why = native.load(cpu_kernel.SOURCE, HEAD_DIM=48, FMS_ELEM="float")
+        lib, why = build.load(build.ATTENTION_SOURCE, HEAD_DIM=48, FMS_ELEM="float")
         assert why is None and lib is not None
-        (built,) = tmp_path.glob("cpu_attention_fms_elemfloat_head_dim48_*.so")
+        (built,) = tmp_path.glob("attention_fms_elemfloat_head_dim48_*.so")
         mtime = built.stat().st_mtime_ns
-        native._load.cache_clear()
-        assert native.load(cpu_kernel.SOURCE, HEAD_DIM=48, FMS_ELEM="float")[1] is None
+        build.kernel_library.cache_clear()
+        assert build.load(build.ATTENTION_SOURCE, HEAD_DIM=48, FMS_ELEM="float")[1] is None
         assert built.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 1
     finally:
-        native._load.cache_clear()
+        build.kernel_library.cache_clear()
 
 
 def test_a_kernels_own_header_is_part_of_its_librarys_key(tmp_path):
-    """Editing the decode path's header (cpu_attention_decode.h, included by cpu_attention.cpp)
-    names a new library, so a cached build of the old text is not loaded for the new one."""
-    for f in (cpu_kernel.SOURCE, cpu_kernel.SOURCE.with_name("cpu_attention_decode.h")):
+    """Editing the decode path's header (attention_decode.h, included by attention.cpp) names a
+    new library, so a cached build of the old text is not loaded for the new one."""
+    source = build.ATTENTION_SOURCE
+    for f in (source, source.with_name("attention_decode.h")):
         (tmp_path / f.name).write_text(f.read_text())
-    src, header = tmp_path / cpu_kernel.SOURCE.name, tmp_path / "cpu_attention_decode.h"
+    src, header = tmp_path / source.name, tmp_path / "attention_decode.h"
 
     def library():
-        name, _, made_from = native._kernel_recipe(src, "native", HEAD_DIM=64, FMS_ELEM="float")
-        return native._library(name, made_from)
+        name, _, made_from = build.kernel_recipe(src, "native", HEAD_DIM=64, FMS_ELEM="float")
+        return build.library_path(name, made_from)
 
     before = library()
     header.write_text(header.read_text() + "\n// edited\n")
@@ -468,7 +470,7 @@ def _library(tmp_path, fields: str, elem: str = "float") -> str:
     """A kernel library whose argument struct is declared from `fields` (an X-macro list like
     FMS_PAGED_ATTENTION_FIELDS), exporting fms_paged_attention and its layout."""
     src = tmp_path / "other.cpp"
-    src.write_text(f"""#include "native_args.h"
+    src.write_text(f"""#include "args.h"
 using T = {elem};
 #define FIELDS(X) {fields}
 extern "C" {{
@@ -476,22 +478,22 @@ FMS_PAGED_ARGS(FmsPagedAttentionArgs, FIELDS, fms_paged_attention_layout)
 int fms_paged_attention(const FmsPagedAttentionArgs*) {{ return 0; }}
 }}
 """)
-    path, why = native._build("other", [native.compiler(), "-shared", "-fPIC", "-std=c++17",
-                                        f"-I{native.OPS_HEADER.parent}", str(src)], [src.read_text()])
+    path, why = build.build_library("other", [native.compiler(), "-shared", "-fPIC", "-std=c++17",
+                                       f"-I{build.KERNELS_DIR}", str(src)], [src.read_text()])
     assert why is None
     return str(path)
 
 
 def test_library_with_another_layout_is_refused(tmp_path):
     """The operators load a kernel library only when its struct is laid out as theirs (one field
-    list, native_kernels.h): a library with two same-typed fields swapped (same kinds, other
+    list, csrc/kernels/kernels.h): a library with two same-typed fields swapped (same kinds, other
     offsets), one with a field more, and one built for another dtype are refused, naming both
     layouts, and the kernel loaded before keeps serving."""
     H, Hkv, D, P = 4, 2, 16, 16
     k, v, table, slots = make_pool([20], H, Hkv, D, P)
     chunks, q = torch.tensor([(0, 0, 20, 0)]), torch.randn(1, H, 20, D)
     good = run(q, k, v, table, chunks, P)
-    header = (native.OPS_HEADER.parent / "native_kernels.h").read_text()
+    header = (build.KERNELS_DIR / "kernels.h").read_text()
     start = "#define FMS_PAGED_ATTENTION_FIELDS(X)"
     fields = header[header.index(start) + len(start):header.index("// y [M")]
     fields = fields.replace("\\\n", " ").strip()

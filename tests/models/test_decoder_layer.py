@@ -1,5 +1,5 @@
-"""The fused blocks (`torch.ops.fms_paged.decoder_stack`, `LLaMA._decoder_layers`; a decode step's
-whole forward, `torch.ops.fms_paged.decoder_logits`, `LLaMA._fused_forward`) against
+"""The fused blocks (`torch.ops.fms_paged.decoder_stack`, `CppStep.run_blocks`; a decode step's
+whole forward, `torch.ops.fms_paged.decoder_logits`, `CppStep.forward_model`) against
 Hugging Face transformers (fp32) and against the blocks' modules on the same decode steps, for
 every family we load (their variants: q/k/v bias, q/k norms, sliding windows, soft-caps, Gemma's
 (1 + w) norms, sandwich norms and GeGLU, Granite's residual multiplier): the logits of each step,
@@ -21,7 +21,7 @@ import torch
 
 from fms_paged import get_model, native
 from fms_paged.kv.cache import PagedCache
-from fms_paged.models.llama import LLaMA
+from fms_paged.kv.kernels.cpp import CppStep
 from fms_paged.modules import linear
 from tests.conftest import HF_FAMILIES
 
@@ -32,15 +32,15 @@ def decode_logits(model, fused: bool, prompts: list[list[int]], steps: int, monk
     """Prefill `prompts` (the modules), then `steps` greedy decode steps of all of them at once, with
     the fused block or the modules -> (logits of each decode step [steps, B, V], the keys the
     sequences hold, the token each decode step took [B, steps])."""
-    calls, forward_call = [0], LLaMA._fused_forward
+    calls, forward_call = [0], CppStep.forward_model
 
     def counted(self, *args):
-        calls[0] += 1
+        calls[0] += self.fused  # (a step set not fused runs the modules)
         return forward_call(self, *args) if fused else None
 
-    monkeypatch.setattr(LLaMA, "_fused_forward", counted)  # a decode step's one operator call
+    monkeypatch.setattr(CppStep, "forward_model", counted)  # a decode step's one operator call
     if not fused:
-        monkeypatch.setattr(LLaMA, "_decoder_layers", lambda self, *args: None)
+        monkeypatch.setattr(CppStep, "run_blocks", lambda self, *args: None)
     cache = PagedCache(model, len(prompts), 128, kernel="cpp")
     ids, out = list(range(len(prompts))), []
     with torch.inference_mode():
@@ -97,7 +97,7 @@ def prefill_blocks(model, prompts: list[list[int]], fused: bool) -> tuple[torch.
     x, ropes = model.embed(tokens, positions)
     step = step.prepare()
     if fused:
-        out = model._decoder_layers(x, ropes, step)
+        out = step.run_blocks(model, x, ropes)
     else:
         out = x
         for layer in model.layers:
@@ -118,7 +118,7 @@ def test_one_call_forward_is_the_two_call_path_bit_for_bit(family, hf_family, mo
     model = get_model(model_path=path, device="cpu", dtype=torch.bfloat16, page_size=P, attn_impl="paged")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (21, 9)]
-    calls, forward_call = [0], LLaMA._fused_forward
+    calls, forward_call = [0], CppStep.forward_model
 
     def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         cache = PagedCache(model, 2, 128, kernel="cpp")
@@ -127,7 +127,7 @@ def test_one_call_forward_is_the_two_call_path_bit_for_bit(family, hf_family, mo
                 calls[0] += 1
                 return forward_call(self, *args) if fused else None
 
-            mp.setattr(LLaMA, "_fused_forward", counted)
+            mp.setattr(CppStep, "forward_model", counted)
             tokens, positions, step, last = cache.prefill([0, 1], prompts)
             first = model(tokens, positions, step, logits_at=last)  # [2, V]
             lengths = [len(p) for p in prompts]
@@ -135,7 +135,8 @@ def test_one_call_forward_is_the_two_call_path_bit_for_bit(family, hf_family, mo
             return first, model(tokens, positions, step)[:, -1]
 
     (pf, df), (pp, dp) = run(True), run(False)
-    assert calls[0] == 4 and model._stack()[1]  # every call offered to the one-call path, which has the ends
+    # every call offered to the one-call path, which has the ends
+    assert calls[0] == 4 and model.logits_stack() is not None
     assert torch.equal(pf, pp) and torch.equal(df, dp)
 
 
@@ -275,12 +276,12 @@ def isa_build(isa: str, dtype: torch.dtype, monkeypatch):
     """The operators run the `isa` build of the GEMV and rows kernels for `dtype` (the attention's:
     from each cache's creation on) inside, this CPU's own again after."""
     monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
-    linear.load_gemv(dtype)
+    native.load_gemv(dtype)
     try:
         yield
     finally:
         monkeypatch.delenv("FMS_PAGED_CPU_ISA")
-        linear.load_gemv(dtype)
+        native.load_gemv(dtype)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
@@ -381,7 +382,7 @@ def test_a_models_first_forward_computes_what_later_ones_do(monkeypatch):
     norm's torch formula sums the squares in another order: ~1e-5 apart)."""
     if (why := native.ops()) is not None:
         pytest.skip(f"no operators here: {why}")
-    monkeypatch.setattr(linear, "_READY", {})  # no kernel loaded in this "process" yet
+    monkeypatch.setattr(native, "_READY", {})  # no kernel loaded in this "process" yet
     monkeypatch.setattr(native, "_REGISTERED", {})
     model = get_model(variant="micro", attn_impl="sdpa", device="cpu", dtype=torch.float32)
     op, calls = torch.ops.fms_paged.rms_norm, []

@@ -59,6 +59,18 @@ class PoolStep:
         self.store(kp, vp, k, v)
         return self.attention(q, kp, vp, self.view.specs[layer])
 
+    def forward_model(self, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None,
+                      logits_at: torch.Tensor | None) -> torch.Tensor | None:
+        """The model's whole forward on this step in one call of the kernel's own (the logits), or
+        None: the model runs its layers (every kernel but cpp)."""
+        return None
+
+    def run_blocks(self, model: torch.nn.Module, x: torch.Tensor,
+                   ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> torch.Tensor | None:
+        """Every block of the model on this step in one call of the kernel's own (their output), or
+        None: the model runs its blocks (every kernel but cpp)."""
+        return None
+
     def store(self, kp: torch.Tensor, vp: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """ASSIGN the step's new k/v ([B', Hkv, S', D]) to their slots of pools kp, vp
         ([1, Hkv, NP, D]), in place (`write_slots`: the page manager's ASSIGN at precomputed slots)."""
@@ -124,9 +136,6 @@ class Kernel:
     min_rows: ClassVar[int] = 1  # fewest rows of a compiled decode batch (a lone request is padded)
     min_prefill_tokens: ClassVar[int] = 1  # fewest tokens of a compiled prefill step (padded)
     takes_score_mod: ClassVar[bool] = False  # applies a user score_mod (in logical positions)
-    # its eager steps may run the model's whole forward, and several greedy decode steps, in one
-    # operator call (`LLaMA.decode_greedy`: the cpp kernel's operators)
-    one_call: ClassVar[bool] = False
 
     def __str__(self) -> str:
         return self.name
@@ -137,6 +146,17 @@ class Kernel:
     def load(self, view: PoolView) -> None:
         """Load what its steps over `view` call, where a step loads it on first use in eager mode: what
         a compiled step needs before it is traced (nothing by default)."""
+
+    def decodes_in_one_call(self, model: torch.nn.Module, view: PoolView) -> bool:
+        """Whether `decode_greedy` runs `model`'s greedy decode steps over `view` in one call now
+        (`one_call` kernels, where their operators are loaded; never by default)."""
+        return False
+
+    def decode_greedy(self, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                      seqs: torch.Tensor, view: PoolView, steps: int) -> torch.Tensor | None:
+        """`steps` greedy decode steps in one call -> the tokens [B, steps], or None where this
+        kernel cannot (`decodes_in_one_call`; none by default)."""
+        return None
 
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, PoolStep]:
         raise NotImplementedError

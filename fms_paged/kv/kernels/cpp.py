@@ -1,5 +1,9 @@
-"""The "cpp" kernel: the project's C++ CPU kernel (`fms_paged.kv.cpu_kernel`), prefill chunks and
-decode rows of a step in one call per layer, K/V read in place through the page table.
+"""The "cpp" kernel: the project's C++ CPU kernel (`fms_paged.kv.cpu_kernel`, built and loaded by
+`fms_paged.native`), prefill chunks and decode rows of a step in one call per layer, K/V read in
+place through the page table; and the one-call forward of our models on its steps: every block
+(`fms_paged::decoder_stack`), the whole forward (`fms_paged::decoder_logits`), or several greedy
+decode steps (`fms_paged::decode_greedy`) in one operator call, over the model's weights as one
+`fms_paged::DecoderStack` (`LLaMA.decoder_stack`).
 
 A step is one chunk list ([n, 4] int64: seq, first position, tokens, offset in the step's token
 order; a decode row is a chunk of one token, a row of no sequence has seq -1 and a zero output).
@@ -9,21 +13,34 @@ outside a row's window or past its position, so stale pages need no zeroing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
-from fms_paged.kv import cpu_kernel
+from fms_paged import native
 from fms_paged.kv._pool_ops import read_slots
+from fms_paged.kv.geometry import slot
 from fms_paged.kv.kernels.base import Kernel, PoolStep
 from fms_paged.kv.spec import AttentionSpec, attend, visible
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 
+if TYPE_CHECKING:  # (the model imports the kernels' modules, not the other way round)
+    from fms_paged.models.llama import LLaMA
+
+
+def ready(view: PoolView) -> bool:
+    """Whether the C++ path runs now over `view`'s pools ([1, Hkv, NP, D]): `native.ready` for
+    their dtype and head dim (the operators, the GEMV, rows and attention kernels loaded)."""
+    kp = view.k_pools[0]
+    return kp.device.type == "cpu" and native.ready(kp.dtype, kp.shape[-1])
+
 
 class CppStep(PoolStep):
     """A step of the cpp kernel: the slots of its new tokens and its chunk list. `fused`: an eager
-    forward of our models runs the step's blocks in one call of the operator
-    `fms_paged::decoder_stack` (`LLaMA.hidden`), decode rows and prefill chunks alike; compiled
-    forwards and FMS's models attend layer by layer.
+    forward of our models runs in one operator call (`forward_model`: `fms_paged::decoder_logits`,
+    or `run_blocks`: `fms_paged::decoder_stack`), decode rows and prefill chunks alike; compiled
+    forwards and FMS's models attend layer by layer (`attention`).
 
     While a first start's builds compile (`native.deferred`), or where the kernel could not be
     built, an eager step attends by torch's operations instead (`gathered`: GATHER each chunk's
@@ -37,20 +54,61 @@ class CppStep(PoolStep):
     def fused(self) -> bool:
         """Whether an eager forward runs the step's blocks in one call: where the kernel is loaded,
         unless set False (the modules then run the step)."""
-        return self.kernel_loaded() if self._fused is None else self._fused and self.kernel_loaded()
+        return (self._fused is None or self._fused) and ready(self.view)
 
     @fused.setter
     def fused(self, value: bool) -> None:
         self._fused = value
 
-    def kernel_loaded(self) -> bool:
-        """Whether the kernel for the pools' head dim and dtype is loaded (`cpu_kernel.loaded`)."""
-        return cpu_kernel.loaded_for(self.view)
+    def forward_model(self, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor | None,
+                      logits_at: torch.Tensor | None) -> torch.Tensor | None:
+        """`model.forward` on this step in one operator call (`fms_paged::decoder_logits`: the
+        embedding, the RoPE rows, every block, the final norm and the head, as the modules compute
+        them) -> the logits, or None where the model runs its own modules: the step is not `fused`,
+        the model's stack has no ends (`LLaMA.logits_stack`), or autograd would record (the
+        operator has no autograd formula). Eager only. tokens, positions: [B, S] -> [B, S, V], or
+        [K, V] at `logits_at` [K]."""
+        if torch.compiler.is_compiling() or positions is None or not self.fused:
+            return None
+        stack = model.logits_stack()
+        if stack is None:
+            return None
+        h = model.head.weight
+        if (torch.is_grad_enabled() and h.requires_grad) or not native.ready(h.dtype):
+            return None
+        step = self.prepare()
+        view = step.view
+        cos, sin = model.rope_tables()
+        return torch.ops.fms_paged.decoder_logits(
+            stack, tokens, positions, cos, sin, view.k_pools, view.v_pools, step.slots, view.page_table,
+            step.chunks, view.page_size, logits_at)
+
+    def run_blocks(self, model: LLaMA, x: torch.Tensor,
+                   ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> torch.Tensor | None:
+        """Every block of `model` on this step in one operator call (`fms_paged::decoder_stack`: the
+        function the blocks' modules compute, in C++ without a Python call per operation) -> the
+        blocks' output, or None where the model runs its own blocks: the step is not `fused`, a
+        block has no fused form (`LLaMA.decoder_stack`), or autograd would record. Eager only.
+        x: [B, S, C] (decode rows [B, 1], or a packed row of prefill chunks [1, T]); ropes: per
+        RoPE table (cos, sin) [B, S, 1, D] -> [B, S, C]."""
+        if (torch.compiler.is_compiling() or not self.fused or not native.ready(x.dtype)
+                or (torch.is_grad_enabled() and x.requires_grad)):
+            return None
+        stack = model.decoder_stack()
+        if stack is None:
+            return None
+        B, S, C = x.shape
+        view = self.view
+        out = torch.ops.fms_paged.decoder_stack(
+            stack, x.reshape(B * S, C), [cos.reshape(B * S, -1) for cos, _ in ropes],
+            [sin.reshape(B * S, -1) for _, sin in ropes], view.k_pools, view.v_pools, self.slots,
+            view.page_table, self.chunks, view.page_size)
+        return out.view(B, S, C)
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                   spec: AttentionSpec) -> torch.Tensor:
         # q: [B', H, S', D]; kp, vp: [1, Hkv, NP, D] -> [B', H, S', D] (a view of [B', S', H, D])
-        if not torch.compiler.is_compiling() and not self.kernel_loaded():
+        if not torch.compiler.is_compiling() and not ready(self.view):
             return self.gathered(q, kp, vp, spec)
         v = self.view
         sinks = None if spec.sinks is None else spec.sinks.float().contiguous()  # the op takes fp32 [H]
@@ -73,7 +131,7 @@ class CppStep(PoolStep):
             if seq < 0:
                 continue
             pos = torch.arange(0 if spec.window is None else max(0, first - spec.window + 1), first + n)
-            keys, values = read_slots(kp, vp, table[seq, pos // P].long() * P + pos % P)  # [1, Hkv, L, D]
+            keys, values = read_slots(kp, vp, slot(table[seq, pos // P].long(), pos, P))  # [1, Hkv, L, D]
             mask = visible(torch.arange(first, first + n)[:, None], pos[None, :], spec.window)[None, None]
             qc = rows[off : off + n].transpose(0, 1)[None]  # [1, H, n, D]
             out[off : off + n] = attend(qc, keys, values, spec, mask=mask)[0].transpose(0, 1)
@@ -92,10 +150,30 @@ class CppKernel(Kernel):
     dynamic_shapes = True
     min_rows = 2
     min_prefill_tokens = 2
-    one_call = True
 
     def load(self, view: PoolView) -> None:
-        cpu_kernel.loaded_for(view)  # (a kernel that cannot be had was announced)
+        ready(view)  # (a kernel that cannot be had was announced)
+
+    def decodes_in_one_call(self, model: torch.nn.Module, view: PoolView) -> bool:
+        """Whether `decode_greedy` runs `model` over `view`'s pools now: the operators and kernels
+        loaded (not while a first start's builds compile, `native.deferred`) and the model's stack
+        has its ends (`LLaMA.logits_stack`)."""
+        logits_stack = getattr(model, "logits_stack", None)  # (our models; not FMS's)
+        return logits_stack is not None and ready(view) and logits_stack() is not None
+
+    def decode_greedy(self, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
+                      view: PoolView, steps: int) -> torch.Tensor | None:
+        """`steps` greedy decode steps of the sequences `seqs` [B] in one operator call
+        (`fms_paged::decode_greedy`): row b's last token tokens[b] at position positions[b], its
+        pages RESERVEd in `view`'s page table for the steps' positions -> the tokens [B, steps];
+        each step is `CppStep.forward_model`'s one call and the sampler's argmax. None where the
+        forward is not one call (`decodes_in_one_call`)."""
+        if not self.decodes_in_one_call(model, view):
+            return None
+        cos, sin = model.rope_tables()
+        return torch.ops.fms_paged.decode_greedy(
+            model.logits_stack(), tokens, positions, seqs, cos, sin, view.k_pools, view.v_pools,
+            view.page_table, view.page_size, steps)
 
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
         counts, T = batch.counts, batch.tokens.shape[1]

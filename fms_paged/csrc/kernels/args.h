@@ -1,8 +1,8 @@
 // The calling convention of the project's C++ kernels (fms_paged/native.py builds them with this
 // folder on the include path). A kernel takes one struct of arguments, declared from one list of
-// (type, name) fields (native_kernels.h), and exports a function that spells the struct's layout: its
+// (type, name) fields (kernels/kernels.h), and exports a function that spells the struct's layout: its
 // name, its size, and every field's name, kind and offset. The operators that call a kernel
-// (native_ops.cpp) declare the struct from the same list and refuse a library whose layout is not
+// (ops/ops.cpp) declare the struct from the same list and refuse a library whose layout is not
 // theirs, so a field cannot be read at the wrong offset or with the wrong type.
 #pragma once
 

@@ -2,10 +2,10 @@
 // that eager mode, inductor's generated code and an AOT-compiled graph all call through the
 // dispatcher, with no Python and no ctypes on the way.
 //
-// The kernels themselves (kv/cpu_attention.cpp, modules/cpu_gemv.cpp, modules/cpu_rows.cpp)
+// The kernels themselves (kernels/attention.cpp, kernels/gemv.cpp, kernels/rows.cpp)
 // include no torch header: they are built per instruction set, storage type and head dim when
 // first needed (fms_paged/native.py, in seconds) and loaded here by path (`_load_kernel`), which
-// checks each library's argument struct against this file's (native_kernels.h) before taking its
+// checks each library's argument struct against this file's (kernels/kernels.h) before taking its
 // entry point. This file is built once per torch version and compiler (at install time, else on
 // first use) and is the same on every CPU.
 //
@@ -15,7 +15,7 @@
 // - linear: a projection by the path its rows call for: the GEMV kernel for a few rows, oneDNN's
 //   blocked GEMM on a packed copy of the weights (kept here, per weight) for many, at::linear else;
 // - decoder_stack: a model's decoder blocks on a step in one call (norms, q/k/v, q/k norms, RoPE,
-//   ASSIGN, attention, output projection, residuals, gated MLP; native_layer.cpp, which registers
+//   ASSIGN, attention, output projection, residuals, gated MLP; ops/layer.cpp, which registers
 //   it and the class DecoderStack): the host work of a step's layers is one
 //   dispatch instead of some fifty operator calls per layer; decoder_logits: the model's whole
 //   forward (embedding, blocks, final norm, head) in one call;
@@ -36,9 +36,10 @@
 #include <array>
 #include <cmath>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
 
-#include "native_ops.h"
+#include "ops.h"
 
 namespace fms_paged_ops {
 
@@ -110,7 +111,7 @@ void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dt
   TORCH_CHECK(layout_fn && fn, "_load_kernel: ", file, " exports no ", name, " and ", name, "_layout()");
   const std::string built = layout_fn(), want = expected_layout(k, e);
   TORCH_CHECK(built == want, "_load_kernel: ", file, ": the kernel's argument struct is laid out as '", built,
-              "', the operator's as '", want, "': built from another version of native_kernels.h");
+              "', the operator's as '", want, "': built from another version of kernels/kernels.h");
   if (attention)
     attention_fns[e][head_dim / kHeadDimStep].store(fn, std::memory_order_release);
   else
@@ -455,6 +456,29 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
+// geometry.h's rules over tensors of int64 (what tests hold to kv/geometry.py): physical pages and
+// positions [n] -> (each position's logical page, its slot on its page, the pages for that many
+// tokens) [n] each
+std::tuple<at::Tensor, at::Tensor, at::Tensor> geometry(const at::Tensor& pages, const at::Tensor& positions,
+                                                        int64_t page_size) {
+  TORCH_CHECK_VALUE(page_size > 0, "_geometry: page_size=", page_size, "; expected >= 1");
+  TORCH_CHECK_VALUE(pages.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && pages.dim() == 1 &&
+                        pages.sizes() == positions.sizes(),
+                    "_geometry: pages and positions int64 [n] alike, got ", dtype_name(pages.scalar_type()), " ",
+                    shape(pages), " and ", dtype_name(positions.scalar_type()), " ", shape(positions));
+  const at::Tensor pg = pages.contiguous(), pos = positions.contiguous();
+  at::Tensor page_of = at::empty_like(pos), slot = at::empty_like(pos), pages_for = at::empty_like(pos);
+  const int64_t *g = pg.data_ptr<int64_t>(), *p = pos.data_ptr<int64_t>();
+  int64_t *o = page_of.data_ptr<int64_t>(), *s = slot.data_ptr<int64_t>(), *n = pages_for.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i) {
+    TORCH_CHECK_VALUE(p[i] >= 0 && g[i] >= 0, "_geometry: position ", p[i], " on page ", g[i], "; expected both >= 0");
+    o[i] = fms_geometry::page_of(p[i], page_size);
+    s[i] = fms_geometry::slot(g[i], p[i], page_size);
+    n[i] = fms_geometry::pages_for(p[i], page_size);
+  }
+  return {page_of, slot, pages_for};
+}
+
 }  // namespace fms_paged_ops
 
 using namespace fms_paged_ops;
@@ -468,6 +492,8 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
   m.def("_linear_path(Tensor x, int width) -> str", &linear_path_name);
   m.def("_packed_copy(Tensor weight) -> Tensor?", &packed_copy);
   m.def("_kernel_ns() -> int", &kernel_ns_total);
+  m.def("_kernel_clock(bool on) -> bool", &set_kernel_clock);
+  m.def("_geometry(Tensor pages, Tensor positions, int page_size) -> (Tensor, Tensor, Tensor)", &geometry);
   m.def(
       "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor chunks, SymInt page_size, "
       "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");

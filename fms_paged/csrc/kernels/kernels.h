@@ -1,10 +1,10 @@
 // The argument structs of the project's CPU kernels, as field lists over the storage type T of
-// their tensors (float, fms_bf16 or fms_f16): one list, read by the kernels (cpu_attention.cpp,
-// cpu_gemv.cpp, cpu_rows.cpp: FMS_PAGED_ARGS) and by the operators that call them (native_ops.cpp), which
+// their tensors (float, fms_bf16 or fms_f16): one list, read by the kernels (attention.cpp,
+// gemv.cpp, rows.cpp: FMS_PAGED_ARGS) and by the operators that call them (ops/ops.cpp), which
 // compares its layout of each struct with the one the kernel library spells before it calls it.
 #pragma once
 
-#include "native_args.h"
+#include "args.h"
 
 // q[t, h, :] (t < n_tokens, the step's query tokens) at q + t * q_st + h * q_sh; k, v: the pools
 // [Hkv, pool_tokens, D]; pages: the page table [n_seqs, pages_st]; chunks: [n_chunks, 4] (seq, q0,

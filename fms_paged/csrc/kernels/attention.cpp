@@ -2,7 +2,7 @@
 // place, through the page table. Built and loaded by fms_paged/kv/cpu_kernel.py, once per head dim
 // and storage type T (-DFMS_ELEM: float, fms_bf16 or fms_f16) of q, the pools and the output.
 // Whatever T is, scores, softmax and the output accumulate in fp32: half-precision values are
-// converted as they are loaded (fms_paged/native_vec.h), so a decode row reads half the bytes of
+// converted as they are loaded (csrc/kernels/vec.h), so a decode row reads half the bytes of
 // fp32, and a prefill block's keys and values are converted once into fp32 rows that every query
 // row of the block then reuses.
 //
@@ -19,14 +19,14 @@
 //   read), so no page wholly older than the window is touched; a key masked for a row (causal
 //   or window) gets exactly zero weight;
 // - a logit soft-cap `softcap` (Gemma 2): each scaled score s becomes softcap * tanh(s / softcap)
-//   before the mask and the softmax (vtanh: Cephes' tanhf on vectors, fms_paged/native_vec.h);
+//   before the mask and the softmax (vtanh: Cephes' tanhf on vectors, csrc/kernels/vec.h);
 // - attention sinks `sinks` (gpt-oss): one learned logit per query head that joins the softmax's
 //   denominator but adds nothing to the output, out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)):
 //   the online softmax starts from the sink (running max sink, running sum 1) instead of empty.
 // The online softmax's running max starts finite (LOW, or the sink) rather than at -inf: with a
 // window, a block may hold no key a row sees, and exp(m_old - m_new) must then be 1, not NaN.
 //
-// Vectors are the machine's own (W = 16 lanes with AVX-512, 8 with AVX2: fms_paged/native_vec.h),
+// Vectors are the machine's own (W = 16 lanes with AVX-512, 8 with AVX2: csrc/kernels/vec.h),
 // so that the register tiles below stay in registers. Work items are (chunk, kv head, up to
 // LG * W = 32 query rows), where a row is one query token for one of the G query heads that share
 // the kv head. Rows sit in vector lanes, so the online softmax is vertical (no horizontal
@@ -53,9 +53,10 @@
 // gathered, and O written back, a W x W block at a time transposed in registers.
 #include <omp.h>
 
-#include "native_args.h"
-#include "native_kernels.h"
-#include "native_vec.h"
+#include "args.h"
+#include "geometry.h"
+#include "kernels.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -182,10 +183,10 @@ struct Scratch {
 // time: f(j, slot, run) for keys j .. j + run - 1, which sit at pool slots slot .. slot + run - 1
 template <class F>
 inline void page_runs(const Args& a, const int32_t* pt, int64_t k0, int nk, F f) {
-  int64_t page = k0 / a.P, in_page = k0 % a.P;
+  int64_t page = fms_geometry::page_of(k0, a.P), in_page = k0 % a.P;
   for (int j = 0; j < nk; ++page, in_page = 0) {
     const int run = (int)std::min<int64_t>(a.P - in_page, nk - j);
-    f(j, (int64_t)pt[page] * a.P + in_page, run);
+    f(j, fms_geometry::slot(pt[page], k0 + j, a.P), run);  // key j: position k0 + j
     j += run;
   }
 }
@@ -210,7 +211,7 @@ inline void prefetch_keys(const Args& a, const int32_t* pt, int64_t k0, int nk, 
   });
 }
 
-#include "cpu_attention_decode.h"  // run_decode: a decode row
+#include "attention_decode.h"  // run_decode: a decode row
 
 #if FMS_VEC_BF16_DP
 using fms_vec::dp_bcast, fms_vec::load_pairs, fms_vec::pair_rows;
@@ -425,8 +426,8 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 }  // namespace
 
 // The kernel's arguments, passed by pointer: the struct of FMS_PAGED_ATTENTION_FIELDS
-// (native_kernels.h, which says what each field holds). The operator that calls the kernel
-// (fms_paged/native_ops.cpp) compares its own layout of the struct with fms_paged_attention_layout()'s
+// (kernels/kernels.h, which says what each field holds). The operator that calls the kernel
+// (csrc/ops/ops.cpp) compares its own layout of the struct with fms_paged_attention_layout()'s
 // (every field's name, kind and offset, and the size) when it loads the library, and refuses a
 // build whose struct differs instead of reading fields at the wrong offsets.
 extern "C" {

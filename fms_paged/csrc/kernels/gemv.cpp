@@ -2,7 +2,7 @@
 // streamed from memory once and dotted with every row of x. Built and loaded by
 // fms_paged/native.py once per storage type T of x, the weights and y (-DFMS_ELEM: float, fms_bf16
 // or fms_f16); half-precision values are converted to fp32 as they are loaded and the dot products
-// accumulate in fp32 (fms_paged/native_vec.h), so a bf16 / fp16 model's decode reads half the
+// accumulate in fp32 (csrc/kernels/vec.h), so a bf16 / fp16 model's decode reads half the
 // bytes of fp32. On a CPU with AVX512_BF16 the bf16 build multiplies bf16 pairs as they are
 // (vdpbf16ps: exact products, fp32 sums), with no conversion and half the instructions: a decode
 // batch of a few rows is then bound by memory rather than by the FMAs. See
@@ -25,9 +25,9 @@
 // the most left (see Share): a product's threads end together however unevenly memory serves them.
 #include <omp.h>
 
-#include "native_args.h"
-#include "native_kernels.h"
-#include "native_vec.h"
+#include "args.h"
+#include "kernels.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -256,8 +256,8 @@ struct alignas(64) Share {
 }  // namespace
 
 // The kernel's arguments, passed by pointer: the struct of FMS_PAGED_GEMV_FIELDS
-// (native_kernels.h, which says what each field holds). The operator that calls the kernel
-// (fms_paged/native_ops.cpp) compares its own layout of the struct with fms_paged_gemv_layout()'s
+// (kernels/kernels.h, which says what each field holds). The operator that calls the kernel
+// (csrc/ops/ops.cpp) compares its own layout of the struct with fms_paged_gemv_layout()'s
 // (every field's name, kind and offset, and the size) when it loads the library, and refuses a
 // build whose struct differs instead of reading fields at the wrong offsets.
 extern "C" {

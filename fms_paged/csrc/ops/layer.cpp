@@ -5,7 +5,7 @@
 // rounded to the model's dtype where theirs is, fp32 inside. The projections run as `linear` runs
 // them (the GEMV kernel for a few rows, oneDNN's packed GEMM for more), the attention by the loaded
 // kernel, the rest (norms, RoPE, ASSIGN, activations, residuals) by the rows kernel
-// (modules/cpu_rows.cpp), each on all M rows at once.
+// (kernels/rows.cpp), each on all M rows at once.
 //
 // The blocks' weights and attention specs are a DecoderStack (torch.classes.fms_paged.DecoderStack),
 // checked once when it is made: a step passes the stack and its own tensors alone (rows, RoPE rows,
@@ -34,7 +34,7 @@
 #include <array>
 #include <initializer_list>
 
-#include "native_stack.h"
+#include "stack.h"
 
 namespace fms_paged_ops {
 namespace {
@@ -438,9 +438,10 @@ at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at
   const int64_t *seq = seq_c.data_ptr<int64_t>(), *first = pos.data_ptr<int64_t>();
   const int32_t* table = page_table.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t s = seq[b], p = first[b], last = (p + steps - 1) / P;
-    bool held = s >= 0 && s < n_seqs && p >= 0 && last < pages;
-    for (int64_t g = p / P; held && g <= last; ++g) held = table[s * pages + g] > 0;  // page 0: the null page
+    // the logical pages of positions p .. p + steps - 1 (geometry.h, as kv/geometry.py counts them)
+    const int64_t s = seq[b], p = first[b], end = fms_geometry::pages_for(p + steps, P);
+    bool held = s >= 0 && s < n_seqs && p >= 0 && end <= pages;
+    for (int64_t g = fms_geometry::page_of(p, P); held && g < end; ++g) held = table[s * pages + g] > 0;  // page 0: the null page
     TORCH_CHECK_VALUE(held, "decode_greedy: row ", b, ": sequence ", s, " holds no pages for positions ", p, "..",
                       p + steps - 1, " in the page table (", n_seqs, " seqs x ", pages, " pages of ", P,
                       "): RESERVE them first");
@@ -452,7 +453,7 @@ at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at
     const at::Tensor at_j = at::add(pos, j);
     for (int64_t b = 0; b < B; ++b) {  // a chunk of one token per row (kv/kernels/cpp.py: CppKernel.decode)
       const int64_t p = first[b] + j;
-      slot[b] = table[seq[b] * pages + p / P] * P + p % P;
+      slot[b] = fms_geometry::slot(table[seq[b] * pages + fms_geometry::page_of(p, P)], p, P);
       chunk[4 * b] = seq[b], chunk[4 * b + 1] = p, chunk[4 * b + 2] = 1, chunk[4 * b + 3] = b;
     }
     const at::Tensor logits = forward_logits(*stack, tok, at_j, cos_tables, sin_tables, k_pools, v_pools, slots,

@@ -1,4 +1,4 @@
-// The class torch.classes.fms_paged.DecoderStack (native_layer.cpp: its checks, the operators
+// The class torch.classes.fms_paged.DecoderStack (ops/layer.cpp: its checks, the operators
 // decoder_stack, decoder_logits and decode_greedy): a model's blocks as one object, and the order
 // of a block's weights in it.
 #pragma once
@@ -9,7 +9,7 @@
 #include <optional>
 #include <vector>
 
-#include "native_ops.h"
+#include "ops.h"
 
 namespace fms_paged_ops {
 

@@ -1,5 +1,5 @@
-// What the operators' two sources share (native_ops.cpp: the kernel registry, paged_attention,
-// gemv, linear, rms_norm, argmax and the schemas; native_layer.cpp: decoder_stack and
+// What the operators' two sources share (ops/ops.cpp: the kernel registry, paged_attention,
+// gemv, linear, rms_norm, argmax and the schemas; ops/layer.cpp: decoder_stack and
 // decoder_logits): the kernels' storage types and argument structs, and how a loaded kernel is
 // called.
 #pragma once
@@ -15,8 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "native_args.h"
-#include "native_kernels.h"
+#include "../kernels/args.h"
+#include "../kernels/geometry.h"
+#include "../kernels/kernels.h"
 
 namespace fms_paged_ops {
 
@@ -46,18 +47,21 @@ struct RowsArgs {
 };
 
 using KernelFn = int (*)(const void*);
-// the loaded kernel of storage type e (and head dim), or null (native_ops.cpp)
+// the loaded kernel of storage type e (and head dim), or null (ops/ops.cpp)
 KernelFn attention_fn(int e, int64_t head_dim);
 KernelFn gemv_fn(int e);
 KernelFn rows_fn(int e);
 
 inline int threads() { return at::get_num_threads(); }
 
-// nanoseconds spent inside the kernels (every call of every thread of this process): what a step's
-// host work is measured against (`_kernel_ns`)
+// nanoseconds spent inside the kernels (every call of every thread of this process) while the
+// kernel clock is on (`_kernel_clock`, off by default: a benchmark turns it on, through
+// fms_paged.native.kernel_clock): what a step's host work is measured against (`_kernel_ns`)
 inline std::atomic<int64_t> kernel_ns{0};
+inline std::atomic<bool> kernel_clock_on{false};
 template <class F>
 int timed(F&& call) {
+  if (!kernel_clock_on.load(std::memory_order_relaxed)) return call();
   const auto t0 = std::chrono::steady_clock::now();
   const int err = call();
   kernel_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
@@ -65,6 +69,8 @@ int timed(F&& call) {
                       std::memory_order_relaxed);
   return err;
 }
+// turn the kernel clock on or off -> whether it was on
+inline bool set_kernel_clock(bool on) { return kernel_clock_on.exchange(on, std::memory_order_relaxed); }
 inline int64_t kernel_ns_total() { return kernel_ns.load(std::memory_order_relaxed); }
 
 
@@ -116,8 +122,8 @@ void by_elem(int e, F&& f) {  // f(T{}) with T the kernels' storage type of inde
   else f(fms_f16{});
 }
 
-// the row-wise ops of the loaded rows kernel (modules/cpu_rows.cpp; its ops and fields:
-// native_kernels.h) for storage type T
+// the row-wise ops of the loaded rows kernel (kernels/rows.cpp; its ops and fields:
+// kernels/kernels.h) for storage type T
 template <class T>
 struct Rows {
   KernelFn fn;
@@ -164,11 +170,11 @@ struct Rows {
 void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
               const int64_t* rows, int64_t n_weights, void* y);
 
-// x [..., K] @ [w_1; w_2; ...]^T + bias by the path the rows call for (native_ops.cpp), and the
+// x [..., K] @ [w_1; w_2; ...]^T + bias by the path the rows call for (ops/ops.cpp), and the
 // most rows it gives the GEMV kernel
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias);
 int64_t linear_gemv_rows();
-// RMSNorm of x [..., n] and the first largest of each row by the rows kernel (native_ops.cpp)
+// RMSNorm of x [..., n] and the first largest of each row by the rows kernel (ops/ops.cpp)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 at::Tensor argmax(const at::Tensor& x);
 

@@ -1,4 +1,4 @@
-"""Fake (meta) implementations of the operators of `native_ops.cpp`, registered once they are
+"""Fake (meta) implementations of the operators of `csrc/ops/`, registered once they are
 loaded (`fms_paged.native.ops`): the output shapes torch.compile traces with, no data read."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "native_args.h"
+#include "args.h"
 
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>

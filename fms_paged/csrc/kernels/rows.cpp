@@ -1,8 +1,8 @@
 // The row-wise work of a decoder block, on M token rows at once, for `fms_paged::decoder_stack`
-// (fms_paged/native_layer.cpp): RMSNorm, the residual add, the q/k/v rows' bias, q/k norms, RoPE
+// (csrc/ops/layer.cpp): RMSNorm, the residual add, the q/k/v rows' bias, q/k norms, RoPE
 // and ASSIGN, and the gated activation. Built and loaded by fms_paged/native.py once per storage
 // type T of the rows and weights (-DFMS_ELEM: float, fms_bf16 or fms_f16), for the CPU's own
-// vectors (fms_paged/native_vec.h), like the GEMV and attention kernels.
+// vectors (csrc/kernels/vec.h), like the GEMV and attention kernels.
 //
 // Each op computes what the blocks' modules compute (fms_paged/modules/norm.py, positions.py,
 // feedforward.py, models/llama.py LLaMABlock) and rounds to T where they round: fp32 inside, each
@@ -12,9 +12,9 @@
 #pragma GCC optimize("fp-contract=off")
 #include <omp.h>
 
-#include "native_args.h"
-#include "native_kernels.h"
-#include "native_vec.h"
+#include "args.h"
+#include "kernels.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -217,7 +217,7 @@ void run_rows(const Args& a, int64_t m0, int64_t m1) {
 
 }  // namespace
 
-// The kernel's arguments: the struct of FMS_PAGED_ROWS_FIELDS (native_kernels.h, which says what
+// The kernel's arguments: the struct of FMS_PAGED_ROWS_FIELDS (kernels/kernels.h, which says what
 // each op reads and writes), its layout checked by the operators as the other kernels' are.
 extern "C" {
 

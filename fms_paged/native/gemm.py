@@ -1,0 +1,68 @@
+"""The rules by which the operator `fms_paged::linear` picks its path (the GEMV kernel, oneDNN's
+packed GEMM, or ATen), and which dtype oneDNN's packed GEMMs compute in here: what `configure`
+hands the operators when they load (`fms_paged.modules.linear` explains the paths).
+
+`PACK_DTYPES` is found out on first use, not at import: it runs one small packed GEMM per
+half-precision dtype through oneDNN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fms_paged.native.build import ELEM_TYPES
+
+# a call with at most this many rows (a decode step of up to 8 sequences) runs the project's GEMV
+# kernel (`csrc/kernels/gemv.cpp`): it streams each weight row once and costs less per call than
+# oneDNN, so it reads the weights closer to the memory bandwidth up to about this many rows; past
+# it oneDNN's blocked GEMM leads (docs/benchmarks.md has the measurements)
+GEMV_MAX_ROWS = 8
+# otherwise a call packs when its weight (a stack's: all of them) has this many elements (64 KiB
+# of fp32) ... : past a tiny weight, oneDNN's packed GEMM costs less per call than at::linear (and
+# a stack then runs as one call, not one at::linear each and a cat); docs/design.md has the figures
+PACK_MIN_WEIGHT = 1 << 14
+# ... or when it has this many rows
+PACK_MIN_ROWS = 256
+
+# whether this torch build has oneDNN (read once: Dynamo cannot trace the query)
+ONEDNN = torch.backends.mkldnn.is_available()
+# the dtypes the CPU paths serve: the kernels' (a tuple: a trace may test a dtype's membership)
+DTYPES = tuple(ELEM_TYPES)
+
+
+def onednn_native(dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes packed GEMMs in `dtype` on this CPU: torch's check of the CPU's ISA
+    (bf16: AVX512_BF16 or AMX; fp16: AVX512_FP16 or AMX-FP16), then one small packed GEMM against
+    fp32, so that a torch build whose half-precision path fails here falls back to fp32 instead
+    of failing a model's first call."""
+    if not ONEDNN:
+        return False
+    if dtype == torch.float32:
+        return True
+    checks = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+    if not getattr(torch.ops.mkldnn, checks[dtype])():
+        return False
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 64, generator=g), torch.randn(4, 64, generator=g)
+    try:
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.to(dtype), torch.ops.mkldnn._reorder_linear_weight(w.to(dtype)), None, "none", [], "")
+    except RuntimeError:
+        return False
+    ref = x.to(dtype).double() @ w.to(dtype).double().T  # |y| ~ 8: a few of dtype's ulps
+    return bool(((y.double() - ref).abs() <= 0.1).all())
+
+
+class _PackDtypes(dict):
+    """dtype served -> the dtype of its packed weights here (`onednn_native`, probed on a dtype's
+    first lookup and kept; KeyError for a dtype the CPU paths do not serve)."""
+
+    def __missing__(self, dtype: torch.dtype) -> torch.dtype:
+        if dtype not in DTYPES:
+            raise KeyError(f"the CPU paths serve {', '.join(map(str, DTYPES))}, not {dtype}")
+        self[dtype] = dtype if onednn_native(dtype) else torch.float32
+        return self[dtype]
+
+
+# the dtypes the CPU paths serve -> the dtype of their packed weights here (probed on first use)
+PACK_DTYPES: dict[torch.dtype, torch.dtype] = _PackDtypes()
