@@ -238,8 +238,8 @@ class ModelRunner:
         request's tokens. Planned only where `decodes_in_one_call` (their pages are RESERVEd)."""
         last = torch.tensor([(r.output or r.prompt)[-1] for r in reqs])
         lengths, ids = torch.tensor([r.num_computed for r in reqs]), torch.tensor([r.seq_id for r in reqs])
-        out = self._timed("decode", self.kernel.decode_greedy, self.model, last, lengths, ids, self.backend.view,
-                          steps)
+        out = self._timed("decode", self.kernel.decode_greedy, self.model, last, lengths, ids,
+                          self.backend.view, steps)
         if out is None:
             raise RuntimeError(f"{steps} lookahead decode steps were planned where the model cannot run them "
                                "in one call (ModelRunner.decodes_in_one_call)")
