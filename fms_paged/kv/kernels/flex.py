@@ -168,7 +168,8 @@ def probe_compiled_flex(device: torch.device, page_size: int = 16) -> str | None
     try:
         # three buffers: inductor's CPU flex lowering of torch 2.11 refuses q, k, v in one
         q, k, v = (torch.randn(1, 1, 16, 16, device=device) for _ in range(3))
-        compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        # (flex_attention's code object is the one `compiled_flex` specializes: the same limit)
+        compiled = compile_shape_variants(flex_attention, fullgraph=True, dynamic=False)
         out = compiled(q, k, v, kernel_options=flex_kernel_options(device, page_size))
         if not torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5):
             return "compiled flex_attention gave wrong numbers"
