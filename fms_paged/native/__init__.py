@@ -310,7 +310,7 @@ def ready(dtype: torch.dtype, head_dim: int | None = None) -> bool:
                 warnings.warn(f"fms_paged: the CPU attention kernel could not be had ({why}); the cpp "
                               "kernel's steps attend by GATHER + SDPA", stacklevel=2)
             return False
-    _READY[dtype].add(head_dim)
+    _READY.setdefault(dtype, set()).add(head_dim)
     return True
 
 

@@ -73,10 +73,11 @@ class CppStep(PoolStep):
         stack = model.logits_stack()
         if stack is None:
             return None
-        h = model.head.weight
-        if (torch.is_grad_enabled() and h.requires_grad) or not native.ready(h.dtype):
+        h, view = model.head.weight, self.view  # (a cpp step needs no `prepare`: slots and chunks are all)
+        # (`fused` found the C++ path ready for the pools' dtype: the head's, unless it was converted)
+        if (torch.is_grad_enabled() and h.requires_grad) or (
+                h.dtype != view.k_pools[0].dtype and not native.ready(h.dtype)):
             return None
-        view = self.view  # (a cpp step needs no `prepare`: its slots and chunks are its metadata)
         cos, sin = model.rope_tables()
         return torch.ops.fms_paged.decoder_logits(
             stack, tokens, positions, cos, sin, view.k_pools, view.v_pools, self.slots, view.page_table,
