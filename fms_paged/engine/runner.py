@@ -134,12 +134,9 @@ class ModelRunner:
                 if plan.prefills:
                     logits, scored = self._forward_mixed(plan.decodes, plan.prefills, plan.scored)
                 else:  # decode rows alone: the model's decode step (eager or compiled), [n, V]
-                    tokens, positions, step = self.backend.decode_inputs(*self._decode_rows(plan.decodes))
-                    if self.forward_hook is None:
-                        logits = self._decode(self.model, tokens, positions, step)[: len(plan.decodes)]
-                    else:
-                        logits = self._timed("decode", self._decode, self.model, tokens, positions,
-                                             step)[: len(plan.decodes)]
+                    args = (self.model, *self.backend.decode_inputs(*self._decode_rows(plan.decodes)))
+                    logits = (self._decode(*args) if self.forward_hook is None  # (timed where hooked)
+                              else self._timed("decode", self._decode, *args))[: len(plan.decodes)]
                 if not sample:
                     return None
                 prompt_lps = self._prompt_logprobs(scored, plan) if scored is not None else None
