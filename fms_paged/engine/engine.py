@@ -347,7 +347,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step -> the outputs of the requests that produced a token or finished in it."""
-        outputs = self.take_submissions()  # new requests queued, aborts applied
+        # new requests queued, aborts applied
+        outputs = self.take_submissions() if self._submitted or self._aborted else []
         plan = self.scheduler.schedule()  # host only: who runs, how many tokens, their pages
         result = self.runner.run(plan)  # the device: one forward, sampling
         return outputs + self.book(plan, result)  # tokens appended, stops, finished requests dropped

@@ -11,6 +11,7 @@ will meet before the first request does.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -120,8 +121,27 @@ class ModelRunner:
             self.ranks.send()
         if not plan.scheduled:
             return StepResult([]) if sample else None
-        with native.yielding_to_builds():
-            result = self._run(plan, sample)
+        # (deferred asked first: once the builds are done, that one question is all a step pays)
+        with native.yielding_to_builds() if native.deferred() else contextlib.nullcontext():
+            self.backend.prepare_pages(plan.reservation)
+            masks = self._start_masks(plan) if sample and self.grammars is not None else None
+            if plan.steps > 1:  # lookahead decode steps (`Scheduler.lookahead`, planned where
+                # `decodes_in_one_call`): greedy, in one call
+                rows = self._decode_steps(plan.decodes, plan.steps)
+                result = StepResult([row[0] for row in rows], steps=rows)
+            else:
+                scored = None
+                if plan.prefills:
+                    logits, scored = self._forward_mixed(plan.decodes, plan.prefills, plan.scored)
+                else:  # decode rows alone: the model's decode step (eager or compiled), [n, V]
+                    args = (self.model, *self.backend.decode_inputs(*self._decode_rows(plan.decodes)))
+                    logits = (self._decode(*args) if self.forward_hook is None  # (timed where hooked)
+                              else self._timed("decode", self._decode, *args))[: len(plan.decodes)]
+                if not sample:
+                    return None
+                prompt_lps = self._prompt_logprobs(scored, plan) if scored is not None else None
+                tokens, lps = self._sample(logits, plan, masks)
+                result = StepResult(tokens, lps, prompt_lps)
         if self.ranks is not None:
             self.ranks.sampled(result.tokens)
         return result
@@ -136,33 +156,21 @@ class ModelRunner:
         hook(kind, time.perf_counter() - t0)
         return out
 
-    def _run(self, plan: SchedulerOutput, sample: bool) -> StepResult | None:
-        self.backend.prepare_pages(plan.reservation)
-        masks = None  # the grammars' bitmasks: filled in a thread while the forward runs, or inline
-        if sample and self.grammars is not None and any(r.matcher is not None for r, _ in plan.sampled):
-            matchers = [r.matcher for r, _ in plan.sampled]
-            if self._fill_ema < INLINE_FILL_S:  # a hand-off to the thread would cost what it hides
-                masks = concurrent.futures.Future()
-                masks.set_result(self._fill(matchers))
-                self.mask_wait_s += self._last_fill_s
-            else:
-                if self._masker is None:
-                    self._masker = concurrent.futures.ThreadPoolExecutor(1, "fms-paged-grammar")
-                masks = self._masker.submit(self._fill, matchers)
-        if plan.steps > 1:  # lookahead decode steps (`Scheduler.lookahead`, planned where
-            # `decodes_in_one_call`): greedy, in one call
-            rows = self._decode_steps(plan.decodes, plan.steps)
-            return StepResult([row[0] for row in rows], steps=rows)
-        scored = None
-        if plan.prefills:
-            logits, scored = self._forward_mixed(plan.decodes, plan.prefills, plan.scored)
-        else:
-            logits = self._forward_decode(plan.decodes)  # [n, V]
-        if not sample:
+    def _start_masks(self, plan: SchedulerOutput) -> concurrent.futures.Future | None:
+        """The grammars' bitmasks of `plan.sampled` (a row per sampled token), as a future: filled
+        in a thread while the forward runs, or inline where a fill is short; None where no sampled
+        request has a grammar."""
+        if not any(r.matcher is not None for r, _ in plan.sampled):
             return None
-        prompt_lps = self._prompt_logprobs(scored, plan) if scored is not None else None
-        tokens, lps = self._sample(logits, plan, masks)
-        return StepResult(tokens, lps, prompt_lps)
+        matchers = [r.matcher for r, _ in plan.sampled]
+        if self._fill_ema < INLINE_FILL_S:  # a hand-off to the thread would cost what it hides
+            masks = concurrent.futures.Future()
+            masks.set_result(self._fill(matchers))
+            self.mask_wait_s += self._last_fill_s
+            return masks
+        if self._masker is None:
+            self._masker = concurrent.futures.ThreadPoolExecutor(1, "fms-paged-grammar")
+        return self._masker.submit(self._fill, matchers)
 
     def _fill(self, matchers: list) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -223,7 +231,7 @@ class ModelRunner:
         """A decode batch padded to its bucket: seq ids, last tokens [B] (device), lengths, active."""
         n = len(reqs)
         pad = next(b for b in self.buckets if b >= n) - n
-        last = torch.tensor([(r.output or r.prompt)[-1] for r in reqs] + [0] * pad).to(self.model.device)
+        last = torch.tensor([(r.output or r.prompt)[-1] for r in reqs] + [0] * pad).to(self.backend.device)
         return ([r.seq_id for r in reqs] + [0] * pad, last,
                 [r.num_computed for r in reqs] + [0] * pad, [True] * n + [False] * pad)
 
@@ -244,10 +252,6 @@ class ModelRunner:
             raise RuntimeError(f"{steps} lookahead decode steps were planned where the model cannot run them "
                                "in one call (ModelRunner.decodes_in_one_call)")
         return out.tolist()
-
-    def _forward_decode(self, reqs: list[Request]) -> torch.Tensor:
-        tokens, positions, step = self.backend.decode_inputs(*self._decode_rows(reqs))
-        return self._timed("decode", self._decode, self.model, tokens, positions, step)[: len(reqs)]
 
     def _prompt_logprobs(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[list[TokenLogprobs]]:
         """logits [M, V] at the positions of `plan.scored`, in its order -> for each entry, the

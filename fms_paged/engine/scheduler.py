@@ -119,7 +119,8 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.pm.pages_needed(req.seq_id, req.num_computed + n)
-            while need > self.available_pages() - planned_pages:
+            # (no new page: nothing to check, planned_pages never passes available_pages)
+            while need and need > self.available_pages() - planned_pages:
                 victim = self.running.pop()  # the newest running request
                 if victim in planned:  # scheduled already this step: give its share back
                     n_v, need_v = planned.pop(victim)
@@ -131,7 +132,7 @@ class Scheduler:
                 planned[req] = (n, need)
                 budget, planned_pages = budget - n, planned_pages + need
         out.scheduled = [(r, n) for r, (n, _) in planned.items()]
-        if not out.preempted:
+        if self.waiting and not out.preempted:
             planned_pages = self._admit(out, budget, planned_pages, now)
         short = planned_pages - self.pm.num_free_pages
         if short > 0:  # RESERVE takes free pages: evict cached ones to make them
@@ -219,10 +220,12 @@ class Scheduler:
         logprobs = result.logprobs
         for (r, _), lps in zip(plan.scored, result.prompt_logprobs or ()):
             r.prompt_lps.extend(lps)  # (positions start where the scored ones end, a recompute too)
+        cache, P = self.cache, self.pm.page_size
         for r, n in plan.scheduled:
             self.num_prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
             r.num_computed += n
-            self._cache_filled(r)
+            if cache is not None and r.num_computed // P > len(r.cache_chain):  # a page filled
+                self._cache_filled(r)
         for parent, child in plan.forks:  # the parent's prompt is computed: share its pages
             self.pm.fork(parent.seq_id, child.seq_id)
             child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)
@@ -240,7 +243,8 @@ class Scheduler:
             for j, tok in enumerate(toks):
                 if j:  # a later lookahead step computed the token before this one
                     r.num_computed += 1
-                    self._cache_filled(r)
+                    if cache is not None and r.num_computed // P > len(r.cache_chain):
+                        self._cache_filled(r)
                 r.output.append(tok)
                 r.token_times.append(now)
                 self.num_output_tokens += 1
@@ -259,15 +263,17 @@ class Scheduler:
                 stats = r.stats(reason)
             # (no logprobs at all: a tensor-parallel worker's update, which outputs nothing)
             lps = None if r.params.logprobs is None or logprobs is None else [logprobs[i]]
+            prompt_lps = None if r.prompt_lps is None else self._take_prompt_logprobs(r)
             outputs.append(RequestOutput(r.request_id, toks[: j + 1], reason is not None, reason, r.index,
-                                         lps, stats, self._take_prompt_logprobs(r)))
+                                         lps, stats, prompt_lps))
         return outputs, finished
 
     def _cache_filled(self, r: Request) -> None:
-        """Put the request's pages filled up to its tokens computed into the prefix cache."""
-        if self.cache is not None and r.num_computed // self.pm.page_size > len(r.cache_chain):
-            self.cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed, r.cache_chain,
-                              r.cache_salt)
+        """Put the request's pages filled up to its tokens computed into the prefix cache. Called
+        where there is a cache and a page past `r.cache_chain` is full (`update` checks: most
+        steps fill none)."""
+        self.cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed, r.cache_chain,
+                          r.cache_salt)
 
     @staticmethod
     def _take_prompt_logprobs(r: Request) -> list[TokenLogprobs | None] | None:

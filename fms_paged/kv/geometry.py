@@ -50,6 +50,8 @@ def pages_grown(old_len, new_len, page_size: int, shares_partial_page=False):
     tokens: the logical pages it opens, plus a private copy of its partly filled last page when
     it writes into that page and the page is shared (`shares_partial_page`: copy-on-write).
     Page growth is this rule alone: the page manager's RESERVE and planning calls apply it."""
+    if shares_partial_page is False:  # (nothing shared: no copy to count)
+        return pages_for(new_len, page_size) - pages_for(old_len, page_size)
     copy = grows_into_partial_page(old_len, new_len, page_size) & shares_partial_page
     return pages_for(new_len, page_size) - pages_for(old_len, page_size) + copy
 

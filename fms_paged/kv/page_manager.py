@@ -226,7 +226,7 @@ class PageManager(PageSharing, PoolData):
         cur, P = int(self._lens[seq_id]), self.page_size
         if new_length <= cur:
             return 0
-        shared = cur % P != 0 and self._refcount[self._table[seq_id, cur // P]] > 1
+        shared = cur % P != 0 and bool(self._refcount[self._table[seq_id, cur // P]] > 1)
         return pages_grown(cur, new_length, P, shared)
 
     def pages_to_admit(self, new_length: int, shared_pages: int = 0) -> int:

@@ -132,7 +132,8 @@ class PagedBackend:
             idx = to_device(page_slots(np.asarray(reservation.opened), self.P).reshape(-1), self.device)
             for pool in self.k_pools + self.v_pools:
                 pool.index_fill_(2, idx, 0)
-        self.pm.apply_copies(reservation, *self.k_pools, *self.v_pools)  # pages shared by fork
+        if reservation:  # copy-on-write copies of pages shared by fork
+            self.pm.apply_copies(reservation, *self.k_pools, *self.v_pools)
 
     def prefill_batch(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]],
                       starts: Sequence[int], min_tokens: int = 1) -> PrefillBatch:

@@ -203,29 +203,27 @@ class LLaMABlock(nn.Module):
                 self.ff_ln.weight, f.wg.weight, f.w1.weight, f.w2.weight, pf]
 
 
-# A count of the parameters and submodules registered on any module of the process (torch's global
-# registration hooks: an assignment, `load_state_dict(assign=True)`, a rank's split): a model's
-# DecoderStack made before a registration is made again (`LLaMA.decoder_stack`). A tensor changed in
+# Each model's DecoderStack and whether its ends are set (`LLaMA._stack`), as made since the last
+# parameter or submodule registered on any module of the process (torch's global registration
+# hooks: an assignment, `load_state_dict(assign=True)`, a rank's split), which forgets them all:
+# a stack made before a registration is made again at its model's next step. A tensor changed in
 # place needs nothing: the stack holds the tensors themselves. The hooks are registered when the
-# process makes its first stack (`_count_registrations`), not at import: a process that never runs
+# process makes its first stack (`_watch_registrations`), not at import: a process that never runs
 # the cpp kernel's one-call forward has none.
-_REGISTRATIONS = [0]
-_COUNTING: list[bool] = []  # [True] once the hooks are registered
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (stack, ends)
+_WATCHING: list[bool] = []  # [True] once the hooks are registered
 
 
 def _registered(*_) -> None:
-    _REGISTRATIONS[0] += 1
+    _STACKS.clear()
 
 
-def _count_registrations() -> None:
-    """Register the hooks that count registrations (`_REGISTRATIONS`), once per process."""
-    if not _COUNTING:
+def _watch_registrations() -> None:
+    """Register the hooks that forget every stack at a registration (`_STACKS`), once per process."""
+    if not _WATCHING:
         nn.modules.module.register_module_parameter_registration_hook(_registered)
         nn.modules.module.register_module_module_registration_hook(_registered)
-        _COUNTING.append(True)
-
-
-_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (registrations, stack)
+        _WATCHING.append(True)
 
 
 class LLaMA(nn.Module):
@@ -322,13 +320,13 @@ class LLaMA(nn.Module):
         (checked once, when made), or None where a block has no fused form (`fused_weights`). Kept
         from step to step: a step hands the operator this one object instead of every block's
         weights. Made again after a parameter or submodule is registered anywhere
-        (`_REGISTRATIONS`) or the model is converted (`_apply`: `.to`, `.half`)."""
-        return self._stack()[0]
+        (`_STACKS`) or the model is converted (`_apply`: `.to`, `.half`)."""
+        return (_STACKS.get(self) or self._stack())[0]
 
     def logits_stack(self):
         """`decoder_stack()` where its ends are set too (the embedding, final norm and head, which
         `fms_paged::decoder_logits` and `decode_greedy` run around the blocks), else None."""
-        stack, ends = self._stack()
+        stack, ends = _STACKS.get(self) or self._stack()
         return stack if ends else None
 
     def rope_tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -336,13 +334,11 @@ class LLaMA(nn.Module):
         return [r.cos for r in self.ropes], [r.sin for r in self.ropes]
 
     def _stack(self):
-        """(`decoder_stack()`, whether its ends are set: the embedding, final norm and head, which
-        `fms_paged::decoder_logits` runs around the blocks; set where the head is a packed `Linear`
-        without a bias and the ends are contiguous in the blocks' dtype)."""
-        made, stack, ends = _STACKS.get(self, (-1, None, False))
-        if made == _REGISTRATIONS[0]:
-            return stack, ends
-        _count_registrations()  # (before the stack is made: every later registration is counted)
+        """Make (`decoder_stack()`, whether its ends are set: the embedding, final norm and head,
+        which `fms_paged::decoder_logits` runs around the blocks; set where the head is a packed
+        `Linear` without a bias and the ends are contiguous in the blocks' dtype), kept in `_STACKS`
+        until a registration or a conversion forgets it."""
+        _watch_registrations()  # (before the stack is made: every later registration forgets it)
         weights, ends = [], False
         for layer in self.layers:
             w = layer.fused_weights()
@@ -366,7 +362,7 @@ class LLaMA(nn.Module):
                                float(c.logits_scaling), float(c.final_softcap or 0.0))
         else:
             stack = None
-        _STACKS[self] = (_REGISTRATIONS[0], stack, ends)
+        _STACKS[self] = (stack, ends)
         return stack, ends
 
     def _apply(self, fn, recurse=True):

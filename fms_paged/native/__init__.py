@@ -152,7 +152,8 @@ def deferred() -> bool:
     meanwhile), and the model takes the operators and kernels at its
     first call after the builds are done. Where every library was found built this is False from
     the start, and with the variable set a first start waits: a model's every call takes one path."""
-    return compiling() and not os.environ.get("FMS_PAGED_WAIT_FOR_BUILDS")
+    # (no build compiling: False without the lock, what a step after a first start costs)
+    return bool(_COMPILING) and compiling() and not os.environ.get("FMS_PAGED_WAIT_FOR_BUILDS")
 
 
 @contextlib.contextmanager
@@ -246,7 +247,10 @@ def configure() -> str | None:
     return why
 
 
-_READY: dict[torch.dtype, bool] = {}  # dtype -> the operators and its GEMV and rows kernels were tried
+# dtype -> the operators and its GEMV and rows kernels were tried (`load_gemv`), with the head dims
+# (None: no attention asked for) that `ready` found the C++ path for: nothing unloads, so a path
+# found ready stays ready for the process and a later ask costs two lookups
+_READY: dict[torch.dtype, set[int | None]] = {}
 
 
 def load_gemv(dtype: torch.dtype) -> str | None:
@@ -255,7 +259,7 @@ def load_gemv(dtype: torch.dtype) -> str | None:
     prebuild_kernels(dtype)  # both at once
     why = ((configure() if not _READY else ops()) or register("gemv", GEMV_SOURCE, dtype)
            or register("rows", ROWS_SOURCE, dtype))
-    _READY[dtype] = True  # tried: the operators take it from here
+    _READY.setdefault(dtype, set())  # tried: the operators take it from here
     return why
 
 
@@ -283,25 +287,31 @@ def ready(dtype: torch.dtype, head_dim: int | None = None) -> bool:
     loaded. Loads (building if need be) on the first ask for a dtype and head dim, then costs a
     dict lookup. False for a dtype the kernels lack, while a first start's builds compile
     (`deferred`: torch's operations meanwhile), and where the operators or the attention kernel
-    could not be had (the latter warned once: the cpp kernel's steps then attend by GATHER + SDPA)."""
+    could not be had (the latter warned once: the cpp kernel's steps then attend by GATHER + SDPA).
+    Once True for a dtype and head dim, True for good (noted in `_READY`): a step asks once."""
+    found = _READY.get(dtype)
+    if found is not None and head_dim in found:
+        return True
     if dtype not in ELEM_TYPES:
         return False
-    if dtype not in _READY:
+    if found is None:
         if deferred():
             return False
         load_gemv(dtype)
     if not ops_loaded():
         return False
-    if head_dim is None or kernel_ready("attention", dtype, head_dim):
-        return True
-    if deferred():
-        return False
-    why = load_attention(head_dim, dtype)
-    if why is not None and (head_dim, dtype) not in _WARNED:
-        _WARNED.add((head_dim, dtype))
-        warnings.warn(f"fms_paged: the CPU attention kernel could not be had ({why}); the cpp kernel's "
-                      "steps attend by GATHER + SDPA", stacklevel=2)
-    return why is None
+    if head_dim is not None and not kernel_ready("attention", dtype, head_dim):
+        if deferred():
+            return False
+        why = load_attention(head_dim, dtype)
+        if why is not None:
+            if (head_dim, dtype) not in _WARNED:
+                _WARNED.add((head_dim, dtype))
+                warnings.warn(f"fms_paged: the CPU attention kernel could not be had ({why}); the cpp "
+                              "kernel's steps attend by GATHER + SDPA", stacklevel=2)
+            return False
+    _READY.setdefault(dtype, set()).add(head_dim)
+    return True
 
 
 def require_builds(dtype: torch.dtype, head_dim: int | None = None) -> bool:

@@ -73,15 +73,15 @@ class CppStep(PoolStep):
         stack = model.logits_stack()
         if stack is None:
             return None
-        h = model.head.weight
-        if (torch.is_grad_enabled() and h.requires_grad) or not native.ready(h.dtype):
+        h, view = model.head.weight, self.view  # (a cpp step needs no `prepare`: slots and chunks are all)
+        # (`fused` found the C++ path ready for the pools' dtype: the head's, unless it was converted)
+        if (torch.is_grad_enabled() and h.requires_grad) or (
+                h.dtype != view.k_pools[0].dtype and not native.ready(h.dtype)):
             return None
-        step = self.prepare()
-        view = step.view
         cos, sin = model.rope_tables()
         return torch.ops.fms_paged.decoder_logits(
-            stack, tokens, positions, cos, sin, view.k_pools, view.v_pools, step.slots, view.page_table,
-            step.chunks, view.page_size, logits_at)
+            stack, tokens, positions, cos, sin, view.k_pools, view.v_pools, self.slots, view.page_table,
+            self.chunks, view.page_size, logits_at)
 
     def run_blocks(self, model: LLaMA, x: torch.Tensor,
                    ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> torch.Tensor | None:
@@ -190,12 +190,11 @@ class CppKernel(Kernel):
 
     def decode(self, view: PoolView, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
         # a chunk of one token per row; an inactive row: no sequence (seq -1: zero output), its
-        # key and value written to the null page (slot 0)
-        rows = batch.rows()
-        B = len(rows)
-        chunks = torch.tensor([(s if n >= 0 else -1, max(n, 0), 1, i) for i, (s, n, _) in enumerate(rows)])
-        slots = torch.tensor([slot for _, _, slot in rows])
-        return batch.tokens.view(B, 1), chunks[:, 1:2], CppStep(view, slots, chunks)
+        # key and value written to the null page (slot 0, as `batch.slots` has it)
+        rows = zip(batch.seq_ids, batch.lengths, batch.active)
+        B = len(batch.seq_ids)
+        chunks = torch.tensor([(s, n, 1, i) if a else (-1, 0, 1, i) for i, (s, n, a) in enumerate(rows)])
+        return batch.tokens.view(B, 1), chunks[:, 1:2], CppStep(view, torch.tensor(batch.slots), chunks)
 
     def mixed(self, view: PoolView, dec: DecodeBatch,
               pre: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
