@@ -1,4 +1,4 @@
-// The calling convention of the project's C++ kernels (fms_paged/native.py builds them with this
+// The calling convention of the project's C++ kernels (fms_paged/native builds them with this
 // folder on the include path). A kernel takes one struct of arguments, declared from one list of
 // (type, name) fields (kernels/kernels.h), and exports a function that spells the struct's layout: its
 // name, its size, and every field's name, kind and offset. The operators that call a kernel
@@ -31,7 +31,7 @@ std::string fms_paged_kind() {
   else if constexpr (std::is_same_v<U, fms_bf16>) return "bf16";
   else if constexpr (std::is_same_v<U, fms_f16>) return "f16";
   else {
-    static_assert(std::is_same_v<U, float>, "a field of another type: give it a kind here and in native.py");
+    static_assert(std::is_same_v<U, float>, "a field of another type: give it a kind here and in fms_paged/native");
     return "f32";
   }
 }

@@ -1,5 +1,5 @@
 // Paged causal attention on the CPU: prefill chunks and decode rows read their keys and values in
-// place, through the page table. Built and loaded by fms_paged/kv/cpu_kernel.py, once per head dim
+// place, through the page table. Built and loaded by fms_paged/native, once per head dim
 // and storage type T (-DFMS_ELEM: float, fms_bf16 or fms_f16) of q, the pools and the output.
 // Whatever T is, scores, softmax and the output accumulate in fp32: half-precision values are
 // converted as they are loaded (csrc/kernels/vec.h), so a decode row reads half the bytes of

@@ -1,6 +1,6 @@
 // A decode row's path of the paged attention kernel: a part of attention.cpp, included by it
 // inside its namespace after what it uses (T, D, W, the vectors, Args, Item, Scratch, the key
-// rows, prefetches and softmax helpers), and built with it (fms_paged/native.py hashes a kernel's
+// rows, prefetches and softmax helpers), and built with it (fms_paged/native hashes a kernel's
 // own headers, <source stem>*.h, into the library's key). Keys sit in the lanes: see the top of
 // attention.cpp.
 #pragma once

@@ -1,12 +1,12 @@
 // Products of a few rows with row-major weights, y = x W^T, for decode steps: each weight row is
 // streamed from memory once and dotted with every row of x. Built and loaded by
-// fms_paged/native.py once per storage type T of x, the weights and y (-DFMS_ELEM: float, fms_bf16
+// fms_paged/native once per storage type T of x, the weights and y (-DFMS_ELEM: float, fms_bf16
 // or fms_f16); half-precision values are converted to fp32 as they are loaded and the dot products
 // accumulate in fp32 (csrc/kernels/vec.h), so a bf16 / fp16 model's decode reads half the
 // bytes of fp32. On a CPU with AVX512_BF16 the bf16 build multiplies bf16 pairs as they are
 // (vdpbf16ps: exact products, fp32 sums), with no conversion and half the instructions: a decode
 // batch of a few rows is then bound by memory rather than by the FMAs. See
-// fms_paged/modules/linear.py.
+// fms_paged/modules/linear.py and fms_paged/native/gemm.py.
 //
 // The weights of one call may be several matrices sharing K (q/k/v, gate/up): their outputs sit
 // side by side in y. Output columns go in blocks of NR weight rows, split over the threads. While

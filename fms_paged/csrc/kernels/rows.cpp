@@ -1,6 +1,6 @@
 // The row-wise work of a decoder block, on M token rows at once, for `fms_paged::decoder_stack`
 // (csrc/ops/layer.cpp): RMSNorm, the residual add, the q/k/v rows' bias, q/k norms, RoPE
-// and ASSIGN, and the gated activation. Built and loaded by fms_paged/native.py once per storage
+// and ASSIGN, and the gated activation. Built and loaded by fms_paged/native once per storage
 // type T of the rows and weights (-DFMS_ELEM: float, fms_bf16 or fms_f16), for the CPU's own
 // vectors (csrc/kernels/vec.h), like the GEMV and attention kernels.
 //

@@ -305,7 +305,7 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
   const KernelFn attn = attention_fn(e, s.head_dim), mm = gemv_fn(e), rows_kernel = rows_fn(e);
   TORCH_CHECK(attn && mm && rows_kernel, "decoder_stack: no ", !attn ? "attention" : !mm ? "GEMV" : "rows",
               " kernel loaded for ", dtype_name(s.dtype), attn ? "" : " and head_dim=" + std::to_string(s.head_dim),
-              " (fms_paged.kv.cpu_kernel.unavailable_reason and fms_paged.modules.linear.load_gemv load them)");
+              " (fms_paged.native.load_attention and fms_paged.native.load_gemv load them)");
   const int64_t n = s.layers(), M = x.size(0), Cd = s.width;
   std::vector<Layer> layers(n);
   for (int64_t i = 0; i < n; ++i) {  // every layer's pointers and sizes in one pass (see Layer)

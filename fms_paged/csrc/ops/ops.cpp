@@ -4,7 +4,7 @@
 //
 // The kernels themselves (kernels/attention.cpp, kernels/gemv.cpp, kernels/rows.cpp)
 // include no torch header: they are built per instruction set, storage type and head dim when
-// first needed (fms_paged/native.py, in seconds) and loaded here by path (`_load_kernel`), which
+// first needed (fms_paged/native, in seconds) and loaded here by path (`_load_kernel`), which
 // checks each library's argument struct against this file's (kernels/kernels.h) before taking its
 // entry point. This file is built once per torch version and compiler (at install time, else on
 // first use) and is the same on every CPU.
@@ -194,7 +194,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                     "paged_attention: the pools, the page table and the chunks must be contiguous");
   const KernelFn fn = attention_fn(e, D);
   TORCH_CHECK(fn, "paged_attention: no kernel loaded for head_dim=", D, " and ", dtype_name(dt),
-              " (fms_paged.kv.cpu_kernel.unavailable_reason builds and loads it)");
+              " (fms_paged.native.load_attention builds and loads it)");
   // q's tokens as rows [B * S, H, D] with D contiguous: q [B, H, S, D] transposed, copied only
   // when its tokens are not evenly strided
   at::Tensor rows = q.transpose(1, 2);  // [B, S, H, D]
@@ -261,7 +261,7 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
 
 // --------------------------------------------------------------------------------------- linear
 
-// how `linear` picks its path (set by fms_paged.modules.linear when it loads: `_configure_linear`)
+// how `linear` picks its path (set by fms_paged.native when it loads the operators: `_configure_linear`)
 struct LinearConfig {
   int64_t gemv_max_rows = 8, pack_min_weight = 1 << 18, pack_min_rows = 256;
   bool onednn = false;
@@ -422,7 +422,7 @@ KernelFn rows_for(const char* op, const at::Tensor& x) {
                     dtype_name(x.scalar_type()), " ", shape(x), " on ", x.device());
   const KernelFn fn = rows_fn(e);
   TORCH_CHECK(fn, op, ": no rows kernel loaded for ", dtype_name(x.scalar_type()),
-              " (fms_paged.modules.linear.load_gemv loads it)");
+              " (fms_paged.native.load_gemv loads it)");
   return fn;
 }
 
