@@ -215,15 +215,24 @@ def kernel_library(source: Path, which: str, cache: Path,
     return build_library(name, command, made_from, cache=cache)
 
 
-def kernel_recipe(source: Path, which: str, **defines: int | str) -> tuple[str, list[str], list[str]] | str:
-    """(name, compile command, what it is made from) of the kernel library `kernel_library`
-    builds, or why it cannot be built here."""
+def _toolchain() -> tuple[str, str] | str:
+    """(the C++ compiler, its version line), or why there is none to build with."""
     cxx = compiler()
     if cxx is None:
         return "no C++ compiler found ($CXX, g++ or c++)"
     version = _compiler_version(cxx)
     if version is None:
         return f"{cxx} --version failed"
+    return cxx, version
+
+
+def kernel_recipe(source: Path, which: str, **defines: int | str) -> tuple[str, list[str], list[str]] | str:
+    """(name, compile command, what it is made from) of the kernel library `kernel_library`
+    builds, or why it cannot be built here."""
+    toolchain = _toolchain()
+    if isinstance(toolchain, str):
+        return toolchain
+    cxx, version = toolchain
     flags = _flags(which) + [f"-I{KERNELS_DIR}"] + [f"-D{k}={v}" for k, v in sorted(defines.items())]
     parts = sorted(source.parent.glob(source.stem + "*.h"))  # the kernel's own headers
     made_from = [source.read_text(), *(h.read_text() for h in (*parts, *KERNEL_HEADERS)), " ".join(flags),
@@ -270,12 +279,10 @@ def _ops_command(cxx: str) -> list[str]:
 def ops_recipe() -> tuple[list[str], list[str]] | str:
     """(compile command, what it is made from) of the operators' library, or why it cannot be
     built here."""
-    cxx = compiler()
-    if cxx is None:
-        return "no C++ compiler found ($CXX, g++ or c++)"
-    version = _compiler_version(cxx)
-    if version is None:
-        return f"{cxx} --version failed"
+    toolchain = _toolchain()
+    if isinstance(toolchain, str):
+        return toolchain
+    cxx, version = toolchain
     command = _ops_command(cxx)
     sources = (*OPS_SOURCES, *OPS_HEADERS, *KERNEL_HEADERS)
     return command, [*(f.read_text() for f in sources), " ".join(command), version, torch.__version__,
