@@ -36,6 +36,13 @@ class Block(torch.nn.Module):
         return F.relu(out).flatten(2)
 
 
+
+def fresh_interpreter(code: str) -> list[str]:
+    """Run `code` in a new Python process (nothing of this one imported) -> the words it printed."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.split()
+
 def test_aot_compiled_graph_calls_the_operators(tmp_path):
     H, Hkv, D, T = 4, 2, 16, 20
     k, v, table, _ = make_pool([T], H, Hkv, D, 16)
@@ -66,9 +73,7 @@ def test_builds_start_after_setuptools_is_imported_on_the_calling_thread():
         "native.prebuild_model(torch.device('cpu'), torch.bfloat16, 64, 'paged')\n"
         "print('setuptools' in sys.modules)\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-1] == "True"
+    assert fresh_interpreter(code)[-1] == "True"
 
 
 def test_a_paged_cpu_model_starts_its_builds_while_it_loads(monkeypatch):
@@ -158,6 +163,4 @@ def test_importing_the_package_changes_nothing_global():
         "m = fms_paged.get_model(variant='micro', attn_impl='sdpa', device='cpu', linear_impl='torch')\n"
         "print(hooks() == before, dict(gemm.PACK_DTYPES) == {})\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-2:] == ["True", "True"]
+    assert fresh_interpreter(code)[-2:] == ["True", "True"]
