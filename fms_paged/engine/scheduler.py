@@ -220,12 +220,10 @@ class Scheduler:
         logprobs = result.logprobs
         for (r, _), lps in zip(plan.scored, result.prompt_logprobs or ()):
             r.prompt_lps.extend(lps)  # (positions start where the scored ones end, a recompute too)
-        cache, P = self.cache, self.pm.page_size
         for r, n in plan.scheduled:
             self.num_prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
             r.num_computed += n
-            if cache is not None and r.num_computed // P > len(r.cache_chain):  # a page filled
-                self._cache_filled(r)
+            self._cache_filled(r)
         for parent, child in plan.forks:  # the parent's prompt is computed: share its pages
             self.pm.fork(parent.seq_id, child.seq_id)
             child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)
@@ -243,8 +241,7 @@ class Scheduler:
             for j, tok in enumerate(toks):
                 if j:  # a later lookahead step computed the token before this one
                     r.num_computed += 1
-                    if cache is not None and r.num_computed // P > len(r.cache_chain):
-                        self._cache_filled(r)
+                    self._cache_filled(r)
                 r.output.append(tok)
                 r.token_times.append(now)
                 self.num_output_tokens += 1
@@ -269,11 +266,11 @@ class Scheduler:
         return outputs, finished
 
     def _cache_filled(self, r: Request) -> None:
-        """Put the request's pages filled up to its tokens computed into the prefix cache. Called
-        where there is a cache and a page past `r.cache_chain` is full (`update` checks: most
-        steps fill none)."""
-        self.cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed, r.cache_chain,
-                          r.cache_salt)
+        """Put the request's pages filled up to its tokens computed into the prefix cache (with a
+        cache, where a page past `r.cache_chain` is full: most steps fill none)."""
+        if self.cache is not None and r.num_computed // self.pm.page_size > len(r.cache_chain):
+            self.cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed, r.cache_chain,
+                              r.cache_salt)
 
     @staticmethod
     def _take_prompt_logprobs(r: Request) -> list[TokenLogprobs | None] | None:
