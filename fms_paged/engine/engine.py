@@ -36,8 +36,7 @@ from fms_paged.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from fms_paged.engine.structured import Grammar, Grammars
 from fms_paged.engine.tensor_parallel import split_for_engine
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
-from fms_paged.kv.geometry import min_pool_pages
-from fms_paged.kv.paged import PagedBackend, attention_specs
+from fms_paged.kv.paged import PagedBackend, attention_specs, model_groups
 from fms_paged.kv.spec import release_horizon
 from fms_paged.parallel import TensorParallelError
 
@@ -148,9 +147,11 @@ class Engine:
                 "(the model's max_expected_seq_len)"
             )
         # every layer windowed: pages behind the widest window are released (`Scheduler`), and a
-        # request holds at most the pages of a step and the window before it
+        # request holds at most the pages of a step and the window before it; with layer groups
+        # (`fms_paged.kv.groups`), each sliding group holds its own window's pages
         horizon = release_horizon(attention_specs(model))
-        need = min_pool_pages(max_model_len, c.page_size, horizon, max_num_batched_tokens)
+        groups = model_groups(model)
+        need = groups.min_pool_pages(max_model_len, c.page_size, max_num_batched_tokens)
         if backend is None and num_pages is not None:
             if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
                 raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
@@ -158,14 +159,14 @@ class Engine:
         model, self._ranks, self.control = split_for_engine(model, tensor_parallel_size, backend, Engine,
                                                              settings)
         try:
-            self._build(model, backend, num_pages, need, horizon, max_num_seqs, max_num_batched_tokens,
+            self._build(model, backend, num_pages, need, groups, horizon, max_num_seqs, max_num_batched_tokens,
                         max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile,
                         cuda_graphs, tokenizer, decode_steps)
         except BaseException:
             self.shutdown()  # the ranks spawned or joined for this engine are let go
             raise
 
-    def _build(self, model, backend, num_pages, need, horizon, max_num_seqs, max_num_batched_tokens,
+    def _build(self, model, backend, num_pages, need, groups, horizon, max_num_seqs, max_num_batched_tokens,
                max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile, cuda_graphs,
                tokenizer, decode_steps) -> None:
         c = model.config
@@ -189,16 +190,17 @@ class Engine:
             raise ValueError(f"backend has {backend.max_batch} rows, fewer than max_num_seqs={max_num_seqs}")
         self.backend, self.pm = backend, backend.pm
         self.max_model_len = min(max_model_len, self.pm.max_seq_len)
-        # the longest request the pool can hold: every token's page, or with pages released behind
-        # a window, any request whose step and window fit
-        P, usable = self.pm.page_size, self.pm.num_pages - 1
-        fits_any = min_pool_pages(self.max_model_len, P, horizon, max_num_batched_tokens) <= self.pm.num_pages
-        self.capacity = self.max_model_len if horizon is not None and fits_any else usable * P
+        # the longest request the pool can hold: a page per token in the full groups, the pages of a
+        # step and the window before it in the sliding ones
+        self.capacity = groups.capacity(self.pm.num_pages, self.pm.page_size, max_num_batched_tokens,
+                                        self.max_model_len)
         self.horizon = horizon
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}; expected a bool")
-        self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching else None
+        # (layer groups with no full-attention group have no pages to name cached entries by)
+        self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching and (
+            not groups.grouped or groups.windows[0] is None) else None
         self.runner = ModelRunner(model, backend, max_num_seqs, compile, cuda_graphs)
         self.runner.ranks = self._ranks  # rank 0 of tensor-parallel ranks: each run sends the step
         # lookahead decode steps where the runner runs them in one call (never split over ranks)

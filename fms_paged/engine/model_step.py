@@ -75,7 +75,10 @@ def _rows_dynamic(fn: Callable, model: torch.nn.Module, tokens: torch.Tensor, po
     (`smallest_batch`).
     Together with the backend's dynamic pool and page size (`PagedBackend`), a model shape has one
     engine decode graph, whatever its engines' pools."""
-    for t in (tokens, positions, step.slots, step.chunks):
+    for s in getattr(step, "steps", (step,)):  # (pages held per layer group: a step per group)
+        torch._dynamo.maybe_mark_dynamic(s.slots, 0)
+        torch._dynamo.maybe_mark_dynamic(s.chunks, 0)
+    for t in (tokens, positions):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     return fn(model, tokens, positions, step)
 
@@ -94,6 +97,10 @@ def cuda_graphs_unavailable_reason(backend: object, compiled: bool) -> str | Non
         return f"CUDA graphs need the flex kernel, not {backend.kernel.name!r}"
     if not compiled:
         return "CUDA graphs need the compiled decode step (compile=False was asked for)"
+    groups = getattr(backend, "groups", None)
+    if groups is not None and groups.grouped:
+        return ("CUDA graphs replay one decode step's metadata: a model whose pages are held per layer "
+                f"group ({groups.describe()}) builds a step per group")
     return None
 
 

@@ -9,6 +9,15 @@ A hit is verified, never trusted: the cached page's own token ids, extra key and
 equal the request's, so a hash collision can never serve another prompt's KV. Pages that no
 sequence holds any more are evictable, least recently used first; a page a sequence holds is never
 evicted. Host bookkeeping only (no tensors): the engine loop is its one owner.
+
+Layer groups (`fms_paged.kv.page_groups`): a cached logical page is one page per layer slice. The
+entry is named by its first slice's page (a full slice: groups are ordered full first) and lists
+the other slices' pages with it; it is evictable, evicted and counted as all of them. A sliding
+slice's page that its sequence releases behind the window leaves the cache at once (the cache's
+reference is dropped, the page goes back to the pool for reuse), so a long request's resident
+memory follows the pages it holds. A hit then needs, per sliding slice, only the pages its window
+reads before the hit's end: the hit is the longest verified chain whose last pages are still there
+in every sliding slice (vLLM's per-group prefix-cache rule).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from fms_paged.kv.geometry import NULL_PAGE
+from fms_paged.kv.page_groups import GroupedPages
 from fms_paged.kv.page_manager import PageManager
 
 HashFn = Callable[[int | None, tuple[int, ...], Hashable], int]
@@ -38,8 +48,18 @@ class CachedPage:
 
 
 class PrefixCache:
-    def __init__(self, pm: PageManager, hash_fn: HashFn = chain_hash):
+    def __init__(self, pm: PageManager | GroupedPages, hash_fn: HashFn = chain_hash):
         self.pm, self.P, self.hash_fn = pm, pm.page_size, hash_fn
+        grouped = isinstance(pm, GroupedPages)
+        if grouped and pm.windows[0] is not None:
+            raise ValueError("prefix caching over layer groups needs a full-attention group (its pages name "
+                             f"the cached entries); this model has {pm.groups.describe()}")
+        # layer groups: the windows of slices 1.. , each entry's pages there (the null page where
+        # released), and which entry a page of those slices belongs to
+        self.windows = pm.windows[1:] if grouped else ()
+        self.others: dict[int, list[int]] = {}
+        self.owner: dict[int, int] = {}
+        self._evictable_pages = 0  # pages of the evictable entries (an entry: 1 + its others)
         self.by_key: dict[int, int] = {}  # key -> page
         self.pages: dict[int, CachedPage] = {}  # page -> what it holds
         # cached pages no sequence holds: least recently used first
@@ -63,7 +83,21 @@ class PrefixCache:
                 self.collisions += 1  # same key, other content: never served
                 break
             chain.append((key, page))
-        return chain
+        return self._within_windows(chain) if self.windows else chain
+
+    def _within_windows(self, chain: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The longest head of `chain` whose end every sliding slice can resume from: its pages
+        from the first one the window of the next position reads are all still cached."""
+        for n in range(len(chain), 0, -1):
+            if all(self.others[chain[j][1]][g] != NULL_PAGE
+                   for g, w in enumerate(self.windows) if w is not None
+                   for j in range(self._first_read(n, w), n)):
+                return chain[:n]
+        return []
+
+    def _first_read(self, n: int, window: int) -> int:
+        """The first logical page a query at position n * P reads under `window`."""
+        return max(0, n * self.P - window + 1) // self.P
 
     def record(self, query_tokens: int, hit_tokens: int) -> None:
         """Count an admitted request's lookup (tokens asked, tokens served from the cache)."""
@@ -78,10 +112,17 @@ class PrefixCache:
         """Seq `seq_id` (not live) starts with the pages of `chain` (from `match`); they stop
         being evictable."""
         pages = [p for _, p in chain]
-        if pages:  # (a miss: the sequence starts empty at its first RESERVE)
+        if pages and self.windows:  # every slice: a sliding one its window's pages alone
+            n = len(pages)
+            per_slice = [pages] + [
+                [self.others[p][g] if w is None or j >= self._first_read(n, w) else NULL_PAGE
+                 for j, p in enumerate(pages)] for g, w in enumerate(self.windows)]
+            self.pm.share(seq_id, per_slice)
+        elif pages:  # (a miss: the sequence starts empty at its first RESERVE)
             self.pm.share(seq_id, pages)
         for p in pages:
-            self.evictable.pop(p, None)
+            if self.evictable.pop(p, 0) is None:
+                self._evictable_pages -= self._weight(p)
 
     def insert(self, seq_id: int, tokens: Sequence[int], num_computed: int,
                chain: list[tuple[int, int]], extra: Hashable = None) -> None:
@@ -96,6 +137,7 @@ class PrefixCache:
         if n <= len(chain):
             return
         own = self.pm.pages_of(seq_id)
+        others = [self.pm.pages_of(seq_id, g + 1) for g in range(len(self.windows))]
         for j in range(len(chain), n):
             if own[j] == NULL_PAGE:  # released behind a sliding window: the chain stops here
                 return
@@ -105,7 +147,11 @@ class PrefixCache:
             page = self.by_key.get(key)
             if page is None:
                 page = own[j]
-                self.pm.hold([page])
+                extra_pages = [o[j] for o in others]
+                self.pm.hold([page] + [o for o in extra_pages if o != NULL_PAGE])
+                if self.windows:
+                    self.others[page] = extra_pages
+                    self.owner.update((o, page) for o in extra_pages if o != NULL_PAGE)
                 self.by_key[key] = page
                 self.pages[page] = CachedPage(key, parent, chunk, extra)
                 self.children.setdefault(parent, set()).add(page)
@@ -119,15 +165,36 @@ class PrefixCache:
         sequence holds now become evictable, the deepest first (a shared first page is more
         likely to be asked for again than the tail of one conversation)."""
         for p in reversed(pages):
-            if p in self.pages and self.pm.refcount(p) == 1:  # the cache's own reference only
+            if p in self.owner:  # a sliding slice's page released behind its window: forgotten
+                self._forget(p)
+            elif p in self.pages and self.pm.refcount(p) == 1:  # the cache's own reference only
+                if p not in self.evictable:
+                    self._evictable_pages += self._weight(p)
                 self.evictable[p] = None
                 self.evictable.move_to_end(p)
 
+    def _forget(self, page: int) -> None:
+        """Drop a sliding slice's page from its entry (its window has passed it)."""
+        lead = self.owner.pop(page)
+        others = self.others[lead]
+        others[others.index(page)] = NULL_PAGE
+        if lead in self.evictable:
+            self._evictable_pages -= 1
+        self.pm.unhold([page])
+
+    def _weight(self, page: int) -> int:
+        """Pages an entry frees when evicted: its own and its other slices' still cached."""
+        return 1 + sum(o != NULL_PAGE for o in self.others.get(page, ()))
+
     def evict(self, n: int) -> int:
-        """Return up to `n` evictable pages to the free pool, least recently used first -> how many."""
-        k = min(n, len(self.evictable))
-        for _ in range(k):
+        """Return at least `n` evictable pages (or all there are) to the free pool, least recently
+        used entries first -> how many pages."""
+        freed = k = 0
+        while freed < n and self.evictable:
             page, _ = self.evictable.popitem(last=False)
+            weight = self._weight(page)
+            freed, k = freed + weight, k + 1
+            self._evictable_pages -= weight
             got = self.pages.pop(page)
             if self.by_key.get(got.key) == page:
                 del self.by_key[got.key]
@@ -137,9 +204,12 @@ class PrefixCache:
                 if not siblings:
                     del self.children[got.parent]
             self._orphan(page)
-            self.pm.unhold([page])
+            extra_pages = [o for o in self.others.pop(page, ()) if o != NULL_PAGE]
+            for o in extra_pages:
+                del self.owner[o]
+            self.pm.unhold([page, *extra_pages])
         self.evictions += k
-        return k
+        return freed
 
     def _orphan(self, page: int) -> None:
         """`page` leaves the cache: the pages listed after it can no longer be matched (their
@@ -155,16 +225,23 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every cached page no sequence holds (and forget the rest)."""
-        self.evict(len(self.evictable))
+        self.evict(self.num_evictable)
         if self.pages:
-            self.pm.unhold(list(self.pages))
+            self.pm.unhold(list(self.pages) + list(self.owner))
+        self.others.clear()
+        self.owner.clear()
         self.by_key.clear()
         self.pages.clear()
         self.children.clear()
 
     @property
     def num_evictable(self) -> int:
-        return len(self.evictable)
+        """Pages that evicting every evictable entry frees."""
+        return self._evictable_pages if self.windows else len(self.evictable)
+
+    def evictable_pages(self, chain: list[tuple[int, int]]) -> int:
+        """Pages of `chain`'s entries that are evictable now (a hit on them takes them out)."""
+        return sum(self._weight(p) for _, p in chain if p in self.evictable)
 
     def metrics(self) -> dict:
         return {

@@ -12,9 +12,10 @@ Host only: no tensors. Each step gets a token budget (`max_num_batched_tokens`):
 Prompts longer than what is left of the budget are prefilled in chunks, in the same forward as the
 decodes of running requests, so a long prompt never stalls them.
 
-0. When every layer of the model is windowed (`horizon`: the widest window), the pages of each
-   running request that lie wholly before the first position its next query sees are released
-   first (they go back to the pool, or stay with the prefix cache, evictable).
+0. When every layer of the model is windowed (`horizon`: the widest window), or its pages are held
+   per layer group with sliding groups among them (`fms_paged.kv.page_groups`), the pages of each
+   running request that lie wholly before the first position its next query sees (in each sliding
+   group) are released first (they go back to the pool, or stay with the prefix cache, evictable).
 3. The other completions of an `n > 1` request whose prompt this step finishes FORK its pages
    while rows are free (they sample their first token from its logits), else wait in the queue.
 4. With `decode_steps > 1`, where the model runner runs several decode steps in one call
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, Status, TokenLogprobs
+from fms_paged.kv.page_groups import GroupedPages
 from fms_paged.kv.page_manager import PageManager, Reservation
 
 
@@ -83,12 +85,14 @@ class Scheduler:
     """decode_steps: up to this many greedy decode steps in one forward (`lookahead`), planned
     where `lookahead_ready()` says the model runner runs them in one call now (None: never)."""
 
-    def __init__(self, pm: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, pm: PageManager | GroupedPages, max_num_seqs: int, max_num_batched_tokens: int,
                  watermark: float = 0.01, cache: PrefixCache | None = None, horizon: int | None = None,
                  *, decode_steps: int = 1, lookahead_ready: Callable[[], bool] | None = None):
         self.pm = pm
         self.decode_steps, self.lookahead_ready = decode_steps, lookahead_ready
         self.horizon = horizon  # every layer windowed: keys this far back are all any layer reads
+        # pages are released behind windows: every layer windowed, or sliding layer groups
+        self.releases = horizon is not None or (isinstance(pm, GroupedPages) and bool(pm.groups.sliding))
         self.cache = cache  # prefix caching: admissions share cached pages; evictable pages count as free
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -105,7 +109,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out, now = SchedulerOutput(), time.perf_counter()
-        if self.horizon is not None:
+        if self.releases:
             self._release_behind_windows()
         budget = self.max_num_batched_tokens
         planned: dict[Request, tuple[int, int]] = {}  # scheduled this step: (tokens, pages)
@@ -300,7 +304,7 @@ class Scheduler:
             n = min(req.num_tokens - cached, budget)
             need = self.pm.pages_to_admit(cached + n, len(chain))
             # hit pages that were evictable are not available to others once shared
-            hit_evictable = sum(p in cache.evictable for _, p in chain) if chain else 0
+            hit_evictable = cache.evictable_pages(chain) if chain else 0
             headroom = self.watermark_pages if self.running else 0  # alone, it may use every page
             if need > self.available_pages() - hit_evictable - planned_pages - headroom:
                 break

@@ -21,6 +21,7 @@ from fms_paged.engine.sampling import sample_each
 from fms_paged.engine.tensor_parallel import run_worker
 from fms_paged.kv.cache import KVCacheBackend, make_cache
 from fms_paged.kv.geometry import min_pool_pages, pages_for
+from fms_paged.kv.paged import model_groups
 
 __all__ = ["compiled_decode", "decode_fn", "decode_one_token", "generate", "validate_prompts"]
 
@@ -114,10 +115,12 @@ def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, co
     num_pages = None
     if cache is None:
         P = model.config.page_size
-        # every request whole and the null page, and at least what one sequence of max_model_len
-        # needs (every page held: no window release counted), rounded up to a power of two
-        need = max(sum(pages_for(len(p) + max_new_tokens, P) for p in prompts) + 1,
-                   min_pool_pages(max_model_len, P))
+        # every request whole in every layer slice (`fms_paged.kv.groups`) and the null page, and
+        # at least what one sequence of max_model_len needs (every page held: no window release
+        # counted), rounded up to a power of two
+        G = model_groups(model).num_slices
+        need = max(G * sum(pages_for(len(p) + max_new_tokens, P) for p in prompts) + 1,
+                   G * (min_pool_pages(max_model_len, P) - 1) + 1)
         num_pages = 1 << (need - 1).bit_length()
     engine = Engine(model, max_num_seqs=rows, max_num_batched_tokens=budget, compile=compile,
                     max_model_len=max_model_len, backend=cache, num_pages=num_pages)

@@ -11,16 +11,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fms_paged.kv.geometry import min_pool_pages
 from fms_paged.kv.kernels import flex_max_pages
-from fms_paged.kv.paged import attention_specs
-from fms_paged.kv.spec import release_horizon
+from fms_paged.kv.paged import model_groups
 from fms_paged.modules.linear import unpacked_bytes
 
 
 def page_bytes(nlayers: int, kvheads: int, head_dim: int, page_size: int,
                dtype: torch.dtype) -> int:
-    """Bytes of one page: K and V, every layer."""
+    """Bytes of one page: K and V of `nlayers` layers (a page holds one slice of layers:
+    `fms_paged.kv.groups`; every layer when the model's layers keep one history)."""
     return 2 * nlayers * kvheads * head_dim * page_size * torch.empty(0, dtype=dtype).element_size()
 
 
@@ -104,13 +103,14 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
     else 4 GiB (at most half the available RAM), the available RAM counted less the packed weight
     copies still to be made; the pool is allocated untouched, so RAM is used only as pages are.
     Raises KVBudgetError if one sequence of `max_model_len` tokens does not fit (with every layer
-    windowed: the pages it holds at once; `fms_paged.kv.geometry.min_pool_pages`)."""
+    windowed: the pages it holds at once; `LayerGroups.min_pool_pages`)."""
     if kv_memory_fraction is not None and not (
         isinstance(kv_memory_fraction, (int, float)) and 0 < kv_memory_fraction <= 1
     ):
         raise ValueError(f"kv_memory_fraction={kv_memory_fraction!r}; expected a float in (0, 1]")
     c, dev = model.config, model.device
-    per_page = page_bytes(c.nlayers, c.kvheads, c.head_dim, c.page_size, model.dtype)
+    groups = model_groups(model)
+    per_page = page_bytes(groups.layers_per_slice, c.kvheads, c.head_dim, c.page_size, model.dtype)
     activation = 0
     if dev.type == "cpu":
         # less the packed copies of the projection weights still to be made (`modules.linear`)
@@ -140,15 +140,13 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
     if dev.type == "cuda" and num_pages > most:
         num_pages = most  # Triton's flex kernels address a layer's pool in 32 bits
         source += f", capped at {most} pages (a layer's pool under 2**31 elements for Triton)"
-    # one sequence at its most pages at once (behind a window on every layer: its step and window)
-    # + the null page
-    horizon = release_horizon(attention_specs(model))
-    need_pages = min_pool_pages(max_model_len, c.page_size, horizon, max_num_batched_tokens)
+    # one sequence at its most pages at once (in a sliding group: its step and window) + the null page
+    need_pages = groups.min_pool_pages(max_model_len, c.page_size, max_num_batched_tokens)
     if num_pages < need_pages:
         need = need_pages * per_page
         fix = (f"set {CPU_KV_SPACE_ENV}={math.ceil(need / GiB * 100) / 100} (GiB)" if dev.type == "cpu"
                else f"raise kv_memory_fraction (now {kv_memory_fraction or DEFAULT_KV_MEMORY_FRACTION})")
-        fits = max(0, (num_pages - 1) * c.page_size)
+        fits = groups.capacity(num_pages, c.page_size, max_num_batched_tokens, max_model_len)
         raise KVBudgetError(
             f"KV cache budget too small on {dev}: {_gib(max(kv, 0))} available for KV pages "
             f"({source}), but one sequence of max_model_len={max_model_len} tokens needs "

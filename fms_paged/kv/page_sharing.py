@@ -45,7 +45,8 @@ class PageSharing:
 
     def share(self, seq_id: int, pages: Sequence[int]) -> None:
         """Seq `seq_id` (not live) starts with the full pages `pages` as its logical pages
-        0..k-1 (length k * P), each refcount +1 (a prefix cache hit). Each page must be owned and
+        0..k-1 (length k * P), each refcount +1 (a prefix cache hit; the null page for a logical
+        page a sliding window needs no more). Each page must be owned and
         hold logical page j of its sequences (`phys_to_logical[pages[j]] == j`): a prefix page
         sits at the same logical index in every sequence that shares it. No KV data moves."""
         s = int(self._check_ids([seq_id], "seq_id")[0])
@@ -55,14 +56,15 @@ class PageSharing:
         n = pages.size
         if n > self.max_pages_per_seq:
             raise ValueError(f"share: {n} pages > max_pages_per_seq={self.max_pages_per_seq}")
-        if n and ((pages < 1) | (pages >= self.num_pages)).any():
-            raise ValueError(f"share: pages {pages.tolist()} must be in [1, {self.num_pages})")
-        if n and ((self._refcount[pages] < 1) | (self._p2l[pages] != np.arange(n))).any():
+        real = pages != NULL_PAGE  # (a sliding window's slice: none behind the hit's window)
+        if n and ((pages < 0) | (pages >= self.num_pages)).any():
+            raise ValueError(f"share: pages {pages.tolist()} must be in [1, {self.num_pages}) or the null page")
+        if n and ((self._refcount[pages[real]] < 1) | (self._p2l[pages[real]] != np.arange(n)[real])).any():
             raise ValueError(
                 f"share: pages {pages.tolist()} must be owned pages holding logical pages 0..{n - 1} "
                 f"(phys_to_logical {self._p2l[pages].tolist()})"
             )
-        if np.unique(pages).size != n:
+        if np.unique(pages[real]).size != int(real.sum()):
             raise ValueError(f"share: duplicate page in {pages.tolist()}")
         self._adopt(s, pages, n * self.page_size)
 

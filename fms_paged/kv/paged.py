@@ -16,6 +16,7 @@ prefill packs all prompts into one row ([1, T], no padding to the longest prompt
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -23,7 +24,10 @@ import torch
 
 from fms_paged.kv._pool_ops import to_device
 from fms_paged.kv.geometry import page_slots, pool_pages, slot
+from fms_paged.kv.groups import LayerGroups, layer_groups
 from fms_paged.kv.kernels import choose_kernel, flex_max_pages
+from fms_paged.kv.kernels.base import GroupedStep
+from fms_paged.kv.page_groups import GroupedPages
 from fms_paged.kv.page_manager import PageManager, Reservation
 from fms_paged.kv.spec import AttentionSpec, default_spec
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
@@ -45,6 +49,13 @@ def check_chunks(seq_ids: Sequence[int], counts: Sequence[int], starts: Sequence
     for s, n in zip(seq_ids, counts):
         if n == 0:
             raise ValueError(f"prefill of seq {s} is empty: each prompt (chunk) needs >= 1 token")
+
+
+def model_groups(model: torch.nn.Module) -> LayerGroups:
+    """The layer slices a model's pages are held in (`fms_paged.kv.groups`): per group where the
+    model attends layer by layer through `PoolStep.attend` (`attends_by_layer`: ours), else one
+    slice of every layer (IBM FMS's models hand each call its pools alone)."""
+    return layer_groups(attention_specs(model), grouped=getattr(model, "attends_by_layer", False))
 
 
 def attention_specs(model: torch.nn.Module) -> tuple[AttentionSpec, ...]:
@@ -85,16 +96,24 @@ class PagedBackend:
                 raise ValueError(f"num_pages={self.num_pages}; expected at most {most} for the flex kernel "
                                  f"on CUDA: a layer's pool of {c.kvheads} kv heads x {P}-token pages x "
                                  f"{c.head_dim} must stay under 2**31 elements for Triton's kernels")
-        self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
+        self.groups = groups = model_groups(model)
+        if groups.grouped:
+            self.pm = GroupedPages(groups, self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
+        else:
+            self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
         shape = (1, c.kvheads, self.num_pages * P, c.head_dim)
-        # one pool per layer: [1, Hkv, num_pages * P, D]. Left uninitialised: a page is zeroed when
-        # a RESERVE hands it out (`prepare_pages`), so pool memory is touched (on the CPU: faulted
-        # in) only as pages are used. The null page is zeroed now: padding writes to it and the
-        # GATHER fallback reads it for rows that see nothing.
-        self.k_pools = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(c.nlayers)]
-        self.v_pools = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(c.nlayers)]
-        for pool in self.k_pools + self.v_pools:
+        # a pool tensor per layer of a slice: [1, Hkv, num_pages * P, D], the j-th layer of every
+        # slice reading tensor j (a page id belongs to one slice at a time). Left uninitialised: a
+        # page is zeroed when a RESERVE hands it out (`prepare_pages`), so pool memory is touched
+        # (on the CPU: faulted in) only as pages are used. The null page is zeroed now: padding
+        # writes to it and the GATHER fallback reads it for rows that see nothing.
+        u = groups.layers_per_slice
+        self.k_tensors = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(u)]
+        self.v_tensors = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(u)]
+        for pool in self.k_tensors + self.v_tensors:
             pool[:, :, :P].zero_()
+        self.k_pools = [self.k_tensors[j] for j in groups.position_of]  # per layer
+        self.v_pools = [self.v_tensors[j] for j in groups.position_of]
         # the page size the cpp op is given: an int that a compiled step takes as an input
         # (SymInt), as it takes the pool length and the page table's size (dynamic dims:
         # `mark_dynamic`): one compiled decode graph serves every pool, page size and
@@ -103,7 +122,10 @@ class PagedBackend:
         self.view = PoolView(
             self.k_pools, self.v_pools, self.pm.page_table, self.pm.phys_to_logical, P, page_size_arg,
             self.num_pages, max_batch * self.pm.max_pages_per_seq, self.specs, c.nheads // c.kvheads,
-            self.device)
+            self.device, num_slices=groups.num_slices)
+        # a grouped model's steps: one per slice, over the view of its layers
+        self.slice_views = [dataclasses.replace(self.view, layers=layers)
+                            for layers in groups.slice_layers] if groups.grouped else [self.view]
 
     def mark_dynamic(self) -> None:
         """For a compiled step of a kernel with dynamic shapes (cpp): the pools' length and the
@@ -111,14 +133,14 @@ class PagedBackend:
         `max_model_len` of a model shape. Called where a step is compiled (`decode_fn`), not when
         the pools are made: marking imports torch._dynamo, ~1 s of a start that runs eager steps."""
         if self.kernel.dynamic_shapes:
-            for pool in self.k_pools + self.v_pools:
+            for pool in self.k_tensors + self.v_tensors:
                 torch._dynamo.maybe_mark_dynamic(pool, 2)
             torch._dynamo.maybe_mark_dynamic(self.pm.page_table, 0)
             torch._dynamo.maybe_mark_dynamic(self.pm.page_table, 1)
 
     @property
     def kv_bytes(self) -> int:
-        return sum(p.nbytes for p in self.k_pools + self.v_pools)
+        return sum(p.nbytes for p in self.k_tensors + self.v_tensors)
 
     def prepare_pages(self, reservation: Reservation) -> None:
         """Make the pages a RESERVE handed out ready: zero them (for a kernel that reads whole
@@ -130,53 +152,76 @@ class PagedBackend:
         slots not yet written would leak into the output."""
         if reservation.opened and self.kernel.zero_new_pages:
             idx = to_device(page_slots(np.asarray(reservation.opened), self.P).reshape(-1), self.device)
-            for pool in self.k_pools + self.v_pools:
+            for pool in self.k_tensors + self.v_tensors:
                 pool.index_fill_(2, idx, 0)
         if reservation:  # copy-on-write copies of pages shared by fork
-            self.pm.apply_copies(reservation, *self.k_pools, *self.v_pools)
+            self.pm.apply_copies(reservation, *self.k_tensors, *self.v_tensors)
 
     def prefill_batch(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]],
-                      starts: Sequence[int], min_tokens: int = 1) -> PrefillBatch:
+                      starts: Sequence[int], min_tokens: int = 1, g: int = 0) -> PrefillBatch:
         """The host data of a prefill step whose tokens are RESERVEd already: chunk i appends
-        `chunks[i]` to `seq_ids[i]` from position `starts[i]`."""
+        `chunks[i]` to `seq_ids[i]` from position `starts[i]`; for slice g of a grouped model, its
+        sequences are the slice's page-table rows."""
         counts = [len(p) for p in chunks]
         check_chunks(seq_ids, counts, starts)
+        rows = self._rows(seq_ids, g)
         tok_seq = np.repeat(np.asarray(seq_ids, dtype=np.int64), counts)
         tok_pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
+        pm = self.pm if not self.groups.grouped else self.pm.inner
         return PrefillBatch(
-            list(seq_ids), list(starts), counts, torch.tensor([t for p in chunks for t in p])[None],
-            tok_pos, self.pm.slots(tok_seq, tok_pos), [self.pm.pages_of(s) for s in seq_ids], min_tokens)
+            rows, list(starts), counts, torch.tensor([t for p in chunks for t in p])[None],
+            tok_pos, pm.slots(self._rows(tok_seq, g), tok_pos), [pm.pages_of(r) for r in rows], min_tokens)
 
     def decode_batch(self, seq_ids: Sequence[int], tokens: torch.Tensor, lengths: Sequence[int],
-                     active: Sequence[bool]) -> DecodeBatch:
+                     active: Sequence[bool], g: int = 0) -> DecodeBatch:
         """The host data of a decode step whose rows are RESERVEd already (an active row holds
-        `lengths[i] + 1` tokens: its new one at position `lengths[i]`)."""
+        `lengths[i] + 1` tokens: its new one at position `lengths[i]`); slice g's rows as in
+        `prefill_batch`."""
         B, P = len(seq_ids), self.P
         if len(lengths) != B or len(active) != B:
             raise ValueError(f"decode got {B} seq_ids, {len(lengths)} lengths and {len(active)} active flags")
+        rows = self._rows(seq_ids, g)
         table = self.pm.host_table
-        slots = [slot(int(table[s, n // P]), n, P) if a else 0 for s, n, a in zip(seq_ids, lengths, active)]
-        return DecodeBatch(list(seq_ids), tokens, list(lengths), list(active), slots)
+        slots = [slot(int(table[s, n // P]), n, P) if a else 0 for s, n, a in zip(rows, lengths, active)]
+        return DecodeBatch(rows, tokens, list(lengths), list(active), slots)
+
+    def _rows(self, seq_ids, g: int):
+        """Slice g's page-table rows of `seq_ids` (the ids themselves for one slice)."""
+        if not g:
+            return list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids
+        return np.asarray(seq_ids) + g * self.max_batch if isinstance(seq_ids, np.ndarray) else [
+            int(s) + g * self.max_batch for s in seq_ids]
+
+    def _per_slice(self, build: Callable) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(tokens, positions, step) of the kernel's builder `build(view, g)`: itself for one
+        slice, else one step per slice (`GroupedStep`), the tokens and positions being the same."""
+        tokens, positions, step = build(self.slice_views[0], 0)
+        if not self.groups.grouped:
+            return tokens, positions, step
+        steps = [step] + [build(view, g)[2] for g, view in enumerate(self.slice_views) if g]
+        return tokens, positions, GroupedStep(steps, self.groups.slice_of)
 
     def prefill_inputs(self, seq_ids, chunks, starts, min_tokens: int = 1):
         """-> tokens [1, T'], positions [1, T'], step, last [len(seq_ids)] (each chunk's last token
         in the row)."""
-        batch = self.prefill_batch(seq_ids, chunks, starts, min_tokens)
-        tokens, positions, step = self.kernel.prefill(self.view, batch)
-        return tokens, positions, step, torch.from_numpy(batch.last).to(self.device)
+        tokens, positions, step = self._per_slice(lambda view, g: self.kernel.prefill(
+            view, self.prefill_batch(seq_ids, chunks, starts, min_tokens, g)))
+        last = np.cumsum([len(c) for c in chunks]) - 1
+        return tokens, positions, step, torch.from_numpy(last).to(self.device)
 
     def decode_inputs(self, seq_ids, tokens, lengths, active):
         """-> tokens [B, 1], positions [B, 1], step. Inactive rows (padding) are masked out and
         write to the null page."""
-        return self.kernel.decode(self.view, self.decode_batch(seq_ids, tokens, lengths, active))
+        return self._per_slice(lambda view, g: self.kernel.decode(
+            view, self.decode_batch(seq_ids, tokens, lengths, active, g)))
 
     def mixed_inputs(self, dec_ids, dec_tokens, dec_lengths, dec_active, pre_ids, chunks, starts):
         """Decode rows and prefill chunks in one packed row. dec_*: as `decode_inputs` takes them
         (rows padded with inactive ones; tokens [B] on device); pre_ids / chunks / starts: as
         `prefill_inputs`. -> tokens [1, B + Tp], positions [1, B + Tp], step, last [len(pre_ids)]
         (index of each chunk's last token in the row)."""
-        dec = self.decode_batch(dec_ids, dec_tokens, dec_lengths, dec_active)
-        pre = self.prefill_batch(pre_ids, chunks, starts)
-        tokens, positions, step = self.kernel.mixed(self.view, dec, pre)
-        last = torch.from_numpy(pre.last + len(dec_ids)).to(self.device)
-        return tokens, positions, step, last
+        tokens, positions, step = self._per_slice(lambda view, g: self.kernel.mixed(
+            view, self.decode_batch(dec_ids, dec_tokens, dec_lengths, dec_active, g),
+            self.prefill_batch(pre_ids, chunks, starts, 1, g)))
+        last = np.cumsum([len(c) for c in chunks]) - 1 + len(dec_ids)
+        return tokens, positions, step, torch.from_numpy(last).to(self.device)

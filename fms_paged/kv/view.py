@@ -34,16 +34,25 @@ class PoolView:
     specs: tuple[AttentionSpec, ...]  # one per layer
     gqa_group: int  # query heads per kv head
     device: torch.device
+    # the layers a step over this view serves (None: every layer), and the slices the model's
+    # pages are held in (`fms_paged.kv.groups`): a grouped model's step is one step per slice,
+    # each over a view of the slice's layers, its sequences being the slice's page-table rows
+    layers: tuple[int, ...] | None = None
+    num_slices: int = 1
 
     @property
     def windows(self) -> tuple[int | None, ...]:
-        """The distinct windows of the layers: a step prepares its masks once per window."""
-        return windows(self.specs)
+        """The distinct windows of the layers served: a step prepares its masks once per window."""
+        return windows(self._served())
 
     @property
     def horizon(self) -> int | None:
-        """Positions before `start - horizon + 1` are on released pages (every layer windowed)."""
-        return release_horizon(self.specs)
+        """Positions before `start - horizon + 1` are on released pages (every layer served is
+        windowed)."""
+        return release_horizon(self._served())
+
+    def _served(self) -> tuple[AttentionSpec, ...]:
+        return self.specs if self.layers is None else tuple(self.specs[i] for i in self.layers)
 
 
 @dataclass

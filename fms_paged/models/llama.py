@@ -233,6 +233,10 @@ class LLaMA(nn.Module):
     `AttentionStep` for each forward call and the caller passes it in explicitly.
     """
 
+    # each layer attends through `step.attend(layer_idx, ...)`: a paged backend may hold its pages
+    # per layer group (`fms_paged.kv.groups`)
+    attends_by_layer = True
+
     def __init__(self, config: LLaMAConfig):
         super().__init__()
         self.config = c = config

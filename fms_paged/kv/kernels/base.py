@@ -117,6 +117,38 @@ class MixedStep(PoolStep):
         return torch.cat([od.squeeze(2).transpose(0, 1).unsqueeze(0), op], dim=2)
 
 
+class GroupedStep(PoolStep):
+    """A step of a model whose pages are held per layer slice (`fms_paged.kv.groups`): one step
+    of the kernel per slice, each over its slice's page-table rows, and each layer attends
+    through its slice's. The one-call forwards (`forward_model`, `run_blocks`) are not taken: the
+    model runs its layers, each dispatched here by its index."""
+
+    def __init__(self, steps: list, slice_of: tuple[int, ...]):
+        self.steps, self.slice_of = steps, slice_of
+        self.view = steps[0].view
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Slice 0's slots of the new tokens (each slice has its own)."""
+        return self.steps[0].slots
+
+    def prepare(self) -> GroupedStep:
+        return GroupedStep([s.prepare() for s in self.steps], self.slice_of)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.steps[self.slice_of[layer]].attend(layer, q, k, v)
+
+    def store(self, kp, vp, k, v) -> None:
+        raise ValueError(_BY_LAYER)
+
+    def attention(self, q, kp, vp, spec) -> torch.Tensor:
+        raise ValueError(_BY_LAYER)
+
+
+_BY_LAYER = ("a step of pages held per layer group is taken layer by layer (`attend`): a caller that "
+             "hands in pools alone cannot say which group's page table they are read through")
+
+
 class Kernel:
     """A paged-attention kernel: its capabilities, and the steps it builds from a step's host data
     over a `PoolView`. Each builder returns (tokens, positions, step) in the layout the kernel
