@@ -42,7 +42,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-families bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp bench-native
+.PHONY: bench-llama bench-llama-paged bench-families bench-kv bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp bench-native
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -56,6 +56,11 @@ bench-llama-paged: install
 # and dense caches hold against the KV the next token needs, 16 sequences up to 4x the window
 bench-families: install
 	$(PY) -m fms_paged.bench.families --out results/bench-families $(BENCH_ARGS)
+
+# the KV a Gemma 3 270M-shaped model's pages hold per layer group (2k, 8k and 32k tokens), RSS over one long
+# request, and how many 8k-token requests a fixed KV budget holds (~15 minutes on 2 cores)
+bench-kv: install
+	$(PY) -m fms_paged.bench.kv_bytes --out results/bench-kv $(BENCH_ARGS)
 
 bench-ppl: install
 	$(PY) scripts/perplexity.py --attn-impl both --out results/bench-ppl $(BENCH_ARGS)

@@ -120,16 +120,38 @@ def kv_accounting(cache, lengths: Sequence[int], config, dtype: torch.dtype,
     out: dict[str, Any] = {"bytes_per_token": per_token, "tokens_stored": stored,
                            "kv_bytes_needed": needed, "kv_pool_bytes": int(cache.kv_bytes)}
     if hasattr(cache, "pm"):
-        table = cache.pm.page_table  # [max_seqs, max_pages] int32, 0 = unused (null page)
+        # [slices * max_seqs, max_pages] int32, 0 = unused (null page): a page holds one slice of
+        # layers (`fms_paged.kv.groups`; every layer when the model's layers keep one history)
+        table, groups = cache.pm.page_table, getattr(cache, "backend", cache).groups
         pages = int(torch.unique(table[table > 0]).numel())
-        out.update(pages_held=pages, page_size=cache.pm.page_size, slots_held=pages * cache.pm.page_size,
-                   pool_pages=cache.pm.num_pages)
+        P, u = cache.pm.page_size, groups.layers_per_slice
+        out.update(pages_held=pages, page_size=P, slots_held=pages * P, pool_pages=cache.pm.num_pages)
+        held = out["kv_bytes_held"] = pages * P * per_layer * u
+        out["by_group"] = kv_by_group(table, groups, cache.pm.max_seqs, lengths, P, per_layer)
     else:  # dense rows, or none (no cache)
         rows = len(lengths) if hasattr(cache, "cache") else 0
         out.update(rows_held=rows, slots_held=rows and rows * cache.cache.max_seq_len)
-    held = out["kv_bytes_held"] = out["slots_held"] * per_token
+        held = out["kv_bytes_held"] = out["slots_held"] * per_token
     out["kv_waste_pct"] = 100.0 * (held - out["kv_bytes_needed"]) / held if held else 0.0
     return out
+
+
+def kv_by_group(table: torch.Tensor, groups, max_seqs: int, lengths: Sequence[int], page_size: int,
+                per_layer: int) -> list[dict[str, Any]]:
+    """Per layer group (full, or one window): its layers, the KV bytes its pages hold (the distinct
+    pages of its slices' page-table rows) and the bytes the next token needs (every token's, or the
+    window's)."""
+    rows = []
+    for w in dict.fromkeys(groups.windows):
+        slices = [g for g, gw in enumerate(groups.windows) if gw == w]
+        part = (torch.cat([table[g * max_seqs : (g + 1) * max_seqs] for g in slices]) if groups.grouped
+                else table)
+        layers = len(slices) * groups.layers_per_slice
+        held = int(torch.unique(part[part > 0]).numel()) * page_size * per_layer * groups.layers_per_slice
+        need = per_layer * layers * sum(int(n) if w is None else min(int(n), w) for n in lengths)
+        rows.append({"window": w, "layers": layers, "kv_bytes_held": held, "kv_bytes_needed": need,
+                     "held_over_needed": held / need if need else None})
+    return rows
 
 
 def _status_bytes(key: str) -> int:

@@ -168,6 +168,20 @@ def _series(runs, scenario: str, y, impls=None) -> list[dict[str, Any]]:
     return out
 
 
+def _group_series(runs) -> list[dict[str, Any]]:
+    """Per layer group of the paged runs of `mixed` (full, or one window): the KV its pages hold
+    and the KV the next token needs, against the length."""
+    paged = sorted((r for r in runs if (r["scenario"], r["attn_impl"]) == ("mixed", "paged")),
+                   key=lambda r: r["length"])
+    out = []
+    for i, g in enumerate(paged[0]["kv"].get("by_group", []) if paged else []):
+        name = "full layers" if g["window"] is None else f"window {g['window']}"
+        for key, what, fmt in (("kv_bytes_held", "held", "o-"), ("kv_bytes_needed", "needed", "s--")):
+            out.append({"label": f"{name} ({g['layers']}): {what}", "x": [r["length"] for r in paged],
+                        "y": [r["kv"]["by_group"][i][key] / MiB for r in paged], "fmt": fmt})
+    return out
+
+
 def figures(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     runs, n, x = results["runs"], latency.MIXED_N, "sequence length (longest prompt, tokens)"
     device = results["environment"]["device"].split(":")[0]
@@ -190,6 +204,8 @@ def figures(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
             {"title": f"peak memory of the run, {n} sequences\n({PEAK.get(device, 'not measured')})",
              "xlabel": x, "ylabel": "MiB over the loaded model",
              "series": _series(runs, "mixed", peak)},
+            {"title": f"paged KV per layer group, {n} sequences", "xlabel": x, "ylabel": "MiB",
+             "series": _group_series(runs)},
         ],
     }
 

@@ -23,7 +23,7 @@ import torch
 from fms_paged.bench.environment import kv_accounting, min_pages, sync
 from fms_paged.engine.model_step import decode_fn
 from fms_paged.kv.cache import DenseBackend, PagedCache
-from fms_paged.kv.paged import attention_specs
+from fms_paged.kv.paged import attention_specs, model_groups
 from fms_paged.models.registry import get_model
 from fms_paged.modules import RotaryEmbedding
 
@@ -191,7 +191,9 @@ def run_plan(model, impl: str, plan: dict[str, Any], *, kernel: str = "auto", wa
     """One run of `plan` on backend `impl` -> its figures (JSON-ready) and "outputs" (token ids).
     The paged pool holds exactly the workload (+ the null page); the dense rows, the longest."""
     finals, n, specs = final_lengths(plan), plan["new_tokens"], attention_specs(model)
-    pages = min_pages(finals, model.config.page_size) + 1 if impl == "paged" else None
+    # (in every layer slice of a model whose pages are held per layer group)
+    slices = model_groups(model).num_slices
+    pages = slices * min_pages(finals, model.config.page_size) + 1 if impl == "paged" else None
     cache = make_backend(model, impl, len(finals), max(finals) + 1, kernel=kernel, num_pages=pages)
     step_fn = cache.decode_step if impl == "no-cache" else decode_fn(cache, compile)
     messages = random_prompts(plan.get("turns", plan["prompt_lengths"]), model.config.src_vocab_size, seed)

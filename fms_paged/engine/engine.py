@@ -159,7 +159,8 @@ class Engine:
         model, self._ranks, self.control = split_for_engine(model, tensor_parallel_size, backend, Engine,
                                                              settings)
         try:
-            self._build(model, backend, num_pages, need, groups, horizon, max_num_seqs, max_num_batched_tokens,
+            self._build(model, backend, num_pages, need, groups, horizon, max_num_seqs,
+                        max_num_batched_tokens,
                         max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile,
                         cuda_graphs, tokenizer, decode_steps)
         except BaseException:

@@ -23,7 +23,7 @@ import torch
 
 from fms_paged.kv.geometry import NULL_PAGE, pages_held
 from fms_paged.kv.groups import LayerGroups
-from fms_paged.kv.page_manager import PageManager, Reservation
+from fms_paged.kv.page_manager import OutOfPages, PageManager, Reservation
 
 
 class GroupedPages:
@@ -137,7 +137,11 @@ class GroupedPages:
     def reserve(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> Reservation:
         """RESERVE in every slice at once (all-or-nothing: one reserve on the sequences' rows)."""
         self._check_seq(seq_ids)
-        return self.inner.reserve(self._all_rows(seq_ids), list(new_lengths) * self.num_slices)
+        try:
+            return self.inner.reserve(self._all_rows(seq_ids), list(new_lengths) * self.num_slices)
+        except OutOfPages as e:  # (named by sequence, not by page-table row)
+            seqs = list(dict.fromkeys(r % self.max_seqs for r in e.seq_ids))
+            raise OutOfPages(e.needed, e.free, seqs) from None
 
     def erase(self, seq_ids: Sequence[int]) -> None:
         self._check_seq(seq_ids)
@@ -158,7 +162,8 @@ class GroupedPages:
         reference was dropped."""
         dropped: list[int] = []
         for g in self._sliding:
-            dropped += self.inner.release_behind_window(self.rows(seq_ids, g), next_positions, self.windows[g])
+            rows = self.rows(seq_ids, g)
+            dropped += self.inner.release_behind_window(rows, next_positions, self.windows[g])
         return dropped
 
     def release_prefix(self, seq_ids: Sequence[int], positions: Sequence[int]) -> list[int]:

@@ -58,7 +58,7 @@ class PageSharing:
             raise ValueError(f"share: {n} pages > max_pages_per_seq={self.max_pages_per_seq}")
         real = pages != NULL_PAGE  # (a sliding window's slice: none behind the hit's window)
         if n and ((pages < 0) | (pages >= self.num_pages)).any():
-            raise ValueError(f"share: pages {pages.tolist()} must be in [1, {self.num_pages}) or the null page")
+            raise ValueError(f"share: pages {pages.tolist()} must be in [1, {self.num_pages}) or null")
         if n and ((self._refcount[pages[real]] < 1) | (self._p2l[pages[real]] != np.arange(n)[real])).any():
             raise ValueError(
                 f"share: pages {pages.tolist()} must be owned pages holding logical pages 0..{n - 1} "

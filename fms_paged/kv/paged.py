@@ -86,8 +86,10 @@ class PagedBackend:
         self.P = P = c.page_size
         self.device = model.device
         self.max_batch = max_batch
-        self.num_pages = num_pages or pool_pages(max_batch, max_seq_len, P)
         self.specs = attention_specs(model)
+        self.groups = groups = model_groups(model)
+        # (by default every sequence whole in every layer slice, and the null page)
+        self.num_pages = num_pages or groups.num_slices * (pool_pages(max_batch, max_seq_len, P) - 1) + 1
         self.kernel = choose_kernel(kernel, self.device, P, head_dim=c.head_dim, dtype=model.dtype,
                                     score_mod=score_mod, sinks=any(s.sinks is not None for s in self.specs))
         if self.kernel.name == "flex" and self.device.type == "cuda":
@@ -96,7 +98,6 @@ class PagedBackend:
                 raise ValueError(f"num_pages={self.num_pages}; expected at most {most} for the flex kernel "
                                  f"on CUDA: a layer's pool of {c.kvheads} kv heads x {P}-token pages x "
                                  f"{c.head_dim} must stay under 2**31 elements for Triton's kernels")
-        self.groups = groups = model_groups(model)
         if groups.grouped:
             self.pm = GroupedPages(groups, self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
         else:

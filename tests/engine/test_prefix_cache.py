@@ -347,3 +347,36 @@ def test_bad_prefix_cache_arguments(models):
         eng.add_request([1, 2], cache_salt=3)
     with pytest.raises(ValueError, match=r"SamplingParams.n=0; expected an int >= 1"):
         SamplingParams(n=0)
+
+
+def test_layer_groups_a_hit_needs_only_the_windows_pages(hf_family, device):
+    """Gemma 3 (tiny: 1 full layer, 2 sliding at a 24-token window): pages held per layer group. A
+    finished request leaves its full pages cached, and of its sliding pages only those its last
+    window read (the rest went back to the pool as the window passed them). A follow-up hits as
+    far as every sliding slice still has the pages its window reads before the hit's end; the
+    tokens equal an engine without the cache; evicting everything gives every page back."""
+    from fms_paged import get_model
+
+    _, path = hf_family("gemma3")
+    paged = get_model(model_path=path, device=device, page_size=P, attn_impl="paged")
+    assert paged.attention_specs()[0].window == 24 and paged.attention_specs()[1].window is None
+    rng = random.Random(5)
+    first = [rng.randrange(3, 256) for _ in range(100)]
+    eng = engine(paged, num_pages=120)
+    assert eng.backend.groups.grouped
+    out = run(eng, [(first, SamplingParams(max_new_tokens=20, ignore_eos=True))])[0]
+    # its last query was at position 118: the sliding slices kept pages from (118 - 23) // 16 = 5
+    follow = first + out + [rng.randrange(3, 256) for _ in range(5)]  # 125 tokens: 7 full pages match
+    other = first[:40] + [rng.randrange(3, 256) for _ in range(30)]  # 2 full pages match
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    stats: list = []
+    got = run(eng, [(follow, params), (other, params)], stats=stats)
+    # follow: a hit of 7 pages reads from page (112 - 23) // 16 = 5, kept; other: a hit of 2 or 1
+    # pages would read pages 0.., released: no hit
+    assert [s["cached_tokens"] for s in stats] == [112, 0]
+    off = engine(paged, num_pages=120, enable_prefix_caching=False)
+    assert got == run(off, [(follow, params), (other, params)])
+    cache = eng.prefix_cache
+    assert cache.num_evictable == len(cache.pages) + len(cache.owner) > 0
+    eng.reset_prefix_cache()
+    assert eng.pm.num_free_pages == eng.pm.num_pages - 1

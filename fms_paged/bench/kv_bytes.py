@@ -1,0 +1,183 @@
+"""`make bench-kv`: the KV bytes a paged engine holds per layer group, on a Gemma 3 270M-shaped model
+(random weights written by transformers' own `Gemma3TextConfig` at the published shape: 18 layers,
+15 sliding at a 512-token window and 3 full, one kv head of 256), in one process.
+
+- **Held against needed** per layer group, for one request at 4x, 16x and 64x the window (2k, 8k and
+  32k tokens): the pages its slices hold at its last decode step against what its next token reads
+  (every token's K and V on a full layer, the window's on a sliding one).
+- **One long request**: the KV bytes it holds at most, and the process's resident memory (RSS)
+  growth over it, step by step: resident memory follows the pages held, because a sliding group's
+  pages are reused as its window passes them (the pool is allocated untouched).
+- **Capacity**: how many 8k-token requests a fixed KV budget holds at once, with pages held per
+  layer group against one page table for every layer (what the engine did before groups): the
+  page manager's own RESERVE and window release, grown in the engine's prefill chunks (host
+  bookkeeping, no forward).
+
+Writes <out>/results.json, results.md (printed) and kv_held.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fms_paged.bench.environment import environment_info, kv_accounting
+from fms_paged.bench.report import MiB, plot, table
+from fms_paged.engine import Engine, SamplingParams
+from fms_paged.kv.groups import layer_groups
+from fms_paged.kv.page_groups import GroupedPages
+from fms_paged.kv.page_manager import OutOfPages, PageManager
+from fms_paged.kv.paged import attention_specs
+from fms_paged.models.registry import get_model
+
+WINDOW = 512
+GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=WINDOW,
+                   max_position_embeddings=32768 + 1024, rope_theta=1_000_000.0,
+                   rope_local_base_freq=10_000.0,
+                   query_pre_attn_scalar=256, tie_word_embeddings=True)
+
+
+def write_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A random-weight Gemma 3 270M-shaped checkpoint (fp32 safetensors) made by transformers."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Gemma3TextConfig(**GEMMA3_270M)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def one_request(eng: Engine, length: int, chunk: int, seed: int) -> dict[str, Any]:
+    """One request of `length` tokens (a prompt of length - 4, 4 new): its KV per group at its last
+    decode step, the most KV bytes it held at once, and RSS growth over it."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, eng.vocab_size, (length - 4,), generator=g).tolist()
+    rss0 = _rss()
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    most_kv = most_rss = 0
+    last: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+        most_rss = max(most_rss, _rss() - rss0)
+        running = [r for r in eng.scheduler.running if r.request_id == rid]
+        if running:
+            r = running[0]
+            kv = kv_accounting(eng.backend, [r.num_computed], eng.model.config, eng.model.dtype,
+                               [s.window for s in attention_specs(eng.model)])
+            most_kv = max(most_kv, kv["kv_bytes_held"])
+            last = kv
+    return {"length": length, "chunk": chunk, "seconds": time.perf_counter() - t0,
+            "kv_bytes_held_last": last.get("kv_bytes_held"),
+            "kv_bytes_needed_last": last.get("kv_bytes_needed"),
+            "by_group": last.get("by_group", []), "kv_bytes_held_most": most_kv, "rss_growth_most": most_rss}
+
+
+def capacity(specs, page_bytes_by_layers: int, budget: int, P: int, length: int, chunk: int,
+             grouped: bool, max_seqs: int = 1024) -> int:
+    """Requests of `length` tokens that `budget` bytes of KV pages hold at once: sequences grown one
+    after another to `length` tokens in prefill chunks of `chunk`, the pages behind each sliding
+    window released before each chunk and before its first decode step (as the engine's scheduler
+    does), until RESERVE runs out."""
+    groups = layer_groups(specs, grouped=grouped)
+    num_pages = budget // (page_bytes_by_layers * groups.layers_per_slice)
+    pm = (GroupedPages(groups, num_pages, P, max_seqs, max_seq_len=length) if groups.grouped
+          else PageManager(num_pages, P, max_seqs, max_seq_len=length))
+    horizon = None if groups.grouped else groups.windows[0]
+    for s in range(max_seqs):
+        for done in range(0, length, chunk):
+            if done:
+                pm.release_behind_window([s], [done], horizon)
+            try:
+                pm.reserve([s], [min(done + chunk, length)])
+            except OutOfPages:
+                return s
+        pm.release_behind_window([s], [length], horizon)  # (its next step, a decode, releases so)
+    return max_seqs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench-kv", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/bench-kv")
+    p.add_argument("--model-path", help="a Gemma 3 checkpoint (default: a random one of 270M's shape)")
+    p.add_argument("--lengths", default="2048,8192,32768", help="request lengths (4x, 16x, 64x the window)")
+    p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (llama.cpp's ubatch)")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="tokens per page: a window's pages hold up to one page more than the window")
+    p.add_argument("--budget-gib", type=float, default=2.0, help="KV budget of the capacity table")
+    p.add_argument("--capacity-length", type=int, default=8192)
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.model_path) if args.model_path else write_checkpoint(Path(tmp) / "gemma3-270m")
+        model = get_model(model_path=path, attn_impl="paged", device="cpu", dtype=torch.bfloat16,
+                          page_size=args.page_size)
+    c = model.config
+    specs = attention_specs(model)
+    eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=args.chunk, max_model_len=max(lengths) + 16,
+                 enable_prefix_caching=False)
+    one_request(eng, 2 * args.chunk, args.chunk, seed=99)  # warm-up: a step's buffers exist before
+    runs = [one_request(eng, n, args.chunk, seed=i) for i, n in enumerate(lengths)]
+    per_layer_page = 2 * c.kvheads * c.head_dim * c.page_size * model.dtype.itemsize
+    budget = int(args.budget_gib * (1 << 30))
+    cap = {"length": args.capacity_length, "budget_bytes": budget,
+           "one_table": capacity(specs, per_layer_page, budget, c.page_size, args.capacity_length, args.chunk,
+                                 grouped=False),
+           "per_group": capacity(specs, per_layer_page, budget, c.page_size, args.capacity_length, args.chunk,
+                                 grouped=True)}
+    res = {"model": f"Gemma 3 270M shape, random weights, bf16, pages of {c.page_size}",
+           "groups": eng.backend.groups.describe(),
+           "runs": runs, "capacity": cap, "environment": environment_info(model.device)}
+    rows = []
+    for r in runs:
+        for gr in r["by_group"]:
+            name = "full" if gr["window"] is None else f"window {gr['window']}"
+            rows.append({"length": r["length"], "group": name,
+                         "layers": gr["layers"], "needed": gr["kv_bytes_needed"] / MiB,
+                         "held": gr["kv_bytes_held"] / MiB, "ratio": gr["held_over_needed"]})
+    md = [f"## KV held per layer group, {res['model']} ({res['groups']}), "
+          f"{res['environment'].get('device_name', '')}\n",
+          table(rows, [("request tokens", "length", "d"), ("group", "group", ""), ("layers", "layers", "d"),
+                       ("KV needed MiB", "needed", ".2f"), ("KV held MiB", "held", ".2f"),
+                       ("held / needed", "ratio", ".3f")]),
+          "\n### One request: most KV held, RSS growth\n",
+          table([{**r, "kv": r["kv_bytes_held_most"] / MiB, "rss": r["rss_growth_most"] / MiB} for r in runs],
+                [("request tokens", "length", "d"), ("chunk", "chunk", "d"),
+                 ("most KV held MiB", "kv", ".1f"),
+                 ("RSS growth MiB", "rss", ".1f"), ("seconds", "seconds", ".1f")]),
+          f"\n### Capacity: {cap['length']}-token requests running at once in {args.budget_gib:g} GiB of "
+          f"KV pages\n",
+          table([{"layout": "one page table for every layer", "n": cap["one_table"]},
+                 {"layout": "pages per layer group", "n": cap["per_group"]}],
+                [("pages", "layout", ""), ("requests", "n", "d")])]
+    text = "\n".join(md) + "\n"
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    plot(out / "kv_held.png", [{
+        "title": "KV per layer group at the last decode step", "xlabel": "request tokens", "ylabel": "MiB",
+        "logy": True, "series": [
+            {"label": f"{kind} {g}", "x": [r["length"] for r in rows if r["group"] == g],
+             "y": [r[kind] for r in rows if r["group"] == g], "fmt": "o-" if kind == "held" else "s--"}
+            for g in dict.fromkeys(r["group"] for r in rows) for kind in ("needed", "held")]}])
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
