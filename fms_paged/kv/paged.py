@@ -200,7 +200,7 @@ class PagedBackend:
         if not self.groups.grouped:
             return tokens, positions, step
         steps = [step] + [build(view, g)[2] for g, view in enumerate(self.slice_views) if g]
-        return tokens, positions, GroupedStep(steps, self.groups.slice_of)
+        return tokens, positions, GroupedStep(steps, self.groups.slice_of, self.kernel.join(self.view, steps))
 
     def prefill_inputs(self, seq_ids, chunks, starts, min_tokens: int = 1):
         """-> tokens [1, T'], positions [1, T'], step, last [len(seq_ids)] (each chunk's last token

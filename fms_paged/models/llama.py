@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fms_paged.kv.groups import layer_groups
 from fms_paged.kv.spec import AttentionSpec
 from fms_paged.modules import (
     LINEAR_IMPLS,
@@ -358,6 +359,9 @@ class LLaMA(nn.Module):
                 [s.window or 0 for s in specs], [s.softcap or 0.0 for s in specs],
                 [None if s.sinks is None else s.sinks.float().contiguous() for s in specs], c.norm_eps,
                 c.norm_unit_offset, c.residual_multiplier, int(c.activation != "silu"))
+            groups = layer_groups(specs, grouped=self.attends_by_layer)
+            if groups.grouped:  # each layer's page-table slice (a paged backend holds pages per group)
+                stack.set_slices(list(groups.slice_of))
             emb, norm, head = self.embedding.weight, self.dec_norm.weight, self.head.weight
             ends = type(self.head) is Linear and self.head.pack and self.head.bias is None and all(
                 w.dtype == weights[0].dtype and w.is_contiguous() for w in (emb, norm, head))

@@ -216,6 +216,20 @@ void DecoderStack::set_ends(at::Tensor embedding_, double emb_scale_, bool in_dt
   end_shapes = {embedding.sizes().vec(), final_norm.sizes().vec(), head.sizes().vec()};
 }
 
+void DecoderStack::set_slices(std::vector<int64_t> slices_) {
+  const int64_t n = layers();
+  int64_t most = 0;
+  for (int64_t g : slices_) most = std::max(most, g);
+  bool ok = (int64_t)slices_.size() == n;
+  for (int64_t g : slices_) ok = ok && g >= 0;
+  std::vector<bool> used(most + 1, false);
+  for (int64_t g : slices_) if (g >= 0) used[g] = true;
+  ok = ok && std::all_of(used.begin(), used.end(), [](bool u) { return u; });
+  TORCH_CHECK_VALUE(ok, "DecoderStack.set_slices: ", n, " layers need a slice each, 0..G-1 all used, got ",
+                    slices_.size(), " entries");
+  slices = std::move(slices_), num_slices = most + 1;
+}
+
 namespace {
 
 // ValueError unless the stack's weights still have the dtype, shape and layout they were made with
@@ -266,17 +280,22 @@ void check_step(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, 
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK_VALUE(s.rope_index[i] < (int64_t)cos.size(), "decoder_stack: layer ", i, " reads RoPE table ",
                       s.rope_index[i], " of ", cos.size());
-  TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == M && slots.is_contiguous(),
-                    "decoder_stack: slots must be ", M, " contiguous int64, got ", shape(slots));
-  TORCH_CHECK_VALUE(page_table.scalar_type() == at::kInt && page_table.is_contiguous() &&
-                        chunks.scalar_type() == at::kLong && chunks.dim() == 2 && chunks.size(1) == 4 &&
-                        chunks.is_contiguous(),
-                    "decoder_stack: an int32 page table and int64 chunks [n, 4], contiguous, got page table ",
-                    dtype_name(page_table.scalar_type()), ", chunks ", shape(chunks));
+  const int64_t G = s.num_slices;
+  TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                        (G == 1 ? slots.dim() == 1 && slots.size(0) == M
+                                : slots.dim() == 2 && slots.size(0) == G && slots.size(1) == M),
+                    "decoder_stack: slots must be contiguous int64 ", G == 1 ? "[" : "[" + std::to_string(G) + ", ", M,
+                    "] (the stack's layers hold pages in ", G, " slices), got ", shape(slots));
+  TORCH_CHECK_VALUE(page_table.scalar_type() == at::kInt && page_table.is_contiguous() && page_table.dim() == 2 &&
+                        page_table.size(0) % G == 0 && chunks.scalar_type() == at::kLong && chunks.dim() == 2 &&
+                        chunks.size(1) == 4 && chunks.is_contiguous(),
+                    "decoder_stack: an int32 page table [", G, " x seqs, pages] and int64 chunks [n, 4], contiguous, "
+                    "got page table ", dtype_name(page_table.scalar_type()), " ", shape(page_table), ", chunks ",
+                    shape(chunks));
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m)  // every layer writes these slots: one pass for the sign, the top per layer
-    TORCH_CHECK_VALUE(slot[m] >= 0, "decoder_stack: slot ", slot[m], " of row ", m, " is negative");
-  const int64_t top = M ? *std::max_element(slot, slot + M) : -1;
+  for (int64_t m = 0; m < G * M; ++m)  // every layer writes these slots: one pass for the sign, the top per layer
+    TORCH_CHECK_VALUE(slot[m] >= 0, "decoder_stack: slot ", slot[m], " of row ", m % M, " is negative");
+  const int64_t top = M ? *std::max_element(slot, slot + G * M) : -1;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor &k_pool = k_pools[i], &v_pool = v_pools[i];
     const int64_t Hkv = s.weight(i, 2)->size(0) / D;
@@ -287,9 +306,9 @@ void check_step(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, 
                       shape(k_pool), " ", dtype_name(k_pool.scalar_type()), " and ", shape(v_pool));
     const int64_t NP = k_pool.size(2);
     if (top < NP) continue;
-    const int64_t m = std::find_if(slot, slot + M, [&](int64_t v) { return v >= NP; }) - slot;
-    TORCH_CHECK_VALUE(false, "decoder_stack: slot ", slot[m], " of row ", m, " is outside layer ", i, "'s pools' ",
-                      NP, " slots");
+    const int64_t m = std::find_if(slot, slot + G * M, [&](int64_t v) { return v >= NP; }) - slot;
+    TORCH_CHECK_VALUE(false, "decoder_stack: slot ", slot[m], " of row ", m % M, " is outside layer ", i,
+                      "'s pools' ", NP, " slots");
   }
 }
 
@@ -318,6 +337,19 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
     L.cos = cos[r].data_ptr<float>(), L.sin = sin[r].data_ptr<float>(), L.pools = pool_ptrs(k_pools[i], v_pools[i]);
     L.scale = s.scales[i], L.softcap = s.softcaps[i], L.window = s.windows[i], L.sinks = &s.sinks[i];
   }
+  // pages held per layer group: each slice's slots (a row of [G, M]) and chunks (its sequences
+  // are the page table's rows g * S + seq)
+  const int64_t G = s.num_slices;
+  std::vector<at::Tensor> slice_slots(G), slice_chunks(G);
+  for (int64_t g = 0; g < G; ++g) {
+    slice_slots[g] = G == 1 ? slots : slots.select(0, g);
+    slice_chunks[g] = g == 0 ? chunks : chunks.clone();
+    if (g == 0) continue;
+    int64_t* c = slice_chunks[g].data_ptr<int64_t>();
+    const int64_t rows_per_slice = page_table.size(0) / G;
+    for (int64_t r = 0; r < chunks.size(0); ++r)
+      if (c[4 * r] >= 0) c[4 * r] += g * rows_per_slice;
+  }
   int64_t wide = Cd;
   for (const Layer& L : layers) wide = std::max({wide, 2 * L.n[kGate], L.n[kQ] + 2 * L.n[kK]});
   // the blocks' scratch rows, kept by the calling thread from one call to the next: a prefill
@@ -331,10 +363,12 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
     using T = decltype(t);
     const Mm project{mm, e, linear_gemv_rows(), x.options()};
     const Rows<T> rows{rows_kernel, s.eps, s.unit_offset};
-    for (const Layer& L : layers)
-      run_layer<T>(x.data_ptr(), M, Cd, s.head_dim, L, slots, page_table, chunks, page_size,
-                   s.residual_multiplier, s.activation, attn, project, rows, static_cast<T*>(h), static_cast<T*>(y),
-                   att);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t g = G == 1 ? 0 : s.slices[i];
+      run_layer<T>(x.data_ptr(), M, Cd, s.head_dim, layers[i], slice_slots[g], page_table, slice_chunks[g],
+                   page_size, s.residual_multiplier, s.activation, attn, project, rows, static_cast<T*>(h),
+                   static_cast<T*>(y), att);
+    }
   });
 }
 
@@ -431,7 +465,10 @@ at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at
                     "decode_greedy: tokens, positions and seqs int64 [B] alike and an int32 page table [seqs, pages]",
                     ", contiguous, got tokens ", shape(tokens), ", positions ", shape(positions), ", seqs ", dtype_name(seqs.scalar_type()), " ",
                     shape(seqs), ", page table ", dtype_name(page_table.scalar_type()), " ", shape(page_table));
-  const int64_t B = tokens.size(0), P = page_size, n_seqs = page_table.size(0), pages = page_table.size(1);
+  const int64_t G = stack->num_slices;  // (pages per layer group: slice g's rows are g * n_seqs + seq)
+  TORCH_CHECK_VALUE(page_table.size(0) % G == 0, "decode_greedy: a page table of ", G, " slices' rows, got ",
+                    shape(page_table));
+  const int64_t B = tokens.size(0), P = page_size, n_seqs = page_table.size(0) / G, pages = page_table.size(1);
   at::Tensor tok = tokens.contiguous().view({B, 1}), pos = positions.contiguous().view({B, 1});
   check_forward("decode_greedy", *stack, tok, pos, cos_tables, sin_tables);
   const at::Tensor seq_c = seqs.contiguous();
@@ -441,19 +478,23 @@ at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at
     // the logical pages of positions p .. p + steps - 1 (geometry.h, as kv/geometry.py counts them)
     const int64_t s = seq[b], p = first[b], end = fms_geometry::pages_for(p + steps, P);
     bool held = s >= 0 && s < n_seqs && p >= 0 && end <= pages;
-    for (int64_t g = fms_geometry::page_of(p, P); held && g < end; ++g) held = table[s * pages + g] > 0;  // page 0: the null page
+    for (int64_t sl = 0; sl < G; ++sl)  // page 0: the null page
+      for (int64_t g = fms_geometry::page_of(p, P); held && g < end; ++g)
+        held = table[(sl * n_seqs + s) * pages + g] > 0;
     TORCH_CHECK_VALUE(held, "decode_greedy: row ", b, ": sequence ", s, " holds no pages for positions ", p, "..",
                       p + steps - 1, " in the page table (", n_seqs, " seqs x ", pages, " pages of ", P,
                       "): RESERVE them first");
   }
-  at::Tensor out = at::empty({B, steps}, tok.options()), slots = at::empty({B}, tok.options());
+  at::Tensor out = at::empty({B, steps}, tok.options());
+  at::Tensor slots = G == 1 ? at::empty({B}, tok.options()) : at::empty({G, B}, tok.options());
   at::Tensor chunks = at::empty({B, 4}, tok.options());
   int64_t *slot = slots.data_ptr<int64_t>(), *chunk = chunks.data_ptr<int64_t>();
   for (int64_t j = 0; j < steps; ++j) {
     const at::Tensor at_j = at::add(pos, j);
     for (int64_t b = 0; b < B; ++b) {  // a chunk of one token per row (kv/kernels/cpp.py: CppKernel.decode)
       const int64_t p = first[b] + j;
-      slot[b] = fms_geometry::slot(table[seq[b] * pages + fms_geometry::page_of(p, P)], p, P);
+      for (int64_t sl = 0; sl < G; ++sl)
+        slot[sl * B + b] = fms_geometry::slot(table[(sl * n_seqs + seq[b]) * pages + fms_geometry::page_of(p, P)], p, P);
       chunk[4 * b] = seq[b], chunk[4 * b + 1] = p, chunk[4 * b + 2] = 1, chunk[4 * b + 3] = b;
     }
     const at::Tensor logits = forward_logits(*stack, tok, at_j, cos_tables, sin_tables, k_pools, v_pools, slots,
@@ -472,7 +513,8 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       .def(torch::init<std::vector<at::Tensor>, int64_t, std::vector<int64_t>, std::vector<double>,
                        std::vector<int64_t>, std::vector<double>, c10::List<std::optional<at::Tensor>>, double, bool,
                        double, int64_t>())
-      .def("set_ends", &DecoderStack::set_ends);
+      .def("set_ends", &DecoderStack::set_ends)
+      .def("set_slices", &DecoderStack::set_slices);
   m.def(
       "decoder_stack(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor x, Tensor[] cos, Tensor[] sin, "
       "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size) "

@@ -56,8 +56,15 @@ struct DecoderStack : torch::CustomClassHolder {
                std::vector<double> scales_, std::vector<int64_t> windows_, std::vector<double> softcaps_,
                const c10::List<std::optional<at::Tensor>>& sinks_, double eps_, bool unit_offset_,
                double residual_multiplier_, int64_t activation_);
+  // the page-table slice of each layer where the model's pages are held per layer group
+  // (fms_paged/kv/groups.py; empty: one slice): layer i's sequence s is row slices[i] * S + s of a
+  // page table of num_slices * S rows, and its new tokens' slots are row slices[i] of [num_slices, M]
+  std::vector<int64_t> slices;
+  int64_t num_slices = 1;
+
   void set_ends(at::Tensor embedding_, double emb_scale_, bool in_dtype, at::Tensor final_norm_, at::Tensor head_,
                 double logits_scaling_, double final_softcap_);
+  void set_slices(std::vector<int64_t> slices_);
   int64_t layers() const { return (int64_t)rope_index.size(); }
   const at::Tensor* weight(int64_t i, int64_t j) const {  // null: none
     const at::Tensor& w = weights[kLayerWeights * i + j];

@@ -120,11 +120,12 @@ class MixedStep(PoolStep):
 class GroupedStep(PoolStep):
     """A step of a model whose pages are held per layer slice (`fms_paged.kv.groups`): one step
     of the kernel per slice, each over its slice's page-table rows, and each layer attends
-    through its slice's. The one-call forwards (`forward_model`, `run_blocks`) are not taken: the
-    model runs its layers, each dispatched here by its index."""
+    through its slice's (dispatched here by its index). The one-call forwards (`forward_model`,
+    `run_blocks`) are the kernel's joined step's, where it has one (`Kernel.join`: cpp)."""
 
-    def __init__(self, steps: list, slice_of: tuple[int, ...]):
+    def __init__(self, steps: list, slice_of: tuple[int, ...], joined: PoolStep | None = None):
         self.steps, self.slice_of = steps, slice_of
+        self.joined = joined  # the kernel's one step over every slice (`Kernel.join`), if it has one
         self.view = steps[0].view
 
     @property
@@ -133,7 +134,13 @@ class GroupedStep(PoolStep):
         return self.steps[0].slots
 
     def prepare(self) -> GroupedStep:
-        return GroupedStep([s.prepare() for s in self.steps], self.slice_of)
+        return GroupedStep([s.prepare() for s in self.steps], self.slice_of, self.joined)
+
+    def forward_model(self, model, tokens, positions, logits_at):
+        return None if self.joined is None else self.joined.forward_model(model, tokens, positions, logits_at)
+
+    def run_blocks(self, model, x, ropes):
+        return None if self.joined is None else self.joined.run_blocks(model, x, ropes)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.steps[self.slice_of[layer]].attend(layer, q, k, v)
@@ -183,6 +190,11 @@ class Kernel:
         """Whether `decode_greedy` runs `model`'s greedy decode steps over `view` in one call now
         (`one_call` kernels, where their operators are loaded; never by default)."""
         return False
+
+    def join(self, view: PoolView, steps: list) -> PoolStep | None:
+        """One step over every layer slice (`view`: every layer's) from the slices' own `steps`,
+        for the kernel's one-call forward; None: the slices' steps run layer by layer."""
+        return None
 
     def decode_greedy(self, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
                       seqs: torch.Tensor, view: PoolView, steps: int) -> torch.Tensor | None:

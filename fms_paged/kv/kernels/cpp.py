@@ -159,9 +159,12 @@ class CppKernel(Kernel):
         loaded (not while a first start's builds compile, `native.deferred`) and the model's stack
         has its ends (`LLaMA.logits_stack`)."""
         logits_stack = getattr(model, "logits_stack", None)  # (our models; not FMS's)
-        # (pages held per layer group: a step per group's page table, layer by layer)
-        return (logits_stack is not None and view.num_slices == 1 and ready(view)
-                and logits_stack() is not None)
+        return logits_stack is not None and ready(view) and logits_stack() is not None
+
+    def join(self, view: PoolView, steps: list) -> CppStep:
+        """The slices' steps as one: their slots [slices, M] and the first slice's chunk list (the
+        operators find each layer's rows: `DecoderStack.set_slices`)."""
+        return CppStep(view, torch.stack([s.slots for s in steps]), steps[0].chunks)
 
     def decode_greedy(self, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
                       view: PoolView, steps: int) -> torch.Tensor | None:
