@@ -41,14 +41,15 @@ from fms_paged.kv.spec import release_horizon
 from fms_paged.parallel import TensorParallelError
 
 
-def check_pages(num_pages: int, need: int, max_model_len: int, page_size: int) -> None:
+def check_pages(num_pages: int, need: int, max_model_len: int, page_size: int, fits: int) -> None:
     """KVBudgetError unless `num_pages` holds `need` pages (one sequence of max_model_len at its
-    most pages at once, and the null page)."""
+    most pages at once, in every layer slice, and the null page); `fits`: the longest sequence
+    those pages hold (`LayerGroups.capacity`), which the message suggests."""
     if num_pages < need:
         raise KVBudgetError(
             f"num_pages={num_pages} cannot hold one sequence of max_model_len={max_model_len} "
             f"tokens: that needs {need} pages of {page_size} tokens (the null page "
-            f"included); pass num_pages>={need} or max_model_len<={(num_pages - 1) * page_size}"
+            f"included); pass num_pages>={need}" + (f" or max_model_len<={fits}" if fits > 0 else "")
         )
 
 
@@ -155,7 +156,8 @@ class Engine:
         if backend is None and num_pages is not None:
             if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
                 raise ValueError(f"num_pages={num_pages!r}; expected an int >= 2 or None")
-            check_pages(num_pages, need, max_model_len, c.page_size)
+            check_pages(num_pages, need, max_model_len, c.page_size,
+                        groups.capacity(num_pages, c.page_size, max_num_batched_tokens, max_model_len))
         model, self._ranks, self.control = split_for_engine(model, tensor_parallel_size, backend, Engine,
                                                              settings)
         try:
@@ -182,7 +184,8 @@ class Engine:
                 agreed = torch.tensor([num_pages])
                 torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN, group=self.control)
                 num_pages = int(agreed)
-            check_pages(num_pages, need, max_model_len, c.page_size)
+            check_pages(num_pages, need, max_model_len, c.page_size,
+                        groups.capacity(num_pages, c.page_size, max_num_batched_tokens, max_model_len))
             backend = PagedBackend(model, max_num_seqs, max_model_len, num_pages=num_pages,
                                    kernel=kernel)
         else:

@@ -25,6 +25,7 @@ import torch
 
 from fms_paged import Engine, SamplingParams, get_model
 from fms_paged.engine import tensor_parallel
+from fms_paged.kv.paged import model_groups
 from fms_paged.parallel import TensorParallelError, layout
 from tests.engine import tp_rank
 from tests.engine.test_half_precision import check_near_alone
@@ -63,7 +64,10 @@ def with_logprobs(params: SamplingParams) -> SamplingParams:
 def run_engine(family: str, size: int, dtype=torch.float32, compile=False, logprobs=False):
     model = get_model(family, variant="micro", attn_impl="paged", device="cpu", seed=0, page_size=16,
                       dtype=dtype)
-    eng = Engine(model, **{**tp_rank.ENGINE, "compile": compile}, tensor_parallel_size=size)
+    # (the KV bytes of ENGINE's pool in pages of one layer slice: pages held per layer group)
+    pages = tp_rank.ENGINE["num_pages"] * model.config.nlayers // model_groups(model).layers_per_slice
+    eng = Engine(model, **{**tp_rank.ENGINE, "compile": compile, "num_pages": pages},
+                 tensor_parallel_size=size)
     try:
         reqs = tp_rank.requests()
         for prompt, params in reqs:
