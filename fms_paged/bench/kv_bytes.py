@@ -13,7 +13,8 @@
   page manager's own RESERVE and window release, grown in the engine's prefill chunks (host
   bookkeeping, no forward).
 
-Writes <out>/results.json, results.md (printed) and kv_held.png.
+Writes <out>/results.json, results.md (printed), kv_held.png and rss_over_request.png (the longest
+request's KV held and RSS growth, step by step).
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ def one_request(eng: Engine, length: int, chunk: int, seed: int) -> dict[str, An
     rid = eng.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
     most_kv = most_rss = 0
     last: dict[str, Any] = {}
+    trace: list[tuple[int, int, int]] = []  # (tokens computed, KV bytes held, RSS growth) per step
     t0 = time.perf_counter()
     while eng.has_unfinished():
         eng.step()
-        most_rss = max(most_rss, _rss() - rss0)
+        grew = _rss() - rss0
+        most_rss = max(most_rss, grew)
         running = [r for r in eng.scheduler.running if r.request_id == rid]
         if running:
             r = running[0]
@@ -81,10 +84,12 @@ def one_request(eng: Engine, length: int, chunk: int, seed: int) -> dict[str, An
                                [s.window for s in attention_specs(eng.model)])
             most_kv = max(most_kv, kv["kv_bytes_held"])
             last = kv
+            trace.append((r.num_computed, kv["kv_bytes_held"], grew))
     return {"length": length, "chunk": chunk, "seconds": time.perf_counter() - t0,
             "kv_bytes_held_last": last.get("kv_bytes_held"),
             "kv_bytes_needed_last": last.get("kv_bytes_needed"),
-            "by_group": last.get("by_group", []), "kv_bytes_held_most": most_kv, "rss_growth_most": most_rss}
+            "by_group": last.get("by_group", []), "kv_bytes_held_most": most_kv, "rss_growth_most": most_rss,
+            "trace": trace}
 
 
 def capacity(specs, page_bytes_by_layers: int, budget: int, P: int, length: int, chunk: int,
@@ -175,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
             {"label": f"{kind} {g}", "x": [r["length"] for r in rows if r["group"] == g],
              "y": [r[kind] for r in rows if r["group"] == g], "fmt": "o-" if kind == "held" else "s--"}
             for g in dict.fromkeys(r["group"] for r in rows) for kind in ("needed", "held")]}])
+    longest = max(runs, key=lambda r: r["length"])
+    plot(out / "rss_over_request.png", [{
+        "title": f"one request of {longest['length']} tokens: KV held and RSS growth",
+        "xlabel": "tokens computed", "ylabel": "MiB", "series": [
+            {"label": "KV held (pages, every group)", "x": [t[0] for t in longest["trace"]],
+             "y": [t[1] / MiB for t in longest["trace"]], "fmt": "-"},
+            {"label": "process RSS growth since the request arrived", "x": [t[0] for t in longest["trace"]],
+             "y": [t[2] / MiB for t in longest["trace"]], "fmt": "-"}]}])
     print(text)
     return 0
 

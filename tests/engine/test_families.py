@@ -1,4 +1,4 @@
-"""The engine on every family we load: under preemption, prefix-cache hits and chunked prefill,
+"""The engine on every family we load: under preemption, prefix-cache hits, chunked prefill and n > 1,
 each request gets the tokens it gets alone (dense `generate`, which test_families ties to
 transformers), and the page pool accounts for every page after every step. For a model whose every
 layer is windowed (Mistral), the pages behind the window are released as requests grow: a request
@@ -86,17 +86,21 @@ def test_each_request_gets_its_tokens_alone(family, hf_family, device):
                  max_model_len=128, compile=False, kernel=kernel_for(device))
     assert (eng.horizon == FAMILY_WINDOW) == windowed
     assert groups.grouped == (family in GROUPED), groups
-    ids = [eng.add_request(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts]
+    # the second request in two completions (n=2: the second FORKs the first's pages, in every
+    # layer group), greedy: each gets that prompt's tokens
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True, n=2 if i == 1 else 1))
+           for i, p in enumerate(prompts)]
     got: dict[int, list[int]] = {}
+    forked: list[int] = []
     most = 0
     while eng.has_unfinished():
         for out in eng.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            (forked if out.index else got.setdefault(out.request_id, [])).extend(out.new_token_ids)
         check_pool(eng)
         most = max([most] + [sum(p != NULL_PAGE for p in eng.pm.pages_of(r.seq_id))
                              for r in eng.scheduler.running])
         poison_free(eng)
-    assert [got[i] for i in ids] == alone
+    assert [got[i] for i in ids] == alone and forked == alone[1]
     m = eng.metrics()
     assert m["preemptions"] > 0 and m["prefix_cache_hits"] > 0
     if windowed:  # a whole request would hold 7 pages; behind the window it held at most 5
