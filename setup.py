@@ -20,6 +20,7 @@ setup(
         "torch>=2.6",
         "transformers>=4.45",
         "safetensors",
+        "tqdm",  # the loader's progress bar (transformers needs it too)
         "sentencepiece",
         "tokenizers",
         "numpy",
