@@ -31,8 +31,8 @@ import torch
 
 __all__ = ["CHUNK_BYTES", "DTYPES", "ChunkReader", "HeaderError", "TensorEntry", "read_header"]
 
-# the buffer a tensor is read through: a few ms of reading, small beside any model's weights
-CHUNK_BYTES = 16 << 20
+# the buffer a tensor is read through: about a millisecond of reading, small beside any weights
+CHUNK_BYTES = 4 << 20
 # the header of a safetensors file is bounded by the spec (100 MB)
 _MAX_HEADER = 100_000_000
 
