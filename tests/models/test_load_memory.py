@@ -35,7 +35,8 @@ import torch, fms_paged
 from fms_paged import get_model
 out = {}
 if sys.argv[1] != "-":
-    model = get_model(model_path=sys.argv[1], attn_impl="sdpa", device="cpu", dtype=torch.bfloat16, progress=False)
+    model = get_model(model_path=sys.argv[1], attn_impl="sdpa", device="cpu", dtype=torch.bfloat16,
+                      progress=False)
     params = {id(p): p for p in model.parameters()}.values()
     out["weights"] = sum(p.nbytes for p in params) + sum(b.nbytes for b in model.buffers())
 # the peak RSS of this process (VmHWM: ru_maxrss would carry the forking parent's over exec)
