@@ -67,6 +67,18 @@ def unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, 2, d // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
+def _unpermute_rope_(w: torch.Tensor, heads: int, reader: ChunkReader) -> None:
+    """`w.copy_(unpermute_rope(w, heads))` in place, a head at a time through the reader's scratch
+    memory: a load allocates nothing per tensor (temporaries freed between the weights kept
+    fragment the heap: some 40 MiB over a Gemma 3 checkpoint's 36 q/k weights, measured)."""
+    w3 = w.view(heads, -1, w.shape[-1] if w.dim() == 2 else 1)  # [heads, D, C]
+    _, d, c = w3.shape
+    for h in range(heads):
+        tmp = reader.scratch(w3[h].nbytes).view(w.dtype).view(d, c)
+        tmp.copy_(w3[h])
+        w3[h].view(d // 2, 2, c).copy_(tmp.view(2, d // 2, c).transpose(0, 1))
+
+
 def permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Interleaved pairs -> HF "rotate half" layout (inverse of `unpermute_rope`)."""
     if w.dim() == 1:
@@ -212,11 +224,13 @@ def load_hf(
                 dst = arena.empty(entry.shape, target_dtype) if arena is not None else None
                 if dst is None:  # not CPU, no huge pages, or past the arena (a wider dtype)
                     dst = torch.empty(entry.shape, dtype=target_dtype, device=device)
+                state[name] = dst
+                if dst.is_meta:  # (a model's shapes alone: nothing to read)
+                    continue
                 reader.read_into(f, entry, dst, bar)
                 heads = _rope_heads(name, config)
                 if heads is not None:  # (a permutation: the same values as permuting before converting)
-                    dst.copy_(unpermute_rope(dst.clone(), heads))
-                state[name] = dst
+                    _unpermute_rope_(dst, heads, reader)
         except OSError as e:
             raise CheckpointError(f"cannot read {file}: {e}") from None
         finally:

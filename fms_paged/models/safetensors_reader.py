@@ -113,6 +113,15 @@ class ChunkReader:
         self.chunk_bytes = chunk_bytes - chunk_bytes % 8  # a whole number of elements of any dtype
         self._buffer: torch.Tensor | None = None
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of scratch memory (uint8): the read buffer's while it is large enough (valid
+        until the next read), else a tensor of its own."""
+        if nbytes > self.chunk_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self._buffer is None:
+            self._buffer = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+        return self._buffer[:nbytes]
+
     def read_into(self, f, entry: TensorEntry, dst: torch.Tensor, progress=None) -> None:
         """Fill `dst` (contiguous, `entry`'s shape, any dtype and device) with the values of `entry`
         read from the open file `f` (unbuffered, `open(entry.file, "rb", buffering=0)`), converting
