@@ -10,11 +10,14 @@ time, and reads the process's own `VmHWM` (peak) and `VmRSS` (now) from /proc:
 - `import`: python + torch + fms_paged imported (the baseline every figure is measured over);
 - `ours`: `get_model(..., dtype=bfloat16)`, then the workload through an `Engine`;
 - `ours-unpacked`: the same with oneDNN's packed weight copies off (GEMV for a few rows, ATen's
-  GEMM on the plain weights for more): what the second copy of the weights buys, in RSS and speed;
+  GEMM on the plain weights for more): what the second copy of the weights costs in RSS. What it
+  buys in speed is timed inside the `ours` processes, both ways alternating on the same weights
+  (`fms_paged.native.configure` after switching `gemm.ONEDNN`), so that both share the machine's
+  state (a shared 2-core VM's noise between processes is larger than the difference);
 - `llama.cpp`: llama-cpp-python (`make peer-llamacpp`) on the checkpoint converted to a bf16 GGUF
   by llama.cpp's own convert_hf_to_gguf.py (a synthetic sentencepiece tokenizer of the checkpoint's
   vocabulary size: it has none, and the converter needs one), the same requests one after another.
-The two `ours` runs alternate (ABAB) so that their timings share the machine's state.
+The two `ours` runs alternate (ABAB).
 
 The workload: a prefill phase (prompts of 32, 300, 900 and 2,000 tokens, one new token each) and a
 decode phase (four prompts of 16 tokens, 64 new tokens each), greedy; KV room for 4,096 tokens.
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PREFILL_LENS = (32, 300, 900, 2000)
 DECODE = (4, 16, 64)  # requests, prompt tokens, new tokens
 CTX = 4096
+SPEED_REPEATS, SPEED_NEW = 3, 32  # packed against plain: rounds, and new tokens of the decode phase
 GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                    num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
                    max_position_embeddings=32768)
@@ -110,11 +114,27 @@ def ours(ckpt: Path, packed: bool) -> dict:
 
     prefill_s = run(pre, 1)
     decode_s = run(dec, DECODE[2])
-    packed_bytes = sum(c.nbytes for p in params if (c := packed_copy(p)) is not None)
+    packed_bytes = sum(c.numel() * c.element_size() for p in params if (c := packed_copy(p)) is not None)
     end = proc_status()
-    return {"import": imported, "base": base, "loaded": loaded, "end": end, "weights": weights,
-            "buffers": buffers, "packed_bytes": packed_bytes, "load_s": load_s, "prefill_s": prefill_s,
-            "decode_s": decode_s, "kv_tokens": (-(-CTX // page) + 1) * page}
+    out = {"import": imported, "base": base, "loaded": loaded, "end": end, "weights": weights,
+           "buffers": buffers, "packed_bytes": packed_bytes, "load_s": load_s, "prefill_s": prefill_s,
+           "decode_s": decode_s, "kv_tokens": (-(-CTX // page) + 1) * page}
+    if packed:  # the speed the packed copies buy: both ways in this process, alternating (ABAB)
+        from fms_paged import native
+        from fms_paged.native import gemm
+
+        times: dict[str, dict[str, list[float]]] = {m: {"prefill": [], "decode": []}
+                                                    for m in ("packed", "plain")}
+        for rep in range(SPEED_REPEATS + 1):  # (the first round warms both up: not counted)
+            for mode in ("packed", "plain"):
+                gemm.ONEDNN = mode == "packed"
+                native.configure()
+                p, d = run(pre[2:3], 1), run(dec, SPEED_NEW)
+                if rep:
+                    times[mode]["prefill"].append(p)
+                    times[mode]["decode"].append(d)
+        out["speed"] = times
+    return out
 
 
 def baseline() -> dict:
@@ -239,6 +259,16 @@ def report(runs: dict[str, list[dict]], out: Path) -> str:
             f"{mib(med(lambda r: r['end']['VmHWM']))} | "
             f"{mib(med(lambda r: r.get('packed_bytes', 0)))} | {med(lambda r: r['load_s']):.2f} | "
             f"{med(lambda r: r['prefill_s']):.2f} | {med(lambda r: r['decode_s']):.2f} |")
+    speed = [r["speed"] for r in runs["ours"] if "speed" in r]
+    if speed:
+        lines.append("\nSpeed of the packed copies (in the `ours` processes, packed and plain alternating, "
+                     f"{len(speed[0]['packed']['prefill'])} rounds each; a {PREFILL_LENS[2]}-token prefill, "
+                     f"then {DECODE[0]} x {SPEED_NEW} decode steps), median seconds:")
+        lines.append("\n| phase | packed | plain | plain / packed |\n| --- | ---: | ---: | ---: |")
+        for phase in ("prefill", "decode"):
+            a = statistics.median(t for s in speed for t in s["packed"][phase])
+            b = statistics.median(t for s in speed for t in s["plain"][phase])
+            lines.append(f"| {phase} | {a:.2f} | {b:.2f} | {b / a:.2f} |")
     if runs.get("llama.cpp"):
         lc = statistics.median(r["end"]["VmRSS"] for r in runs["llama.cpp"])
         for name in ("ours", "ours-unpacked"):
