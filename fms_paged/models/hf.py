@@ -233,6 +233,8 @@ def load_hf(
                     _unpermute_rope_(dst, heads, reader)
         except OSError as e:
             raise CheckpointError(f"cannot read {file}: {e}") from None
+        except HeaderError as e:  # (a file that shrank since its header was read)
+            raise CheckpointError(str(e)) from None
         finally:
             if f is not None:
                 f.close()
@@ -253,8 +255,10 @@ def _plan(path: Path, config: LLaMAConfig, expected: dict[str, torch.Size]) -> l
     for file in _checkpoint_files(path):
         try:
             entries = read_header(file)
-        except (OSError, HeaderError) as e:
+        except OSError as e:
             raise CheckpointError(f"cannot read {file}: {e}") from None
+        except HeaderError as e:  # (it names the file)
+            raise CheckpointError(str(e)) from None
         for entry in entries:
             if _IGNORED.fullmatch(entry.name):
                 continue
