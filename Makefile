@@ -42,7 +42,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-families bench-kv bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp bench-native
+.PHONY: bench-llama bench-llama-paged bench-families bench-kv bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp bench-native bench-load-memory
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -99,6 +99,12 @@ bench-http: install
 # step's host time and the targets met or missed. About 20 minutes on a 2-core CPU with both peers.
 bench-native: install
 	$(PY) -m benchmarks.vs_native --out results/bench-native $(BENCH_ARGS)
+
+# process memory: peak RSS loading a Gemma 3 270M-shaped fp32 checkpoint in bf16 and steady RSS after a
+# small mixed workload through the Engine, with and without oneDNN's packed weight copies, beside
+# llama.cpp on the same model as a bf16 GGUF (`make peer-llamacpp`; left out without its venv). ~5 min.
+bench-load-memory: install
+	$(PY) -m benchmarks.load_memory --out results/load-memory $(BENCH_ARGS)
 
 # tensor parallelism on this host's CPU: the same batch on 1 rank and on N (spawned, sharing the cores),
 # the default model and a SmolLM2-135M-shaped one: decode step time and the collectives' share of it

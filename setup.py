@@ -20,6 +20,7 @@ setup(
         "torch>=2.6",
         "transformers>=4.45",
         "safetensors",
+        "tqdm>=4.60",  # the loader's progress bar (its `delay`); transformers needs tqdm too
         "sentencepiece",
         "tokenizers",
         "numpy",

@@ -51,6 +51,7 @@ def get_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = None,
     seed: int | None = 0,
+    progress: bool | None = None,
     **config_overrides: Any,
 ) -> nn.Module:
     """Build a registered variant with random weights, or load a Hugging Face checkpoint directory
@@ -63,7 +64,10 @@ def get_model(
     parameters are fp32). A variant's random init draws from the default generators seeded with
     `seed` and restored after it (`seeded_rng`: the caller's RNG is left as it was; None: drawn from
     the global RNG as it stands), in the dtype asked for (the model never exists in fp32 first); a
-    checkpoint ignores `seed`. Other keyword arguments override
+    checkpoint ignores `seed`. A checkpoint is read tensor by tensor into the model's parameters,
+    converted to `dtype` as it is read (`fms_paged.models.hf.load_hf`); `progress` shows a bar over
+    its bytes (None: on a terminal, for a load past a couple of seconds; False: never). Other keyword
+    arguments override
     `LLaMAConfig` fields (e.g. `linear_impl="torch"`).
     """
     dev = resolve_device(device)
@@ -81,7 +85,8 @@ def get_model(
     if model_path is not None:  # config.json names the family; `architecture` must not contradict it
         from fms_paged.models.hf import load_hf
 
-        model = load_hf(model_path, attn_impl=attn_impl, device=dev, dtype=dt, **config_overrides)
+        model = load_hf(model_path, attn_impl=attn_impl, device=dev, dtype=dt, progress=progress,
+                        **config_overrides)
         if architecture not in ("llama", model.config.family):
             raise ValueError(f"architecture={architecture!r}, but {model_path} holds a "
                              f"{model.config.family!r} checkpoint (config.json decides: leave it out)")

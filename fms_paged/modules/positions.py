@@ -62,9 +62,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [L, D/2]
         # per dimension, in the interleaved layout: cos of its pair; -sin for the first of a pair,
         # +sin for the second (see apply_rope)
-        cos, sin = freqs.cos(), freqs.sin()
-        self.cos = torch.stack((cos, cos), dim=-1).flatten(1).to(device)  # [L, D]
-        self.sin = torch.stack((-sin, sin), dim=-1).flatten(1).to(device)  # [L, D]
+        # (written into the tables a half at a time: a load's peak holds one [L, D/2] temporary
+        # beside the tables, not four)
+        L, half = freqs.shape
+        self.cos = torch.empty(L, half, 2, device=device)  # [L, D/2, 2] -> [L, D]
+        self.sin = torch.empty(L, half, 2, device=device)
+        cos = freqs.cos()
+        self.cos[..., 0].copy_(cos)
+        self.cos[..., 1].copy_(cos)
+        del cos
+        sin = freqs.sin()
+        self.sin[..., 1].copy_(sin)
+        self.sin[..., 0].copy_(sin.neg_())
+        del sin
+        self.cos, self.sin = self.cos.flatten(1), self.sin.flatten(1)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, S] int64 -> cos, sin: [B, S, 1, D] fp32 (broadcast over heads)

@@ -71,6 +71,29 @@ def test_missing_tensor(hf_checkpoint, device):
         get_model(model_path=path, device=device)
 
 
+def test_truncated_checkpoint(hf_checkpoint, device):
+    """A file cut short (a copy that stopped) fails at load, naming the file, before any data is
+    read: its header's offsets lie past its end."""
+    _, path = hf_checkpoint("mha")
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="model.safetensors.*data_offsets"):
+        get_model(model_path=path, device=device)
+
+
+def test_tensor_in_two_shards(hf_checkpoint, device):
+    _, path = hf_checkpoint("mha", max_shard_size="100KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    first = load_file(path / shards[0])
+    name = next(iter(first))
+    last = load_file(path / shards[-1])
+    last[name] = first[name]
+    save_file(last, path / shards[-1])
+    with pytest.raises(CheckpointError, match=f"{name}.*both"):
+        get_model(model_path=path, device=device)
+
+
 def test_architecture_we_do_not_load(hf_checkpoint, device):
     """An architecture no family of ours computes is refused, naming it and listing what loads; a
     model_type that contradicts the architecture is refused too."""
