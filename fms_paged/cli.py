@@ -41,8 +41,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model-path", type=Path, default=None,
                    help="Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer.model or "
-                        "tokenizer.json) of a family we load (`fms-paged info` lists them). Default: the "
-                        "embedded default model.")
+                        "tokenizer.json) of a family we load (`fms-paged info` lists them), or a llama.cpp "
+                        ".gguf file. Default: the embedded default model.")
     g.add_argument("--variant", default=None,
                    help="a registered variant with random weights instead (e.g. micro); needs "
                         "--prompt-ids since it has no tokenizer")
