@@ -217,7 +217,11 @@ def gguf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     vocabularies), served through `HFTokenizer`: the same ids transformers' tokenizer gives."""
     from transformers import AutoTokenizer  # (heavy; only GGUF files need it here)
 
+    from fms_paged.models.gguf import open_gguf  # (needs the optional `gguf` package)
+
     path = Path(path)
+    if "tokenizer.ggml.model" not in open_gguf(path).fields:
+        raise FileNotFoundError(f"{str(path)!r} holds no tokenizer (no tokenizer.ggml.model in its metadata)")
     fast = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return HFTokenizer.from_tokenizer(fast.backend_tokenizer, fast.bos_token_id, fast.eos_token_id)
 

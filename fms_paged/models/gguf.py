@@ -50,8 +50,8 @@ try:
 except ImportError:  # optional: only GGUF files need it
     GGUFReader = None  # type: ignore[assignment,misc]
 
-__all__ = ["SUPPORTED_TYPES", "GGUFTensor", "dequantize", "find_gguf", "hf_config", "is_gguf", "load_gguf",
-           "open_gguf", "tensors"]
+__all__ = ["SUPPORTED_TYPES", "GGUFTensor", "dequantize", "file_summary", "find_gguf", "hf_config", "is_gguf",
+           "load_gguf", "open_gguf", "tensors"]
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
@@ -370,24 +370,22 @@ def load_gguf(
     return model.eval()
 
 
-def layer_formats(model_path: str | os.PathLike) -> dict[str, str]:
-    """Each tensor's ggml type by its GGUF name (what `fms-paged info` lists)."""
-    return {t.name: t.tensor_type.name for t in open_gguf(model_path).tensors}
-
-
-def _layer_of(name: str) -> int | None:
-    m = re.match(r"blk\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
-
-
-def summarize_formats(model_path: str | os.PathLike) -> list[str]:
-    """One line per layer ("layer 3: attn_q Q4_K, ..., ffn_down Q6_K") and one for the rest."""
-    per: dict[int | None, list[str]] = {}
-    for name, kind in layer_formats(model_path).items():
-        short = re.sub(r"^blk\.\d+\.|\.weight$", "", name)
-        per.setdefault(_layer_of(name), []).append(f"{short} {kind}")
-    lines = [f"layer {i}: {', '.join(v)}" for i, v in sorted((k, v) for k, v in per.items() if k is not None)]
-    if None in per:
-        lines.append(f"other: {', '.join(per[None])}")
-    return lines
-
+def file_summary(model_path: str | os.PathLike) -> dict[str, str]:
+    """What `fms-paged info x.gguf` says of a file: its architecture, how its weights run, and per
+    layer ("layer 3") each tensor's ggml type ("attn_q Q4_K, ..., ffn_down Q6_K"), the tensors
+    outside the layers under "other"."""
+    reader = open_gguf(model_path)
+    per: dict[str, list[str]] = {}
+    for t in reader.tensors:
+        short = t.name.removesuffix(".weight")
+        m = re.match(r"blk\.(\d+)\.(.*)$", short)
+        key, short = (f"layer {int(m.group(1))}", m.group(2)) if m else ("other", short)
+        per.setdefault(key, []).append(f"{short} {t.tensor_type.name}")
+    kinds = sorted({t.tensor_type.name for t in reader.tensors})
+    out = {"file": str(find_gguf(model_path)), "architecture": str(_field(reader, "general.architecture")),
+           "tensor types": ", ".join(kinds),
+           "kernel": "dequantized at load into the model's dtype (fp32 for block types unless --dtype); "
+                     "the dtype's GEMMs (`fms-paged info`, per dtype); no kernel on quantized blocks yet"}
+    layers = sorted((k for k in per if k != "other"), key=lambda k: int(k.split()[1]))
+    out.update({k: ", ".join(per[k]) for k in layers + (["other"] if "other" in per else [])})
+    return out
