@@ -112,7 +112,26 @@ def encode(values: np.ndarray, qtype) -> np.ndarray:
     return gguf.quants.quantize(values.astype(np.float32), qtype)
 
 
-def write_gguf(path, arch: str, kinds, seed: int = 0, tokenizer: bool = False) -> dict[str, np.ndarray]:
+# Llama 3.1's (with head_dim 64 and theta 1e4, wavelengths of 6 to 46,000 positions: some kept, some
+# blended, some slowed)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def llama3_divisors(scaling: dict, theta: float) -> np.ndarray:
+    """What llama.cpp's converter stores as `rope_freqs` for Llama 3.1's RoPE scaling: per frequency,
+    the factor its inverse frequency is divided by (transformers' llama3 rule, in float64)."""
+    inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
+    wavelen = 2 * np.pi / inv
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    smooth = (old / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid)).astype(np.float32)
+
+
+def write_gguf(path, arch: str, kinds, seed: int = 0, tokenizer: bool = False,
+               rope_scaling: dict | None = None) -> dict[str, np.ndarray]:
     """A GGUF file of the arch's test model, matrices in `kinds` (one type, or a GGUF base name ->
     type map); returns the HF-named, HF-layout dequantized tensors (the float64 reference)."""
     cfg = CONFIGS[arch]
@@ -171,6 +190,8 @@ def write_gguf(path, arch: str, kinds, seed: int = 0, tokenizer: bool = False) -
         if arch in GEMMA and gname.endswith("norm.weight"):  # stored as 1 + w
             stored = stored - 1.0
         ref[hname] = stored
+    if rope_scaling is not None:  # Llama 3.1: a tensor of divisors, not metadata
+        w.add_tensor("rope_freqs.weight", llama3_divisors(rope_scaling, cfg["rope_theta"]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -189,11 +210,11 @@ def _gpt2_chars():
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def reference_model(tmp_path, arch: str, ref: dict[str, np.ndarray]):
+def reference_model(tmp_path, arch: str, ref: dict[str, np.ndarray], **config):
     """The float64 reference: the dequantized tensors as an HF checkpoint, loaded in float64."""
     d = tmp_path / f"ref-{arch}"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(CONFIGS[arch]))
+    (d / "config.json").write_text(json.dumps({**CONFIGS[arch], **config}))
     save_file({k: v.astype(np.float32) for k, v in ref.items()}, str(d / "model.safetensors"))
     return get_model(model_path=d, device="cpu", dtype=torch.float64)
 

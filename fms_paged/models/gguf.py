@@ -28,6 +28,7 @@ Weights are held dequantized in the model's dtype (kernels on the quantized bloc
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 from fms_paged import native
+from fms_paged.models import hugepages
 from fms_paged.models.families import FAMILIES, CheckpointError
 from fms_paged.models.hf import _names, _rope_heads, _translate, config_from_hf, unpermute_rope
 from fms_paged.models.llama import LLaMA, LLaMAConfig
@@ -348,6 +350,10 @@ def load_gguf(
     if config.tie_heads:
         expected.pop("head.weight")
     state: dict[str, torch.Tensor] = {}
+    # CPU weights go straight into huge pages, as a checkpoint's do (models/hugepages.py)
+    arena = None
+    if torch.device(device).type == "cpu":
+        arena = hugepages.arena_for(math.prod(s) * dtype.itemsize for s in expected.values())
     for t in tensors(reader, config):
         if t.name not in expected:
             raise CheckpointError(f"{path.name}: unexpected tensor {t.gguf_name!r} for this config")
@@ -359,7 +365,11 @@ def load_gguf(
         except (ValueError, IndexError) as e:
             raise CheckpointError(f"{path.name}: tensor {t.gguf_name!r} ({t.ggml_type}) cannot be read: "
                                   f"{e}") from None
-        state[t.name] = values.to(device=device, dtype=dtype).contiguous()
+        dst = arena.empty(values.shape, dtype) if arena is not None else None
+        if dst is None:  # not CPU, or no huge pages
+            state[t.name] = values.to(device=device, dtype=dtype).contiguous()
+        else:
+            state[t.name] = dst.copy_(values)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{path.name} is missing tensors: {missing[:8]}")

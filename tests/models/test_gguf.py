@@ -25,7 +25,18 @@ from fms_paged import Engine, SamplingParams, generate, get_model  # noqa: E402
 from fms_paged.models.families import CheckpointError  # noqa: E402
 from fms_paged.models.gguf import SUPPORTED_TYPES, find_gguf, load_gguf  # noqa: E402
 from fms_paged.tokenizers import load_tokenizer  # noqa: E402
-from tests.gguf_files import CONFIGS, GEMMA, MIXED, D, Q, prompt_ids, reference_model, rel_err, write_gguf  # noqa: E402
+from tests.gguf_files import (  # noqa: E402
+    CONFIGS,
+    GEMMA,
+    LLAMA3_SCALING,
+    MIXED,
+    D,
+    Q,
+    prompt_ids,
+    reference_model,
+    rel_err,
+    write_gguf,
+)
 
 REF_REL, HF_REL = 1e-4, 1e-3
 TRANSFORMERS_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # the ones transformers reads
@@ -64,6 +75,20 @@ def test_each_architecture_matches_references(arch, tmp_path):
     """A Q4_K_M-like mix of types, on each architecture: its names, its q/k rows (permuted for
     llama and granite only), Gemma's 1 + w norms, soft-caps, windows, biases, q/k norms."""
     check_against_references(tmp_path, arch, MIXED, use_transformers=arch in TRANSFORMERS_ARCHS)
+
+
+def test_llama31_rope_scaling_from_its_rope_freqs_tensor(tmp_path):
+    """Llama 3.1's RoPE scaling, which llama.cpp stores as a `rope_freqs` tensor of divisors: read
+    back as the llama3 rule's parameters, the float64 reference with that rope_scaling in its
+    config.json."""
+    file = tmp_path / "llama31.gguf"
+    ref = write_gguf(file, "llama", Q.Q8_0, rope_scaling=LLAMA3_SCALING)
+    model = get_model(model_path=file, device="cpu", dtype=torch.float32)
+    assert model.config.rope_scaling == LLAMA3_SCALING
+    ids = prompt_ids(40)
+    reference = reference_model(tmp_path, "llama", ref, rope_scaling=LLAMA3_SCALING)
+    with torch.no_grad():
+        assert rel_err(model(ids), reference(ids)) <= REF_REL
 
 
 def test_quantized_types_stay_close_to_the_weights_quantized():
