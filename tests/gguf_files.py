@@ -2,10 +2,10 @@
 reference of what they hold (`reference_model`), for the GGUF tests (tests/models/test_gguf.py,
 the CLI's and the server's).
 
-A file's tensors are random, in a tensor type: F32 / F16 / BF16 / Q8_0 / Q4_0 quantized by
-`gguf.quants.quantize`, Q4_K / Q5_K / Q6_K written as random blocks (gguf quantizes none of them),
-under llama.cpp's names and metadata keys. What the file stores is the model: the reference is the
-stored tensors dequantized and put back as the Hugging Face checkpoint they would have been
+A file's tensors are random, in a tensor type: F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1
+quantized by `gguf.quants.quantize`, Q4_K / Q5_K / Q6_K written as random blocks (gguf quantizes
+none of them), under llama.cpp's names and metadata keys. What the file stores is the model: the
+reference is the stored tensors dequantized and put back as the Hugging Face checkpoint they would have been
 converted from (q/k rows un-permuted for the llama architectures, Gemma's norms stored as 1 + w
 less 1), with a config.json written by hand, loaded by our safetensors loader in float64.
 """
@@ -91,10 +91,13 @@ def llamacpp_unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def random_blocks(qtype, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks [rows, bytes per row] with scales that keep values ~0.05."""
+    """Random K-quant blocks [rows, bytes per row] with scales that keep values ~0.05 (Q4_K, Q5_K,
+    Q6_K; another type's blocks are random bytes, for refusals)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = shape
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if qtype not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return raw.reshape(rows, -1)
     if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin (fp16) first
         raw[..., 0:4] = rng.uniform(2e-4, 6e-4, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
     else:  # Q6_K: d (fp16) last
@@ -176,7 +179,7 @@ def write_gguf(path, arch: str, kinds, seed: int = 0, tokenizer: bool = False,
     for gname, hname, shape in hf_tensor_names(arch):
         base = gname.split(".")[-2]
         qtype = Q.F32 if len(shape) == 1 else (kinds if not isinstance(kinds, dict) else kinds[base])
-        if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K):  # (no quantizer in gguf)
             raw = random_blocks(qtype, shape, rng)
         else:
             values = rng.normal(0, 0.05, shape).astype(np.float32)
@@ -184,6 +187,8 @@ def write_gguf(path, arch: str, kinds, seed: int = 0, tokenizer: bool = False,
                 values = rng.uniform(0.8, 1.2, shape).astype(np.float32)
             raw = encode(values, qtype)
         w.add_tensor(gname, raw, raw_dtype=qtype)
+        if qtype == Q.Q3_K:  # (random bytes for a refusal: no reference)
+            continue
         stored = gguf.quants.dequantize(raw, qtype).reshape(shape).astype(np.float64)
         if arch in ("llama", "granite") and base in ("attn_q", "attn_k"):  # stored permuted
             stored = llamacpp_unpermute(stored, HEADS if base == "attn_q" else KV)

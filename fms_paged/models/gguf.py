@@ -22,7 +22,8 @@ What llama.cpp's converter changed, undone here:
   local layers to one global, Gemma 2's alternating layers; Llama 3.1's RoPE scaling, stored as a
   `rope_freqs` tensor of per-frequency divisors, which we match to the llama3 rule's parameters.
 
-Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K (`SUPPORTED_TYPES`); others are refused.
+Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (`SUPPORTED_TYPES`: what
+Q4_K_M / Q5_K_M / Q8_0 / Q4_0 files hold); others (Q2_K, Q3_K, the IQ and ternary types) are refused.
 Weights are held dequantized in the model's dtype (kernels on the quantized blocks are later work).
 """
 
@@ -55,7 +56,9 @@ except ImportError:  # optional: only GGUF files need it
 __all__ = ["SUPPORTED_TYPES", "GGUFTensor", "dequantize", "file_summary", "find_gguf", "hf_config", "is_gguf",
            "load_gguf", "open_gguf", "tensors"]
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# Q4_1 / Q5_0 / Q5_1 too: llama.cpp's quantizer writes Q5_0 / Q5_1 / Q8_0 for a tensor whose rows
+# are not a multiple of 256 wide in a Q4_K_M / Q5_K_M file (SmolLM2-135M's 576, Qwen2.5-0.5B's 896)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 # general.architecture -> (config.json `architectures`, `model_type`)
 ARCHITECTURES = {

@@ -138,9 +138,9 @@ def test_directory_with_one_gguf_and_default_dtype(tmp_path):
 
 
 def test_unsupported_type_is_refused_by_name(tmp_path):
-    file = tmp_path / "q5_0.gguf"
-    write_gguf(file, "llama", {**MIXED, "ffn_up": Q.Q5_0})
-    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight.*Q5_0.*supported: F32, F16, BF16"):
+    file = tmp_path / "q3_k.gguf"
+    write_gguf(file, "llama", {**MIXED, "ffn_up": Q.Q3_K})
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight.*Q3_K.*supported: F32, F16, BF16"):
         load_gguf(file)
 
 
