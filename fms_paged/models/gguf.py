@@ -42,8 +42,8 @@ import torch
 
 from fms_paged import native
 from fms_paged.models import hugepages
-from fms_paged.models.families import FAMILIES, CheckpointError
-from fms_paged.models.hf import _names, _rope_heads, _translate, config_from_hf, unpermute_rope
+from fms_paged.models.families import CheckpointError
+from fms_paged.models.hf import config_from_hf, hf_to_ours_name, unpermute_rope
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules.positions import rope_inv_freq
 
@@ -288,12 +288,26 @@ class GGUFTensor:
     offset: float = 0.0
 
 
+def _gguf_to_hf(name: str, names: tuple[tuple[str, str], ...]) -> str | None:
+    for gguf_name, hf_name in names:
+        m = re.fullmatch(re.escape(gguf_name).replace(r"\{\}", r"(\d+)"), name)
+        if m:
+            return hf_name.format(*m.groups())
+    return None
+
+
+def _rope_heads(name: str, config: LLaMAConfig) -> int | None:
+    """How many RoPE heads a tensor's rows hold in rotate-half layout (its GGUF name; None: not
+    rotated): q's weight and bias, k's, and the per-head q/k norms (one head's worth)."""
+    kind = name.split(".")[-2] if name.startswith("blk.") else ""
+    return {"attn_q": config.nheads, "attn_k": config.kvheads, "attn_q_norm": 1, "attn_k_norm": 1}.get(kind)
+
+
 def tensors(reader: GGUFReader, config: LLaMAConfig) -> Iterator[GGUFTensor]:
     """The file's tensors under our names, in file order; CheckpointError naming a tensor that is
     not part of this model or whose type is not supported (`SUPPORTED_TYPES`)."""
     arch = _field(reader, "general.architecture")
     names = GGUF_NAMES + (_GEMMA_NORMS if arch in _GEMMA else _LLAMA_NORMS)
-    ours_names = _names(FAMILIES[config.family])
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:  # read into the config (`hf_config`)
             continue
@@ -301,12 +315,12 @@ def tensors(reader: GGUFReader, config: LLaMAConfig) -> Iterator[GGUFTensor]:
         if qtype not in SUPPORTED_TYPES:
             raise CheckpointError(f"tensor {t.name!r} has ggml type {qtype}, which we do not load; "
                                   f"supported: {', '.join(SUPPORTED_TYPES)}")
-        hf_name = _translate(t.name, 0, names)
-        name = _translate(hf_name, 0, ours_names) if hf_name is not None else None
+        hf_name = _gguf_to_hf(t.name, names)
+        name = hf_to_ours_name(hf_name, config.family) if hf_name is not None else None
         if name is None:
             raise CheckpointError(f"unexpected tensor {t.name!r} for a {arch} model")
         raw = t.data
-        heads = None if arch in _PERMUTED else _rope_heads(name, config)
+        heads = None if arch in _PERMUTED else _rope_heads(t.name, config)
         if heads is not None:  # rows (whole blocks) back to interleaved pairs
             raw = unpermute_rope(torch.from_numpy(np.array(raw)), heads).numpy()  # (a copy of the rows)
         offset = -1.0 if arch in _GEMMA and t.name.endswith("norm.weight") else 0.0
