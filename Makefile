@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 STAMP  := $(VENV)/.installed
 # the package's extras `install` puts in the venv (the Docker image's runtime stage asks for fewer)
-EXTRAS ?= bench,notebooks,dev,fms,serve
+EXTRAS ?= bench,notebooks,dev,fms,gguf,serve
 PYTEST_ARGS ?=
 
 .PHONY: install test test-slow lint format clean
@@ -150,7 +150,7 @@ docker-wheelhouse: install
 # every wheel the image installs (torch, the extras, the build backend) -> docker/wheelhouse, for a
 # build with no network: make docker DOCKER_BUILD_ARGS="--network=none --build-arg PIP_NO_INDEX=1"
 docker-wheelhouse-all: docker-wheelhouse
-	$(PIP) download -q -d docker/wheelhouse '.[bench,notebooks,dev,fms,serve]' 'setuptools>=64' wheel pip
+	$(PIP) download -q -d docker/wheelhouse '.[bench,notebooks,dev,fms,gguf,serve]' 'setuptools>=64' wheel pip
 
 docker: docker-wheelhouse
 	$(if $(DOCKER_CA_CERT),cp $(DOCKER_CA_CERT) docker/extra-ca.pem)

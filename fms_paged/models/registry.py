@@ -55,7 +55,8 @@ def get_model(
     **config_overrides: Any,
 ) -> nn.Module:
     """Build a registered variant with random weights, or load a Hugging Face checkpoint directory
-    of a family we load (its config.json's `architectures` decides: `fms_paged.models.families`).
+    of a family we load (its config.json's `architectures` decides: `fms_paged.models.families`),
+    or a GGUF file (or a directory holding one): `fms_paged.models.gguf`.
 
     With neither `variant` nor `model_path`, loads the project's embedded default model.
     The weights do not depend on `attn_impl`; only the attention backend does. The KV page size
@@ -83,10 +84,14 @@ def get_model(
                 f"pass variant= one of {list_models(architecture) if architecture in _REGISTRY else []}"
             )
     if model_path is not None:  # config.json names the family; `architecture` must not contradict it
+        from fms_paged.models.gguf import is_gguf, load_gguf
         from fms_paged.models.hf import load_hf
 
-        model = load_hf(model_path, attn_impl=attn_impl, device=dev, dtype=dt, progress=progress,
-                        **config_overrides)
+        if is_gguf(model_path):  # a .gguf file: llama.cpp's format
+            model = load_gguf(model_path, attn_impl=attn_impl, device=dev, dtype=dt, **config_overrides)
+        else:
+            model = load_hf(model_path, attn_impl=attn_impl, device=dev, dtype=dt, progress=progress,
+                            **config_overrides)
         if architecture not in ("llama", model.config.family):
             raise ValueError(f"architecture={architecture!r}, but {model_path} holds a "
                              f"{model.config.family!r} checkpoint (config.json decides: leave it out)")

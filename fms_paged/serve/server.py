@@ -115,12 +115,14 @@ def build(args, on_dead=None):
     from fms_paged.serve.requests import ServeContext
     from fms_paged.serve.tools import template_format
 
+    spec = engine_spec(args)
+    model_dir = spec["model_dir"]
+    # (before xgrammar's import below: a GGUF file's tokenizer imports transformers, which xgrammar
+    # imports too, and two threads importing it at once fail)
+    tokenizer = load_tokenizer(model_dir)
     if importlib.util.find_spec("xgrammar") is not None:  # structured outputs' 400s check grammars
         # here: import it now, beside the engine's start, not on the first such request's path
         threading.Thread(target=importlib.import_module, args=("xgrammar",), daemon=True).start()
-    spec = engine_spec(args)
-    model_dir = spec["model_dir"]
-    tokenizer = load_tokenizer(model_dir)
     source = find_chat_template(model_dir, args.chat_template)
     chat = None if source is None else ChatTemplate(source, special_tokens(model_dir))
     name = args.served_model_name or Path(model_dir).name
