@@ -98,7 +98,10 @@ def test_memory_figures_mean_something(run):
     for r in _runs(res, "single") + _runs(res, "mixed"):  # measured (a tiny run may add nothing)
         assert 0 <= r["run_peak_bytes"] < r["process_peak_bytes"], r
     panels = inference.figures(res)["memory_vs_length.png"]
-    assert [len(p["series"]) for p in panels] == [3, 3]  # dense, paged, needed | no cache, dense, paged
+    # dense, paged, needed | no cache, dense, paged | per layer group (one: full): held, needed
+    assert [len(p["series"]) for p in panels] == [3, 3, 2]
+    held, needed = panels[2]["series"]
+    assert all(h >= n for h, n in zip(held["y"], needed["y"]))
     for p in panels:
         for s in p["series"]:
             assert len(s["y"]) == 4 and all(y > 0 for y in s["y"]), (p["title"], s["label"])

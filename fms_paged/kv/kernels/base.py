@@ -133,6 +133,16 @@ class GroupedStep(PoolStep):
         """Slice 0's slots of the new tokens (each slice has its own)."""
         return self.steps[0].slots
 
+    @property
+    def fused(self) -> bool:
+        """Whether the joined step runs the forward in one call (`CppStep.fused`; False without one)."""
+        return bool(getattr(self.joined, "fused", False))
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        if self.joined is not None:
+            self.joined.fused = value
+
     def prepare(self) -> GroupedStep:
         return GroupedStep([s.prepare() for s in self.steps], self.slice_of, self.joined)
 
