@@ -34,6 +34,16 @@ class PoolView:
     specs: tuple[AttentionSpec, ...]  # one per layer
     gqa_group: int  # query heads per kv head
     device: torch.device
+    # per layer: an 8-bit pool's scales [1, Hkv, num_pages * P, G] fp32 (`fms_paged.kv.quant`),
+    # None for a 16/32-bit pool
+    k_scales: Sequence[torch.Tensor | None] = ()
+    v_scales: Sequence[torch.Tensor | None] = ()
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer `layer`'s (k_scales, v_scales), (None, None) for 16/32-bit pools."""
+        if not self.k_scales:
+            return None, None
+        return self.k_scales[layer], self.v_scales[layer]
 
     @property
     def windows(self) -> tuple[int | None, ...]:

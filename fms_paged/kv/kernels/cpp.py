@@ -21,7 +21,7 @@ import torch
 from fms_paged import native
 from fms_paged.kv._pool_ops import read_slots
 from fms_paged.kv.geometry import slot
-from fms_paged.kv.kernels.base import Kernel, PoolStep
+from fms_paged.kv.kernels.base import Kernel, PoolStep, Scales
 from fms_paged.kv.spec import AttentionSpec, attend, visible
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 
@@ -106,10 +106,10 @@ class CppStep(PoolStep):
         return out.view(B, S, C)
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                  spec: AttentionSpec) -> torch.Tensor:
+                  spec: AttentionSpec, scales: Scales = (None, None)) -> torch.Tensor:
         # q: [B', H, S', D]; kp, vp: [1, Hkv, NP, D] -> [B', H, S', D] (a view of [B', S', H, D])
         if not torch.compiler.is_compiling() and not ready(self.view):
-            return self.gathered(q, kp, vp, spec)
+            return self.gathered(q, kp, vp, spec, scales)
         v = self.view
         sinks = None if spec.sinks is None else spec.sinks.float().contiguous()  # the op takes fp32 [H]
         out = torch.ops.fms_paged.paged_attention(q, kp, vp, v.page_table, self.chunks, v.page_size_arg,
@@ -117,7 +117,7 @@ class CppStep(PoolStep):
         return out.transpose(1, 2)
 
     def gathered(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                 spec: AttentionSpec) -> torch.Tensor:
+                 spec: AttentionSpec, scales: Scales = (None, None)) -> torch.Tensor:
         """What the kernel computes, by torch's operations: each chunk's queries (rows `offset` ..
         `offset + tokens - 1` of the step's tokens) over its sequence's keys up to its last
         position (from the first its window still sees), GATHERed from the pages, causal and
@@ -131,7 +131,8 @@ class CppStep(PoolStep):
             if seq < 0:
                 continue
             pos = torch.arange(0 if spec.window is None else max(0, first - spec.window + 1), first + n)
-            keys, values = read_slots(kp, vp, slot(table[seq, pos // P].long(), pos, P))  # [1, Hkv, L, D]
+            # [1, Hkv, L, D] (8-bit pages: dequantized to q's dtype)
+            keys, values = read_slots(kp, vp, slot(table[seq, pos // P].long(), pos, P), *scales, dtype=q.dtype)
             mask = visible(torch.arange(first, first + n)[:, None], pos[None, :], spec.window)[None, None]
             qc = rows[off : off + n].transpose(0, 1)[None]  # [1, H, n, D]
             out[off : off + n] = attend(qc, keys, values, spec, mask=mask)[0].transpose(0, 1)
