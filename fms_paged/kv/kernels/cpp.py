@@ -132,7 +132,8 @@ class CppStep(PoolStep):
                 continue
             pos = torch.arange(0 if spec.window is None else max(0, first - spec.window + 1), first + n)
             # [1, Hkv, L, D] (8-bit pages: dequantized to q's dtype)
-            keys, values = read_slots(kp, vp, slot(table[seq, pos // P].long(), pos, P), *scales, dtype=q.dtype)
+            slots = slot(table[seq, pos // P].long(), pos, P)
+            keys, values = read_slots(kp, vp, slots, *scales, dtype=q.dtype)
             mask = visible(torch.arange(first, first + n)[:, None], pos[None, :], spec.window)[None, None]
             qc = rows[off : off + n].transpose(0, 1)[None]  # [1, H, n, D]
             out[off : off + n] = attend(qc, keys, values, spec, mask=mask)[0].transpose(0, 1)
