@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+# what `--kv-cache-dtype` (generate, serve, bench) says of its choices
+KV_CACHE_DTYPE_HELP = ("what the paged KV pages store: auto (the model's dtype), int8 or fp8_e4m3 (8-bit "
+                       "values with an fp32 scale per token and kv head; docs/benchmarks.md)")
 _STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_DTYPE = torch.float32
