@@ -115,7 +115,7 @@ class PagedBackend:
         self.view = PoolView(
             self.k_pools, self.v_pools, self.pm.page_table, self.pm.phys_to_logical, P, page_size_arg,
             self.num_pages, max_batch * self.pm.max_pages_per_seq, self.specs, c.nheads // c.kvheads,
-            self.device, self.k_scales, self.v_scales)
+            self.device, self.k_scales, self.v_scales, model.dtype)
 
     def _storage(self) -> list[torch.Tensor]:
         """Every tensor of the pages, indexed by slot along dim 2: values, then 8-bit scales."""

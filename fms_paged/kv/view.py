@@ -38,6 +38,7 @@ class PoolView:
     # None for a 16/32-bit pool
     k_scales: Sequence[torch.Tensor | None] = ()
     v_scales: Sequence[torch.Tensor | None] = ()
+    compute_dtype: torch.dtype | None = None  # q, k, v's (the model's): what 8-bit pages dequantize to
 
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Layer `layer`'s (k_scales, v_scales), (None, None) for 16/32-bit pools."""

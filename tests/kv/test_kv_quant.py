@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from fms_paged import Engine, SamplingParams, get_model
+from fms_paged import Engine, SamplingParams, get_model, native
 from fms_paged.kv._pool_ops import read_slots
 from fms_paged.kv.cache import PagedCache
+from fms_paged.kv.kernels.cpp import quantized
+from fms_paged.kv.kernels.cpp import ready as cpp_ready
 from fms_paged.kv.quant import KVCacheDtypeError, dequantize, quantize, storage_dtype
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 
@@ -25,13 +27,13 @@ TOL = 1e-5  # fp32 round-off of softmax-weighted sums of a few dozen terms of ma
 EIGHT_BIT = ("int8", "fp8_e4m3")
 
 
-def tiny(kv_cache_dtype: str = "auto", **kw) -> LLaMA:
-    """A one-layer GQA model (4 heads over 2 kv heads of 16), fp32, 8-token pages."""
+def tiny(kv_cache_dtype: str = "auto", dtype: torch.dtype = torch.float32, **kw) -> LLaMA:
+    """A one-layer GQA model (4 heads over 2 kv heads of 16), 8-token pages."""
     torch.manual_seed(0)
     cfg = LLaMAConfig(src_vocab_size=64, emb_dim=64, nheads=4, kvheads=2, nlayers=1, multiple_of=16,
                       attn_impl="paged", page_size=8, max_expected_seq_len=128,
                       kv_cache_dtype=kv_cache_dtype, **kw)
-    return LLaMA(cfg).eval()
+    return LLaMA(cfg).to(dtype).eval()
 
 
 @pytest.mark.parametrize("name", EIGHT_BIT)
@@ -70,32 +72,43 @@ def reference(q, pools, scales, pm, seq, first, n):
     return torch.softmax(s.masked_fill(~seen, float("-inf")), -1) @ v
 
 
-@pytest.mark.parametrize("kernel,name", [("gather", "int8"), ("gather", "fp8_e4m3")])
-def test_kernel_on_8bit_pages_matches_float64_of_dequantized(kernel, name):
-    """A prefill of two sequences (13 and 6 tokens: a page boundary, a part page), then a decode
-    row each: the kernel's outputs against `reference` over the same pages."""
-    model = tiny()
-    cache = PagedCache(model, 2, 64, kernel=kernel, kv_cache_dtype=name)
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
+
+
+@pytest.mark.parametrize("kernel,name,dtype", [
+    ("gather", "int8", torch.float32), ("gather", "fp8_e4m3", torch.float32),
+    pytest.param("cpp", "int8", torch.float32, marks=needs_compiler),
+    pytest.param("cpp", "int8", torch.bfloat16, marks=needs_compiler)])
+def test_kernel_on_8bit_pages_matches_float64_of_dequantized(kernel, name, dtype):
+    """A prefill of two sequences (13 and 70 tokens: page boundaries, part pages; 71 keys with
+    a decode row, more than one of the cpp kernel's 64-key blocks), then a decode row each: the
+    kernel's outputs against `reference` over the same pages. bf16 queries: the output is rounded
+    once to bf16, so the bound is TOL + 2^-8 |ref| (as test_cpu_kernel.py states)."""
+    model = tiny(dtype=dtype)
+    cache = PagedCache(model, 2, 128, kernel=kernel, kv_cache_dtype=name)
     v = cache.backend.view
-    assert v.k_pools[0].dtype == storage_dtype(name, torch.float32) and v.k_scales[0] is not None
+    assert v.k_pools[0].dtype == storage_dtype(name, dtype) and v.k_scales[0] is not None
+    if kernel == "cpp":  # the operator reads the int8 pages itself (not the torch fallback)
+        assert cpp_ready(v) and quantized(v)
+    rtol = 0.0 if dtype == torch.float32 else 2.0**-8
     g = torch.Generator().manual_seed(2)
-    lens = [13, 6]
+    lens = [13, 70]
     _, _, step, _ = cache.prefill([0, 1], [[1] * n for n in lens])
     T = sum(lens)
-    q, k, val = (torch.randn(1, h, T, 16, generator=g) for h in (4, 2, 2))
+    q, k, val = (torch.randn(1, h, T, 16, generator=g).to(dtype) for h in (4, 2, 2))
     out = step.prepare().attend(0, q, k, val)[0]  # [H, T, D]
     pools, scales = (v.k_pools[0], v.v_pools[0]), v.scales(0)
     off = 0
     for seq, n in enumerate(lens):
         ref = reference(q[0, :, off : off + n], pools, scales, cache.pm, seq, 0, n)
-        torch.testing.assert_close(out[:, off : off + n].double(), ref, atol=TOL, rtol=0)
+        torch.testing.assert_close(out[:, off : off + n].double(), ref, atol=TOL, rtol=rtol)
         off += n
     _, _, dstep = cache.decode([0, 1], torch.tensor([1, 1]), lens, [True, True])
-    q, k, val = (torch.randn(2, h, 1, 16, generator=g) for h in (4, 2, 2))
+    q, k, val = (torch.randn(2, h, 1, 16, generator=g).to(dtype) for h in (4, 2, 2))
     out = dstep.prepare().attend(0, q, k, val)  # [B, H, 1, D]
     for seq, n in enumerate(lens):
         ref = reference(q[seq], pools, scales, cache.pm, seq, n, 1)
-        torch.testing.assert_close(out[seq].double(), ref, atol=TOL, rtol=0)
+        torch.testing.assert_close(out[seq].double(), ref, atol=TOL, rtol=rtol)
 
 
 @pytest.mark.parametrize("name", EIGHT_BIT)

@@ -136,5 +136,10 @@ def _choose_8bit(kernel: str, device: torch.device, page_size: int | None, head_
 
 def cpp_8bit_reason(device: torch.device, dtype: torch.dtype | None, head_dim: int | None,
                     page_size: int | None, kv_dtype: torch.dtype) -> str | None:
-    """Why the cpp kernel cannot read `kv_dtype` pages for this model, or None."""
-    return "the C++ kernel does not read 8-bit pages yet"
+    """Why the cpp kernel cannot read `kv_dtype` pages for this model, or None: it reads int8 pages
+    (its "attention_i8" build), where it serves the model at all."""
+    if kv_dtype != torch.int8:
+        return f"the C++ kernel reads int8 pages, not {kv_dtype}"
+    if head_dim is None or dtype is None:
+        return "no head_dim / dtype given"
+    return cpu_kernel.unavailable_reason(device, dtype, head_dim, page_size or 16, kv_int8=True)

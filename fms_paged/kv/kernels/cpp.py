@@ -31,9 +31,21 @@ if TYPE_CHECKING:  # (the model imports the kernels' modules, not the other way 
 
 def ready(view: PoolView) -> bool:
     """Whether the C++ path runs now over `view`'s pools ([1, Hkv, NP, D]): `native.ready` for
-    their dtype and head dim (the operators, the GEMV, rows and attention kernels loaded)."""
+    their dtype and head dim (the operators, the GEMV, rows and attention kernels loaded); for int8
+    pools (8-bit KV pages), the attention kernel over them for the model's dtype."""
     kp = view.k_pools[0]
-    return kp.device.type == "cpu" and native.ready(kp.dtype, kp.shape[-1])
+    if kp.device.type != "cpu":
+        return False
+    if kp.dtype == torch.int8:
+        return native.ready(view.compute_dtype, kp.shape[-1], kv_int8=True)
+    return native.ready(kp.dtype, kp.shape[-1])
+
+
+def quantized(view: PoolView) -> bool:
+    """Whether `view`'s pages are 8-bit (values with scales): the one-call forward
+    (`fms_paged::decoder_stack`, which writes and reads pools of the model's dtype) does not take
+    them, so the modules run the step and each layer's attention calls the operator."""
+    return bool(view.k_scales) and view.k_scales[0] is not None
 
 
 class CppStep(PoolStep):
@@ -54,7 +66,7 @@ class CppStep(PoolStep):
     def fused(self) -> bool:
         """Whether an eager forward runs the step's blocks in one call: where the kernel is loaded,
         unless set False (the modules then run the step)."""
-        return (self._fused is None or self._fused) and ready(self.view)
+        return (self._fused is None or self._fused) and not quantized(self.view) and ready(self.view)
 
     @fused.setter
     def fused(self, value: bool) -> None:
@@ -113,7 +125,8 @@ class CppStep(PoolStep):
         v = self.view
         sinks = None if spec.sinks is None else spec.sinks.float().contiguous()  # the op takes fp32 [H]
         out = torch.ops.fms_paged.paged_attention(q, kp, vp, v.page_table, self.chunks, v.page_size_arg,
-                                                  spec.scale, spec.window or 0, spec.softcap or 0.0, sinks)
+                                                  spec.scale, spec.window or 0, spec.softcap or 0.0, sinks,
+                                                  *scales)
         return out.transpose(1, 2)
 
     def gathered(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
@@ -161,7 +174,8 @@ class CppKernel(Kernel):
         loaded (not while a first start's builds compile, `native.deferred`) and the model's stack
         has its ends (`LLaMA.logits_stack`)."""
         logits_stack = getattr(model, "logits_stack", None)  # (our models; not FMS's)
-        return logits_stack is not None and ready(view) and logits_stack() is not None
+        return (logits_stack is not None and not quantized(view) and ready(view)
+                and logits_stack() is not None)
 
     def decode_greedy(self, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
                       view: PoolView, steps: int) -> torch.Tensor | None:
