@@ -72,6 +72,7 @@ class PagedBackend:
         kernel: str = "auto",
         score_mod: Callable | None = None,
         kv_cache_dtype: str | None = None,
+        kv_group: int | None = None,
     ):
         c = model.config
         # what the pages store: the model's dtype ("auto"), or 8-bit values with fp32 scales
@@ -79,6 +80,10 @@ class PagedBackend:
         self.kv_cache_dtype = check_kv_cache_dtype(
             getattr(c, "kv_cache_dtype", "auto") if kv_cache_dtype is None else kv_cache_dtype)
         kv_dtype = storage_dtype(self.kv_cache_dtype, model.dtype)
+        # 8-bit pages: head dims per scale (None: the whole head, one scale per token and kv head,
+        # what the cpp kernel reads; a smaller group is read by gather alone: the granularity
+        # measurement of docs/benchmarks.md compares them)
+        self.kv_group = None if kv_group in (None, c.head_dim) else kv_group
         self.P = P = c.page_size
         self.device = model.device
         self.max_batch = max_batch
@@ -86,7 +91,7 @@ class PagedBackend:
         self.specs = attention_specs(model)
         self.kernel = choose_kernel(kernel, self.device, P, head_dim=c.head_dim, dtype=model.dtype,
                                     score_mod=score_mod, sinks=any(s.sinks is not None for s in self.specs),
-                                    kv_dtype=kv_dtype)
+                                    kv_dtype=kv_dtype, kv_grouped=self.kv_group is not None)
         if self.kernel.name == "flex" and self.device.type == "cuda":
             most = flex_max_pages(c.kvheads, c.head_dim, P)
             if self.num_pages > most:
@@ -101,8 +106,8 @@ class PagedBackend:
         # pool memory is touched (on the CPU: faulted in) only as pages are used. The null page
         # is zeroed now: padding writes to it and the GATHER fallback reads it for rows that see
         # nothing.
-        k_store = [allocate(shape, kv_dtype, self.device) for _ in range(c.nlayers)]
-        v_store = [allocate(shape, kv_dtype, self.device) for _ in range(c.nlayers)]
+        k_store = [allocate(shape, kv_dtype, self.device, self.kv_group) for _ in range(c.nlayers)]
+        v_store = [allocate(shape, kv_dtype, self.device, self.kv_group) for _ in range(c.nlayers)]
         self.k_pools, self.k_scales = [p for p, _ in k_store], [s for _, s in k_store]
         self.v_pools, self.v_scales = [p for p, _ in v_store], [s for _, s in v_store]
         for pool in self._storage():
