@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     c = model.config
     res = {"model": path, "dtype": a.dtype, "shape": {"nlayers": c.nlayers, "kvheads": c.kvheads,
                                                        "head_dim": c.head_dim, "page_size": c.page_size},
-           "environment": environment_info(torch.device("cpu")), "kv_bytes_per_token": kv_bytes_per_token(model)}
+           "environment": environment_info(torch.device("cpu")),
+           "kv_bytes_per_token": kv_bytes_per_token(model)}
     if not a.no_fidelity:
         tok = load_tokenizer(path)
         text = doc_text(a.chars)

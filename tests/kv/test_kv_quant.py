@@ -19,7 +19,7 @@ from fms_paged.kv.cache import PagedCache
 from fms_paged.kv.kernels.cpp import quantized
 from fms_paged.kv.kernels.cpp import ready as cpp_ready
 from fms_paged.kv.quant import KVCacheDtypeError, dequantize, quantize, storage_dtype
-from fms_paged.models.llama import LLaMA, LLaMAConfig
+from fms_paged.models.llama import LLaMA
 
 pytestmark = pytest.mark.usefixtures("cpu_only")
 
@@ -27,13 +27,11 @@ TOL = 1e-5  # fp32 round-off of softmax-weighted sums of a few dozen terms of ma
 EIGHT_BIT = ("int8", "fp8_e4m3")
 
 
-def tiny(kv_cache_dtype: str = "auto", dtype: torch.dtype = torch.float32, **kw) -> LLaMA:
-    """A one-layer GQA model (4 heads over 2 kv heads of 16), 8-token pages."""
-    torch.manual_seed(0)
-    cfg = LLaMAConfig(src_vocab_size=64, emb_dim=64, nheads=4, kvheads=2, nlayers=1, multiple_of=16,
-                      attn_impl="paged", page_size=8, max_expected_seq_len=128,
-                      kv_cache_dtype=kv_cache_dtype, **kw)
-    return LLaMA(cfg).to(dtype).eval()
+def tiny(kv_cache_dtype: str = "auto", dtype: torch.dtype = torch.float32) -> LLaMA:
+    """The micro variant's first layer (4 heads over 2 kv heads of 16, random weights), 8-token
+    pages."""
+    return get_model(variant="micro", attn_impl="paged", device="cpu", dtype=dtype, nlayers=1, page_size=8,
+                     kv_cache_dtype=kv_cache_dtype).eval()
 
 
 @pytest.mark.parametrize("name", EIGHT_BIT)
@@ -205,3 +203,62 @@ def test_engine_greedy_close_on_default_model(name, share):
     agree = sum(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                 for a, b in zip(outs["auto"], outs[name]))
     assert agree >= share * 4 * 24, (agree, outs)
+
+
+@needs_compiler
+def test_cpp_one_call_forward_quantizes_as_written():
+    """The one-call forward (`fms_paged::decoder_logits`: C++ ASSIGN quantizing each head's row as
+    it writes it) over int8 pages against the same forward over fp32 pages: every dequantized key
+    and value within half a step of the fp32 page's (absmax / 254, + 1e-6 for the two paths' own
+    fp32 round-off), every scale the fp32 row's absmax / 127 (relative 1e-5); and its logits within
+    1e-3 of the modules' path over int8 pages (Python ASSIGN, the operator per layer; a value whose
+    fp32 input sits on a rounding edge may land one step apart, ~1% of its row's absmax, which moves
+    these logits of magnitude ~1 by far less)."""
+    prompt = [[3, 9, 27, 17, 51, 4, 8, 16, 32, 1, 2, 5, 7, 11, 13, 19, 23, 29, 31, 37]]
+    model = tiny()
+    runs = {}
+    for kv, fused in (("auto", True), ("int8", True), ("int8", False)):
+        cache = PagedCache(model, 1, 64, kernel="cpp", kv_cache_dtype=kv)
+        tokens, positions, step, _ = cache.prefill([0], prompt)
+        step.fused = fused
+        assert step.fused == fused  # (the C++ path is loaded: fused unless asked not to be)
+        with torch.inference_mode():
+            logits = model(tokens, positions, step)
+        v = cache.backend.view
+        slots = cache.pm.slots([0] * 20, list(range(20)))
+        runs[kv, fused] = (logits, read_slots(v.k_pools[0], v.v_pools[0], slots, *v.scales(0)),
+                           [s[:, :, slots] if s is not None else None for s in v.scales(0)])
+    ref_kv, got_kv, scales = runs["auto", True][1], runs["int8", True][1], runs["int8", True][2]
+    for ref, got, s in zip(ref_kv, got_kv, scales):
+        amax = ref.abs().amax(-1, keepdim=True)
+        assert ((got - ref).abs() <= amax / 254 + 1e-6).all()
+        torch.testing.assert_close(s, amax / 127, rtol=1e-5, atol=0)
+    torch.testing.assert_close(runs["int8", True][0], runs["int8", False][0], rtol=0, atol=1e-3)
+
+
+@needs_compiler
+def test_decode_greedy_in_one_call_on_int8_pages():
+    """`CppKernel.decode_greedy` (several greedy steps in one operator call) over int8 pages gives
+    the tokens that as many one-step forwards over int8 pages give (the same C++ path, step by
+    step)."""
+    model = tiny()
+    outs = []
+    for one_call in (True, False):
+        cache = PagedCache(model, 1, 64, kernel="cpp", kv_cache_dtype="int8")
+        tokens, positions, step, last = cache.prefill([0], [[3, 9, 27, 17, 51, 4, 8]])
+        with torch.inference_mode():
+            tok = model(tokens, positions, step)[0, -1].argmax().view(1)
+            cache.backend.prepare_pages(cache.pm.reserve([0], [7 + 6]))
+            if one_call:
+                got = cache.kernel.decode_greedy(model, tok, torch.tensor([7]), torch.tensor([0]),
+                                                 cache.backend.view, 6)
+                assert got is not None
+                outs.append(got[0].tolist())
+                continue
+            seq = []
+            for j in range(6):
+                t, p, s = cache.backend.decode_inputs([0], tok, [7 + j], [True])
+                tok = model(t, p, s)[0, -1].argmax().view(1)
+                seq.append(int(tok))
+            outs.append(seq)
+    assert outs[0] == outs[1]

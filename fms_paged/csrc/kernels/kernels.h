@@ -38,7 +38,10 @@
 // - 2 (q/k/v): x rows [M, (H + 2 Hkv) D] (row stride x_st) in place: + q_bias [H D], k_bias and
 //   v_bias [Hkv D] (all three, or all null), the q and k heads normalised by q_norm / k_norm ([D], or null; eps, unit_offset), RoPE
 //   by cos / sin [M, D] (fp32), then the k and v heads written to slot slots[m] of k_pool / v_pool
-//   [Hkv, pool_tokens, D];
+//   [Hkv, pool_tokens, D]; with k_scale / v_scale (8-bit KV pages), written instead as int8 to
+//   k_pool8 / v_pool8 [Hkv, pool_tokens, D], each head's row quantized once (symmetric, scale =
+//   its absmax / 127, rounded to nearest even, as fms_paged.kv.quant does) with its scale at
+//   k_scale / v_scale [Hkv, pool_tokens];
 // - 3, 4 (SiLU, tanh-GELU times up): out [M, n] = act(x[:, :n]) * x[:, n:] for x rows [M, 2n]
 //   (row stride x_st);
 // - 5 (argmax): index [M] = the index of the first largest of each x row [n] (row stride x_st),
@@ -49,4 +52,4 @@
   X(const T*, q_bias) X(const T*, k_bias) X(const T*, v_bias) X(const T*, q_norm) X(const T*, k_norm) X(const float*, cos)                  \
   X(const float*, sin) X(const int64_t*, slots) X(T*, k_pool) X(T*, v_pool)                       \
   X(int64_t, pool_tokens) X(int32_t, H) X(int32_t, Hkv) X(int32_t, D) X(int32_t, threads)         \
-  X(int64_t*, index)
+  X(int64_t*, index) X(int8_t*, k_pool8) X(int8_t*, v_pool8) X(float*, k_scale) X(float*, v_scale)

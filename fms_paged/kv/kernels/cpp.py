@@ -42,10 +42,14 @@ def ready(view: PoolView) -> bool:
 
 
 def quantized(view: PoolView) -> bool:
-    """Whether `view`'s pages are 8-bit (values with scales): the one-call forward
-    (`fms_paged::decoder_stack`, which writes and reads pools of the model's dtype) does not take
-    them, so the modules run the step and each layer's attention calls the operator."""
+    """Whether `view`'s pages are 8-bit (int8 values with their row scales)."""
     return bool(view.k_scales) and view.k_scales[0] is not None
+
+
+def scale_lists(view: PoolView) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """What the one-call operators take for 8-bit pages: every layer's (k_scales, v_scales), or
+    (None, None) for 16/32-bit pools."""
+    return (list(view.k_scales), list(view.v_scales)) if quantized(view) else (None, None)
 
 
 class CppStep(PoolStep):
@@ -66,7 +70,7 @@ class CppStep(PoolStep):
     def fused(self) -> bool:
         """Whether an eager forward runs the step's blocks in one call: where the kernel is loaded,
         unless set False (the modules then run the step)."""
-        return (self._fused is None or self._fused) and not quantized(self.view) and ready(self.view)
+        return (self._fused is None or self._fused) and ready(self.view)
 
     @fused.setter
     def fused(self, value: bool) -> None:
@@ -88,12 +92,13 @@ class CppStep(PoolStep):
         h, view = model.head.weight, self.view  # (a cpp step needs no `prepare`: slots and chunks are all)
         # (`fused` found the C++ path ready for the pools' dtype: the head's, unless it was converted)
         if (torch.is_grad_enabled() and h.requires_grad) or (
-                h.dtype != view.k_pools[0].dtype and not native.ready(h.dtype)):
+                h.dtype != view.k_pools[0].dtype and not native.ready(h.dtype)) or (
+                quantized(view) and h.dtype != view.compute_dtype):
             return None
         cos, sin = model.rope_tables()
         return torch.ops.fms_paged.decoder_logits(
             stack, tokens, positions, cos, sin, view.k_pools, view.v_pools, self.slots, view.page_table,
-            self.chunks, view.page_size, logits_at)
+            self.chunks, view.page_size, logits_at, *scale_lists(view))
 
     def run_blocks(self, model: LLaMA, x: torch.Tensor,
                    ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> torch.Tensor | None:
@@ -114,7 +119,7 @@ class CppStep(PoolStep):
         out = torch.ops.fms_paged.decoder_stack(
             stack, x.reshape(B * S, C), [cos.reshape(B * S, -1) for cos, _ in ropes],
             [sin.reshape(B * S, -1) for _, sin in ropes], view.k_pools, view.v_pools, self.slots,
-            view.page_table, self.chunks, view.page_size)
+            view.page_table, self.chunks, view.page_size, *scale_lists(view))
         return out.view(B, S, C)
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
@@ -174,8 +179,7 @@ class CppKernel(Kernel):
         loaded (not while a first start's builds compile, `native.deferred`) and the model's stack
         has its ends (`LLaMA.logits_stack`)."""
         logits_stack = getattr(model, "logits_stack", None)  # (our models; not FMS's)
-        return (logits_stack is not None and not quantized(view) and ready(view)
-                and logits_stack() is not None)
+        return logits_stack is not None and ready(view) and logits_stack() is not None
 
     def decode_greedy(self, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
                       view: PoolView, steps: int) -> torch.Tensor | None:
@@ -189,7 +193,7 @@ class CppKernel(Kernel):
         cos, sin = model.rope_tables()
         return torch.ops.fms_paged.decode_greedy(
             model.logits_stack(), tokens, positions, seqs, cos, sin, view.k_pools, view.v_pools,
-            view.page_table, view.page_size, steps)
+            view.page_table, view.page_size, steps, *scale_lists(view))
 
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
         counts, T = batch.counts, batch.tokens.shape[1]
