@@ -58,11 +58,13 @@ def choose_kernel(kernel: str, device: torch.device, page_size: int | None = Non
     here: cpp (needs `head_dim` and `dtype`; no score_mod), flex, gather (announced).
     `kv_dtype`: what the pages store (default `dtype`); 8-bit pages (`fms_paged.kv.quant`) are
     read by the kernels that dequantize them: gather (and cpp for int8; flex is refused: torch's
-    flex_attention takes K and V in the query's dtype, so it would need a dequantized copy of the
-    whole pool; `kv_grouped`: scales per group of head dims, which gather alone reads). ValueError
-    for a kernel that cannot serve the model (cpp without its requirements, gather with a
-    score_mod: only flex applies one; flex on the CPU for a model with attention `sinks`: inductor's
-    CPU flex_attention returns no log-sum-exp, which they need)."""
+    flex_attention reads K and V as stored, and a `score_mod` could fold a key's scale into its
+    score, but a value's scale multiplies after the softmax, which flex cannot express, so it
+    would need a dequantized copy of the whole pool; `kv_grouped`: scales per group of head dims,
+    which gather alone reads). ValueError for a kernel that cannot serve the model (cpp without
+    its requirements, gather with a score_mod: only flex applies one; flex on the CPU for a model
+    with attention `sinks`: inductor's CPU flex_attention returns no log-sum-exp, which they
+    need)."""
     eight_bit = kv_dtype is not None and is_quantized(kv_dtype)
     name = _choose(kernel, device, page_size, head_dim, dtype, score_mod, kv_dtype if eight_bit else None,
                    kv_grouped)
@@ -120,11 +122,12 @@ def _choose_8bit(kernel: str, device: torch.device, page_size: int | None, head_
     cpp reads int8 pages where it serves the model, gather reads both 8-bit forms."""
     what = f"8-bit KV pages ({kv_dtype})"
     if score_mod is not None:
-        raise ValueError(f"a score_mod needs the flex kernel, which cannot read {what}: torch's "
-                         "flex_attention takes K and V in the query's dtype")
+        raise ValueError(f"a score_mod needs the flex kernel, which cannot read {what}: flex_attention "
+                         "cannot apply a value's scale (after the softmax)")
     if kernel == "flex":
-        raise ValueError(f"kernel='flex' cannot read {what}: torch's flex_attention takes K and V in the "
-                         "query's dtype; use kernel='gather' (or kv_cache_dtype='auto')")
+        raise ValueError(f"kernel='flex' cannot read {what}: flex_attention reads K and V as stored and "
+                         "cannot apply a value's scale (after the softmax); use kernel='gather' (or "
+                         "kv_cache_dtype='auto')")
     cpp_reason = ("it reads one scale per token and kv head, not per group of head dims" if kv_grouped
                   else cpp_8bit_reason(device, dtype, head_dim, page_size, kv_dtype))
     if kernel == "cpp" and cpp_reason is not None:
