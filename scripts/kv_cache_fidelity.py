@@ -59,10 +59,12 @@ def candidates(head_dim: int) -> list[tuple[str, str, int | None]]:
             ("fp8 e4m3 / head", "fp8_e4m3", None)]
 
 
-def fidelity(model, windows, chunk: int) -> dict:
-    """Perplexity and top-1 agreement of each candidate against 16-bit pages."""
+def fidelity(model, windows, chunk: int, groups: bool = True) -> dict:
+    """Perplexity and top-1 agreement of each candidate against 16-bit pages (`groups`: the
+    per-group int8 candidate too)."""
     W = max(len(w) for w in windows)
-    runs = [("16-bit (auto)", "auto", None), *candidates(model.config.head_dim)]
+    runs = [("16-bit (auto)", "auto", None),
+            *(c for c in candidates(model.config.head_dim) if groups or c[2] is None)]
     caches = {label: PagedCache(model, 1, W, kv_cache_dtype=kv, kv_group=g) for label, kv, g in runs}
     nll = {label: 0.0 for label, _, _ in runs}
     agree = {label: 0 for label, _, _ in runs}
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--no-fidelity", action="store_true")
+    p.add_argument("--no-groups", action="store_true", help="leave out the per-group int8 candidate")
     p.add_argument("--out", default="results/kv8")
     a = p.parse_args(argv)
     path = a.model_path or str(default_model_path())
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         res["text"] = {"chars": len(text), "windows": len(windows), "window": a.window}
         res["granularity"] = granularity(model, windows[0])
         log(json.dumps(res["granularity"], indent=1))
-        res["fidelity"] = fidelity(model, windows, a.chunk)
+        res["fidelity"] = fidelity(model, windows, a.chunk, not a.no_groups)
         log(json.dumps(res["fidelity"], indent=1))
     if contexts:
         res["decode_speed"] = decode_speed(model, contexts, a.steps, a.warmup)
