@@ -262,3 +262,52 @@ def test_decode_greedy_in_one_call_on_int8_pages():
                 seq.append(int(tok))
             outs.append(seq)
     assert outs[0] == outs[1]
+
+
+def test_engine_prefix_cache_and_n_on_int8_pages():
+    """Prefix caching and n > 1 (FORK, copy-on-write) on int8 pages: a request whose prompt shares
+    two full pages with an earlier one (a prefix-cache hit: the cached pages and their scales read
+    again) and n=2 greedy completions (forked pages, a divergent write each) give the tokens the
+    same requests give with prefix caching off."""
+    model = tiny("int8")
+    prompt = [3, 9, 27, 17, 51, 4, 8, 16, 32, 1, 2, 5, 7, 11, 13, 19, 23]  # two full 8-token pages + 1
+
+    def run(eng, ids, n):
+        rid = eng.add_request(ids, SamplingParams(max_new_tokens=6, ignore_eos=True, n=n))
+        got = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                assert o.request_id == rid
+                got.setdefault(o.index, []).extend(o.new_token_ids)
+        return [got[i] for i in sorted(got)]
+
+    outs = {}
+    for prefix_caching in (True, False):
+        eng = Engine(model, 4, 256, num_pages=64, compile=False, enable_prefix_caching=prefix_caching,
+                     max_model_len=256)
+        assert eng.backend.kv_cache_dtype == "int8"
+        outs[prefix_caching] = (run(eng, prompt, 1), run(eng, prompt + [40, 41], 2))
+        if prefix_caching:
+            assert eng.metrics()["prefix_cache_hits"] >= 2, eng.metrics()  # pages
+    assert outs[True] == outs[False]
+    assert len(outs[True][1]) == 2
+
+
+def test_serve_kv_cache_dtype_reaches_the_engine():
+    """`fms-paged serve --kv-cache-dtype int8` builds an engine whose pages are int8; a bad value is
+    a usage error naming the choices."""
+    from fms_paged.cli import build_parser
+    from fms_paged.serve.loop import build_engine
+    from fms_paged.serve.server import engine_spec
+
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8", "--device", "cpu",
+                                      "--max-model-len", "256", "--kv-memory-fraction", "0.01"])
+    spec = engine_spec(args)
+    assert spec["kv_cache_dtype"] == "int8"
+    eng = build_engine(spec)
+    try:
+        assert eng.backend.k_pools[0].dtype == torch.int8 and eng.backend.k_scales[0] is not None
+    finally:
+        eng.shutdown()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
