@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from fms_paged.data import DatasetSource, heldout_text
+from fms_paged.kv.quant import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from fms_paged.serve.server import add_serve_args
 
 EXIT_USAGE = 2
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="ranks to split the model over on this host (paged; gloo on the CPU, a GPU "
                         "each on CUDA): docs/serving.md, tensor parallelism")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
 
     s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP",
                        description="An OpenAI-compatible server on the continuous-batching engine: "
@@ -132,7 +134,8 @@ def _load(args, attn_impl: str = "sdpa", need_tokenizer: bool = True):
     if args.variant and args.model_path:
         raise ValueError("argument --variant: not allowed with --model-path")
     model = get_model(variant=args.variant, model_path=args.model_path, attn_impl=attn_impl,
-                      device=args.device, dtype=args.dtype)
+                      device=args.device, dtype=args.dtype,
+                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))  # (ppl has none)
     tok = None
     if not args.variant:
         try:

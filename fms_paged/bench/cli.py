@@ -24,6 +24,7 @@ from fms_paged.bench.environment import environment_info, weight_bytes
 from fms_paged.bench.report import write_report
 from fms_paged.data import DatasetSource
 from fms_paged.device import resolve_device
+from fms_paged.kv.quant import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from fms_paged.models.registry import default_model_path
 
 MODEL_FIELDS = ("family", "src_vocab_size", "emb_dim", "nheads", "kvheads", "nlayers", "head_dim",
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the model's)")
     g.add_argument("--page-size", type=int, help="tokens per KV page (default: the device's)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("latency and memory (single, mixed, chat)")
     g.add_argument("--attn-impl", default="all", help="no-cache,sdpa,paged | both (sdpa,paged) | all")
@@ -115,7 +117,7 @@ def _resolve(p: argparse.ArgumentParser, args) -> None:
 def model_spec(args, device: torch.device) -> tuple[dict[str, Any], str]:
     """-> (spec for `latency.load_model`, a description); `micro` (announced) for a missing default."""
     spec: dict[str, Any] = {"device": str(device), "dtype": args.dtype, "seed": args.seed,
-                            "page_size": args.page_size}
+                            "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype}
     if args.variant:
         layers = f", first {args.nlayers} layers" if args.nlayers else ""
         variant = {"architecture": args.architecture, "variant": args.variant, "nlayers": args.nlayers}

@@ -37,6 +37,7 @@ from fms_paged.engine.structured import Grammar, Grammars
 from fms_paged.engine.tensor_parallel import split_for_engine
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
 from fms_paged.kv.paged import PagedBackend, attention_specs, model_groups
+from fms_paged.kv.quant import check_kv_cache_dtype
 from fms_paged.kv.spec import release_horizon
 from fms_paged.parallel import TensorParallelError
 
@@ -87,6 +88,9 @@ class Engine:
         scheduling): on the cpp kernel, one operator call with no host work between the steps
         (`fms_paged::decode_greedy`); a request's tokens of such a step arrive together, and those
         after its stop are dropped. 1 (default): a token per step.
+    kv_cache_dtype: what the pages store (`fms_paged.kv.quant.KV_CACHE_DTYPES`): "auto" the
+        model's dtype, "int8" / "fp8_e4m3" 8-bit values with their scales; None: the model
+        config's (`get_model(..., kv_cache_dtype=...)`). Ignored with a `backend` (its own).
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class Engine:
         tokenizer=None,
         tensor_parallel_size: int = 1,
         decode_steps: int = 1,
+        kv_cache_dtype: str | None = None,
     ):
         if type(model).__module__.startswith("fms."):  # an IBM FMS model: through our plugin
             from fms_paged.integrations.fms import paged_model
@@ -128,6 +133,8 @@ class Engine:
                 "every running request needs a token of the step's budget to decode"
             )
         check_modes(compile, cuda_graphs)
+        if kv_cache_dtype is not None:
+            check_kv_cache_dtype(kv_cache_dtype)
         if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
             raise ValueError(f"decode_steps={decode_steps!r}; expected an int >= 1")
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or (
@@ -137,7 +144,7 @@ class Engine:
                         num_pages=num_pages, kv_memory_fraction=kv_memory_fraction, compile=compile,
                         max_model_len=max_model_len, kernel=kernel,
                         enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, kv_cache_dtype=kv_cache_dtype)
         c = model.config
         max_model_len = c.max_expected_seq_len if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not (
@@ -164,21 +171,21 @@ class Engine:
             self._build(model, backend, num_pages, need, groups, horizon, max_num_seqs,
                         max_num_batched_tokens,
                         max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile,
-                        cuda_graphs, tokenizer, decode_steps)
+                        cuda_graphs, tokenizer, decode_steps, kv_cache_dtype)
         except BaseException:
             self.shutdown()  # the ranks spawned or joined for this engine are let go
             raise
 
     def _build(self, model, backend, num_pages, need, groups, horizon, max_num_seqs, max_num_batched_tokens,
                max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile, cuda_graphs,
-               tokenizer, decode_steps) -> None:
+               tokenizer, decode_steps, kv_cache_dtype) -> None:
         c = model.config
         self.model = model
         self.budget = None
         if backend is None:
             if num_pages is None:
                 self.budget = kv_cache_budget(model, max_num_batched_tokens, max_model_len,
-                                              kv_memory_fraction)
+                                              kv_memory_fraction, kv_cache_dtype)
                 num_pages = self.budget.num_pages
             if self.control is not None:  # the fewest any rank's memory holds: one page table
                 agreed = torch.tensor([num_pages])
@@ -187,7 +194,7 @@ class Engine:
             check_pages(num_pages, need, max_model_len, c.page_size,
                         groups.capacity(num_pages, c.page_size, max_num_batched_tokens, max_model_len))
             backend = PagedBackend(model, max_num_seqs, max_model_len, num_pages=num_pages,
-                                   kernel=kernel)
+                                   kernel=kernel, kv_cache_dtype=kv_cache_dtype)
         else:
             backend = getattr(backend, "backend", backend)  # a PagedCache: its backend
         if backend.max_batch < max_num_seqs:

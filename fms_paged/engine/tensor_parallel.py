@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 from fms_paged.engine.scheduler import StepResult
 from fms_paged.kv.kernels import choose_kernel
 from fms_paged.kv.paged import attention_specs
+from fms_paged.kv.quant import storage_dtype
 from fms_paged.models.llama import LLaMA
 from fms_paged.parallel import TensorParallelError, layout, shard
 
@@ -326,8 +327,10 @@ def split_for_engine(model: torch.nn.Module, size: int, backend, make_engine: Ca
     layout(c.nheads, c.kvheads, model.layers[0].ff_sub_module.wg.out_features, size)
     with warnings.catch_warnings():  # the kernel every rank will build (announced by each)
         warnings.simplefilter("ignore")
+        kv = settings.get("kv_cache_dtype") or c.kv_cache_dtype
         choose_kernel(settings["kernel"], model.device, c.page_size, head_dim=c.head_dim,
-                      dtype=model.dtype, sinks=any(s.sinks is not None for s in attention_specs(model)))
+                      dtype=model.dtype, sinks=any(s.sinks is not None for s in attention_specs(model)),
+                      kv_dtype=storage_dtype(kv, model.dtype))
     dev = model.device
     if dev.type not in ("cpu", "cuda"):
         raise TensorParallelError(f"tensor parallelism runs on CPUs (gloo) and CUDA GPUs (NCCL), "

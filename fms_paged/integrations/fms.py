@@ -160,12 +160,12 @@ class _Relayout(PoolStep):
         out = flat.new_zeros(self.shape[0] * self.shape[1], H, D).index_copy_(0, self.dst, flat)
         return out.view(*self.shape, H, D).transpose(1, 2)
 
-    def store(self, kp, vp, k, v) -> None:
-        self.step.store(kp, vp, self._to_backend(k), self._to_backend(v))
+    def store(self, kp, vp, k, v, scales=(None, None)) -> None:
+        self.step.store(kp, vp, self._to_backend(k), self._to_backend(v), scales)
 
-    def attention(self, q, kp, vp, spec) -> torch.Tensor:
+    def attention(self, q, kp, vp, spec, scales=(None, None)) -> torch.Tensor:
         B, H, S, D = q.shape
-        out = self.step.attention(self._to_backend(q), kp, vp, spec)  # [B', H, S', D]
+        out = self.step.attention(self._to_backend(q), kp, vp, spec, scales)  # [B', H, S', D]
         flat = out.transpose(1, 2).reshape(-1, H, D).index_select(0, self.dst)
         back = flat.new_zeros(B * S, H, D).index_copy_(0, self.src, flat)
         return back.view(B, S, H, D).transpose(1, 2)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from fms_paged.kv.geometry import page_slots
+from fms_paged.kv.quant import dequantize, is_quantized, quantize, raw
 
 
 def as_int_array(values: Sequence[int] | np.ndarray | torch.Tensor, what: str) -> np.ndarray:
@@ -92,7 +93,10 @@ def check_pool_pair(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
 def _check_kv(name: str, x: torch.Tensor, pool: torch.Tensor, num_tokens: int) -> None:
     """x must be [T, Hkv, D] (or [L, T, Hkv, D]) with the pool's dtype and device."""
     L, H, _, D = pool.shape
-    if x.dtype != pool.dtype:
+    if is_quantized(pool.dtype):  # an 8-bit pool takes any float k/v: ASSIGN quantizes them
+        if not x.is_floating_point():
+            raise TypeError(f"{name} dtype {x.dtype}: an 8-bit pool ({pool.dtype}) takes float k/v")
+    elif x.dtype != pool.dtype:
         raise TypeError(f"{name} dtype {x.dtype} does not match pool dtype {pool.dtype}")
     if x.device != pool.device:
         raise TypeError(f"{name} device {x.device} does not match pool device {pool.device}")
@@ -109,13 +113,17 @@ def write_slots(
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """Write new keys/values into the pools at `slots`: one `index_copy_` per pool, no host sync.
 
     # k_pool, v_pool: [L, Hkv, num_pages*P, D]
     # slots: [T] int64 on the pools' device (from PageManager.slots)
     # k, v: [T, Hkv, D] when L == 1, else [L, T, Hkv, D] (all layers at once)
-    For a stacked pool written one layer at a time, pass `pool[layer : layer + 1]`.
+    # k_scales, v_scales: [L, Hkv, num_pages*P, G] fp32 for 8-bit pools (`fms_paged.kv.quant`), else None
+    For a stacked pool written one layer at a time, pass `pool[layer : layer + 1]`. An 8-bit pool's
+    new tokens are quantized here, once (values and their scales written at the same slots).
     Raises TypeError (dtype/device) or ValueError (shape); the pools are unchanged on error.
     """
     check_pool_pair(k_pool, v_pool)
@@ -127,15 +135,23 @@ def write_slots(
     T = slots.shape[0]
     _check_kv("k", k, k_pool, T)
     _check_kv("v", v, v_pool, T)
-    for pool, x in ((k_pool, k), (v_pool, v)):
-        x4 = x.unsqueeze(0) if x.dim() == 3 else x  # [L, T, Hkv, D]
-        pool.index_copy_(2, slots, x4.transpose(1, 2))  # source: [L, Hkv, T, D]
+    quantized = is_quantized(k_pool.dtype)
+    if quantized and (k_scales is None or v_scales is None):
+        raise ValueError(f"an 8-bit pool ({k_pool.dtype}) needs its k_scales and v_scales")
+    for pool, scales, x in ((k_pool, k_scales, k), (v_pool, v_scales, v)):
+        x4 = (x.unsqueeze(0) if x.dim() == 3 else x).transpose(1, 2)  # [L, Hkv, T, D]
+        if quantized:
+            x4, s = quantize(x4, pool.dtype, scales.shape[-1])  # [L, Hkv, T, D], [L, Hkv, T, G]
+            scales.index_copy_(2, slots, s)
+        raw(pool).index_copy_(2, slots, raw(x4))
 
 
 def copy_pages(pools: tuple[torch.Tensor, ...], src: np.ndarray, dst: np.ndarray, P: int) -> None:
     """Copy whole pages src[i] -> dst[i] in every pool (copy-on-write), one index op per pool.
 
-    # pools: each [L, Hkv, num_pages*P, D]; src, dst: [K] host page ids, dst distinct
+    # pools: each [L, Hkv, num_pages*P, D] (an 8-bit pool's scales [L, Hkv, num_pages*P, G]
+    # are pools too: pass them, and FORK copies a page's scales with its values)
+    # src, dst: [K] host page ids, dst distinct
     """
     if src.size == 0:
         return
@@ -149,18 +165,31 @@ def copy_pages(pools: tuple[torch.Tensor, ...], src: np.ndarray, dst: np.ndarray
             both = to_device(np.concatenate([src_slots, dst_slots]), pool.device)
             by_device[pool.device] = (both[: src_slots.size], both[src_slots.size :])
         s, d = by_device[pool.device]
+        pool = raw(pool)
         pool.index_copy_(2, d, pool.index_select(2, s))
 
 
-def read_slots(k_pool: torch.Tensor, v_pool: torch.Tensor,
-               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def read_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+               k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GATHER: the keys and values at `slots`, one `index_select` per pool, no host sync.
 
     # k_pool, v_pool: [L, Hkv, num_pages*P, D]; slots: any shape [...] int64 on the pools' device
+    # k_scales, v_scales: [L, Hkv, num_pages*P, G] for 8-bit pools, else None
     # returns k, v: [L, Hkv, ..., D]
+    An 8-bit pool's gathered values are dequantized (with their scales gathered alike) to `dtype`
+    (default fp32); a 16/32-bit pool's come back as stored.
     The slots are trusted (the page manager computed them from its table, `PageManager.slots`,
     or a step from the device page table): an index_select still refuses one outside the pool.
     """
     L, H, _, D = k_pool.shape
     flat = slots.reshape(-1)
-    return tuple(pool.index_select(2, flat).view(L, H, *slots.shape, D) for pool in (k_pool, v_pool))
+    out = []
+    for pool, scales in ((k_pool, k_scales), (v_pool, v_scales)):
+        x = raw(pool).index_select(2, flat).view(pool.dtype)  # [L, H, K, D]
+        if is_quantized(pool.dtype):
+            if scales is None:
+                raise ValueError(f"an 8-bit pool ({pool.dtype}) is read with its scales")
+            x = dequantize(x, scales.index_select(2, flat), dtype or torch.float32)
+        out.append(x.view(L, H, *slots.shape, D))
+    return out[0], out[1]

@@ -13,14 +13,17 @@ import torch
 
 from fms_paged.kv.kernels import flex_max_pages
 from fms_paged.kv.paged import model_groups
+from fms_paged.kv.quant import bytes_per_value
 from fms_paged.modules.linear import unpacked_bytes
 
 
 def page_bytes(nlayers: int, kvheads: int, head_dim: int, page_size: int,
-               dtype: torch.dtype) -> int:
+               dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one page: K and V of `nlayers` layers (a page holds one slice of layers:
-    `fms_paged.kv.groups`; every layer when the model's layers keep one history)."""
-    return 2 * nlayers * kvheads * head_dim * page_size * torch.empty(0, dtype=dtype).element_size()
+    `fms_paged.kv.groups`; every layer when the model's layers keep one history), 8-bit pages'
+    scales included."""
+    per_value = bytes_per_value(kv_cache_dtype, dtype, head_dim)
+    return round(2 * nlayers * kvheads * head_dim * page_size * per_value)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -94,7 +97,8 @@ def activation_peak_bytes(model: torch.nn.Module, num_tokens: int) -> int:
 
 
 def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_model_len: int,
-                    kv_memory_fraction: float | None = None) -> KVCacheBudget:
+                    kv_memory_fraction: float | None = None,
+                    kv_cache_dtype: str | None = None) -> KVCacheBudget:
     """Pages for the engine's pool. CUDA / MPS: `kv_memory_fraction` (default 0.9) of the free
     memory (weights already loaded) minus the activation peak of a forward at
     `max_num_batched_tokens`, on CUDA at most `flex_max_pages` (a layer's pool under 2**31
@@ -103,14 +107,17 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_mod
     else 4 GiB (at most half the available RAM), the available RAM counted less the packed weight
     copies still to be made; the pool is allocated untouched, so RAM is used only as pages are.
     Raises KVBudgetError if one sequence of `max_model_len` tokens does not fit (with every layer
-    windowed: the pages it holds at once; `LayerGroups.min_pool_pages`)."""
+    windowed: the pages it holds at once; `LayerGroups.min_pool_pages`). A page's bytes follow
+    `kv_cache_dtype` (None: the model config's)."""
     if kv_memory_fraction is not None and not (
         isinstance(kv_memory_fraction, (int, float)) and 0 < kv_memory_fraction <= 1
     ):
         raise ValueError(f"kv_memory_fraction={kv_memory_fraction!r}; expected a float in (0, 1]")
     c, dev = model.config, model.device
+    kv_cache_dtype = getattr(c, "kv_cache_dtype", "auto") if kv_cache_dtype is None else kv_cache_dtype
     groups = model_groups(model)
-    per_page = page_bytes(groups.layers_per_slice, c.kvheads, c.head_dim, c.page_size, model.dtype)
+    per_page = page_bytes(groups.layers_per_slice, c.kvheads, c.head_dim, c.page_size, model.dtype,
+                          kv_cache_dtype)
     activation = 0
     if dev.type == "cpu":
         # less the packed copies of the projection weights still to be made (`modules.linear`)

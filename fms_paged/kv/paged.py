@@ -29,6 +29,7 @@ from fms_paged.kv.kernels import choose_kernel, flex_max_pages
 from fms_paged.kv.kernels.base import GroupedStep
 from fms_paged.kv.page_groups import GroupedPages
 from fms_paged.kv.page_manager import PageManager, Reservation
+from fms_paged.kv.quant import allocate, check_kv_cache_dtype, raw, storage_dtype
 from fms_paged.kv.spec import AttentionSpec, default_spec
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 
@@ -81,8 +82,19 @@ class PagedBackend:
         num_pages: int | None = None,
         kernel: str = "auto",
         score_mod: Callable | None = None,
+        kv_cache_dtype: str | None = None,
+        kv_group: int | None = None,
     ):
         c = model.config
+        # what the pages store: the model's dtype ("auto"), or 8-bit values with fp32 scales
+        # (`fms_paged.kv.quant`); None: the model config's choice
+        self.kv_cache_dtype = check_kv_cache_dtype(
+            getattr(c, "kv_cache_dtype", "auto") if kv_cache_dtype is None else kv_cache_dtype)
+        kv_dtype = storage_dtype(self.kv_cache_dtype, model.dtype)
+        # 8-bit pages: head dims per scale (None: the whole head, one scale per token and kv head,
+        # what the cpp kernel reads; a smaller group is read by gather alone: the granularity
+        # measurement of docs/benchmarks.md compares them)
+        self.kv_group = None if kv_group in (None, c.head_dim) else kv_group
         self.P = P = c.page_size
         self.device = model.device
         self.max_batch = max_batch
@@ -91,7 +103,8 @@ class PagedBackend:
         # (by default every sequence whole in every layer slice, and the null page)
         self.num_pages = num_pages or groups.num_slices * (pool_pages(max_batch, max_seq_len, P) - 1) + 1
         self.kernel = choose_kernel(kernel, self.device, P, head_dim=c.head_dim, dtype=model.dtype,
-                                    score_mod=score_mod, sinks=any(s.sinks is not None for s in self.specs))
+                                    score_mod=score_mod, sinks=any(s.sinks is not None for s in self.specs),
+                                    kv_dtype=kv_dtype, kv_grouped=self.kv_group is not None)
         if self.kernel.name == "flex" and self.device.type == "cuda":
             most = flex_max_pages(c.kvheads, c.head_dim, P)
             if self.num_pages > most:
@@ -104,17 +117,22 @@ class PagedBackend:
             self.pm = PageManager(self.num_pages, P, max_batch, self.device, max_seq_len=max_seq_len)
         shape = (1, c.kvheads, self.num_pages * P, c.head_dim)
         # a pool tensor per layer of a slice: [1, Hkv, num_pages * P, D], the j-th layer of every
-        # slice reading tensor j (a page id belongs to one slice at a time). Left uninitialised: a
-        # page is zeroed when a RESERVE hands it out (`prepare_pages`), so pool memory is touched
-        # (on the CPU: faulted in) only as pages are used. The null page is zeroed now: padding
-        # writes to it and the GATHER fallback reads it for rows that see nothing.
+        # slice reading tensor j (a page id belongs to one slice at a time), with an 8-bit pool's
+        # scales beside it ([1, Hkv, num_pages * P, G], addressed by slot as the values are; None
+        # for 16/32 bits). Left uninitialised: a page is zeroed when a RESERVE hands it out
+        # (`prepare_pages`), so pool memory is touched (on the CPU: faulted in) only as pages are
+        # used. The null page is zeroed now: padding writes to it and the GATHER fallback reads it
+        # for rows that see nothing.
         u = groups.layers_per_slice
-        self.k_tensors = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(u)]
-        self.v_tensors = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(u)]
-        for pool in self.k_tensors + self.v_tensors:
-            pool[:, :, :P].zero_()
-        self.k_pools = [self.k_tensors[j] for j in groups.position_of]  # per layer
-        self.v_pools = [self.v_tensors[j] for j in groups.position_of]
+        k_store = [allocate(shape, kv_dtype, self.device, self.kv_group) for _ in range(u)]
+        v_store = [allocate(shape, kv_dtype, self.device, self.kv_group) for _ in range(u)]
+        self.k_tensors = [p for p, _ in k_store] + [s for _, s in k_store if s is not None]
+        self.v_tensors = [p for p, _ in v_store] + [s for _, s in v_store if s is not None]
+        per_layer = groups.position_of  # layer -> its tensor
+        self.k_pools, self.k_scales = [k_store[j][0] for j in per_layer], [k_store[j][1] for j in per_layer]
+        self.v_pools, self.v_scales = [v_store[j][0] for j in per_layer], [v_store[j][1] for j in per_layer]
+        for pool in self._storage():
+            raw(pool)[:, :, :P].zero_()
         # the page size the cpp op is given: an int that a compiled step takes as an input
         # (SymInt), as it takes the pool length and the page table's size (dynamic dims:
         # `mark_dynamic`): one compiled decode graph serves every pool, page size and
@@ -123,10 +141,16 @@ class PagedBackend:
         self.view = PoolView(
             self.k_pools, self.v_pools, self.pm.page_table, self.pm.phys_to_logical, P, page_size_arg,
             self.num_pages, max_batch * self.pm.max_pages_per_seq, self.specs, c.nheads // c.kvheads,
-            self.device, num_slices=groups.num_slices)
+            self.device, k_scales=self.k_scales, v_scales=self.v_scales, compute_dtype=model.dtype,
+            num_slices=groups.num_slices)
         # a grouped model's steps: one per slice, over the view of its layers
         self.slice_views = [dataclasses.replace(self.view, layers=layers)
                             for layers in groups.slice_layers] if groups.grouped else [self.view]
+
+    def _storage(self) -> list[torch.Tensor]:
+        """Every tensor of the pages once (a slice's layers share them), indexed by slot along dim 2:
+        values and 8-bit scales."""
+        return self.k_tensors + self.v_tensors
 
     def mark_dynamic(self) -> None:
         """For a compiled step of a kernel with dynamic shapes (cpp): the pools' length and the
@@ -134,29 +158,29 @@ class PagedBackend:
         `max_model_len` of a model shape. Called where a step is compiled (`decode_fn`), not when
         the pools are made: marking imports torch._dynamo, ~1 s of a start that runs eager steps."""
         if self.kernel.dynamic_shapes:
-            for pool in self.k_tensors + self.v_tensors:
+            for pool in self._storage():
                 torch._dynamo.maybe_mark_dynamic(pool, 2)
             torch._dynamo.maybe_mark_dynamic(self.pm.page_table, 0)
             torch._dynamo.maybe_mark_dynamic(self.pm.page_table, 1)
 
     @property
     def kv_bytes(self) -> int:
-        return sum(p.nbytes for p in self.k_tensors + self.v_tensors)
+        return sum(p.nbytes for p in self._storage())
 
     def prepare_pages(self, reservation: Reservation) -> None:
         """Make the pages a RESERVE handed out ready: zero them (for a kernel that reads whole
         pages), then run its copy-on-write copies (a copy's destination is one of them: it is
-        overwritten whole).
+        overwritten whole). Both cover an 8-bit pool's scales with its values.
 
         Zeroing matters there: attention multiplies masked-out weights (exactly 0) by the values
         of the whole page, and 0 * NaN = NaN, so stale NaN/inf left by a page's previous owner in
         slots not yet written would leak into the output."""
         if reservation.opened and self.kernel.zero_new_pages:
             idx = to_device(page_slots(np.asarray(reservation.opened), self.P).reshape(-1), self.device)
-            for pool in self.k_tensors + self.v_tensors:
-                pool.index_fill_(2, idx, 0)
+            for pool in self._storage():
+                raw(pool).index_fill_(2, idx, 0)  # (fp8: its bytes; 0x00 is +0.0)
         if reservation:  # copy-on-write copies of pages shared by fork
-            self.pm.apply_copies(reservation, *self.k_tensors, *self.v_tensors)
+            self.pm.apply_copies(reservation, *self._storage())
 
     def prefill_batch(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]],
                       starts: Sequence[int], min_tokens: int = 1, g: int = 0) -> PrefillBatch:

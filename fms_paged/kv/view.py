@@ -39,6 +39,17 @@ class PoolView:
     # each over a view of the slice's layers, its sequences being the slice's page-table rows
     layers: tuple[int, ...] | None = None
     num_slices: int = 1
+    # per layer: an 8-bit pool's scales [1, Hkv, num_pages * P, G] fp32 (`fms_paged.kv.quant`),
+    # None for a 16/32-bit pool
+    k_scales: Sequence[torch.Tensor | None] = ()
+    v_scales: Sequence[torch.Tensor | None] = ()
+    compute_dtype: torch.dtype | None = None  # q, k, v's (the model's): what 8-bit pages dequantize to
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer `layer`'s (k_scales, v_scales), (None, None) for 16/32-bit pools."""
+        if not self.k_scales:
+            return None, None
+        return self.k_scales[layer], self.v_scales[layer]
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fms_paged.kv.groups import layer_groups
+from fms_paged.kv.quant import check_kv_cache_dtype
 from fms_paged.kv.spec import AttentionSpec
 from fms_paged.modules import (
     LINEAR_IMPLS,
@@ -66,6 +67,9 @@ class LLaMAConfig:
     # tokens per KV page of the paged backend; `get_model` passes the device's default instead
     # (`fms_paged.device.DEFAULT_PAGE_SIZE`: 64 on the CPU, 16 elsewhere) unless one is given
     page_size: int = 16
+    # what the paged backend's KV pages store (`fms_paged.kv.quant`, vLLM's name): "auto" the
+    # model's dtype; "int8" or "fp8_e4m3" 8-bit values with fp32 scales per token and kv head
+    kv_cache_dtype: str = "auto"
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2  # a tuple: each of them ends a sequence
     extra: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +111,7 @@ class LLaMAConfig:
             raise ValueError(f"nheads={self.nheads} is not a multiple of kvheads={self.kvheads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={self.attn_impl!r}; expected one of {ATTN_IMPLS}")
         if self.linear_impl not in LINEAR_IMPLS:

@@ -190,7 +190,8 @@ def prebuild(source: Path, dtype: torch.dtype, **defines: int | str) -> None:
 
 def register(kind: str, source: Path, dtype: torch.dtype, head_dim: int = 0,
              **defines: int | str) -> str | None:
-    """Build (for `isa()`, once per machine) the `kind` kernel ("attention", "gemv" or "rows") for `dtype`
+    """Build (for `isa()`, once per machine) the `kind` kernel ("attention", "gemv", "rows", or
+    "attention_i8": attention over int8 pools) for `dtype`
     (and `head_dim`) from `source`, and hand it to the operators, in place of the one of another
     ISA they may hold -> None, or why it cannot be had here."""
     kernel = _building(source, dtype, **defines)  # beside the operators'
@@ -263,23 +264,26 @@ def load_gemv(dtype: torch.dtype) -> str | None:
     return why
 
 
-def load_attention(head_dim: int, dtype: torch.dtype = torch.float32) -> str | None:
+def load_attention(head_dim: int, dtype: torch.dtype = torch.float32, kv_int8: bool = False) -> str | None:
     """Build (for `isa()`, once per machine) and load the attention kernel for `head_dim` and
-    `dtype` into the operators -> None, or why it cannot be had here."""
+    `dtype` into the operators -> None, or why it cannot be had here. `kv_int8`: the build that
+    reads int8 pools with their row scales (8-bit KV pages; kind "attention_i8")."""
+    if kv_int8:
+        return register("attention_i8", ATTENTION_SOURCE, dtype, head_dim, HEAD_DIM=head_dim, FMS_KV_INT8=1)
     return register("attention", ATTENTION_SOURCE, dtype, head_dim, HEAD_DIM=head_dim)
 
 
-def prebuild_attention(dtype: torch.dtype, head_dim: int) -> None:
-    """Start the background builds of the attention kernel for `dtype` and `head_dim`, and of the
-    GEMV and rows kernels a model's blocks need beside it."""
+def prebuild_attention(dtype: torch.dtype, head_dim: int, kv_int8: bool = False) -> None:
+    """Start the background builds of the attention kernel for `dtype` and `head_dim` (`kv_int8`:
+    its build over int8 pools), and of the GEMV and rows kernels a model's blocks need beside it."""
     prebuild_kernels(dtype)
-    prebuild(ATTENTION_SOURCE, dtype, HEAD_DIM=head_dim)
+    prebuild(ATTENTION_SOURCE, dtype, HEAD_DIM=head_dim, **({"FMS_KV_INT8": 1} if kv_int8 else {}))
 
 
-_WARNED: set[tuple[int, torch.dtype]] = set()
+_WARNED: set[tuple[int, torch.dtype, bool]] = set()
 
 
-def ready(dtype: torch.dtype, head_dim: int | None = None) -> bool:
+def ready(dtype: torch.dtype, head_dim: int | None = None, kv_int8: bool = False) -> bool:
     """Whether the C++ path runs now for `dtype`: the one check of it, which every caller makes.
 
     True where the operators are loaded, the GEMV and rows kernels for `dtype` tried (one that could
@@ -288,9 +292,11 @@ def ready(dtype: torch.dtype, head_dim: int | None = None) -> bool:
     dict lookup. False for a dtype the kernels lack, while a first start's builds compile
     (`deferred`: torch's operations meanwhile), and where the operators or the attention kernel
     could not be had (the latter warned once: the cpp kernel's steps then attend by GATHER + SDPA).
-    Once True for a dtype and head dim, True for good (noted in `_READY`): a step asks once."""
+    Once True for a dtype and head dim, True for good (noted in `_READY`): a step asks once.
+    `kv_int8`: the attention kernel over int8 pools (8-bit KV pages) instead."""
+    want = ("i8", head_dim) if kv_int8 and head_dim is not None else head_dim
     found = _READY.get(dtype)
-    if found is not None and head_dim in found:
+    if found is not None and want in found:
         return True
     if dtype not in ELEM_TYPES:
         return False
@@ -300,17 +306,18 @@ def ready(dtype: torch.dtype, head_dim: int | None = None) -> bool:
         load_gemv(dtype)
     if not ops_loaded():
         return False
-    if head_dim is not None and not kernel_ready("attention", dtype, head_dim):
+    kind = "attention_i8" if kv_int8 else "attention"
+    if head_dim is not None and not kernel_ready(kind, dtype, head_dim):
         if deferred():
             return False
-        why = load_attention(head_dim, dtype)
+        why = load_attention(head_dim, dtype, kv_int8)
         if why is not None:
-            if (head_dim, dtype) not in _WARNED:
-                _WARNED.add((head_dim, dtype))
+            if (head_dim, dtype, kv_int8) not in _WARNED:
+                _WARNED.add((head_dim, dtype, kv_int8))
                 warnings.warn(f"fms_paged: the CPU attention kernel could not be had ({why}); the cpp "
                               "kernel's steps attend by GATHER + SDPA", stacklevel=2)
             return False
-    _READY.setdefault(dtype, set()).add(head_dim)
+    _READY.setdefault(dtype, set()).add(want)
     return True
 
 

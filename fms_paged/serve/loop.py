@@ -67,7 +67,7 @@ def build_engine(spec: dict[str, Any]):
         model, size = shard(model, rank, size), 1
     return Engine(model, spec["max_num_seqs"], spec["max_num_batched_tokens"],
                   tokenizer=load_tokenizer(spec["model_dir"]), kv_memory_fraction=spec["kv_memory_fraction"],
-                  max_model_len=spec["max_model_len"],
+                  max_model_len=spec["max_model_len"], kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
                   enable_prefix_caching=spec["enable_prefix_caching"],
                   compile=False if spec["enforce_eager"] else "auto", tensor_parallel_size=size)
 

@@ -18,6 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
+from fms_paged.kv.quant import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+
 API_KEY_ENV = "FMS_PAGED_API_KEY"
 
 
@@ -58,6 +60,7 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + output (default: the model's)")
     g.add_argument("--page-size", type=positive_int, default=None, help="tokens per KV page")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     g.add_argument("--kv-memory-fraction", type=float, default=None,
                    help="share of free memory the KV pool may take (default: the budget's own)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -79,6 +82,7 @@ def engine_spec(args) -> dict:
             "loader": args.loader, "device": args.device, "dtype": args.dtype, "page_size": args.page_size,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "kv_memory_fraction": args.kv_memory_fraction,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "enable_prefix_caching": args.enable_prefix_caching, "enforce_eager": args.enforce_eager,
             "tensor_parallel_size": args.tensor_parallel_size, "log_level": args.log_level,
             "torchrun": torchrun_rank() is not None}

@@ -64,8 +64,9 @@ def poison_free(eng: Engine) -> None:
     free = eng.pm.free_pages
     if free:
         idx = torch.as_tensor(page_slots(torch.tensor(free), P).reshape(-1), device=eng.backend.device)
-        for pool in eng.backend.k_tensors + eng.backend.v_tensors:
-            pool.index_fill_(2, idx, float("nan"))
+        for pool in eng.backend.k_tensors + eng.backend.v_tensors:  # (8-bit pages: their scales)
+            if pool.is_floating_point():
+                pool.index_fill_(2, idx, float("nan"))
 
 
 @pytest.mark.parametrize("family", list(HF_FAMILIES))

@@ -61,13 +61,14 @@ def with_logprobs(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, logprobs=20, top_k=None if params.greedy else 5, n=1)
 
 
-def run_engine(family: str, size: int, dtype=torch.float32, compile=False, logprobs=False):
+def run_engine(family: str, size: int, dtype=torch.float32, compile=False, logprobs=False,
+               kv_cache_dtype: str | None = None):
     model = get_model(family, variant="micro", attn_impl="paged", device="cpu", seed=0, page_size=16,
                       dtype=dtype)
     # (the KV bytes of ENGINE's pool in pages of one layer slice: pages held per layer group)
     pages = tp_rank.ENGINE["num_pages"] * model.config.nlayers // model_groups(model).layers_per_slice
     eng = Engine(model, **{**tp_rank.ENGINE, "compile": compile, "num_pages": pages},
-                 tensor_parallel_size=size)
+                 tensor_parallel_size=size, kv_cache_dtype=kv_cache_dtype)
     try:
         reqs = tp_rank.requests()
         for prompt, params in reqs:
@@ -94,6 +95,16 @@ def test_two_ranks_give_one_ranks_tokens(family, compile):
     assert {k: t for k, (t, _) in two.items()} == {k: t for k, (t, _) in one.items()}
     assert torch.get_num_threads() == threads  # each rank's share of the cores, given back
     assert not torch.distributed.is_initialized()  # shutdown() left no group behind
+
+
+def test_two_ranks_on_int8_pages_give_one_ranks_tokens():
+    """8-bit KV pages (int8) split over 2 ranks: each rank holds its kv head's slice of every page
+    with that slice's scales (one per token and kv head, so a slice quantizes as the whole pool
+    does): the same tokens as one rank's, under preemption, prefix hits and n > 1."""
+    one, m1 = run_engine("llama", 1, kv_cache_dtype="int8")
+    two, m2 = run_engine("llama", 2, kv_cache_dtype="int8")
+    assert m1["preemptions"] > 0 and m1["prefix_cache_hits"] > 0
+    assert {k: t for k, (t, _) in two.items()} == {k: t for k, (t, _) in one.items()}
 
 
 def test_bf16_two_ranks_up_to_a_near_tie(monkeypatch):

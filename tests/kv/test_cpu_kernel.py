@@ -472,6 +472,7 @@ def _library(tmp_path, fields: str, elem: str = "float") -> str:
     src = tmp_path / "other.cpp"
     src.write_text(f"""#include "args.h"
 using T = {elem};
+using KV = T;  // (the pools' storage type: T, or int8_t for the attention_i8 build)
 #define FIELDS(X) {fields}
 extern "C" {{
 FMS_PAGED_ARGS(FmsPagedAttentionArgs, FIELDS, fms_paged_attention_layout)
@@ -506,7 +507,8 @@ def test_library_with_another_layout_is_refused(tmp_path):
         with pytest.raises(RuntimeError, match=r"laid out as 'FmsPagedAttentionArgs .*" + shown):
             torch.ops.fms_paged._load_kernel("attention", path, dtype, D)
     assert torch.equal(run(q, k, v, table, chunks, P), good)
-    with pytest.raises(ValueError, match=r"kind='other'; expected 'attention', 'gemv' or 'rows'"):
+    with pytest.raises(ValueError,
+                       match=r"kind='other'; expected 'attention', 'gemv', 'rows' or 'attention_i8'"):
         torch.ops.fms_paged._load_kernel("other", cases[0][0], torch.float32, D)
     with pytest.raises(ValueError, match=r"_kernel_loaded: kind='other'; expected 'attention'"):
         torch.ops.fms_paged._kernel_loaded("other", torch.float32)

@@ -20,12 +20,13 @@ struct fms_f16 {
   uint16_t bits;
 };
 
-// a field's kind in the layout string: i32, i64, f32, bf16, f16, or a pointer's pointee kind
+// a field's kind in the layout string: i8, i32, i64, f32, bf16, f16, or a pointer's pointee kind
 // followed by *
 template <class T>
 std::string fms_paged_kind() {
   using U = std::remove_cv_t<T>;
   if constexpr (std::is_pointer_v<U>) return fms_paged_kind<std::remove_pointer_t<U>>() + "*";
+  else if constexpr (std::is_same_v<U, int8_t>) return "i8";
   else if constexpr (std::is_same_v<U, int32_t>) return "i32";
   else if constexpr (std::is_same_v<U, int64_t>) return "i64";
   else if constexpr (std::is_same_v<U, fms_bf16>) return "bf16";

@@ -1,6 +1,12 @@
 // Paged causal attention on the CPU: prefill chunks and decode rows read their keys and values in
 // place, through the page table. Built and loaded by fms_paged/native, once per head dim
-// and storage type T (-DFMS_ELEM: float, fms_bf16 or fms_f16) of q, the pools and the output.
+// and storage type T (-DFMS_ELEM: float, fms_bf16 or fms_f16) of q, the pools and the output,
+// and once more with -DFMS_KV_INT8=1 for int8 pools (8-bit KV pages: each key's and value's row
+// int8 with one fp32 scale, `fms_paged.kv.quant`): q and the output stay T, the rows are
+// converted to fp32 as they are loaded and multiplied by their scale (a decode row: each key's
+// score times its key's scale, each value's probability times its value's scale; a prefill
+// block: the block's rows dequantized into its fp32 rows), so the pools' int8 is read as it is
+// stored and never written back. That build exports fms_paged_attention_i8.
 // Whatever T is, scores, softmax and the output accumulate in fp32: half-precision values are
 // converted as they are loaded (csrc/kernels/vec.h), so a decode row reads half the bytes of
 // fp32, and a prefill block's keys and values are converted once into fp32 rows that every query
@@ -70,6 +76,11 @@
 #ifndef HEAD_DIM
 #error "compile with -DHEAD_DIM=<head dim, a multiple of 16>"
 #endif
+#ifndef FMS_KV_INT8
+#define FMS_KV_INT8 0
+#endif
+// bf16 pairs (vdpbf16ps) for a prefill block's products: bf16 pools only, so not for int8 ones
+#define FMS_ATT_DP (FMS_VEC_BF16_DP && !FMS_KV_INT8)
 #ifndef FMS_ELEM
 #error "compile with -DFMS_ELEM=<float, fms_bf16 or fms_f16>: the storage type of q, the pools and out"
 #endif
@@ -83,10 +94,12 @@ using fms_vec::reduce_lanes;
 using fms_vec::to_f32;
 using T = FMS_ELEM;
 constexpr bool kF32 = std::is_same_v<T, float>;
+constexpr bool kI8 = FMS_KV_INT8;  // int8 pools with fp32 row scales
+using KV = std::conditional_t<kI8, int8_t, T>;  // the pools' storage type
 // bf16 pools on a CPU with AVX512_BF16 (and 16 lanes): a prefill block's products take bf16 pairs
 // straight from the pools, two multiply-adds per lane and instruction (vdpbf16ps, fp32 sums),
 // instead of converting keys and values to fp32 first (see run_item)
-constexpr bool kDP = FMS_VEC_BF16_DP;
+constexpr bool kDP = FMS_ATT_DP;
 
 constexpr int D = HEAD_DIM;
 constexpr int W = fms_vec::NATIVE;  // lanes per vector: query rows (prefill), keys (decode)
@@ -111,7 +124,7 @@ inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vexp(vf x) { return fms_vec::vexp<W>(x); }
 inline vf vtanh(vf x) { return fms_vec::vtanh<W>(x); }
 // the prefill softmax's exp: the bf16 pairs path's is the shorter one (same accuracy class)
-#if FMS_VEC_BF16_DP
+#if FMS_ATT_DP
 inline vf softmax_exp(vf x) { return fms_vec::vexp_nonpos(x); }
 #else
 inline vf softmax_exp(vf x) { return vexp(x); }
@@ -126,8 +139,8 @@ constexpr float LOW = -1e30f;
 struct Args {
   const T* q;
   int64_t q_st, q_sh;  // q[t, h, :] at q + t * q_st + h * q_sh
-  const T* k;          // pools [Hkv, pool_tokens, D]
-  const T* v;
+  const KV* k;         // pools [Hkv, pool_tokens, D]
+  const KV* v;
   int64_t pool_tokens;
   const int32_t* pages;  // page table [seqs, pages_st]
   int64_t pages_st;
@@ -138,6 +151,8 @@ struct Args {
   int64_t window;      // keys seen per query (0: all; see the top)
   float softcap;       // 0: none
   const float* sinks;  // [H], or null: none
+  const float* ks;     // kI8: the scale of each key row [Hkv, pool_tokens] (else null)
+  const float* vs;     // kI8: the scale of each value row
 };
 
 // the oldest key the query at position pos sees
@@ -169,8 +184,8 @@ struct Scratch {
   alignas(64) float s[(BK + KG) * W];
   alignas(64) float pd[LG * W * BK];  // a decode item's probabilities of a block, [heads, BK]
   // a prefill block's keys and values converted to fp32 (half-precision pools without kDP)
-  alignas(64) float kf[kF32 || kDP ? 1 : BK * D];
-  alignas(64) float vf32[kF32 || kDP ? 1 : BK * D];
+  alignas(64) float kf[(kF32 && !kI8) || kDP ? 1 : BK * D];
+  alignas(64) float vf32[(kF32 && !kI8) || kDP ? 1 : BK * D];
   // kDP: Q^T per lane group as bf16 pairs (Q[row, 2i], Q[row, 2i + 1]) per lane, unscaled; a
   // block's values as pairs of keys (V[2p, d], V[2p + 1, d]) per d; a group's probabilities as
   // pairs of keys per lane
@@ -191,29 +206,33 @@ inline void page_runs(const Args& a, const int32_t* pt, int64_t k0, int nk, F f)
   }
 }
 
-// the K and V rows of keys k0 .. k0 + nk - 1
-inline void key_rows(const Args& a, const int32_t* pt, int64_t k0, int nk, const T* kh, const T* vh,
-                     const T** krow, const T** vrow) {
+// the K and V rows of keys k0 .. k0 + nk - 1; kI8: their scales too (ksc, vsc [nk], from the kv
+// head's scales ksh, vsh [pool_tokens])
+inline void key_rows(const Args& a, const int32_t* pt, int64_t k0, int nk, const KV* kh, const KV* vh,
+                     const KV** krow, const KV** vrow, const float* ksh = nullptr, const float* vsh = nullptr,
+                     float* ksc = nullptr, float* vsc = nullptr) {
   page_runs(a, pt, k0, nk, [&](int j, int64_t slot, int run) {
     for (int i = 0; i < run; ++i) krow[j + i] = kh + (slot + i) * D, vrow[j + i] = vh + (slot + i) * D;
+    if constexpr (kI8)
+      for (int i = 0; i < run; ++i) ksc[j + i] = ksh[slot + i], vsc[j + i] = vsh[slot + i];
   });
 }
 
 // the K and V rows of keys k0 .. k0 + nk - 1 requested into L1 ahead of their block: a sequence's
 // pages lie anywhere in the pools, so the hardware prefetcher, which follows one page's run of
 // rows at most, would leave each page's first lines to miss
-inline void prefetch_keys(const Args& a, const int32_t* pt, int64_t k0, int nk, const T* kh, const T* vh) {
+inline void prefetch_keys(const Args& a, const int32_t* pt, int64_t k0, int nk, const KV* kh, const KV* vh) {
   page_runs(a, pt, k0, nk, [&](int, int64_t slot, int run) {
     const char* kr = reinterpret_cast<const char*>(kh + slot * D);
     const char* vr = reinterpret_cast<const char*>(vh + slot * D);
-    for (int64_t b = 0; b < (int64_t)run * D * (int64_t)sizeof(T); b += 64)
+    for (int64_t b = 0; b < (int64_t)run * D * (int64_t)sizeof(KV); b += 64)
       __builtin_prefetch(kr + b, 0, 3), __builtin_prefetch(vr + b, 0, 3);
   });
 }
 
 #include "attention_decode.h"  // run_decode: a decode row
 
-#if FMS_VEC_BF16_DP
+#if FMS_ATT_DP
 using fms_vec::dp_bcast, fms_vec::load_pairs, fms_vec::pair_rows;
 // the scaled scores S[0 .. NT KG) of a group's rows (Q^T as pairs, qp) against NT tiles of KG keys
 // (tile t's keys in one page, from trow[t KG]), bf16 pairs: NT KG independent sums, so that two
@@ -240,8 +259,10 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
   const int64_t q0 = c[1], off = c[3];
   const int groups = (it.r1 - it.r0 + W - 1) / W;
   const int32_t* pt = a.pages + c[0] * a.pages_st;
-  const T* kh = a.k + (int64_t)it.kvh * a.pool_tokens * D;
-  const T* vh = a.v + (int64_t)it.kvh * a.pool_tokens * D;
+  const KV* kh = a.k + (int64_t)it.kvh * a.pool_tokens * D;
+  const KV* vh = a.v + (int64_t)it.kvh * a.pool_tokens * D;
+  [[maybe_unused]] const float* ksh = kI8 ? a.ks + (int64_t)it.kvh * a.pool_tokens : nullptr;
+  [[maybe_unused]] const float* vsh = kI8 ? a.vs + (int64_t)it.kvh * a.pool_tokens : nullptr;
   vf qpos[LG], qold[LG], m[LG], l[LG];  // qold: the newest key too old for the row (window)
   int64_t qmin[LG], qmax[LG];
   for (int g = 0; g < groups; ++g) {  // lanes past the last row repeat it (their output is dropped)
@@ -289,19 +310,35 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
   // (their scores are computed, their values never read)
   const int64_t k_first = first_key(a, q0 + it.r0 / G), kv_end = q0 + (it.r1 - 1) / G + 1;
   const bool softcap = a.softcap > 0.0f;
-  const T* trow[BK];
-  const T* tvrow[BK];
+  const KV* trow[BK];
+  const KV* tvrow[BK];
+  [[maybe_unused]] float ksc[BK], vsc[BK];  // kI8: the block's key and value scales
   [[maybe_unused]] const float* krow[BK];
   [[maybe_unused]] const float* vrow[BK];
   for (int64_t k0 = k_first / KG * KG; k0 < kv_end; k0 += BK) {
     const int nk = (int)std::min<int64_t>(BK, kv_end - k0);
     const int nkt = (nk + KG - 1) / KG * KG;  // keys nk .. nkt - 1: stale rows of the last page, masked
     const int jv = (int)std::max<int64_t>(0, k_first - k0);  // keys read for their values: jv .. nk - 1
-    key_rows(a, pt, k0, nk, kh, vh, trow, tvrow);
+    key_rows(a, pt, k0, nk, kh, vh, trow, tvrow, ksh, vsh, ksc, vsc);
     prefetch_keys(a, pt, k0 + BK, (int)std::min<int64_t>(BK, kv_end - k0 - BK), kh, vh);
-#if FMS_VEC_BF16_DP  // the values as pairs of keys, from an even key: keys outside jv .. nk - 1 give 0
+#if FMS_ATT_DP  // the values as pairs of keys, from an even key: keys outside jv .. nk - 1 give 0
     for (int j = jv & ~1; j < nk; j += 2)
       fms_vec::pair_values<D>(j >= jv ? tvrow[j] : nullptr, j + 1 < nk ? tvrow[j + 1] : nullptr, sc.vp + j / 2 * D);
+#elif FMS_KV_INT8  // dequantized to fp32 rows once per block: keys of whole tiles, the stale ones
+    // (past nk: scale 0, their int8 finite) masked below
+    for (int j = 0; j < nkt; ++j) {
+      const KV* row = trow[j - j % KG] + (j % KG) * D;  // a tile's KG keys lie in one page, in order
+      const vf sj = splat(j < nk ? ksc[j] : 0.0f);
+      for (int i = 0; i < D; i += W) store(sc.kf + j * D + i, load(row + i) * sj);
+    }
+    for (int j = 0; j < nk; ++j) {
+      if (j >= jv) {
+        const vf sj = splat(vsc[j]);
+        for (int i = 0; i < D; i += W) store(sc.vf32 + j * D + i, load(tvrow[j] + i) * sj);
+      }
+      krow[j] = sc.kf + j * D;
+      vrow[j] = sc.vf32 + j * D;
+    }
 #else
     if constexpr (kF32) {
       std::copy(trow, trow + nk, krow);
@@ -322,7 +359,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       // the oldest row's window
       if (qmax[g] < k0 || k0 + nk <= first_key(a, qmin[g])) continue;
       float* s = sc.s;
-#if FMS_VEC_BF16_DP
+#if FMS_ATT_DP
       const uint32_t* qp = sc.qp + g * D / 2 * W;
       int j0 = 0;  // two tiles at a time, then the last of an odd count
       for (; j0 + KG < nk; j0 += 2 * KG) score_tiles<2>(qp, trow + j0, a.scale, s + j0 * W);
@@ -367,7 +404,7 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
       const int j1v = (int)std::min<int64_t>(nk, qmax[g] - k0 + 1);
       vf sum = splat(0.0f);
       float* ot = sc.ot + g * D * W;
-#if FMS_VEC_BF16_DP  // the probabilities as pairs of keys, 0 for keys outside j0v .. j1v - 1
+#if FMS_ATT_DP  // the probabilities as pairs of keys, 0 for keys outside j0v .. j1v - 1
       const int p0 = j0v / 2, p1 = (j1v + 1) / 2;
       for (int p = p0; p < p1; ++p) {
         const int j = 2 * p;
@@ -432,17 +469,26 @@ void run_item(const Args& a, const Item& it, Scratch& sc) {
 // build whose struct differs instead of reading fields at the wrong offsets.
 extern "C" {
 
-FMS_PAGED_ARGS(FmsPagedAttentionArgs, FMS_PAGED_ATTENTION_FIELDS, fms_paged_attention_layout)
+#if FMS_KV_INT8  // the int8-pool build's entry points (the kernel "attention_i8")
+#define FMS_ATTENTION_FN fms_paged_attention_i8
+#define FMS_ATTENTION_LAYOUT_FN fms_paged_attention_i8_layout
+#else
+#define FMS_ATTENTION_FN fms_paged_attention
+#define FMS_ATTENTION_LAYOUT_FN fms_paged_attention_layout
+#endif
 
-// 0, or 1: heads, page size, window or soft-cap the kernel cannot take; 2 + i: chunk i is outside
-// the page table or the step's tokens (nothing read or written)
-int fms_paged_attention(const FmsPagedAttentionArgs* args) {
+FMS_PAGED_ARGS(FmsPagedAttentionArgs, FMS_PAGED_ATTENTION_FIELDS, FMS_ATTENTION_LAYOUT_FN)
+
+// 0, or 1: heads, page size, window or soft-cap the kernel cannot take (or int8 pools without
+// their scales); 2 + i: chunk i is outside the page table or the step's tokens (nothing read or
+// written)
+int FMS_ATTENTION_FN(const FmsPagedAttentionArgs* args) {
   const FmsPagedAttentionArgs& c = *args;
   const int H = c.H, Hkv = c.Hkv, P = c.P;
   const int n_chunks = (int)c.n_chunks;
   const int64_t* chunks = c.chunks;
   if (H <= 0 || Hkv <= 0 || P <= 0 || H % Hkv || P % KG || c.window < 0 || !(c.softcap >= 0.0f) ||
-      std::isinf(c.softcap))
+      std::isinf(c.softcap) || (kI8 && (!c.k_scale || !c.v_scale)))
     return 1;
   for (int i = 0; i < n_chunks; ++i) {
     const int64_t* ch = chunks + 4 * i;
@@ -451,7 +497,7 @@ int fms_paged_attention(const FmsPagedAttentionArgs* args) {
       return 2 + i;
   }
   const Args a{c.q, c.q_st, c.q_sh, c.k, c.v, c.pool_tokens, c.pages, c.pages_st, chunks, c.out, H, Hkv, P,
-               c.scale, c.window, c.softcap, c.sinks};
+               c.scale, c.window, c.softcap, c.sinks, c.k_scale, c.v_scale};
   const int G = H / Hkv, rows = LG * W;
   std::vector<Item> items;
   for (int i = 0; i < n_chunks; ++i) {

@@ -9,7 +9,7 @@
 // unrolled, so that the W keys' dot products run side by side in registers. A lane's score
 // depends on its own key alone (reduce_lanes), so a block's last vector pads its rows past the
 // keys with a real one and the caller masks those lanes.
-inline vf key_scores(const T* const* krow, const vf* qv) {
+inline vf key_scores(const KV* const* krow, const vf* qv) {
   vf part[W];
 #pragma GCC unroll 16
   for (int j = 0; j < W; ++j) {
@@ -26,9 +26,11 @@ inline vf key_scores(const T* const* krow, const vf* qv) {
 constexpr int HG = std::max(1, (W == 16 ? 16 : 8) / (D / W));
 
 // O[g] = O[g] * alpha[g] + sum_j p[g][j] V[j] for NH heads g (O: o, [NH, D]; p: [NH, BK]) over
-// keys j < nk in order: per head the same multiply-adds in the same order as one head at a time
+// keys j < nk in order: per head the same multiply-adds in the same order as one head at a time.
+// kI8: V[j] is value row j's int8 times its scale vsc[j], applied to p[g][j] (one product per key)
 template <int NH>
-inline void accumulate_values(float* o, const float* alpha, const float* p, const T* const* vrow, int nk) {
+inline void accumulate_values(float* o, const float* alpha, const float* p, const KV* const* vrow, int nk,
+                              [[maybe_unused]] const float* vsc) {
   vf ov[NH][D / W];
   for (int g = 0; g < NH; ++g)
     for (int i = 0; i < D / W; ++i) ov[g][i] = load(o + g * D + i * W) * alpha[g];
@@ -37,7 +39,7 @@ inline void accumulate_values(float* o, const float* alpha, const float* p, cons
     for (int i = 0; i < D / W; ++i) v[i] = load(vrow[j] + i * W);
 #pragma GCC unroll 16
     for (int g = 0; g < NH; ++g) {
-      const vf pj = splat(p[g * BK + j]);
+      const vf pj = splat(kI8 ? p[g * BK + j] * vsc[j] : p[g * BK + j]);
       for (int i = 0; i < D / W; ++i) ov[g][i] += pj * v[i];
     }
   }
@@ -47,10 +49,11 @@ inline void accumulate_values(float* o, const float* alpha, const float* p, cons
 
 // accumulate_values for nh <= HG heads, nh known at run time
 template <int NH = HG>
-inline void accumulate_values_n(int nh, float* o, const float* alpha, const float* p, const T* const* vrow, int nk) {
+inline void accumulate_values_n(int nh, float* o, const float* alpha, const float* p, const KV* const* vrow, int nk,
+                                const float* vsc) {
   if constexpr (NH > 1)
-    if (nh < NH) return accumulate_values_n<NH - 1>(nh, o, alpha, p, vrow, nk);
-  accumulate_values<NH>(o, alpha, p, vrow, nk);
+    if (nh < NH) return accumulate_values_n<NH - 1>(nh, o, alpha, p, vrow, nk, vsc);
+  accumulate_values<NH>(o, alpha, p, vrow, nk, vsc);
 }
 
 // a decode row: heads r0 .. r1 - 1 of the item's kv head for one token at position q0, which sees
@@ -62,8 +65,10 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   const int64_t* c = a.chunks + 4 * it.chunk;
   const int64_t n_keys = c[1] + 1, off = c[3];
   const int32_t* pt = a.pages + c[0] * a.pages_st;
-  const T* kh = a.k + (int64_t)it.kvh * a.pool_tokens * D;
-  const T* vh = a.v + (int64_t)it.kvh * a.pool_tokens * D;
+  const KV* kh = a.k + (int64_t)it.kvh * a.pool_tokens * D;
+  const KV* vh = a.v + (int64_t)it.kvh * a.pool_tokens * D;
+  [[maybe_unused]] const float* ksh = kI8 ? a.ks + (int64_t)it.kvh * a.pool_tokens : nullptr;
+  [[maybe_unused]] const float* vsh = kI8 ? a.vs + (int64_t)it.kvh * a.pool_tokens : nullptr;
   const T* q = a.q + off * a.q_st + (int64_t)(it.kvh * G + it.r0) * a.q_sh;
   const float inv_cap = 1.0f / a.softcap;  // (used only when softcap > 0)
   float m[LG * W], l[LG * W], alpha[LG * W];  // per head: the softmax's running max and sum, a block's rescale
@@ -71,12 +76,13 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   std::memset(sc.ot, 0, sizeof(float) * nh * D);  // O per head, [nh, D] (unnormalised)
   vf lane;
   for (int i = 0; i < W; ++i) lane[i] = (float)i;
-  const T* krow[BK];
-  const T* vrow[BK];
+  const KV* krow[BK];
+  const KV* vrow[BK];
+  [[maybe_unused]] alignas(64) float ksc[BK], vsc[BK];  // kI8: the block's key and value scales
   for (int64_t k0 = first_key(a, c[1]); k0 < n_keys; k0 += BK) {  // every key of a block is seen
     const int nk = (int)std::min<int64_t>(BK, n_keys - k0), nkt = (nk + W - 1) / W * W;
-    key_rows(a, pt, k0, nk, kh, vh, krow, vrow);
-    for (int j = nk; j < nkt; ++j) krow[j] = krow[0];  // (their scores masked below)
+    key_rows(a, pt, k0, nk, kh, vh, krow, vrow, ksh, vsh, ksc, vsc);
+    for (int j = nk; j < nkt; ++j) krow[j] = krow[0], ksc[j] = 0.0f;  // (their scores masked below)
     prefetch_keys(a, pt, k0 + BK, (int)std::min<int64_t>(BK, n_keys - k0 - BK), kh, vh);
     for (int g = 0; g < nh; ++g) {
       float* s = sc.pd + g * BK;
@@ -85,6 +91,7 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
       for (int j0 = 0; j0 < nk; j0 += W) {  // scores of keys j0 .. j0 + W - 1, one per lane
         const int n = std::min(W, nk - j0);
         vf sv = key_scores(krow + j0, qv);
+        if constexpr (kI8) sv *= load(ksc + j0);  // each lane's key row times its scale
         if (a.softcap > 0.0f) sv = vtanh(sv * inv_cap) * a.softcap;
         store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
       }
@@ -106,7 +113,7 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
       l[g] = l[g] * alpha[g] + total;
     }
     for (int g = 0; g < nh; g += HG)
-      accumulate_values_n(std::min(HG, nh - g), sc.ot + g * D, alpha + g, sc.pd + g * BK, vrow, nk);
+      accumulate_values_n(std::min(HG, nh - g), sc.ot + g * D, alpha + g, sc.pd + g * BK, vrow, nk, vsc);
   }
   for (int g = 0; g < nh; ++g) {
     T* dst = a.out + (off * a.H + it.kvh * G + it.r0 + g) * D;

@@ -116,6 +116,18 @@ void add_row(T* x, const T* b, int64_t n) {
   for (int64_t j = nv; j < n; ++j) x[j] = from_f32<T>(to_f32(x[j]) + to_f32(b[j]));
 }
 
+// one head's row x [D] as int8 q [D] and its scale: symmetric, scale = absmax / 127 (0 for an
+// all-zero row, whose q is 0), q = x / scale rounded to nearest even: fms_paged.kv.quant.quantize's
+// operations in the same fp32 order, so either writer stores the same bytes
+void quantize_head(const T* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_f32(x[d])));
+  const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+  for (int64_t d = 0; d < D; ++d)
+    q[d] = (int8_t)std::clamp(std::nearbyint(to_f32(x[d]) * inv), -127.0f, 127.0f);
+  *scale = s;
+}
+
 // row m of the q/k/v projection [(H + 2 Hkv) D] in place: + biases, q/k norms, RoPE; then its k
 // and v heads ASSIGNed to slot slots[m] of the pools [Hkv, pool_tokens, D]
 void qkv_row(const Args& a, int64_t m, T* tmp) {
@@ -137,8 +149,14 @@ void qkv_row(const Args& a, int64_t m, T* tmp) {
   }
   const int64_t slot = a.slots[m];
   for (int64_t g = 0; g < a.Hkv; ++g) {
-    std::memcpy(a.k_pool + (g * a.pool_tokens + slot) * D, row + (a.H + g) * D, D * sizeof(T));
-    std::memcpy(a.v_pool + (g * a.pool_tokens + slot) * D, row + (a.H + a.Hkv + g) * D, D * sizeof(T));
+    const int64_t at = g * a.pool_tokens + slot;
+    if (a.k_scale) {  // 8-bit KV pages
+      quantize_head(row + (a.H + g) * D, D, a.k_pool8 + at * D, a.k_scale + at);
+      quantize_head(row + (a.H + a.Hkv + g) * D, D, a.v_pool8 + at * D, a.v_scale + at);
+      continue;
+    }
+    std::memcpy(a.k_pool + at * D, row + (a.H + g) * D, D * sizeof(T));
+    std::memcpy(a.v_pool + at * D, row + (a.H + a.Hkv + g) * D, D * sizeof(T));
   }
 }
 

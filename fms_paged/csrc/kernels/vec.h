@@ -158,6 +158,21 @@ inline vec<N> load(const fms_f16* p) {
   return v;
 #endif
 }
+// int8 (8-bit KV pages) -> fp32, exactly
+template <int N>
+inline vec<N> load(const int8_t* p) {
+#if defined(__AVX512F__)
+  if constexpr (N == 16)
+    return (vec<N>)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
+#if defined(__AVX2__)
+  if constexpr (N == 8)
+    return (vec<N>)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+  vec<N> v;
+  for (int i = 0; i < N; ++i) v[i] = (float)p[i];
+  return v;
+}
 
 template <int N>
 inline void store(float* p, vec<N> v) {

@@ -99,11 +99,20 @@ void run_layer(void* xs, int64_t M, int64_t Cd, int64_t D, const Layer& L, const
   a.op = 2, a.M = M, a.x = qkv, a.x_st = width, a.q_bias = p(kQBias), a.k_bias = p(kKBias), a.v_bias = p(kVBias),
   a.q_norm = p(kQNorm), a.k_norm = p(kKNorm);
   a.cos = L.cos, a.sin = L.sin, a.slots = slots.data_ptr<int64_t>();
-  a.k_pool = static_cast<T*>(L.pools.k), a.v_pool = static_cast<T*>(L.pools.v);
+  if (L.pools.ks) {  // 8-bit KV pages: int8 pools, quantized as written, with their row scales
+    a.k_pool8 = static_cast<int8_t*>(L.pools.k), a.v_pool8 = static_cast<int8_t*>(L.pools.v);
+    a.k_scale = const_cast<float*>(L.pools.ks), a.v_scale = const_cast<float*>(L.pools.vs);
+  } else {
+    a.k_pool = static_cast<T*>(L.pools.k), a.v_pool = static_cast<T*>(L.pools.v);
+  }
   a.pool_tokens = L.pools.pool_tokens, a.H = (int32_t)H, a.Hkv = (int32_t)Hkv, a.D = (int32_t)D;
   rows.call(a);
-  run_attention<T>(attn, qkv, width, D, M, L.pools, page_table, chunks, H, page_size, L.scale, L.window, L.softcap,
-                   *L.sinks, att);
+  if (L.pools.ks)
+    run_attention<T, int8_t>(attn, qkv, width, D, M, L.pools, page_table, chunks, H, page_size, L.scale, L.window,
+                             L.softcap, *L.sinks, att);
+  else
+    run_attention<T>(attn, qkv, width, D, M, L.pools, page_table, chunks, H, page_size, L.scale, L.window,
+                     L.softcap, *L.sinks, att);
   const T* attn_out = mm(att, M, H * D, H * D, {kO}, L, h, out);
   if (L.p[kPostAttnLn]) {
     rows.norm(attn_out, M, Cd, Cd, L.p[kPostAttnLn], y);
@@ -259,7 +268,7 @@ void check_unchanged(const DecoderStack& s) {
 // ValueError naming what is wrong with a step's arguments for the stack (nothing written yet)
 void check_step(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, at::TensorList sin,
                 at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table,
-                const at::Tensor& chunks) {
+                const at::Tensor& chunks, const std::optional<at::TensorList>& k_scales, const std::optional<at::TensorList>& v_scales) {
   const at::ScalarType dt = x.scalar_type();
   const int64_t n = s.layers();
   TORCH_CHECK_VALUE(dt == s.dtype && x.dim() == 2 && x.size(1) == s.width && x.is_cpu() && x.is_contiguous(),
@@ -296,13 +305,27 @@ void check_step(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, 
   for (int64_t m = 0; m < G * M; ++m)  // every layer writes these slots: one pass for the sign, the top per layer
     TORCH_CHECK_VALUE(slot[m] >= 0, "decoder_stack: slot ", slot[m], " of row ", m % M, " is negative");
   const int64_t top = M ? *std::max_element(slot, slot + G * M) : -1;
+  // 8-bit KV pages: int8 pools, with each layer's row scales [1, Hkv, NP, 1] fp32
+  const bool i8 = k_scales.has_value();
+  TORCH_CHECK_VALUE(i8 == v_scales.has_value() && (!i8 || ((int64_t)k_scales->size() == n &&
+                                                           (int64_t)v_scales->size() == n)),
+                    "decoder_stack: k_scales and v_scales, one per layer, both or neither (", n, " layers)");
+  const at::ScalarType kv = i8 ? at::kChar : dt;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor &k_pool = k_pools[i], &v_pool = v_pools[i];
     const int64_t Hkv = s.weight(i, 2)->size(0) / D;
-    TORCH_CHECK_VALUE(k_pool.scalar_type() == dt && v_pool.scalar_type() == dt && k_pool.dim() == 4 &&
+    if (i8)
+      for (const at::Tensor* t : {&(*k_scales)[i], &(*v_scales)[i]})
+        TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(0) == 1 &&
+                              t->size(1) == Hkv && t->size(2) == k_pool.size(2) && t->size(3) == 1 &&
+                              t->is_contiguous(),
+                          "decoder_stack: layer ", i, ": int8 pools take contiguous fp32 scales [1, ", Hkv, ", ",
+                          k_pool.size(2), ", 1], got ", dtype_name(t->scalar_type()), " ", shape(*t));
+    TORCH_CHECK_VALUE(k_pool.scalar_type() == kv && v_pool.scalar_type() == kv && k_pool.dim() == 4 &&
                           k_pool.size(1) == Hkv && k_pool.size(3) == D && k_pool.sizes() == v_pool.sizes() &&
                           k_pool.is_contiguous() && v_pool.is_contiguous(),
-                      "decoder_stack: layer ", i, ": pools [1, ", Hkv, ", NP, ", D, "] of x's dtype, contiguous, got ",
+                      "decoder_stack: layer ", i, ": pools [1, ", Hkv, ", NP, ", D, "] of x's dtype (int8 with scales), "
+                      "contiguous, got ",
                       shape(k_pool), " ", dtype_name(k_pool.scalar_type()), " and ", shape(v_pool));
     const int64_t NP = k_pool.size(2);
     if (top < NP) continue;
@@ -319,9 +342,11 @@ namespace {
 // the blocks on the residual rows x [M, C], updated in place (checked: check_step)
 void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, at::TensorList sin,
                at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table,
-               const at::Tensor& chunks, int64_t page_size) {
+               const at::Tensor& chunks, int64_t page_size, const std::optional<at::TensorList>& k_scales, const std::optional<at::TensorList>& v_scales) {
   const int e = elem_index(s.dtype);
-  const KernelFn attn = attention_fn(e, s.head_dim), mm = gemv_fn(e), rows_kernel = rows_fn(e);
+  const bool i8 = k_scales.has_value();  // 8-bit KV pages (checked: check_step)
+  const KernelFn attn = i8 ? attention_i8_fn(e, s.head_dim) : attention_fn(e, s.head_dim), mm = gemv_fn(e),
+                 rows_kernel = rows_fn(e);
   TORCH_CHECK(attn && mm && rows_kernel, "decoder_stack: no ", !attn ? "attention" : !mm ? "GEMV" : "rows",
               " kernel loaded for ", dtype_name(s.dtype), attn ? "" : " and head_dim=" + std::to_string(s.head_dim),
               " (fms_paged.native.load_attention and fms_paged.native.load_gemv load them)");
@@ -335,6 +360,7 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
     }
     const int64_t r = s.rope_index[i];
     L.cos = cos[r].data_ptr<float>(), L.sin = sin[r].data_ptr<float>(), L.pools = pool_ptrs(k_pools[i], v_pools[i]);
+    if (i8) L.pools.ks = (*k_scales)[i].data_ptr<float>(), L.pools.vs = (*v_scales)[i].data_ptr<float>();
     L.scale = s.scales[i], L.softcap = s.softcaps[i], L.window = s.windows[i], L.sinks = &s.sinks[i];
   }
   // pages held per layer group: each slice's slots (a row of [G, M]) and chunks (its sequences
@@ -376,12 +402,13 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
 
 at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& x, at::TensorList cos,
                          at::TensorList sin, at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots,
-                         const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size) {
+                         const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size, const std::optional<at::TensorList>& k_scales,
+                         const std::optional<at::TensorList>& v_scales) {
   const DecoderStack& s = *stack;
   check_unchanged(s);
-  check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks);
+  check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, k_scales, v_scales);
   at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
-  run_stack(s, out, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size);
+  run_stack(s, out, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size, k_scales, v_scales);
   return out;
 }
 
@@ -413,7 +440,8 @@ void check_forward(const char* op, const DecoderStack& s, const at::Tensor& toke
 at::Tensor forward_logits(const DecoderStack& s, const at::Tensor& tokens, const at::Tensor& positions,
                           at::TensorList cos_tables, at::TensorList sin_tables, at::TensorList k_pools,
                           at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& page_table,
-                          const at::Tensor& chunks, int64_t page_size, const std::optional<at::Tensor>& logits_at) {
+                          const at::Tensor& chunks, int64_t page_size, const std::optional<at::Tensor>& logits_at,
+                          const std::optional<at::TensorList>& k_scales, const std::optional<at::TensorList>& v_scales) {
   const int64_t B = tokens.size(0), S = tokens.size(1), M = B * S;
   at::Tensor x = at::embedding(s.embedding, tokens).view({M, s.width});  // fresh: the residual stream
   if (s.emb_scale != 1.0)
@@ -424,8 +452,8 @@ at::Tensor forward_logits(const DecoderStack& s, const at::Tensor& tokens, const
   for (size_t r = 0; r < cos_tables.size(); ++r) {
     cos.push_back(at::index_select(cos_tables[r], 0, pos)), sin.push_back(at::index_select(sin_tables[r], 0, pos));
   }
-  check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks);
-  run_stack(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size);
+  check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, k_scales, v_scales);
+  run_stack(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size, k_scales, v_scales);
   const at::Tensor rows = logits_at ? x.index_select(0, *logits_at) : x.view({B, S, s.width});
   at::Tensor logits = linear(rms_norm(rows, s.final_norm, s.eps, s.unit_offset), {s.head}, std::nullopt);
   if (s.logits_scaling != 1.0) logits = at::div(logits, at::Scalar(s.logits_scaling));  // as LLaMA.logits
@@ -440,10 +468,10 @@ at::Tensor decoder_logits(const c10::intrusive_ptr<DecoderStack>& stack, const a
                           const at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables,
                           at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& slots,
                           const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size,
-                          const std::optional<at::Tensor>& logits_at) {
+                          const std::optional<at::Tensor>& logits_at, const std::optional<at::TensorList>& k_scales, const std::optional<at::TensorList>& v_scales) {
   check_forward("decoder_logits", *stack, tokens, positions, cos_tables, sin_tables);
   return forward_logits(*stack, tokens, positions, cos_tables, sin_tables, k_pools, v_pools, slots, page_table,
-                        chunks, page_size, logits_at);
+                        chunks, page_size, logits_at, k_scales, v_scales);
 }
 
 // `steps` greedy decode steps of B sequences in one call: row b is sequence seqs[b], whose last
@@ -456,7 +484,8 @@ at::Tensor decoder_logits(const c10::intrusive_ptr<DecoderStack>& stack, const a
 at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens,
                          const at::Tensor& positions, const at::Tensor& seqs, at::TensorList cos_tables,
                          at::TensorList sin_tables, at::TensorList k_pools, at::TensorList v_pools,
-                         const at::Tensor& page_table, int64_t page_size, int64_t steps) {
+                         const at::Tensor& page_table, int64_t page_size, int64_t steps, const std::optional<at::TensorList>& k_scales,
+                         const std::optional<at::TensorList>& v_scales) {
   TORCH_CHECK_VALUE(steps >= 1 && page_size > 0, "decode_greedy: steps=", steps, ", page_size=", page_size,
                     "; expected both >= 1");
   TORCH_CHECK_VALUE(tokens.dim() == 1 && seqs.scalar_type() == at::kLong && seqs.sizes() == tokens.sizes() &&
@@ -498,7 +527,7 @@ at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at
       chunk[4 * b] = seq[b], chunk[4 * b + 1] = p, chunk[4 * b + 2] = 1, chunk[4 * b + 3] = b;
     }
     const at::Tensor logits = forward_logits(*stack, tok, at_j, cos_tables, sin_tables, k_pools, v_pools, slots,
-                                             page_table, chunks, P, std::nullopt);
+                                             page_table, chunks, P, std::nullopt, k_scales, v_scales);
     tok = argmax(logits.view({B, -1})).view({B, 1});
     out.select(1, j).copy_(tok.view({B}));
   }
@@ -517,16 +546,18 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       .def("set_slices", &DecoderStack::set_slices);
   m.def(
       "decoder_stack(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor x, Tensor[] cos, Tensor[] sin, "
-      "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size) "
-      "-> Tensor");
+      "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, Tensor page_table, Tensor chunks, int page_size, "
+      "Tensor(c!)[]? k_scales=None, Tensor(d!)[]? v_scales=None) -> Tensor");
   m.def(
       "decoder_logits(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor tokens, Tensor positions, "
       "Tensor[] cos_tables, Tensor[] sin_tables, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, "
-      "Tensor page_table, Tensor chunks, int page_size, Tensor? logits_at) -> Tensor");
+      "Tensor page_table, Tensor chunks, int page_size, Tensor? logits_at, Tensor(c!)[]? k_scales=None, "
+      "Tensor(d!)[]? v_scales=None) -> Tensor");
   m.def(
       "decode_greedy(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor tokens, Tensor positions, "
       "Tensor seqs, Tensor[] cos_tables, Tensor[] sin_tables, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
-      "Tensor page_table, int page_size, int steps) -> Tensor");
+      "Tensor page_table, int page_size, int steps, Tensor(c!)[]? k_scales=None, Tensor(d!)[]? v_scales=None) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {

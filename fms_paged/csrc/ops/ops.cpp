@@ -10,7 +10,8 @@
 // first use) and is the same on every CPU.
 //
 // Operators (fms_paged::, schemas below):
-// - paged_attention: causal attention of a step's query tokens over their pages (the "cpp" kernel);
+// - paged_attention: causal attention of a step's query tokens over their pages (the "cpp" kernel),
+//   16/32-bit pools of q's dtype, or int8 pools with their fp32 row scales (8-bit KV pages);
 // - gemv: a few rows times stacked row-major weights (decode projections);
 // - linear: a projection by the path its rows call for: the GEMV kernel for a few rows, oneDNN's
 //   blocked GEMM on a packed copy of the weights (kept here, per weight) for many, at::linear else;
@@ -45,9 +46,10 @@ namespace fms_paged_ops {
 
 // ---------------------------------------------------------------- the registry of loaded kernels
 
-template <class T>
+template <class T, class KV = T>
 std::string attention_layout() {
-  return FMS_PAGED_LAYOUT_OF(AttentionArgs<T>, "FmsPagedAttentionArgs", FMS_PAGED_ATTENTION_FIELDS);
+  using Args = AttentionArgs<T, KV>;  // (no comma inside the macro's arguments)
+  return FMS_PAGED_LAYOUT_OF(Args, "FmsPagedAttentionArgs", FMS_PAGED_ATTENTION_FIELDS);
 }
 template <class T>
 std::string gemv_layout() {
@@ -57,11 +59,15 @@ template <class T>
 std::string rows_layout() {
   return FMS_PAGED_LAYOUT_OF(RowsArgs<T>, "FmsRowsArgs", FMS_PAGED_ROWS_FIELDS);
 }
-// the kinds of kernel `_load_kernel` takes, in this order
-constexpr std::array<const char*, 3> kKinds = {"attention", "gemv", "rows"};
+// the kinds of kernel `_load_kernel` takes, in this order ("attention_i8": attention over int8
+// pools, attention.cpp built with -DFMS_KV_INT8=1)
+constexpr std::array<const char*, 4> kKinds = {"attention", "gemv", "rows", "attention_i8"};
 template <class T>
 std::string layout_of(int kind) {
-  return kind == 0 ? attention_layout<T>() : kind == 1 ? gemv_layout<T>() : rows_layout<T>();
+  return kind == 0   ? attention_layout<T>()
+         : kind == 1 ? gemv_layout<T>()
+         : kind == 2 ? rows_layout<T>()
+                     : attention_layout<T, int8_t>();
 }
 std::string expected_layout(int kind, int e) {
   switch (e) {
@@ -74,12 +80,17 @@ std::string expected_layout(int kind, int e) {
 constexpr int64_t kHeadDimStep = 16, kMaxHeadDim = 1024;
 // the loaded kernels: attention per (storage type, head dim / 16), GEMV per storage type; set
 // once by `_load_kernel`, read by every call without a lock
-std::array<std::array<std::atomic<KernelFn>, kMaxHeadDim / kHeadDimStep + 1>, kElems> attention_fns{};
+std::array<std::array<std::atomic<KernelFn>, kMaxHeadDim / kHeadDimStep + 1>, kElems> attention_fns{},
+    attention_i8_fns{};
 std::array<std::atomic<KernelFn>, kElems> gemv_fns{}, rows_fns{};
 
 KernelFn attention_fn(int e, int64_t head_dim) {
   if (e < 0 || head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % kHeadDimStep) return nullptr;
   return attention_fns[e][head_dim / kHeadDimStep].load(std::memory_order_acquire);
+}
+KernelFn attention_i8_fn(int e, int64_t head_dim) {
+  if (e < 0 || head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % kHeadDimStep) return nullptr;
+  return attention_i8_fns[e][head_dim / kHeadDimStep].load(std::memory_order_acquire);
 }
 KernelFn gemv_fn(int e) { return e < 0 ? nullptr : gemv_fns[e].load(std::memory_order_acquire); }
 KernelFn rows_fn(int e) { return e < 0 ? nullptr : rows_fns[e].load(std::memory_order_acquire); }
@@ -90,13 +101,14 @@ KernelFn rows_fn(int e) { return e < 0 ? nullptr : rows_fns[e].load(std::memory_
 // the index of `kind` in kKinds; ValueError naming it otherwise
 int kind_index(const char* op, c10::string_view kind) {
   const int k = (int)(std::find(kKinds.begin(), kKinds.end(), kind) - kKinds.begin());
-  TORCH_CHECK_VALUE(k < (int)kKinds.size(), op, ": kind='", kind, "'; expected 'attention', 'gemv' or 'rows'");
+  TORCH_CHECK_VALUE(k < (int)kKinds.size(), op, ": kind='", kind,
+                    "'; expected 'attention', 'gemv', 'rows' or 'attention_i8'");
   return k;
 }
 
 void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dtype, int64_t head_dim) {
   const int k = kind_index("_load_kernel", kind);
-  const bool attention = k == 0;
+  const bool attention = k == 0 || k == 3;
   const int e = elem_index(dtype);
   TORCH_CHECK_VALUE(e >= 0, "_load_kernel: dtype ", dtype, "; the kernels take ", elem_names);
   TORCH_CHECK_VALUE(!attention || (head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % kHeadDimStep == 0),
@@ -113,14 +125,17 @@ void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dt
   TORCH_CHECK(built == want, "_load_kernel: ", file, ": the kernel's argument struct is laid out as '", built,
               "', the operator's as '", want, "': built from another version of kernels/kernels.h");
   if (attention)
-    attention_fns[e][head_dim / kHeadDimStep].store(fn, std::memory_order_release);
+    (k == 0 ? attention_fns : attention_i8_fns)[e][head_dim / kHeadDimStep].store(fn, std::memory_order_release);
   else
     (k == 1 ? gemv_fns : rows_fns)[e].store(fn, std::memory_order_release);
 }
 
 bool kernel_loaded(c10::string_view kind, at::ScalarType dtype, int64_t head_dim) {
   const int k = kind_index("_kernel_loaded", kind), e = elem_index(dtype);
-  return (k == 0 ? attention_fn(e, head_dim) : k == 1 ? gemv_fn(e) : rows_fn(e)) != nullptr;
+  return (k == 0   ? attention_fn(e, head_dim)
+          : k == 1 ? gemv_fn(e)
+          : k == 2 ? rows_fn(e)
+                   : attention_i8_fn(e, head_dim)) != nullptr;
 }
 
 std::string shape(at::IntArrayRef sizes) {
@@ -133,7 +148,7 @@ std::string dtype_name(at::ScalarType t) {
   std::string s = c10::toString(t);  // "Float", "BFloat16", ...
   static const std::unordered_map<std::string, std::string> names = {
       {"Float", "float32"}, {"BFloat16", "bfloat16"}, {"Half", "float16"}, {"Double", "float64"},
-      {"Int", "int32"},     {"Long", "int64"},        {"Bool", "bool"}};
+      {"Int", "int32"},     {"Long", "int64"},        {"Bool", "bool"}, {"Char", "int8"}};
   auto it = names.find(s);
   return "torch." + (it == names.end() ? s : it->second);
 }
@@ -169,7 +184,8 @@ void check_variants(int64_t H, int64_t window, double softcap, const std::option
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size, double scale,
-                           int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+                           int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
+                           const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
   const at::ScalarType dt = q.scalar_type();
   const int e = elem_index(dt);
   TORCH_CHECK_VALUE(e >= 0, "paged_attention: q is ", dtype_name(dt), "; the kernel takes ", elem_names);
@@ -177,8 +193,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                     " CPU tensor, got ", shape(q), " on ", q.device());
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
   check_variants(H, window, softcap, sinks);
+  // 8-bit KV pages: int8 pools, each row with its fp32 scale [1, Hkv, NP, 1]
+  const bool i8 = k_pool.scalar_type() == at::kChar;
+  const at::ScalarType kv = i8 ? at::kChar : dt;
+  TORCH_CHECK_VALUE(i8 == (k_scales.has_value() && v_scales.has_value()) && k_scales.has_value() == v_scales.has_value(),
+                    "paged_attention: int8 pools take their k_scales and v_scales, 16/32-bit pools none; got ",
+                    dtype_name(k_pool.scalar_type()), " pools with", k_scales ? "" : "out", " k_scales");
   const std::pair<const char*, std::tuple<const at::Tensor&, at::ScalarType, int64_t>> want[] = {
-      {"k_pool", {k_pool, dt, 4}}, {"v_pool", {v_pool, dt, 4}}, {"page_table", {page_table, at::kInt, 2}},
+      {"k_pool", {k_pool, kv, 4}}, {"v_pool", {v_pool, kv, 4}}, {"page_table", {page_table, at::kInt, 2}},
       {"chunks", {chunks, at::kLong, 2}}};
   for (const auto& [name, spec] : want) {
     const auto& [t, type, dims] = spec;
@@ -192,9 +214,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   TORCH_CHECK_VALUE(k_pool.is_contiguous() && v_pool.is_contiguous() && page_table.is_contiguous() &&
                         chunks.is_contiguous(),
                     "paged_attention: the pools, the page table and the chunks must be contiguous");
-  const KernelFn fn = attention_fn(e, D);
+  PoolPtrs ptrs = pool_ptrs(k_pool, v_pool);
+  if (i8) {
+    for (const at::Tensor* t : {&*k_scales, &*v_scales}) {
+      const bool ok = t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(0) == 1 &&
+                      t->size(1) == k_pool.size(1) && t->size(2) == k_pool.size(2) && t->size(3) == 1 &&
+                      t->is_cpu() && t->is_contiguous();
+      TORCH_CHECK_VALUE(ok, "paged_attention: int8 pools ", shape(k_pool), " take contiguous torch.float32 CPU "
+                        "scales [1, ", k_pool.size(1), ", ", k_pool.size(2), ", 1] (one per row), got ",
+                        dtype_name(t->scalar_type()), " ", shape(*t));
+    }
+    ptrs.ks = k_scales->data_ptr<float>(), ptrs.vs = v_scales->data_ptr<float>();
+  }
+  const KernelFn fn = i8 ? attention_i8_fn(e, D) : attention_fn(e, D);
   TORCH_CHECK(fn, "paged_attention: no kernel loaded for head_dim=", D, " and ", dtype_name(dt),
-              " (fms_paged.native.load_attention builds and loads it)");
+              i8 ? " over int8 pools" : "", " (fms_paged.native.load_attention builds and loads it)");
   // q's tokens as rows [B * S, H, D] with D contiguous: q [B, H, S, D] transposed, copied only
   // when its tokens are not evenly strided
   at::Tensor rows = q.transpose(1, 2);  // [B, S, H, D]
@@ -202,8 +236,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const int64_t q_st = S == 1 ? rows.stride(0) : rows.stride(1), q_sh = rows.stride(2);
   at::Tensor out = at::empty({B, S, H, D}, q.options());
   by_elem(e, [&](auto t) {
-    run_attention<decltype(t)>(fn, rows.data_ptr(), q_st, q_sh, B * S, pool_ptrs(k_pool, v_pool), page_table, chunks, H,
-                               page_size, scale, window, softcap, sinks, out.data_ptr());
+    if (i8)
+      run_attention<decltype(t), int8_t>(fn, rows.data_ptr(), q_st, q_sh, B * S, ptrs, page_table, chunks, H,
+                                         page_size, scale, window, softcap, sinks, out.data_ptr());
+    else
+      run_attention<decltype(t)>(fn, rows.data_ptr(), q_st, q_sh, B * S, ptrs, page_table, chunks, H, page_size,
+                                 scale, window, softcap, sinks, out.data_ptr());
   });
   return out;
 }
@@ -496,7 +534,8 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
   m.def("_geometry(Tensor pages, Tensor positions, int page_size) -> (Tensor, Tensor, Tensor)", &geometry);
   m.def(
       "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor chunks, SymInt page_size, "
-      "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
+      "float scale, int window=0, float softcap=0.0, Tensor? sinks=None, Tensor? k_scales=None, "
+      "Tensor? v_scales=None) -> Tensor");
   m.def("gemv(Tensor x, Tensor[] weights) -> Tensor");
   m.def("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");

@@ -33,7 +33,8 @@ inline int elem_index(at::ScalarType t) {
 }
 inline const char* elem_names = "torch.float32, torch.bfloat16, torch.float16";
 
-template <class T>
+// KV: the pools' storage type, T or int8_t (8-bit KV pages: the kernel "attention_i8")
+template <class T, class KV = T>
 struct AttentionArgs {
   FMS_PAGED_ATTENTION_FIELDS(FMS_PAGED_FIELD_DECL)
 };
@@ -47,8 +48,10 @@ struct RowsArgs {
 };
 
 using KernelFn = int (*)(const void*);
-// the loaded kernel of storage type e (and head dim), or null (ops/ops.cpp)
+// the loaded kernel of storage type e (and head dim), or null (ops/ops.cpp); attention_i8_fn:
+// the attention kernel over int8 pools with fp32 row scales
 KernelFn attention_fn(int e, int64_t head_dim);
+KernelFn attention_i8_fn(int e, int64_t head_dim);
 KernelFn gemv_fn(int e);
 KernelFn rows_fn(int e);
 
@@ -81,10 +84,12 @@ std::string py_float(double v);  // as Python's repr spells a float
 // ValueError unless window >= 0, softcap 0 or a normal float32, sinks None or contiguous fp32 [H] on the CPU
 void check_variants(int64_t H, int64_t window, double softcap, const std::optional<at::Tensor>& sinks);
 
-// a pair of pools [1, Hkv, pool_tokens, D] as the kernels read them
+// a pair of pools [1, Hkv, pool_tokens, D] as the kernels read them (ks, vs: int8 pools' row
+// scales [1, Hkv, pool_tokens, 1] fp32, null for 16/32-bit pools)
 struct PoolPtrs {
   void *k, *v;
   int64_t Hkv, pool_tokens;
+  const float *ks = nullptr, *vs = nullptr;
 };
 inline PoolPtrs pool_ptrs(const at::Tensor& k_pool, const at::Tensor& v_pool) {
   return {k_pool.data_ptr(), v_pool.data_ptr(), k_pool.size(1), k_pool.size(2)};
@@ -92,13 +97,14 @@ inline PoolPtrs pool_ptrs(const at::Tensor& k_pool, const at::Tensor& v_pool) {
 
 // the kernel on q rows [tokens, H, D] at (q_st, q_sh) -> out [tokens, H, D]; ValueError for what it
 // refuses
-template <class T>
+template <class T, class KV = T>
 void run_attention(KernelFn fn, const void* q, int64_t q_st, int64_t q_sh, int64_t n_tokens, const PoolPtrs& pools,
                    const at::Tensor& page_table, const at::Tensor& chunks, int64_t H, int64_t page_size,
                    double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks, void* out) {
-  AttentionArgs<T> a{};
+  AttentionArgs<T, KV> a{};
   a.q = static_cast<const T*>(q), a.q_st = q_st, a.q_sh = q_sh, a.n_tokens = n_tokens;
-  a.k = static_cast<T*>(pools.k), a.v = static_cast<T*>(pools.v), a.pool_tokens = pools.pool_tokens;
+  a.k = static_cast<KV*>(pools.k), a.v = static_cast<KV*>(pools.v), a.pool_tokens = pools.pool_tokens;
+  a.k_scale = pools.ks, a.v_scale = pools.vs;
   a.pages = page_table.data_ptr<int32_t>(), a.n_seqs = page_table.size(0), a.pages_st = page_table.size(1);
   a.chunks = chunks.data_ptr<int64_t>(), a.n_chunks = chunks.size(0), a.out = static_cast<T*>(out);
   a.H = (int32_t)H, a.Hkv = (int32_t)pools.Hkv, a.P = (int32_t)page_size, a.scale = (float)scale;

@@ -17,6 +17,9 @@ from fms_paged.kv._pool_ops import write_slots
 from fms_paged.kv.spec import AttentionSpec
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 
+# an 8-bit pool pair's (k_scales, v_scales), each [1, Hkv, NP, G] fp32; (None, None) for 16/32 bits
+Scales = tuple[torch.Tensor | None, torch.Tensor | None]
+
 
 class _NoBackward(torch.autograd.Function):
     """Paged attention's output `out` as a function of `q` whose backward pass raises."""
@@ -56,8 +59,9 @@ class PoolStep:
                 out = self.attend(layer, q, k, v)
             return _NoBackward.apply(q, out)
         kp, vp = self.view.k_pools[layer], self.view.v_pools[layer]
-        self.store(kp, vp, k, v)
-        return self.attention(q, kp, vp, self.view.specs[layer])
+        scales = self.view.scales(layer)
+        self.store(kp, vp, k, v, scales)
+        return self.attention(q, kp, vp, self.view.specs[layer], scales)
 
     def forward_model(self, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None,
                       logits_at: torch.Tensor | None) -> torch.Tensor | None:
@@ -71,16 +75,19 @@ class PoolStep:
         None: the model runs its blocks (every kernel but cpp)."""
         return None
 
-    def store(self, kp: torch.Tensor, vp: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, kp: torch.Tensor, vp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              scales: Scales = (None, None)) -> None:
         """ASSIGN the step's new k/v ([B', Hkv, S', D]) to their slots of pools kp, vp
-        ([1, Hkv, NP, D]), in place (`write_slots`: the page manager's ASSIGN at precomputed slots)."""
+        ([1, Hkv, NP, D]), in place (`write_slots`: the page manager's ASSIGN at precomputed slots;
+        8-bit pools: quantized there, their `scales` written at the same slots)."""
         B, H, S, D = k.shape  # -> [B' * S', Hkv, D], the token order of the slots
         write_slots(kp, vp, self.slots, k.transpose(1, 2).reshape(B * S, H, D),
-                    v.transpose(1, 2).reshape(B * S, H, D))
+                    v.transpose(1, 2).reshape(B * S, H, D), *scales)
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                  spec: AttentionSpec) -> torch.Tensor:
-        """q: [B', H, S', D] over pools kp, vp (already written), under `spec` -> [B', H, S', D]"""
+                  spec: AttentionSpec, scales: Scales = (None, None)) -> torch.Tensor:
+        """q: [B', H, S', D] over pools kp, vp (already written; 8-bit pools with their `scales`
+        (k_scales, v_scales) [1, Hkv, NP, G]), under `spec` -> [B', H, S', D]"""
         raise NotImplementedError
 
 
@@ -103,7 +110,7 @@ class MixedStep(PoolStep):
         return MixedStep(decode, self.prefill, self.rows, torch.cat([decode.slots, self.prefill.slots]))
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                  spec: AttentionSpec) -> torch.Tensor:
+                  spec: AttentionSpec, scales: Scales = (None, None)) -> torch.Tensor:
         # q: [1, H, B + Tp, D], a view of [1, B + Tp, H, D]. Compiled flex kernels are specialised
         # on strides: each part gets the strides a pure decode / pure prefill step gives it, so
         # mixed steps reuse their kernels (a plain slice's strides would depend on the other
@@ -111,9 +118,9 @@ class MixedStep(PoolStep):
         B = self.rows
         rows = q.transpose(1, 2)  # [1, B + Tp, H, D]
         qd = rows[0, :B].unsqueeze(1).transpose(1, 2)  # [B, H, 1, D], no copy
-        od = self.decode.attention(qd, kp, vp, spec)
+        od = self.decode.attention(qd, kp, vp, spec, scales)
         qp = rows[:, B:].clone(memory_format=torch.contiguous_format).transpose(1, 2)  # [1, H, Tp, D]
-        op = self.prefill.attention(qp, kp, vp, spec)
+        op = self.prefill.attention(qp, kp, vp, spec, scales)
         return torch.cat([od.squeeze(2).transpose(0, 1).unsqueeze(0), op], dim=2)
 
 

@@ -21,7 +21,7 @@ import torch
 from fms_paged import native
 from fms_paged.kv._pool_ops import read_slots
 from fms_paged.kv.geometry import slot
-from fms_paged.kv.kernels.base import Kernel, PoolStep
+from fms_paged.kv.kernels.base import Kernel, PoolStep, Scales
 from fms_paged.kv.spec import AttentionSpec, attend, visible
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 
@@ -31,9 +31,25 @@ if TYPE_CHECKING:  # (the model imports the kernels' modules, not the other way 
 
 def ready(view: PoolView) -> bool:
     """Whether the C++ path runs now over `view`'s pools ([1, Hkv, NP, D]): `native.ready` for
-    their dtype and head dim (the operators, the GEMV, rows and attention kernels loaded)."""
+    their dtype and head dim (the operators, the GEMV, rows and attention kernels loaded); for int8
+    pools (8-bit KV pages), the attention kernel over them for the model's dtype."""
     kp = view.k_pools[0]
-    return kp.device.type == "cpu" and native.ready(kp.dtype, kp.shape[-1])
+    if kp.device.type != "cpu":
+        return False
+    if kp.dtype == torch.int8:
+        return native.ready(view.compute_dtype, kp.shape[-1], kv_int8=True)
+    return native.ready(kp.dtype, kp.shape[-1])
+
+
+def quantized(view: PoolView) -> bool:
+    """Whether `view`'s pages are 8-bit (int8 values with their row scales)."""
+    return bool(view.k_scales) and view.k_scales[0] is not None
+
+
+def scale_lists(view: PoolView) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """What the one-call operators take for 8-bit pages: every layer's (k_scales, v_scales), or
+    (None, None) for 16/32-bit pools."""
+    return (list(view.k_scales), list(view.v_scales)) if quantized(view) else (None, None)
 
 
 class CppStep(PoolStep):
@@ -76,12 +92,13 @@ class CppStep(PoolStep):
         h, view = model.head.weight, self.view  # (a cpp step needs no `prepare`: slots and chunks are all)
         # (`fused` found the C++ path ready for the pools' dtype: the head's, unless it was converted)
         if (torch.is_grad_enabled() and h.requires_grad) or (
-                h.dtype != view.k_pools[0].dtype and not native.ready(h.dtype)):
+                h.dtype != view.k_pools[0].dtype and not native.ready(h.dtype)) or (
+                quantized(view) and h.dtype != view.compute_dtype):
             return None
         cos, sin = model.rope_tables()
         return torch.ops.fms_paged.decoder_logits(
             stack, tokens, positions, cos, sin, view.k_pools, view.v_pools, self.slots, view.page_table,
-            self.chunks, view.page_size, logits_at)
+            self.chunks, view.page_size, logits_at, *scale_lists(view))
 
     def run_blocks(self, model: LLaMA, x: torch.Tensor,
                    ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> torch.Tensor | None:
@@ -102,22 +119,23 @@ class CppStep(PoolStep):
         out = torch.ops.fms_paged.decoder_stack(
             stack, x.reshape(B * S, C), [cos.reshape(B * S, -1) for cos, _ in ropes],
             [sin.reshape(B * S, -1) for _, sin in ropes], view.k_pools, view.v_pools, self.slots,
-            view.page_table, self.chunks, view.page_size)
+            view.page_table, self.chunks, view.page_size, *scale_lists(view))
         return out.view(B, S, C)
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                  spec: AttentionSpec) -> torch.Tensor:
+                  spec: AttentionSpec, scales: Scales = (None, None)) -> torch.Tensor:
         # q: [B', H, S', D]; kp, vp: [1, Hkv, NP, D] -> [B', H, S', D] (a view of [B', S', H, D])
         if not torch.compiler.is_compiling() and not ready(self.view):
-            return self.gathered(q, kp, vp, spec)
+            return self.gathered(q, kp, vp, spec, scales)
         v = self.view
         sinks = None if spec.sinks is None else spec.sinks.float().contiguous()  # the op takes fp32 [H]
         out = torch.ops.fms_paged.paged_attention(q, kp, vp, v.page_table, self.chunks, v.page_size_arg,
-                                                  spec.scale, spec.window or 0, spec.softcap or 0.0, sinks)
+                                                  spec.scale, spec.window or 0, spec.softcap or 0.0, sinks,
+                                                  *scales)
         return out.transpose(1, 2)
 
     def gathered(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                 spec: AttentionSpec) -> torch.Tensor:
+                 spec: AttentionSpec, scales: Scales = (None, None)) -> torch.Tensor:
         """What the kernel computes, by torch's operations: each chunk's queries (rows `offset` ..
         `offset + tokens - 1` of the step's tokens) over its sequence's keys up to its last
         position (from the first its window still sees), GATHERed from the pages, causal and
@@ -131,7 +149,9 @@ class CppStep(PoolStep):
             if seq < 0:
                 continue
             pos = torch.arange(0 if spec.window is None else max(0, first - spec.window + 1), first + n)
-            keys, values = read_slots(kp, vp, slot(table[seq, pos // P].long(), pos, P))  # [1, Hkv, L, D]
+            # [1, Hkv, L, D] (8-bit pages: dequantized to q's dtype)
+            slots = slot(table[seq, pos // P].long(), pos, P)
+            keys, values = read_slots(kp, vp, slots, *scales, dtype=q.dtype)
             mask = visible(torch.arange(first, first + n)[:, None], pos[None, :], spec.window)[None, None]
             qc = rows[off : off + n].transpose(0, 1)[None]  # [1, H, n, D]
             out[off : off + n] = attend(qc, keys, values, spec, mask=mask)[0].transpose(0, 1)
@@ -178,7 +198,7 @@ class CppKernel(Kernel):
         cos, sin = model.rope_tables()
         return torch.ops.fms_paged.decode_greedy(
             model.logits_stack(), tokens, positions, seqs, cos, sin, view.k_pools, view.v_pools,
-            view.page_table, view.page_size, steps)
+            view.page_table, view.page_size, steps, *scale_lists(view))
 
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
         counts, T = batch.counts, batch.tokens.shape[1]

@@ -206,8 +206,10 @@ class FlexStep(PoolStep):
                                               view.page_size, gqa_group)
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                  spec: AttentionSpec) -> torch.Tensor:
-        # kp, vp: [1, Hkv, NP, D]; inside a compiled forward flex_attention is traced with the step
+                  spec: AttentionSpec, scales=(None, None)) -> torch.Tensor:
+        # kp, vp: [1, Hkv, NP, D] (16/32-bit pools only: `choose_kernel` refuses flex for 8-bit
+        # pages, so `scales` is (None, None)); inside a compiled forward flex_attention is traced
+        # with the step
         attn = flex_attention if torch.compiler.is_compiling() else compiled_flex(dynamic=False)
         if spec.window not in self.block_masks:
             raise ValueError(f"window {spec.window} has no BlockMask in this step (the model's layers "

@@ -16,7 +16,7 @@ import torch
 
 from fms_paged.kv._pool_ops import read_slots, to_device
 from fms_paged.kv.geometry import slot
-from fms_paged.kv.kernels.base import Kernel, PoolStep
+from fms_paged.kv.kernels.base import Kernel, PoolStep, Scales
 from fms_paged.kv.spec import AttentionSpec, attend, visible
 from fms_paged.kv.view import DecodeBatch, PoolView, PrefillBatch
 
@@ -48,9 +48,10 @@ class GatherPrefillStep(PoolStep):
         self.kv_slots = to_device(np.concatenate(kv_slots), view.device)
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                  spec: AttentionSpec) -> torch.Tensor:
+                  spec: AttentionSpec, scales: Scales = (None, None)) -> torch.Tensor:
         # q: [1, H, T, D]; kp, vp: [1, Hkv, NP, D] -> [1, H, T, D]
-        keys, values = read_slots(kp, vp, self.kv_slots)  # [1, Hkv, sum(keys), D], logical order
+        # [1, Hkv, sum(keys), D], logical order (8-bit pages: dequantized to q's dtype)
+        keys, values = read_slots(kp, vp, self.kv_slots, *scales, dtype=q.dtype)
         outs = [
             attend(q[:, :, qo : qo + n], keys[:, :, ko : ko + L], values[:, :, ko : ko + L], spec,
                    mask=None if masks is None else masks[spec.window], is_causal=masks is None)
@@ -96,8 +97,8 @@ class PreparedGatherStep(PoolStep):
         self.masks = masks  # window -> [B, 1, 1, L]
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                  spec: AttentionSpec) -> torch.Tensor:
-        keys, values = read_slots(kp, vp, self.kv_slots)  # [1, Hkv, B, L, D]
+                  spec: AttentionSpec, scales: Scales = (None, None)) -> torch.Tensor:
+        keys, values = read_slots(kp, vp, self.kv_slots, *scales, dtype=q.dtype)  # [1, Hkv, B, L, D]
         keys, values = keys[0].transpose(0, 1), values[0].transpose(0, 1)  # [B, Hkv, L, D]
         return attend(q, keys, values, spec, mask=self.masks[spec.window])
 
