@@ -91,5 +91,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         why = native.load_attention(q.shape[-1], q.dtype, k_pool.dtype == torch.int8)
     if why is not None:
         raise RuntimeError(f"fms_paged CPU attention kernel unavailable: {why}")
+    if k_scales is not None:  # 8-bit KV pages: the operator over int8 pools
+        return torch.ops.fms_paged.paged_attention_i8(q, k_pool, v_pool, k_scales, v_scales, page_table,
+                                                      chunks, page_size, scale, window, softcap, sinks)
     return torch.ops.fms_paged.paged_attention(q, k_pool, v_pool, page_table, chunks, page_size, scale,
-                                               window, softcap, sinks, k_scales, v_scales)
+                                               window, softcap, sinks)

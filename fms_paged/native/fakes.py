@@ -9,7 +9,13 @@ import torch
 def register_fakes() -> None:
     @torch.library.register_fake("fms_paged::paged_attention")
     def _paged_attention(q, k_pool, v_pool, page_table, chunks, page_size, scale, window=0, softcap=0.0,
-                         sinks=None, k_scales=None, v_scales=None):
+                         sinks=None):
+        B, H, S, D = q.shape  # -> [B, S, H, D]
+        return q.new_empty(B, S, H, D)
+
+    @torch.library.register_fake("fms_paged::paged_attention_i8")
+    def _paged_attention_i8(q, k_pool, v_pool, k_scales, v_scales, page_table, chunks, page_size, scale,
+                            window=0, softcap=0.0, sinks=None):
         B, H, S, D = q.shape  # -> [B, S, H, D]
         return q.new_empty(B, S, H, D)
 

@@ -311,3 +311,21 @@ def test_serve_kv_cache_dtype_reaches_the_engine():
         eng.shutdown()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
+
+
+@needs_compiler
+def test_compiled_steps_on_int8_pages_give_the_eager_tokens():
+    """compile=True on int8 pages: the compiled steps call `fms_paged::paged_attention_i8` (traced
+    through its fake) and give the eager engine's greedy tokens."""
+    model = get_model(variant="micro", attn_impl="paged", device="cpu", page_size=16)
+    outs = []
+    for compiled in (False, True):
+        eng = Engine(model, 2, 64, num_pages=64, max_model_len=256, compile=compiled, kv_cache_dtype="int8",
+                     kernel="cpp")
+        eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        toks = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks += o.new_token_ids
+        outs.append(toks)
+    assert outs[0] == outs[1] and len(outs[0]) == 6

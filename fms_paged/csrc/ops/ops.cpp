@@ -10,8 +10,9 @@
 // first use) and is the same on every CPU.
 //
 // Operators (fms_paged::, schemas below):
-// - paged_attention: causal attention of a step's query tokens over their pages (the "cpp" kernel),
-//   16/32-bit pools of q's dtype, or int8 pools with their fp32 row scales (8-bit KV pages);
+// - paged_attention: causal attention of a step's query tokens over their pages (the "cpp" kernel);
+//   paged_attention_i8: the same over int8 pools with their fp32 row scales (8-bit KV pages; an
+//   operator of its own, so that paged_attention's schema, which compiled graphs call, is as it was);
 // - gemv: a few rows times stacked row-major weights (decode projections);
 // - linear: a projection by the path its rows call for: the GEMV kernel for a few rows, oneDNN's
 //   blocked GEMM on a packed copy of the weights (kept here, per weight) for many, at::linear else;
@@ -182,10 +183,11 @@ void check_variants(int64_t H, int64_t window, double softcap, const std::option
   }
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                           const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size, double scale,
-                           int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
-                           const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
+// paged_attention over pools of q's dtype, or (k_scales and v_scales given) over int8 pools
+at::Tensor attention_over_pools(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size, double scale,
+                                int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
+                                const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
   const at::ScalarType dt = q.scalar_type();
   const int e = elem_index(dt);
   TORCH_CHECK_VALUE(e >= 0, "paged_attention: q is ", dtype_name(dt), "; the kernel takes ", elem_names);
@@ -244,6 +246,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                                  scale, window, softcap, sinks, out.data_ptr());
   });
   return out;
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& page_table, const at::Tensor& chunks, int64_t page_size, double scale,
+                           int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+  return attention_over_pools(q, k_pool, v_pool, page_table, chunks, page_size, scale, window, softcap, sinks,
+                              std::nullopt, std::nullopt);
+}
+
+at::Tensor paged_attention_i8(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                              const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& page_table,
+                              const at::Tensor& chunks, int64_t page_size, double scale, int64_t window,
+                              double softcap, const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK_VALUE(k_pool.scalar_type() == at::kChar, "paged_attention_i8: int8 pools, got ",
+                    dtype_name(k_pool.scalar_type()));
+  return attention_over_pools(q, k_pool, v_pool, page_table, chunks, page_size, scale, window, softcap, sinks,
+                              k_scales, v_scales);
 }
 
 // ----------------------------------------------------------------------------------------- gemv
@@ -534,8 +553,10 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
   m.def("_geometry(Tensor pages, Tensor positions, int page_size) -> (Tensor, Tensor, Tensor)", &geometry);
   m.def(
       "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor chunks, SymInt page_size, "
-      "float scale, int window=0, float softcap=0.0, Tensor? sinks=None, Tensor? k_scales=None, "
-      "Tensor? v_scales=None) -> Tensor");
+      "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
+  m.def(
+      "paged_attention_i8(Tensor q, Tensor k_pool, Tensor v_pool, Tensor k_scales, Tensor v_scales, Tensor page_table, "
+      "Tensor chunks, SymInt page_size, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("gemv(Tensor x, Tensor[] weights) -> Tensor");
   m.def("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
@@ -544,6 +565,7 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_i8", &paged_attention_i8);
   m.impl("gemv", &gemv);
   m.impl("linear", &linear);
   m.impl("rms_norm", &rms_norm);

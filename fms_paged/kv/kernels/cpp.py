@@ -129,9 +129,12 @@ class CppStep(PoolStep):
             return self.gathered(q, kp, vp, spec, scales)
         v = self.view
         sinks = None if spec.sinks is None else spec.sinks.float().contiguous()  # the op takes fp32 [H]
-        out = torch.ops.fms_paged.paged_attention(q, kp, vp, v.page_table, self.chunks, v.page_size_arg,
-                                                  spec.scale, spec.window or 0, spec.softcap or 0.0, sinks,
-                                                  *scales)
+        args = (v.page_table, self.chunks, v.page_size_arg, spec.scale, spec.window or 0, spec.softcap or 0.0,
+                sinks)
+        if scales[0] is not None:  # 8-bit KV pages: int8 pools with their row scales
+            out = torch.ops.fms_paged.paged_attention_i8(q, kp, vp, *scales, *args)
+        else:
+            out = torch.ops.fms_paged.paged_attention(q, kp, vp, *args)
         return out.transpose(1, 2)
 
     def gathered(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
