@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fms_paged.kv.geometry import pages_for
+from fms_paged.kv.quant import bytes_per_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,8 +113,13 @@ def kv_accounting(cache, lengths: Sequence[int], config, dtype: torch.dtype,
     every token's on each layer, or on a layer with a sliding window (`windows`: each layer's,
     None for a full one) the last `window` tokens'. Held: paged, the distinct pages of the page
     table; dense, the preallocated rows (B * max_seq_len); no cache, nothing. `kv_pool_bytes`: the
-    whole preallocated buffer, whatever is in use."""
+    whole preallocated buffer, whatever is in use. 8-bit pages count their values and scales.
+    """
     per_token, stored = kv_bytes_per_token(config, dtype), int(sum(int(n) for n in lengths))
+    backend = getattr(cache, "backend", cache)
+    if getattr(backend, "kv_cache_dtype", "auto") != "auto":  # 8-bit pages: values and their scales
+        value = bytes_per_value(backend.kv_cache_dtype, dtype, config.head_dim)
+        per_token = round(2 * config.nlayers * config.kvheads * config.head_dim * value)
     windows = list(windows) if windows is not None else [None] * config.nlayers
     per_layer = per_token // len(windows)
     needed = sum(per_layer * sum(int(n) if w is None else min(int(n), w) for n in lengths) for w in windows)
@@ -122,7 +128,7 @@ def kv_accounting(cache, lengths: Sequence[int], config, dtype: torch.dtype,
     if hasattr(cache, "pm"):
         # [slices * max_seqs, max_pages] int32, 0 = unused (null page): a page holds one slice of
         # layers (`fms_paged.kv.groups`; every layer when the model's layers keep one history)
-        table, groups = cache.pm.page_table, getattr(cache, "backend", cache).groups
+        table, groups = cache.pm.page_table, backend.groups
         pages = int(torch.unique(table[table > 0]).numel())
         P, u = cache.pm.page_size, groups.layers_per_slice
         out.update(pages_held=pages, page_size=P, slots_held=pages * P, pool_pages=cache.pm.num_pages)

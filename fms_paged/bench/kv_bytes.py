@@ -8,6 +8,7 @@
 - **One long request**: the KV bytes it holds at most, and the process's resident memory (RSS)
   growth over it, step by step: resident memory follows the pages held, because a sliding group's
   pages are reused as its window passes them (the pool is allocated untouched).
+Each with the pages in the model's dtype and in int8 (`--kv-cache-dtypes`).
 - **Capacity**: how many 8k-token requests a fixed KV budget holds at once, with pages held per
   layer group against one page table for every layer (what the engine did before groups): the
   page manager's own RESERVE and window release, grown in the engine's prefill chunks (host
@@ -31,10 +32,12 @@ import torch
 from fms_paged.bench.environment import environment_info, kv_accounting
 from fms_paged.bench.report import MiB, plot, table
 from fms_paged.engine import Engine, SamplingParams
+from fms_paged.kv.budget import page_bytes
 from fms_paged.kv.groups import layer_groups
 from fms_paged.kv.page_groups import GroupedPages
 from fms_paged.kv.page_manager import OutOfPages, PageManager
 from fms_paged.kv.paged import attention_specs
+from fms_paged.kv.quant import check_kv_cache_dtype
 from fms_paged.models.registry import get_model
 
 WINDOW = 512
@@ -125,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per page: a window's pages hold up to one page more than the window")
     p.add_argument("--budget-gib", type=float, default=2.0, help="KV budget of the capacity table")
     p.add_argument("--capacity-length", type=int, default=8192)
+    p.add_argument("--kv-cache-dtypes", default="auto,int8", help="what the pages store, one run each")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x]
+    dtypes = [check_kv_cache_dtype(x) for x in args.kv_cache_dtypes.split(",") if x]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,59 +140,70 @@ def main(argv: list[str] | None = None) -> int:
                           page_size=args.page_size)
     c = model.config
     specs = attention_specs(model)
-    eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=args.chunk, max_model_len=max(lengths) + 16,
-                 enable_prefix_caching=False)
-    one_request(eng, 2 * args.chunk, args.chunk, seed=99)  # warm-up: a step's buffers exist before
-    runs = [one_request(eng, n, args.chunk, seed=i) for i, n in enumerate(lengths)]
-    per_layer_page = 2 * c.kvheads * c.head_dim * c.page_size * model.dtype.itemsize
+    runs, cap, groups = [], [], ""
     budget = int(args.budget_gib * (1 << 30))
-    cap = {"length": args.capacity_length, "budget_bytes": budget,
-           "one_table": capacity(specs, per_layer_page, budget, c.page_size, args.capacity_length, args.chunk,
-                                 grouped=False),
-           "per_group": capacity(specs, per_layer_page, budget, c.page_size, args.capacity_length, args.chunk,
-                                 grouped=True)}
-    res = {"model": f"Gemma 3 270M shape, random weights, bf16, pages of {c.page_size}",
-           "groups": eng.backend.groups.describe(),
+    for kv in dtypes:
+        eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=args.chunk,
+                     max_model_len=max(lengths) + 16, enable_prefix_caching=False, kv_cache_dtype=kv)
+        groups = eng.backend.groups.describe()
+        one_request(eng, 2 * args.chunk, args.chunk, seed=99)  # warm-up: a step's buffers exist before
+        runs += [{**one_request(eng, n, args.chunk, seed=i), "kv_cache_dtype": kv}
+                 for i, n in enumerate(lengths)]
+        eng.shutdown()
+        del eng
+        per_layer_page = page_bytes(1, c.kvheads, c.head_dim, c.page_size, model.dtype, kv)
+        for grouped in (False, True):
+            layout = "pages per layer group" if grouped else "one page table for every layer"
+            held = capacity(specs, per_layer_page, budget, c.page_size, args.capacity_length, args.chunk,
+                            grouped=grouped)
+            cap.append({"kv_cache_dtype": kv, "layout": layout, "length": args.capacity_length,
+                        "budget_bytes": budget, "requests": held})
+    res = {"model": f"Gemma 3 270M shape, random weights, bf16, pages of {c.page_size}", "groups": groups,
            "runs": runs, "capacity": cap, "environment": environment_info(model.device)}
     rows = []
     for r in runs:
         for gr in r["by_group"]:
             name = "full" if gr["window"] is None else f"window {gr['window']}"
-            rows.append({"length": r["length"], "group": name,
+            rows.append({"kv": r["kv_cache_dtype"], "length": r["length"], "group": name,
                          "layers": gr["layers"], "needed": gr["kv_bytes_needed"] / MiB,
                          "held": gr["kv_bytes_held"] / MiB, "ratio": gr["held_over_needed"]})
     md = [f"## KV held per layer group, {res['model']} ({res['groups']}), "
           f"{res['environment'].get('device_name', '')}\n",
-          table(rows, [("request tokens", "length", "d"), ("group", "group", ""), ("layers", "layers", "d"),
-                       ("KV needed MiB", "needed", ".2f"), ("KV held MiB", "held", ".2f"),
-                       ("held / needed", "ratio", ".3f")]),
+          table(rows, [("kv_cache_dtype", "kv", ""), ("request tokens", "length", "d"),
+                       ("group", "group", ""), ("layers", "layers", "d"), ("KV needed MiB", "needed", ".2f"),
+                       ("KV held MiB", "held", ".2f"), ("held / needed", "ratio", ".3f")]),
           "\n### One request: most KV held, RSS growth\n",
           table([{**r, "kv": r["kv_bytes_held_most"] / MiB, "rss": r["rss_growth_most"] / MiB} for r in runs],
-                [("request tokens", "length", "d"), ("chunk", "chunk", "d"),
-                 ("most KV held MiB", "kv", ".1f"),
+                [("kv_cache_dtype", "kv_cache_dtype", ""), ("request tokens", "length", "d"),
+                 ("chunk", "chunk", "d"), ("most KV held MiB", "kv", ".1f"),
                  ("RSS growth MiB", "rss", ".1f"), ("seconds", "seconds", ".1f")]),
-          f"\n### Capacity: {cap['length']}-token requests running at once in {args.budget_gib:g} GiB of "
+          f"\n### Capacity: {args.capacity_length}-token requests held at once in {args.budget_gib:g} GiB of "
           f"KV pages\n",
-          table([{"layout": "one page table for every layer", "n": cap["one_table"]},
-                 {"layout": "pages per layer group", "n": cap["per_group"]}],
-                [("pages", "layout", ""), ("requests", "n", "d")])]
+          table(cap, [("kv_cache_dtype", "kv_cache_dtype", ""), ("pages", "layout", ""),
+                      ("requests", "requests", "d")])]
     text = "\n".join(md) + "\n"
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     plot(out / "kv_held.png", [{
         "title": "KV per layer group at the last decode step", "xlabel": "request tokens", "ylabel": "MiB",
         "logy": True, "series": [
-            {"label": f"{kind} {g}", "x": [r["length"] for r in rows if r["group"] == g],
-             "y": [r[kind] for r in rows if r["group"] == g], "fmt": "o-" if kind == "held" else "s--"}
-            for g in dict.fromkeys(r["group"] for r in rows) for kind in ("needed", "held")]}])
-    longest = max(runs, key=lambda r: r["length"])
+            {"label": f"{kind} {g} ({kv})",
+             "x": [r["length"] for r in rows if (r["group"], r["kv"]) == (g, kv)],
+             "y": [r[kind] for r in rows if (r["group"], r["kv"]) == (g, kv)],
+             "fmt": "o-" if kind == "held" else "s--"}
+            for kv in dtypes for g in dict.fromkeys(r["group"] for r in rows)
+            for kind in ("needed", "held")]}])
+    series = []
+    for kv in dtypes:
+        longest = max((r for r in runs if r["kv_cache_dtype"] == kv), key=lambda r: r["length"])
+        series += [{"label": f"KV held, {kv}", "x": [t[0] for t in longest["trace"]],
+                    "y": [t[1] / MiB for t in longest["trace"]], "fmt": "-"},
+                   {"label": f"RSS growth since the request arrived, {kv}",
+                    "x": [t[0] for t in longest["trace"]], "y": [t[2] / MiB for t in longest["trace"]],
+                    "fmt": "--"}]
     plot(out / "rss_over_request.png", [{
-        "title": f"one request of {longest['length']} tokens: KV held and RSS growth",
-        "xlabel": "tokens computed", "ylabel": "MiB", "series": [
-            {"label": "KV held (pages, every group)", "x": [t[0] for t in longest["trace"]],
-             "y": [t[1] / MiB for t in longest["trace"]], "fmt": "-"},
-            {"label": "process RSS growth since the request arrived", "x": [t[0] for t in longest["trace"]],
-             "y": [t[2] / MiB for t in longest["trace"]], "fmt": "-"}]}])
+        "title": f"one request of {max(lengths)} tokens: KV held and RSS growth", "xlabel": "tokens computed",
+        "ylabel": "MiB", "series": series}])
     print(text)
     return 0
 
