@@ -86,6 +86,17 @@ def _step(kwargs: MutableMapping) -> PoolStep:
     return step
 
 
+def _scales(step, key_cache: torch.Tensor) -> tuple:
+    """The 8-bit pages' (k_scales, v_scales) of the layer whose pool `key_cache` is (FMS hands the
+    ops a layer's pools, or views of them, not its index), (None, None) for 16/32-bit pools."""
+    view = step.view
+    if not view.k_scales or view.k_scales[0] is None:
+        return None, None
+    ptr = key_cache.data_ptr()
+    layer = next(i for i, pool in enumerate(view.k_pools) if pool.data_ptr() == ptr)
+    return view.scales(layer)
+
+
 @torch.no_grad()  # an inference cache: no autograd through the pools (nor flex on the CPU)
 def _store_op(keys, values, key_cache, value_cache, **kwargs):
     # keys, values: [b, q, kvh, d]; key_cache, value_cache: this layer's pools [1, kvh, NP, d]
@@ -95,7 +106,8 @@ def _store_op(keys, values, key_cache, value_cache, **kwargs):
             f"attn_name={ATTN_NAME!r} needs past_key_value_states = the page pools (one (k, v) "
             "pair per layer), got None"
         )
-    step.store(key_cache, value_cache, keys.detach().transpose(1, 2), values.detach().transpose(1, 2))
+    step.store(key_cache, value_cache, keys.detach().transpose(1, 2), values.detach().transpose(1, 2),
+               _scales(step, key_cache))
     # returned as views: FMS's generate marks the returned cache's dim 2 dynamic, which must not
     # reach the pools themselves (our compiled kernels are specialised on the pool's size); the
     # hook hands the pools in again each step
@@ -113,7 +125,8 @@ def _compute_op(query, key_cache, value_cache, nheads, kvheads, p_dropout, scale
     # which inductor's CPU flex_attention lowering rejects (it reads q's storage layout as 4-D);
     # a plain clone is dropped as a no-op, a clone to another memory format is not
     query = query.detach().clone(memory_format=torch.channels_last).contiguous()
-    return step.attention(query.transpose(1, 2), key_cache, value_cache, spec).transpose(1, 2).contiguous()
+    return step.attention(query.transpose(1, 2), key_cache, value_cache, spec,
+                          _scales(step, key_cache)).transpose(1, 2).contiguous()
 
 
 def call_spec(head_dim: int, scale_factor: float | None, kwargs: MutableMapping) -> AttentionSpec:
