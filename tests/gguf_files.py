@@ -20,6 +20,7 @@ import torch
 from safetensors.numpy import save_file
 
 from fms_paged import get_model
+from fms_paged.tokenizers import _gpt2_byte_decoder
 
 Q = gguf.GGMLQuantizationType
 H, HEADS, KV, D, FF, LAYERS = 256, 4, 2, 64, 512, 2  # K-quants' blocks are 256 wide
@@ -163,7 +164,8 @@ def write_gguf(path, arch: str, kinds, seed: int = 0, tokenizer: bool = False,
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
     if tokenizer:  # a GPT-2 style byte-level vocabulary: every byte a token, a few merges
-        byte_chars = list(_gpt2_chars())
+        # GPT-2's byte-level alphabet, byte by byte (the inverse of the library's decoder)
+        byte_chars = [c for c, _ in sorted(_gpt2_byte_decoder().items(), key=lambda cb: cb[1])]
         tokens = byte_chars + ["Ġt", "he", "<|endoftext|>"]
         tokens += [f"<extra_{i}>" for i in range(VOCAB - len(tokens))]
         w.add_tokenizer_model("gpt2")
@@ -203,16 +205,6 @@ def write_gguf(path, arch: str, kinds, seed: int = 0, tokenizer: bool = False,
     w.close()
     return ref
 
-
-def _gpt2_chars():
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
 def reference_model(tmp_path, arch: str, ref: dict[str, np.ndarray], **config):
