@@ -32,7 +32,7 @@ from torch import nn
 from fms_paged.modules.linear import Linear
 
 __all__ = ["DEFAULT_GROUP_SIZE", "GROUP_SIZES", "QUANTIZATIONS", "QuantizationError", "QuantizedLinear",
-           "check", "check_scheme", "describe", "quantize_model", "quantize_weight"]
+           "check", "check_scheme", "describe", "layer_formats", "quantize_model", "quantize_weight"]
 
 QUANTIZATIONS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what `_weight_int4pack_mm_for_cpu` takes
@@ -220,3 +220,22 @@ def describe(model: nn.Module) -> list[dict[str, str]]:
                  "format": head.describe() if isinstance(head, QuantizedLinear)
                  else f"{str(head.weight.dtype).removeprefix('torch.')}, fms_paged linear"})
     return rows
+
+
+def layer_formats(model: nn.Module) -> dict[str, str]:
+    """Per layer, its projections' format and kernel, one line each ("layer 3": "int4 g128, aten
+    _weight_int4pack_mm_for_cpu (7 projections)"; modules that differ are named), then the head's
+    and the embedding's: what `fms-paged info --quantization` prints."""
+    by_layer: dict[str, dict[str, list[str]]] = {}
+    for r in describe(model):
+        by_layer.setdefault(r["layer"], {}).setdefault(r["format"], []).append(r["module"])
+    out = {}
+    for layer, formats in by_layer.items():
+        key = "head" if layer == "head" else f"layer {layer}"
+        if len(formats) == 1:
+            (fmt, mods), = formats.items()
+            out[key] = fmt if layer == "head" else f"{fmt} ({len(mods)} projections)"
+        else:
+            out[key] = "; ".join(f"{', '.join(mods)}: {fmt}" for fmt, mods in formats.items())
+    out["embedding"] = str(model.embedding.weight.dtype).removeprefix("torch.")
+    return out
