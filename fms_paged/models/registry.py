@@ -106,7 +106,7 @@ def get_model(
         if architecture not in ("llama", model.config.family):
             raise ValueError(f"architecture={architecture!r}, but {model_path} holds a "
                              f"{model.config.family!r} checkpoint (config.json decides: leave it out)")
-        return _frozen_if_inference(quantize_model(model, quantization, quantization_group_size))
+        return _frozen_if_inference(_quantized(model, quantization, quantization_group_size))
 
     if architecture not in _REGISTRY:
         raise KeyError(f"unknown architecture {architecture!r}; known: {list_models()}")
@@ -128,7 +128,7 @@ def get_model(
             model.reset_parameters()
     if dev.type == "cpu":  # (a checkpoint's CPU weights are loaded into huge pages by load_hf)
         hugepages.place_in_huge_pages(model)
-    return _frozen_if_inference(quantize_model(model.eval(), quantization, quantization_group_size))
+    return _frozen_if_inference(_quantized(model.eval(), quantization, quantization_group_size))
 
 
 @contextlib.contextmanager
@@ -151,6 +151,19 @@ def seeded_rng(device: torch.device, seed: int) -> Iterator[None]:
         elif device.type != "cpu":
             getattr(torch, device.type).manual_seed(seed)
         yield
+
+
+def _quantized(model: nn.Module, quantization: str | None, group_size: int) -> nn.Module:
+    """`quantize_model`, then on the CPU the parameters left (embedding, norms, head, biases) moved
+    into a huge-page arena of their own: the loader's arena held every weight, and is unmapped only
+    once none of its tensors is left, so without the move the full-precision projections' memory
+    would stay with it."""
+    if quantization is None:
+        return model
+    model = quantize_model(model, quantization, group_size)
+    if model.device.type == "cpu":
+        hugepages.place_in_huge_pages(model)
+    return model
 
 
 def _frozen_if_inference(model: torch.nn.Module) -> torch.nn.Module:
