@@ -55,9 +55,9 @@ def test_quantized_linear_against_float64_of_dequantized_weight(scheme, group, d
 
 
 def dequantized_copy(quantized: torch.nn.Module, **kw) -> torch.nn.Module:
-    """The same micro model with each quantized projection replaced by a `Linear` holding its
-    dequantized weight (rounded to the model's dtype)."""
-    ref = get_model(variant="micro", **kw)
+    """The same model (`get_model(**kw)`; default: micro) with each quantized projection replaced
+    by a `Linear` holding its dequantized weight (rounded to the model's dtype)."""
+    ref = get_model(**(kw or {"variant": "micro"}))
     qmods = dict(quantized.named_modules())
     with torch.no_grad():
         for name, m in ref.named_modules():
@@ -84,6 +84,24 @@ def test_model_logits_equal_the_dequantized_model(scheme, group):
     kernel = "_weight_int8pack_mm" if scheme == "int8" else f"g{group}, aten _weight_int4pack_mm_for_cpu"
     assert all(kernel in r["format"] for r in rows if r["layer"] != "head") and len(rows) == 2 * 7 + 1
     assert rows[-1]["format"].startswith("float32") and type(model.head) is Linear
+
+
+@pytest.mark.parametrize(("arch", "scheme"), [("llama", "int4"), ("qwen2", "int8")])
+def test_gguf_file_quantized_on_load(tmp_path, arch, scheme):
+    """A GGUF file (Q8_0 blocks, dequantized on load) quantized again on load: logits against the
+    same file's model holding the dequantized weights, within 1e-4 of their largest magnitude
+    (fp32, as above); qwen2 brings the q/k/v biases through the quantized projections."""
+    gguf_files = pytest.importorskip("tests.gguf_files")
+    file = tmp_path / f"{arch}.gguf"
+    gguf_files.write_gguf(file, arch, gguf_files.Q.Q8_0)
+    model = get_model(model_path=file, dtype=torch.float32, quantization=scheme)
+    assert model.config.quantization == scheme
+    assert isinstance(model.layers[0].attn.in_proj.query, QuantizedLinear)
+    ref = dequantized_copy(model, model_path=file, dtype=torch.float32)
+    tokens = gguf_files.prompt_ids()
+    with torch.no_grad():
+        got, want = model(tokens), ref(tokens)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
 def test_refusals_name_the_reason():
