@@ -24,13 +24,13 @@ from fms_paged.modules.quantized import (
 SCHEMES = [("int8", 128), ("int4", 32), ("int4", 64)]  # micro's K=64: int4 groups of 32 and 64
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("scheme", "group"), [("int8", 128), ("int4", 32), ("int4", 128), ("int4", 256)])
 def test_quantized_linear_against_float64_of_dequantized_weight(scheme, group, dtype):
     """y = x @ deq(W)^T + b for x [2, 3, 512], N=48 (3 of int4's 16-row packs), in float64 as
     the reference. Bound per output: fp32, the kernel's fp32 sums over K=512 products:
     |err| <= 1e-5 * sum_k |x_k w_k| (a few hundred ulps of 2^-24 accumulated); bf16, the output
-    rounded to bf16 (2^-8 relative) after fp32 sums: |err| <= 2^-7 * sum_k |x_k w_k|. The weight
+    rounded to bf16 (2^-8 relative; fp16: 2^-11) after fp32 sums: |err| <= 2^-7 * sum_k |x_k w_k|. The weight
     also stays within its quantization step of the original (int8: scale / 2 per channel; int4:
     scale / 2 per group, plus the zero point's rounding in the dtype)."""
     torch.manual_seed(0)
