@@ -20,6 +20,7 @@ from fms_paged.modules.quantized import (
     describe,
     quantize_model,
 )
+from fms_paged.parallel import TensorParallelError, shard
 
 SCHEMES = [("int8", 128), ("int4", 32), ("int4", 64)]  # micro's K=64: int4 groups of 32 and 64
 
@@ -123,6 +124,8 @@ def test_refusals_name_the_reason():
     q = get_model(variant="micro", quantization="int8")
     with pytest.raises(QuantizationError, match="bfloat16.*float32"):
         q.layers[0].ff_sub_module.w2(torch.randn(1, 128, dtype=torch.bfloat16))
+    with pytest.raises(TensorParallelError, match="quantized"):
+        shard(q, 0, 2)  # (refused before any collective: no process group needed)
 
 
 @pytest.mark.parametrize(("scheme", "group"), [("int8", 128), ("int4", 32)])
