@@ -50,6 +50,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
     g.add_argument("--dtype", default=None,
                    help="float32 | bfloat16 | float16 (default: the checkpoint's dtype)")
+    g.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                   help="quantize the decoder's projections on load, weight-only (vLLM's name): int8 per "
+                        "output channel, int4 per group; ATen's CPU kernels (default: none)")
+    g.add_argument("--quantization-group-size", type=_positive_int, default=128,
+                   help="int4's group of input channels: 32, 64, 128 or 256 (default: 128, torchao's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .gguf file: also each layer's tensor formats and how they run")
     i.add_argument("--device", default="auto", help="device to inspect")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    i.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                   help="also load the model (the one given, else the default model) quantized on the CPU "
+                        "and say each layer's format and kernel")
+    i.add_argument("--quantization-group-size", type=_positive_int, default=128,
+                   help="int4's group of input channels (default: 128)")
 
     b = sub.add_parser("build-kernels", help="build the C++ CPU operators and this CPU's kernels now",
                        description="Build the PyTorch operators (fms_paged/csrc/ops) against this torch "
@@ -135,7 +145,8 @@ def _load(args, attn_impl: str = "sdpa", need_tokenizer: bool = True):
         raise ValueError("argument --variant: not allowed with --model-path")
     model = get_model(variant=args.variant, model_path=args.model_path, attn_impl=attn_impl,
                       device=args.device, dtype=args.dtype,
-                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))  # (ppl has none)
+                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),  # (ppl has none)
+                      quantization=args.quantization, quantization_group_size=args.quantization_group_size)
     tok = None
     if not args.variant:
         try:
@@ -198,6 +209,9 @@ def _generate_split(model, ids: list[int], args, sampling: dict, on_token) -> li
     if args.attn_impl != "paged":
         raise ValueError("argument --tensor-parallel-size: tensor parallelism runs the paged engine; "
                          f"got --attn-impl {args.attn_impl}")
+    if model.config.quantization is not None:
+        raise ValueError("argument --tensor-parallel-size: a quantized model (--quantization "
+                         f"{model.config.quantization}) is not split over ranks; run it on one")
     eos = model.config.eos_token_id
     engine = Engine(model, max_num_seqs=1, max_num_batched_tokens=max(len(ids), 256),
                     max_model_len=min(model.config.max_expected_seq_len, len(ids) + args.max_new_tokens),
@@ -362,6 +376,13 @@ def cmd_info(args) -> int:
         from fms_paged.models.gguf import file_summary
 
         info["model"] = file_summary(args.model)
+    if args.quantization is not None:  # each layer's format and kernel once quantized
+        from fms_paged import get_model
+        from fms_paged.modules.quantized import layer_formats
+
+        model = get_model(model_path=args.model, device="cpu", quantization=args.quantization,
+                          quantization_group_size=args.quantization_group_size)
+        info["quantized"] = layer_formats(model)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

@@ -146,6 +146,9 @@ def shard(model: nn.Module, rank: int, size: int, group: Any = None) -> nn.Modul
                                   "keeps FMS's own (distributed_strategy='tp')")
     if model.tp is not None:
         raise TensorParallelError(f"the model is already split (rank {model.tp.rank} of {model.tp.size})")
+    if model.config.quantization is not None:
+        raise TensorParallelError(f"the model's projections are quantized ({model.config.quantization}): a "
+                                  "quantized model is not split over ranks; load it without quantization")
     if group is None:
         group = dist.group.WORLD
     c = model.config

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nlayers", type=int, help="with --variant: its first N layers only")
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the model's)")
+    g.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                   help="quantize the decoder's projections on load, weight-only (vLLM's name): int8 per "
+                        "output channel, int4 per group; ATen's CPU kernels (default: none)")
+    g.add_argument("--quantization-group-size", type=int, default=128,
+                   help="int4's group of input channels: 32, 64, 128 or 256 (default: 128, torchao's)")
     g.add_argument("--page-size", type=int, help="tokens per KV page (default: the device's)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     g.add_argument("--seed", type=int, default=0)
@@ -117,7 +122,9 @@ def _resolve(p: argparse.ArgumentParser, args) -> None:
 def model_spec(args, device: torch.device) -> tuple[dict[str, Any], str]:
     """-> (spec for `latency.load_model`, a description); `micro` (announced) for a missing default."""
     spec: dict[str, Any] = {"device": str(device), "dtype": args.dtype, "seed": args.seed,
-                            "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype}
+                            "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype,
+                            "quantization": args.quantization,
+                            "quantization_group_size": args.quantization_group_size}
     if args.variant:
         layers = f", first {args.nlayers} layers" if args.nlayers else ""
         variant = {"architecture": args.architecture, "variant": args.variant, "nlayers": args.nlayers}

@@ -23,6 +23,7 @@ import torch
 
 from fms_paged.kv.geometry import pages_for
 from fms_paged.kv.quant import bytes_per_value
+from fms_paged.modules.quantized import QuantizedLinear
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,8 +94,11 @@ def time_calls(fn: Callable[[], Any], device: torch.device, calls: int = 20, rep
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of distinct parameters (tied weights counted once)."""
-    return sum({p.data_ptr(): p.nbytes for p in model.parameters()}.values())
+    """Bytes of distinct parameters (tied weights counted once) and of quantized weights (the
+    buffers of `fms_paged.modules.quantized.QuantizedLinear`: packed weights, scales, zero points)."""
+    tensors = [*model.parameters()]
+    tensors += [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers()]
+    return sum({t.data_ptr(): t.nbytes for t in tensors}.values())
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -38,11 +38,13 @@ NO_CACHE_STEPS = 4  # timed decode steps of no cache in a sweep: each is a whole
 
 def load_model(spec: dict[str, Any], attn_impl: str = "sdpa") -> torch.nn.Module:
     """spec: {"variant" (of "architecture", default llama) | "model_path" | neither (the default
-    model), "device", "dtype", "seed", optional "page_size", "kv_cache_dtype", and "nlayers" (with a
-    variant)}."""
+    model), "device", "dtype", "seed", optional "page_size", "kv_cache_dtype", "quantization" (and
+    its "quantization_group_size"), and "nlayers" (with a variant)}."""
     return get_model(spec.get("architecture", "llama"), variant=spec.get("variant"),
                      model_path=spec.get("model_path"), attn_impl=attn_impl,
                      device=spec.get("device", "auto"), dtype=spec.get("dtype"), seed=spec.get("seed", 0),
+                     quantization=spec.get("quantization"),
+                     quantization_group_size=spec.get("quantization_group_size") or 128,
                      **{k: spec[k] for k in ("page_size", "nlayers", "kv_cache_dtype") if spec.get(k)})
 
 

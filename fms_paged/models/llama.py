@@ -93,6 +93,10 @@ class LLaMAConfig:
     residual_multiplier: float = 1.0  # each block's output times this before the residual add
     logits_scaling: float = 1.0  # logits divided by this
     final_softcap: float | None = None  # final logit soft-cap
+    # ---- weight-only quantization of the decoder's projections, set by `get_model(quantization=)`
+    # (`fms_paged.modules.quantized`); None: the weights in the model's dtype
+    quantization: str | None = None  # "int8" (per output channel) or "int4" (per group)
+    quantization_group_size: int | None = None  # int4's group of input channels
 
     def __post_init__(self) -> None:
         if self.kvheads == 0:
@@ -116,6 +120,8 @@ class LLaMAConfig:
             raise ValueError(f"attn_impl={self.attn_impl!r}; expected one of {ATTN_IMPLS}")
         if self.linear_impl not in LINEAR_IMPLS:
             raise ValueError(f"linear_impl={self.linear_impl!r}; expected one of {LINEAR_IMPLS}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization={self.quantization!r}; expected 'int8', 'int4' or None")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r}; expected one of {sorted(ACTIVATIONS)}")
         w = self.sliding_window

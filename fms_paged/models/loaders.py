@@ -43,14 +43,23 @@ def choose_loader(model_dir: str | os.PathLike, loader: str = "auto") -> str:
 
 
 def load_for_engine(model_dir: str | os.PathLike, loader: str = "auto", device: str = "auto",
-                    dtype: str | torch.dtype | None = None, page_size: int | None = None) -> torch.nn.Module:
+                    dtype: str | torch.dtype | None = None, page_size: int | None = None,
+                    quantization: str | None = None, quantization_group_size: int = 128) -> torch.nn.Module:
     """The model an `Engine` serves from `model_dir`: ours with attn_impl="paged", or FMS's model
-    wrapped for the engine (`fms_paged.integrations.fms.paged_model`, EOS from config.json)."""
+    wrapped for the engine (`fms_paged.integrations.fms.paged_model`, EOS from config.json).
+    `quantization`: `get_model`'s (ours only: FMS's model is refused with it)."""
     if choose_loader(model_dir, loader) == "ours":
         from fms_paged.models.registry import get_model
 
         overrides = {} if page_size is None else {"page_size": page_size}
-        return get_model(model_path=model_dir, attn_impl="paged", device=device, dtype=dtype, **overrides)
+        return get_model(model_path=model_dir, attn_impl="paged", device=device, dtype=dtype,
+                         quantization=quantization, quantization_group_size=quantization_group_size,
+                         **overrides)
+    if quantization is not None:
+        from fms_paged.modules.quantized import QuantizationError
+
+        raise QuantizationError(f"quantization={quantization!r} applies to the models we load; {model_dir} "
+                                "is loaded by IBM FMS (loader='fms'): drop --quantization or use ours")
     from fms.models import get_model as fms_get_model
 
     from fms_paged.integrations.fms import paged_model

@@ -14,6 +14,7 @@ from torch import nn
 from fms_paged import native
 from fms_paged.device import default_page_size, resolve_device, resolve_dtype
 from fms_paged.models import hugepages
+from fms_paged.modules.quantized import DEFAULT_GROUP_SIZE, check_scheme, quantize_model
 
 # architecture -> variant -> factory(**config_overrides) -> nn.Module (on the meta device is fine)
 _REGISTRY: dict[str, dict[str, Callable[..., nn.Module]]] = {}
@@ -52,6 +53,8 @@ def get_model(
     dtype: str | torch.dtype | None = None,
     seed: int | None = 0,
     progress: bool | None = None,
+    quantization: str | None = None,
+    quantization_group_size: int = DEFAULT_GROUP_SIZE,
     **config_overrides: Any,
 ) -> nn.Module:
     """Build a registered variant with random weights, or load a Hugging Face checkpoint directory
@@ -70,7 +73,15 @@ def get_model(
     its bytes (None: on a terminal, for a load past a couple of seconds; False: never). Other keyword
     arguments override
     `LLaMAConfig` fields (e.g. `linear_impl="torch"`).
+
+    `quantization` ("int8" | "int4", vLLM's name; None: off): the decoder's projections quantized
+    right after the weights are in, each full-precision weight dropped as it is replaced
+    (`fms_paged.modules.quantized`: int8 per output channel, int4 per group of
+    `quantization_group_size` input channels); recorded on `model.config`. Checked before anything
+    loads where it can be (the scheme, the group size, the device): `QuantizationError`.
     """
+    if quantization is not None:
+        check_scheme(quantization, quantization_group_size, resolve_device(device))
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
     config_overrides.setdefault("page_size", default_page_size(dev))
@@ -95,7 +106,7 @@ def get_model(
         if architecture not in ("llama", model.config.family):
             raise ValueError(f"architecture={architecture!r}, but {model_path} holds a "
                              f"{model.config.family!r} checkpoint (config.json decides: leave it out)")
-        return _frozen_if_inference(model)
+        return _frozen_if_inference(_quantized(model, quantization, quantization_group_size))
 
     if architecture not in _REGISTRY:
         raise KeyError(f"unknown architecture {architecture!r}; known: {list_models()}")
@@ -117,7 +128,7 @@ def get_model(
             model.reset_parameters()
     if dev.type == "cpu":  # (a checkpoint's CPU weights are loaded into huge pages by load_hf)
         hugepages.place_in_huge_pages(model)
-    return _frozen_if_inference(model.eval())
+    return _frozen_if_inference(_quantized(model.eval(), quantization, quantization_group_size))
 
 
 @contextlib.contextmanager
@@ -140,6 +151,19 @@ def seeded_rng(device: torch.device, seed: int) -> Iterator[None]:
         elif device.type != "cpu":
             getattr(torch, device.type).manual_seed(seed)
         yield
+
+
+def _quantized(model: nn.Module, quantization: str | None, group_size: int) -> nn.Module:
+    """`quantize_model`, then on the CPU the parameters left (embedding, norms, head, biases) moved
+    into a huge-page arena of their own: the loader's arena held every weight, and is unmapped only
+    once none of its tensors is left, so without the move the full-precision projections' memory
+    would stay with it."""
+    if quantization is None:
+        return model
+    model = quantize_model(model, quantization, group_size)
+    if model.device.type == "cpu":
+        hugepages.place_in_huge_pages(model)
+    return model
 
 
 def _frozen_if_inference(model: torch.nn.Module) -> torch.nn.Module:

@@ -143,7 +143,10 @@ class Linear(nn.Linear):
 def linear_cat(x: torch.Tensor, linears: list[Linear]) -> list[torch.Tensor]:
     """[m(x) for m in linears] (same input width; all with a bias or none), through one kernel call
     over their stacked weights where a CPU path applies (vLLM's fused q/k/v and gate/up
-    projections: fewer, wider GEMMs); the outputs are views of that call's result."""
+    projections: fewer, wider GEMMs); the outputs are views of that call's result. Modules other
+    than `Linear` (a quantized projection: `fms_paged.modules.quantized`) each run alone."""
+    if not all(isinstance(m, Linear) for m in linears):
+        return [m(x) for m in linears]
     weights = [m.weight for m in linears]
     with_bias = [m.bias is not None for m in linears]
     if not (all(m.pack for m in linears) and len(set(with_bias)) == 1 and _cpu_inference(x, weights[0])):

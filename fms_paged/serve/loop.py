@@ -59,8 +59,14 @@ def build_engine(spec: dict[str, Any]):
         from fms_paged.engine.tensor_parallel import join_torchrun
 
         rank, size = join_torchrun(resolve_device(spec["device"]))
+    quantization = spec.get("quantization")
+    if quantization is not None and size > 1:
+        from fms_paged.modules.quantized import QuantizationError
+
+        raise QuantizationError(f"quantization={quantization!r} with tensor_parallel_size={size}: a "
+                                "quantized model is not split over ranks; serve it on one")
     model = load_for_engine(spec["model_dir"], spec.get("loader", "auto"), spec["device"], spec["dtype"],
-                            spec["page_size"])
+                            spec["page_size"], quantization, spec.get("quantization_group_size", 128))
     if rank is not None:  # keep this rank's part: the model brings its rank to the Engine
         from fms_paged.parallel import shard
 

@@ -54,6 +54,11 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                         "ours when config.json names a family we load, else FMS's (default)")
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    g.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                   help="quantize the decoder's projections on load, weight-only (vLLM's name): int8 per "
+                        "output channel, int4 per group; ATen's CPU kernels (default: none)")
+    g.add_argument("--quantization-group-size", type=positive_int, default=128,
+                   help="int4's group of input channels: 32, 64, 128 or 256 (default: 128, torchao's)")
     g.add_argument("--max-num-seqs", type=positive_int, default=16, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=1024,
                    help="tokens in one forward (decodes + prefill chunks)")
@@ -80,6 +85,7 @@ def engine_spec(args) -> dict:
 
     return {"model_dir": str(args.model if args.model is not None else default_model_path()),
             "loader": args.loader, "device": args.device, "dtype": args.dtype, "page_size": args.page_size,
+            "quantization": args.quantization, "quantization_group_size": args.quantization_group_size,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "kv_memory_fraction": args.kv_memory_fraction,
             "kv_cache_dtype": args.kv_cache_dtype,

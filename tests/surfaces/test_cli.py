@@ -47,6 +47,16 @@ def test_generate_prompt_ids_on_variant(device):
     assert compiled.stdout == r.stdout  # the compiled decode step gives the same tokens
 
 
+def test_generate_quantized_matches_python_api():
+    """--quantization / --quantization-group-size reach get_model: the CLI's tokens are those of the
+    Python API's quantized model (CPU: ATen's CPU kernels)."""
+    args = ["--variant", "micro", "--prompt-ids", "1 2 3", "--max-new-tokens", "4", "--device", "cpu"]
+    r = run("generate", *args, "--quantization", "int4", "--quantization-group-size", "32")
+    assert r.returncode == 0, r.stderr
+    model = get_model(variant="micro", device="cpu", quantization="int4", quantization_group_size=32)
+    assert r.stdout.split() == [str(t) for t in generate(model, [[1, 2, 3]], 4)[0]]
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_generate_a_family_checkpoint(family, hf_family, device):
     """`--model-path` of another family (a checkpoint without a tokenizer: token ids in and out) on
@@ -125,6 +135,8 @@ def test_bench_help():
     (["generate", "--prompt", "x", "--device", "tpu"], "device"),
     (["teleport"], "teleport"),
     (["bench", "--nlayers", "2"], "--nlayers"),  # only with --variant
+    (["generate", "--variant", "micro", "--prompt-ids", "1", "--device", "cpu", "--quantization", "int4"],
+     "does not divide"),  # int4's default group 128 > micro's width 64
 ])
 def test_bad_arguments_exit_2_with_one_line(args, name):
     r = run(*args)
