@@ -54,8 +54,8 @@ def test_tiny_mode_passes_and_covers_every_dtype(tiny_result):
 def test_keys_written_off_by_one_percent_fail(monkeypatch):
     write = steps.write_slots
 
-    def off(kp, vp, slots, k, v):  # every kernel's ASSIGN, eager and compiled
-        return write(kp, vp, slots, k * 1.01, v)
+    def off(kp, vp, slots, k, v, *scales):  # every kernel's ASSIGN, eager and compiled
+        return write(kp, vp, slots, k * 1.01, v, *scales)
 
     monkeypatch.setattr(steps, "write_slots", off)
     result = gpu_exact.run(CPU, True, lambda m: None, dtypes=("float32",))
@@ -67,7 +67,7 @@ def test_keys_written_off_by_one_percent_fail(monkeypatch):
 
 def test_nan_left_in_reused_pages_fails(monkeypatch):
     def no_zeroing(self, reservation):  # the pages a RESERVE hands out are no longer zeroed
-        self.pm.apply_copies(reservation, *self.k_pools, *self.v_pools)
+        self.pm.apply_copies(reservation, *self._storage())
 
     monkeypatch.setattr(PagedBackend, "prepare_pages", no_zeroing)
     result = gpu_exact.run(CPU, True, lambda m: None, dtypes=("bfloat16",))  # flex: reads whole pages
