@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fms_paged.kv.geometry import NULL_PAGE, pages_held
 from fms_paged.kv.groups import LayerGroups
 from fms_paged.kv.page_manager import OutOfPages, PageManager, Reservation
 
@@ -47,8 +46,10 @@ class GroupedPages:
         self._sliding = groups.sliding
 
     # ------------------------------------------------------------------ rows and views
-    def rows(self, seq_ids: Sequence[int], g: int) -> list[int]:
-        """The rows of `seq_ids` in slice g's page table."""
+    def rows(self, seq_ids: Sequence[int] | np.ndarray, g: int) -> list[int] | np.ndarray:
+        """The rows of `seq_ids` in slice g's page table (an array for an array)."""
+        if isinstance(seq_ids, np.ndarray):
+            return seq_ids + g * self.max_seqs
         base = g * self.max_seqs
         return [base + int(s) for s in seq_ids]
 
@@ -109,10 +110,6 @@ class GroupedPages:
         self._check_seq([seq_id])
         return self.inner.pages_of(g * self.max_seqs + int(seq_id))
 
-    def pages_held(self, seq_id: int) -> list[int]:
-        """Every page the sequence holds now, over all slices."""
-        return [p for g in range(self.num_slices) for p in self.pages_of(seq_id, g) if p != NULL_PAGE]
-
     def slots(self, seq_ids: Sequence[int], positions: Sequence[int], g: int = 0) -> torch.Tensor:
         """Slice g's pool slots of the tokens (`PageManager.slots` on the slice's rows)."""
         return self.inner.slots(np.asarray(seq_ids, dtype=np.int64) + g * self.max_seqs, positions)
@@ -127,11 +124,6 @@ class GroupedPages:
         """Pages a sequence not yet live takes to hold `new_length` tokens when it starts from a
         prefix-cache hit of `shared_pages` pages: the same growth in every slice."""
         return self.num_slices * self.inner.pages_to_admit(new_length, shared_pages)
-
-    def held_per_slice(self, num_tokens: int, chunk: int = 1) -> list[int]:
-        """The most pages one sequence of `num_tokens` tokens holds at once in each slice, computing
-        at most `chunk` tokens a step (`geometry.pages_held` per slice's window)."""
-        return [pages_held(num_tokens, self.page_size, w, chunk) for w in self.windows]
 
     # ------------------------------------------------------------------ operations
     def reserve(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> Reservation:

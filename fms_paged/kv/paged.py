@@ -211,11 +211,11 @@ class PagedBackend:
         return DecodeBatch(rows, tokens, list(lengths), list(active), slots)
 
     def _rows(self, seq_ids, g: int):
-        """Slice g's page-table rows of `seq_ids` (the ids themselves for one slice)."""
-        if not g:
-            return list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids
-        return np.asarray(seq_ids) + g * self.max_batch if isinstance(seq_ids, np.ndarray) else [
-            int(s) + g * self.max_batch for s in seq_ids]
+        """Slice g's page-table rows of `seq_ids` (`GroupedPages.rows`; the ids themselves for one
+        slice)."""
+        if self.groups.grouped:
+            return self.pm.rows(seq_ids, g)
+        return seq_ids if isinstance(seq_ids, np.ndarray) else list(seq_ids)
 
     def _per_slice(self, build: Callable) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(tokens, positions, step) of the kernel's builder `build(view, g)`: itself for one
