@@ -213,6 +213,10 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching and (
             not groups.grouped or groups.windows[0] is None) else None
         self.runner = ModelRunner(model, backend, max_num_seqs, compile, cuda_graphs)
+        if self.runner.compiled and hasattr(model, "rope_tables"):
+            # a compiled step reads the RoPE tables as they were when it was traced (a graph cannot
+            # grow them, `RotaryEmbedding.ensure`): grown now for every position the engine serves
+            model.rope_tables(self.max_model_len)
         self.runner.ranks = self._ranks  # rank 0 of tensor-parallel ranks: each run sends the step
         # lookahead decode steps where the runner runs them in one call (never split over ranks)
         ready = self.runner.decodes_in_one_call if self.control is None else None
