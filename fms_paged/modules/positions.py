@@ -111,7 +111,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, S] int64 -> cos, sin: [B, S, 1, D] fp32 (broadcast over heads)
         pos = positions.clamp(min=0)
-        if self.cos.shape[0] < self.max_seq_len and pos.numel() and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and self.cos.shape[0] < self.max_seq_len and pos.numel():
             self.ensure(int(pos.max()) + 1)
         return self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)
 
