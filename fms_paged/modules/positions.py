@@ -54,8 +54,8 @@ class RotaryEmbedding(nn.Module):
     blocks (the rows held are copied). Each block is computed by itself, always as the same call on
     the same BLOCK positions, so a row's values do not depend on how far the table had grown. Every
     path reads these tables: the modules' lookup here, the cpp kernel's one-call operators
-    (`LLaMA.rope_tables`, given the highest position they read), the compiled steps (the engine
-    grows the tables to its `max_model_len` before it traces them: a graph cannot grow a buffer).
+    (`LLaMA.rope_tables`, given the highest position they read), the compiled steps (an engine
+    that compiles grows them to `max_seq_len` before it traces: a graph cannot grow a buffer).
     On other devices the tables are full-size when made (a captured CUDA graph holds their
     address)."""
 
