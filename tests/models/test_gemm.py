@@ -43,7 +43,7 @@ def test_gemm_against_float64(dtype, isa, monkeypatch):
     counts are not whole blocks (96, 33, 7), K of 33, 97 and 1001 (odd: a vector's tail, a bf16 pair
     cut in half), x rows strided inside a wider tensor, on each build this CPU runs."""
     monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
-    native.load_gemv(dtype)  # this build's kernels (the test's env undone: the next load is the CPU's own)
+    assert native.load_gemm(dtype) is None  # this build's kernel (the CPU's own again below)
     g = torch.Generator().manual_seed(0)
     for K in (33, 97, 1001):
         ws = [(torch.randn(n, K, generator=g) / 16).to(dtype) for n in (96, 33, 7)]
@@ -54,7 +54,7 @@ def test_gemm_against_float64(dtype, isa, monkeypatch):
             assert got.dtype == dtype and got.shape == (M, 136)
             check(got, torch.cat([x.double() @ w.double().T for w in ws], -1))
     monkeypatch.delenv("FMS_PAGED_CPU_ISA")
-    native.load_gemv(dtype)
+    native.load_gemm(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,6 +62,7 @@ def test_gemm_bits_do_not_depend_on_rows_or_threads(dtype):
     """A row's result is the same bits whatever the other rows of its call (its place in a register
     tile, the chunk of rows it falls in) and on 1, 2 or 3 threads: the sums of a row run in one
     order. 300 rows of K = 640 (more than one chunk of rows) over 1,536 + 100 weight rows."""
+    assert native.load_gemm(dtype) is None
     g = torch.Generator().manual_seed(1)
     x = torch.randn(300, 640, generator=g).to(dtype)
     ws = [(torch.randn(n, 640, generator=g) / 24).to(dtype) for n in (1536, 100)]
