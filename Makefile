@@ -101,8 +101,9 @@ bench-native: install
 	$(PY) -m benchmarks.vs_native --out results/bench-native $(BENCH_ARGS)
 
 # process memory: peak RSS loading a Gemma 3 270M-shaped fp32 checkpoint in bf16 and steady RSS after a
-# small mixed workload through the Engine, with and without oneDNN's packed weight copies, beside
-# llama.cpp on the same model as a bf16 GGUF (`make peer-llamacpp`; left out without its venv). ~5 min.
+# small mixed workload through the Engine, with oneDNN's packed weight copies and with the GEMM kernel on
+# the plain weights (FMS_PAGED_GEMM=own), beside llama.cpp on the same model as a bf16 GGUF (`make
+# peer-llamacpp`; left out without its venv). ~5 min on an idle 2-core VM, ~30 on a loaded one.
 bench-load-memory: install
 	$(PY) -m benchmarks.load_memory --out results/load-memory $(BENCH_ARGS)
 

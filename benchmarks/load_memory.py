@@ -8,16 +8,18 @@ The model: Gemma 3 270M's published shape (18 layers, hidden 640, 4 heads, 1 KV 
 loader: the file holds twice the loaded bytes). Each measurement runs in a fresh process, one at a
 time, and reads the process's own `VmHWM` (peak) and `VmRSS` (now) from /proc:
 - `import`: python + torch + fms_paged imported (the baseline every figure is measured over);
-- `ours`: `get_model(..., dtype=bfloat16)`, then the workload through an `Engine`;
-- `ours-unpacked`: the same with oneDNN's packed weight copies off (GEMV for a few rows, ATen's
-  GEMM on the plain weights for more): what the second copy of the weights costs in RSS. What it
-  buys in speed is timed inside the `ours` processes, both ways alternating on the same weights
-  (`fms_paged.native.configure` after switching `gemm.ONEDNN`), so that both share the machine's
+- `ours-packed`: `get_model(..., dtype=bfloat16)`, then the workload through an `Engine`, with the
+  prefill GEMMs through oneDNN on a packed copy of each weight (`FMS_PAGED_GEMM=packed`);
+- `ours-own`: the same with the project's GEMM kernel on the plain weights the GEMV reads
+  (`FMS_PAGED_GEMM=own`): each weight held once. What the packed copies buy in speed is timed
+  inside the `ours-packed` processes, both GEMMs alternating on the same weights
+  (`fms_paged.native.configure` after switching `gemm.GEMM`), so that both share the machine's
   state (a shared 2-core VM's noise between processes is larger than the difference);
 - `llama.cpp`: llama-cpp-python (`make peer-llamacpp`) on the checkpoint converted to a bf16 GGUF
   by llama.cpp's own convert_hf_to_gguf.py (a synthetic sentencepiece tokenizer of the checkpoint's
   vocabulary size: it has none, and the converter needs one), the same requests one after another.
-The two `ours` runs alternate (ABAB).
+The two `ours` runs alternate (ABAB). The RoPE tables grow with the positions the steps read
+(`RotaryEmbedding.ensure`): none at load.
 
 The workload: a prefill phase (prompts of 32, 300, 900 and 2,000 tokens, one new token each) and a
 decode phase (four prompts of 16 tokens, 64 new tokens each), greedy; KV room for 4,096 tokens.
@@ -40,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PREFILL_LENS = (32, 300, 900, 2000)
 DECODE = (4, 16, 64)  # requests, prompt tokens, new tokens
 CTX = 4096
-SPEED_REPEATS, SPEED_NEW = 3, 32  # packed against plain: rounds, and new tokens of the decode phase
+SPEED_REPEATS, SPEED_NEW = 3, 32  # packed against own GEMM: rounds, and new tokens of the decode phase
 GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                    num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
                    max_position_embeddings=32768)
@@ -85,12 +87,11 @@ def ours(ckpt: Path, packed: bool) -> dict:
     import torch
 
     from fms_paged import Engine, SamplingParams, get_model
+    from fms_paged.kv.paged import model_groups
     from fms_paged.modules.linear import packed_copy
+    from fms_paged.native import gemm
 
-    if not packed:  # no oneDNN packed copies: the operators take ATen's GEMM past the GEMV's rows
-        from fms_paged.native import gemm
-
-        gemm.ONEDNN = False
+    gemm.GEMM = "packed" if packed else "own"  # (before the operators load and take their rules)
     imported = proc_status()
     t0 = time.perf_counter()
     model = get_model(model_path=ckpt, attn_impl="paged", device="cpu", dtype=torch.bfloat16, progress=False)
@@ -100,7 +101,10 @@ def ours(ckpt: Path, packed: bool) -> dict:
     weights = sum(p.nbytes for p in params)
     buffers = sum(b.nbytes for b in model.buffers())
     page = model.config.page_size
-    eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=512, num_pages=-(-CTX // page) + 1,
+    # the fewest pages that hold one request of CTX tokens (the null page and, with layer groups, each
+    # group's own pages included)
+    num_pages = model_groups(model).min_pool_pages(CTX, page, 512)
+    eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=512, num_pages=num_pages,
                  max_model_len=CTX, enable_prefix_caching=False, compile=False)
     pre, dec = prompts(model.config.src_vocab_size)
 
@@ -115,19 +119,20 @@ def ours(ckpt: Path, packed: bool) -> dict:
     prefill_s = run(pre, 1)
     decode_s = run(dec, DECODE[2])
     packed_bytes = sum(c.numel() * c.element_size() for p in params if (c := packed_copy(p)) is not None)
+    buffers_end = sum(b.nbytes for b in model.buffers())  # the RoPE tables the workload grew
     end = proc_status()
     out = {"import": imported, "base": base, "loaded": loaded, "end": end, "weights": weights,
-           "buffers": buffers, "packed_bytes": packed_bytes, "load_s": load_s, "prefill_s": prefill_s,
-           "decode_s": decode_s, "kv_tokens": (-(-CTX // page) + 1) * page}
-    if packed:  # the speed the packed copies buy: both ways in this process, alternating (ABAB)
+           "buffers": buffers, "buffers_end": buffers_end, "packed_bytes": packed_bytes, "load_s": load_s,
+           "prefill_s": prefill_s,
+           "decode_s": decode_s, "kv_tokens": num_pages * page}
+    if packed:  # the speed the packed copies buy: both GEMMs in this process, alternating (ABAB)
         from fms_paged import native
-        from fms_paged.native import gemm
 
         times: dict[str, dict[str, list[float]]] = {m: {"prefill": [], "decode": []}
-                                                    for m in ("packed", "plain")}
+                                                    for m in ("packed", "own")}
         for rep in range(SPEED_REPEATS + 1):  # (the first round warms both up: not counted)
-            for mode in ("packed", "plain"):
-                gemm.ONEDNN = mode == "packed"
+            for mode in ("packed", "own"):
+                gemm.GEMM = mode
                 native.configure()
                 p, d = run(pre[2:3], 1), run(dec, SPEED_NEW)
                 if rep:
@@ -235,18 +240,19 @@ def mib(n: float) -> str:
 
 def report(runs: dict[str, list[dict]], out: Path) -> str:
     base = statistics.median(r["import"]["VmHWM"] for r in runs["import"])
-    ours = runs["ours"][0]
+    ours = runs["ours-packed"][0]
     weights = ours["weights"]
     lines = [
         f"Gemma 3 270M shape, fp32 checkpoint loaded in bf16 ({mib(weights)} MiB of bf16 weights, "
-        f"{mib(ours['buffers'])} MiB of RoPE tables); baseline (python + torch + fms_paged imported) "
+        f"{mib(ours['buffers'])} MiB of RoPE tables at load, {mib(ours.get('buffers_end', 0))} after the "
+        "workload); baseline (python + torch + fms_paged imported) "
         f"{mib(base)} MiB. Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs.",
         "",
         "| run | peak RSS at load (MiB) | over baseline / weights | steady RSS after workload (MiB) | "
         "peak RSS (MiB) | packed copies (MiB) | load s | prefill s | decode s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name in ("ours", "ours-unpacked", "llama.cpp"):
+    for name in ("ours-packed", "ours-own", "llama.cpp"):
         if not runs.get(name):
             continue
         def med(f, rs=runs[name]):
@@ -259,19 +265,20 @@ def report(runs: dict[str, list[dict]], out: Path) -> str:
             f"{mib(med(lambda r: r['end']['VmHWM']))} | "
             f"{mib(med(lambda r: r.get('packed_bytes', 0)))} | {med(lambda r: r['load_s']):.2f} | "
             f"{med(lambda r: r['prefill_s']):.2f} | {med(lambda r: r['decode_s']):.2f} |")
-    speed = [r["speed"] for r in runs["ours"] if "speed" in r]
+    speed = [r["speed"] for r in runs["ours-packed"] if "speed" in r]
     if speed:
-        lines.append("\nSpeed of the packed copies (in the `ours` processes, packed and plain alternating, "
+        lines.append("\nSpeed of the packed copies (in the `ours-packed` processes, oneDNN packed and "
+                     "own GEMM alternating, "
                      f"{len(speed[0]['packed']['prefill'])} rounds each; a {PREFILL_LENS[2]}-token prefill, "
                      f"then {DECODE[0]} x {SPEED_NEW} decode steps), median seconds:")
-        lines.append("\n| phase | packed | plain | plain / packed |\n| --- | ---: | ---: | ---: |")
+        lines.append("\n| phase | packed | own | own / packed |\n| --- | ---: | ---: | ---: |")
         for phase in ("prefill", "decode"):
             a = statistics.median(t for s in speed for t in s["packed"][phase])
-            b = statistics.median(t for s in speed for t in s["plain"][phase])
+            b = statistics.median(t for s in speed for t in s["own"][phase])
             lines.append(f"| {phase} | {a:.2f} | {b:.2f} | {b / a:.2f} |")
     if runs.get("llama.cpp"):
         lc = statistics.median(r["end"]["VmRSS"] for r in runs["llama.cpp"])
-        for name in ("ours", "ours-unpacked"):
+        for name in ("ours-packed", "ours-own"):
             ratio = statistics.median(r["end"]["VmRSS"] for r in runs[name]) / lc
             lines.append(f"\n{name} steady RSS / llama.cpp's: {ratio:.2f}")
     text = "\n".join(lines) + "\n"
@@ -296,16 +303,16 @@ def main() -> None:
         return sentencepiece_tokenizer(Path(args.sp_tokenizer[0]), int(args.sp_tokenizer[1]))
     if args.child:
         mode, arg, dst = args.child
-        fn = {"import": lambda: baseline(), "ours": lambda: ours(Path(arg), True),
-              "ours-unpacked": lambda: ours(Path(arg), False), "llama.cpp": lambda: llamacpp(Path(arg))}[mode]
+        fn = {"import": lambda: baseline(), "ours-packed": lambda: ours(Path(arg), True),
+              "ours-own": lambda: ours(Path(arg), False), "llama.cpp": lambda: llamacpp(Path(arg))}[mode]
         Path(dst).write_text(json.dumps(fn()))
         return None
     args.dir.mkdir(parents=True, exist_ok=True)
     ckpt = make_checkpoint(args.dir / "gemma3-270m-fp32")
-    runs: dict[str, list[dict]] = {"import": [], "ours": [], "ours-unpacked": [], "llama.cpp": []}
+    runs: dict[str, list[dict]] = {"import": [], "ours-packed": [], "ours-own": [], "llama.cpp": []}
     for _ in range(args.repeats):
         runs["import"].append(child(Path(sys.executable), "import", ""))
-        for mode in ("ours", "ours-unpacked"):
+        for mode in ("ours-packed", "ours-own"):
             runs[mode].append(child(Path(sys.executable), mode, str(ckpt)))
     if args.llamacpp_python.is_file():
         gguf = convert_gguf(ckpt, args.dir / "gemma3-270m-bf16.gguf", args.llamacpp_python)

@@ -213,6 +213,11 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pm) if enable_prefix_caching and (
             not groups.grouped or groups.windows[0] is None) else None
         self.runner = ModelRunner(model, backend, max_num_seqs, compile, cuda_graphs)
+        if self.runner.compiled and hasattr(model, "rope_tables"):
+            # a compiled step reads the RoPE tables as they were when it was traced (a graph cannot
+            # grow them, `RotaryEmbedding.ensure`): grown now to every position the model takes, so
+            # that no later engine on the model grows them under a traced graph (a recompile)
+            model.rope_tables(model.config.max_expected_seq_len)
         self.runner.ranks = self._ranks  # rank 0 of tensor-parallel ranks: each run sends the step
         # lookahead decode steps where the runner runs them in one call (never split over ranks)
         ready = self.runner.decodes_in_one_call if self.control is None else None

@@ -345,8 +345,12 @@ class LLaMA(nn.Module):
         stack, ends = _STACKS.get(self) or self._stack()
         return stack if ends else None
 
-    def rope_tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each RoPE table's cos and sin [max_expected_seq_len, D], as the fused operators take them."""
+    def rope_tables(self, upto: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each RoPE table's cos and sin [n, D], as the fused operators take them, grown first to
+        hold positions 0 .. upto - 1 (`RotaryEmbedding.ensure`: IndexError past
+        max_expected_seq_len). The operators refuse a position past a table's rows."""
+        for r in self.ropes:
+            r.ensure(upto)
         return [r.cos for r in self.ropes], [r.sin for r in self.ropes]
 
     def _stack(self):

@@ -16,7 +16,10 @@ model outside inference mode. It costs one more copy of each packed weight in me
 every projection is `F.linear`.
 
 Calls of at most `GEMV_MAX_ROWS` rows (decode steps of a few sequences) take the project's GEMV
-kernel instead (`csrc/kernels/gemv.cpp`). Which other calls pack: CPU, fp32, no gradient wanted, and either
+kernel instead (`csrc/kernels/gemv.cpp`). With `fms_paged.native.gemm.GEMM == "own"`
+(`$FMS_PAGED_GEMM=own`) the calls past them take the project's GEMM kernel
+(`csrc/kernels/gemm.cpp`) on the same plain weights, and nothing is packed. Otherwise, which
+calls pack: CPU, fp32, no gradient wanted, and either
 a large weight (decode of more sequences: reading the weight dominates) or many rows (prefill: the
 GEMM is compute-bound), so small GEMMs keep MKL's lower per-call cost. The operator picks its path
 by the rows when it runs (one compiled graph for every row count); `cpu_path` says which it takes.
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fms_paged import native
-from fms_paged.native import configure, load_gemv
+from fms_paged.native import configure, gemm, load_gemv
 from fms_paged.native.gemm import DTYPES as CPU_DTYPES
 from fms_paged.native.gemm import GEMV_MAX_ROWS, ONEDNN, PACK_DTYPES, PACK_MIN_ROWS, PACK_MIN_WEIGHT
 
@@ -82,7 +85,11 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, str]:
         decode = f"GEMV kernel on the {name} weights, fp32 sums ({native.kernel_isa()})"
     else:
         decode = "F.linear (no C++ compiler for the GEMV kernel)"
-    if not ONEDNN:
+    if gemm.GEMM == "own" and native.compiler() is not None:
+        how = "bf16 pairs, AVX512_BF16" if dtype == torch.bfloat16 and "avx512_bf16" in flags and \
+            native.isa() == "native" else "fp32 sums"
+        prefill = f"GEMM kernel on the {name} weights the GEMV reads, no second copy ({how})"
+    elif not ONEDNN:
         prefill = "F.linear (this torch has no oneDNN)"
     elif PACK_DTYPES[dtype] != dtype:
         prefill = (f"oneDNN fp32 GEMM on a packed fp32 copy of the weights: oneDNN has no {name} GEMM "
@@ -97,6 +104,8 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, str]:
 def unpacked_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s weights that `Linear` may still pack on the CPU (each packed copy is
     about its weight's size): memory the KV budget leaves free for them."""
+    if gemm.GEMM == "own":  # the GEMM kernel reads the weights as they are: nothing is packed
+        return 0
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear) and m.pack}
     packed = set(torch.ops.fms_paged._packed_data_ptrs()) if native.ops_loaded() else set()
     return sum(w.numel() * PACK_DTYPES[w.dtype].itemsize for w in weights.values()
@@ -114,7 +123,7 @@ def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def cpu_path(x: torch.Tensor, weight: torch.Tensor, out_features: int | None = None) -> str | None:
-    """Which path `x @ weight.T` takes: "gemv", "packed" or None (F.linear), as the operator picks
+    """Which path `x @ weight.T` takes: "gemv", "gemm", "packed" or None (F.linear), as the operator picks
     it (see the module docstring). `out_features`: the width of a stack of weights like `weight`
     computed in one call (`linear_cat`)."""
     if not (_cpu_inference(x, weight) and serves(x.dtype)):

@@ -37,6 +37,7 @@ from fms_paged.native import gemm
 from fms_paged.native.build import (
     ATTENTION_SOURCE,
     ELEM_TYPES,
+    GEMM_SOURCE,
     GEMV_SOURCE,
     ISAS,
     OPS_SOURCES,
@@ -57,9 +58,11 @@ from fms_paged.native.build import (
 from fms_paged.native.fakes import register_fakes
 
 __all__ = [
-    "ATTENTION_SOURCE", "ELEM_TYPES", "GEMV_SOURCE", "HEAD_DIM_MULTIPLE", "ISAS", "PAGE_MULTIPLE",
+    "ATTENTION_SOURCE", "ELEM_TYPES", "GEMM_SOURCE", "GEMV_SOURCE", "HEAD_DIM_MULTIPLE", "ISAS",
+    "PAGE_MULTIPLE",
     "ROWS_SOURCE", "build_all", "cache_dir", "compiler", "compiling", "configure", "cpu_flags", "deferred",
-    "elem", "isa", "kernel_clock", "kernel_isa", "kernel_ready", "load_attention", "load_gemv", "ops",
+    "elem", "isa", "kernel_clock", "kernel_isa", "kernel_ready", "load_attention", "load_gemm", "load_gemv",
+    "ops",
     "ops_loaded", "prebuild", "prebuild_attention", "prebuild_kernels", "prebuild_model", "ready", "register",
     "require_builds", "wait_for_builds", "yielding_to_builds",
 ]
@@ -190,8 +193,8 @@ def prebuild(source: Path, dtype: torch.dtype, **defines: int | str) -> None:
 
 def register(kind: str, source: Path, dtype: torch.dtype, head_dim: int = 0,
              **defines: int | str) -> str | None:
-    """Build (for `isa()`, once per machine) the `kind` kernel ("attention", "gemv", "rows", or
-    "attention_i8": attention over int8 pools) for `dtype`
+    """Build (for `isa()`, once per machine) the `kind` kernel ("attention", "gemv", "gemm", "rows",
+    or "attention_i8": attention over int8 pools) for `dtype`
     (and `head_dim`) from `source`, and hand it to the operators, in place of the one of another
     ISA they may hold -> None, or why it cannot be had here."""
     kernel = _building(source, dtype, **defines)  # beside the operators'
@@ -213,9 +216,10 @@ def kernel_ready(kind: str, dtype: torch.dtype, head_dim: int = 0) -> bool:
 
 
 def prebuild_kernels(dtype: torch.dtype) -> None:
-    """Start the background builds of the GEMV and rows kernels for `dtype` (`prebuild`): what a
-    paged CPU model's blocks load at their first forward."""
-    for source in (GEMV_SOURCE, ROWS_SOURCE):
+    """Start the background builds of the GEMV and rows kernels for `dtype` (`prebuild`), and the
+    GEMM kernel's where the projections take it (`gemm.GEMM == "own"`): what a paged CPU model's
+    blocks load at their first forward."""
+    for source in (GEMV_SOURCE, ROWS_SOURCE, *((GEMM_SOURCE,) if gemm.GEMM == "own" else ())):
         prebuild(source, dtype)
 
 
@@ -242,9 +246,12 @@ def configure() -> str | None:
     operators here. Called again after changing them."""
     why = ops()
     if why is None:
+        if gemm.GEMM == "own":  # the GEMM kernel of every dtype loaded so far (a later one: load_gemv)
+            for dt in list(_READY):
+                load_gemm(dt)
         pack = [gemm.PACK_DTYPES[dt] for dt in ELEM_TYPES] if gemm.ONEDNN else []
         torch.ops.fms_paged._configure_linear(gemm.GEMV_MAX_ROWS, gemm.PACK_MIN_WEIGHT, gemm.PACK_MIN_ROWS,
-                                              pack)
+                                              pack, gemm.GEMM == "own")
     return why
 
 
@@ -256,12 +263,20 @@ _READY: dict[torch.dtype, set[int | None]] = {}
 
 def load_gemv(dtype: torch.dtype) -> str | None:
     """Load the operators and the GEMV and rows kernels for `dtype` (built for `isa()` once per
-    machine) -> None, or why not (the operator then computes its few-row products with ATen)."""
-    prebuild_kernels(dtype)  # both at once
+    machine), and the GEMM kernel where the projections take it (`gemm.GEMM == "own"`) -> None, or
+    why not (the operator then computes its few-row products with ATen)."""
+    prebuild_kernels(dtype)  # all at once
     why = ((configure() if not _READY else ops()) or register("gemv", GEMV_SOURCE, dtype)
-           or register("rows", ROWS_SOURCE, dtype))
+           or register("rows", ROWS_SOURCE, dtype) or (load_gemm(dtype) if gemm.GEMM == "own" else None))
     _READY.setdefault(dtype, set())  # tried: the operators take it from here
     return why
+
+
+def load_gemm(dtype: torch.dtype) -> str | None:
+    """Load the GEMM kernel for `dtype` (built for `isa()` once per machine) into the operators
+    (`fms_paged::gemm`; `linear` past the GEMV's rows where `gemm.GEMM == "own"`) -> None, or why
+    not (`fms_paged::gemm` then computes with ATen, and `linear` with oneDNN)."""
+    return register("gemm", GEMM_SOURCE, dtype)
 
 
 def load_attention(head_dim: int, dtype: torch.dtype = torch.float32, kv_int8: bool = False) -> str | None:

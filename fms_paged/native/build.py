@@ -5,7 +5,7 @@ Two kinds of library, both kept in `$FMS_PAGED_CACHE_DIR` (default `~/.cache/fms
 under a key of what made them (sources, headers, flags, compiler; and the CPU, or the torch build),
 so a later process loads them at once and a changed source or header is built again:
 
-- the kernels (`csrc/kernels/`: attention.cpp, gemv.cpp, rows.cpp): no torch header, built in a few
+- the kernels (`csrc/kernels/`: attention.cpp, gemv.cpp, gemm.cpp, rows.cpp): no torch header, built in a few
   seconds with the machine's C++ compiler (`$CXX`, else g++ / c++: the one inductor needs as
   well), one library per instruction set, storage type (fp32, bf16, fp16: `ELEM_TYPES`) and head
   dim. A kernel's key holds its own headers (`<source stem>*.h`: attention_decode.h) and the
@@ -42,6 +42,8 @@ OPS_DIR = CSRC / "ops"  # the TORCH_LIBRARY operators that call the kernels
 # the kernels' sources
 ATTENTION_SOURCE = KERNELS_DIR / "attention.cpp"
 GEMV_SOURCE = KERNELS_DIR / "gemv.cpp"
+# products of many rows (prefill) over the same plain weights: loaded with the GEMV kernel
+GEMM_SOURCE = KERNELS_DIR / "gemm.cpp"
 # the row-wise ops of a decoder block (norms, RoPE and ASSIGN, activations, residuals) that
 # `fms_paged::decoder_stack` runs between its projections: loaded with the GEMV kernel
 ROWS_SOURCE = KERNELS_DIR / "rows.cpp"

@@ -26,6 +26,10 @@ def register_fakes() -> None:
     def _gemv(x, weights):
         return _stacked(x, weights)
 
+    @torch.library.register_fake("fms_paged::gemm")
+    def _gemm(x, weights):
+        return _stacked(x, weights)
+
     @torch.library.register_fake("fms_paged::linear")
     def _linear(x, weights, bias):
         return _stacked(x, weights)

@@ -8,6 +8,8 @@ half-precision dtype through oneDNN.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fms_paged.native.build import ELEM_TYPES
@@ -24,6 +26,14 @@ PACK_MIN_WEIGHT = 1 << 14
 # ... or when it has this many rows
 PACK_MIN_ROWS = 256
 
+# past the GEMV's rows: "own", the project's GEMM kernel (`csrc/kernels/gemm.cpp`) on the plain
+# weights the GEMV reads (each weight held once); "packed", oneDNN's GEMM on a packed copy of each
+# weight kept beside it. `$FMS_PAGED_GEMM` chooses; docs/benchmarks.md ("Weights held once") has
+# the two measured against each other
+GEMMS = ("packed", "own")
+GEMM = os.environ.get("FMS_PAGED_GEMM") or "packed"
+if GEMM not in GEMMS:
+    raise ValueError(f"FMS_PAGED_GEMM={GEMM!r}; expected one of {GEMMS}")
 # whether this torch build has oneDNN (read once: Dynamo cannot trace the query)
 ONEDNN = torch.backends.mkldnn.is_available()
 # the dtypes the CPU paths serve: the kernels' (a tuple: a trace may test a dtype's membership)

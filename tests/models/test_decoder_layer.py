@@ -23,6 +23,7 @@ from fms_paged import get_model, native
 from fms_paged.kv.cache import PagedCache
 from fms_paged.kv.kernels.cpp import CppStep
 from fms_paged.modules import linear
+from fms_paged.native import gemm
 from tests.conftest import HF_FAMILIES
 
 P = 16
@@ -284,20 +285,39 @@ def isa_build(isa: str, dtype: torch.dtype, monkeypatch):
         native.load_gemv(dtype)
 
 
+@contextlib.contextmanager
+def gemm_kind(kind: str):
+    """The operators take `kind`'s GEMM past the GEMV's rows inside ("packed": oneDNN's on packed
+    copies; "own": the GEMM kernel on the plain weights), the configured one again after."""
+    was = gemm.GEMM
+    gemm.GEMM = kind
+    native.configure()
+    try:
+        yield
+    finally:
+        gemm.GEMM = was
+        native.configure()
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
-@pytest.mark.parametrize("dtype,isa", [(torch.float32, "native")] + [(torch.bfloat16, isa) for isa in isas()])
-def test_fused_blocks_take_any_rows(family, dtype, isa, hf_family, monkeypatch):
+@pytest.mark.parametrize("dtype,isa,kind", [(torch.float32, "native", "packed")]
+                         + [(torch.bfloat16, isa, "packed") for isa in isas()]
+                         + [(torch.float32, "native", "own"), (torch.bfloat16, "native", "own"),
+                            (torch.bfloat16, "baseline", "own")])
+def test_fused_blocks_take_any_rows(family, dtype, isa, kind, hf_family, monkeypatch):
     """The operator takes any number of rows: on a prefill step of two chunks (45 tokens: past the
-    GEMV kernel's rows, so oneDNN's GEMMs project them), the blocks' output and the keys they
-    write equal the modules' (fp32: 1e-4; bf16: within a few of its ulps of the output's scale),
-    and in fp32 the fused step's logits at every prompt token are transformers' on each prompt
-    alone (1e-4 of their scale). bf16 on each kernel build this CPU runs (its rows kernel's
-    vectors: 16 lanes, 8, SSE2)."""
+    GEMV kernel's rows, so the GEMMs project them: oneDNN's on packed copies, or the GEMM kernel on
+    the plain weights), the blocks' output and the keys they write equal the modules' (fp32: 1e-4;
+    bf16: within a few of its ulps of the output's scale), and in fp32 the fused step's logits at
+    every prompt token are transformers' on each prompt alone (1e-4 of their scale). bf16 on each
+    kernel build this CPU runs (its rows kernel's vectors: 16 lanes, 8, SSE2)."""
     hf, path = hf_family(family)
     model = get_model(model_path=path, device="cpu", dtype=dtype, page_size=P, attn_impl="paged")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 15)]
-    with torch.inference_mode(), isa_build(isa, dtype, monkeypatch):
+    with torch.inference_mode(), isa_build(isa, dtype, monkeypatch), gemm_kind(kind):
+        w = model.layers[0].attn.dense.weight
+        assert kind == "packed" or linear.cpu_path(torch.zeros(45, w.shape[1], dtype=dtype), w) == "gemm"
         outs, keys = zip(*(prefill_blocks(model, prompts, fused) for fused in (True, False)))
     if dtype == torch.float32:
         with torch.inference_mode():

@@ -31,6 +31,10 @@
   X(const T* const*, weights) X(const int64_t*, rows) X(int64_t, n_weights)                     \
   X(T*, y) X(int32_t, threads)
 
+// the same for many rows (prefill steps: gemm.cpp, which reads the weights where they lie as the
+// GEMV kernel does; its own struct name, so that neither library passes for the other)
+#define FMS_PAGED_GEMM_FIELDS(X) FMS_PAGED_GEMV_FIELDS(X)
+
 // op on M rows (threads: at most this many), what a decoder block does between its projections:
 // - 0 (RMSNorm): out [M, n] = norm(x rows [M, n] at row stride x_st) with weight w, eps and
 //   unit_offset (1: Gemma's (1 + w));

@@ -3,7 +3,7 @@
 // computed as the Python modules compute them (fms_paged/models/llama.py LLaMABlock,
 // modules/attention.py, norm.py, feedforward.py, positions.py): every intermediate
 // rounded to the model's dtype where theirs is, fp32 inside. The projections run as `linear` runs
-// them (the GEMV kernel for a few rows, oneDNN's packed GEMM for more), the attention by the loaded
+// them (the GEMV kernel for a few rows, the GEMM kernel or oneDNN's packed GEMM for more), the attention by the loaded
 // kernel, the rest (norms, RoPE, ASSIGN, activations, residuals) by the rows kernel
 // (kernels/rows.cpp), each on all M rows at once.
 //
@@ -55,10 +55,11 @@ struct Layer {
 };
 
 // the projections: y [M, sum N] = x [M, K] (row stride x_st) @ a block's weights `which`^T, by the
-// GEMV kernel for at most gemv_rows rows, else as `linear` computes it (oneDNN's packed GEMM, or
+// GEMV kernel for at most gemv_rows rows, else by the GEMM kernel where `linear` takes it
+// (`gemm`: configured and loaded), else as `linear` computes it (oneDNN's packed GEMM, or
 // at::linear)
 struct Mm {
-  KernelFn fn;
+  KernelFn fn, gemm;
   int e;
   int64_t gemv_rows;
   at::TensorOptions opts;
@@ -66,12 +67,12 @@ struct Mm {
   template <class T>
   T* operator()(const void* x, int64_t M, int64_t K, int64_t x_st, std::initializer_list<Weight> which,
                 const Layer& L, T* y, at::Tensor& out) const {
-    if (M <= gemv_rows) {
+    if (M <= gemv_rows || gemm) {
       std::array<const void*, 3> ptrs;
       std::array<int64_t, 3> rows;
       int64_t i = 0;
       for (Weight j : which) ptrs[i] = L.p[j], rows[i++] = L.n[j];
-      run_gemv(fn, e, x, M, K, x_st, ptrs.data(), rows.data(), i, y);
+      run_gemv(M <= gemv_rows ? fn : gemm, e, x, M, K, x_st, ptrs.data(), rows.data(), i, y);
       return y;
     }
     std::vector<at::Tensor> weights;
@@ -387,7 +388,7 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
   void *h = base, *y = base + M * wide * x.element_size(), *att = base + 2 * M * wide * x.element_size();
   by_elem(e, [&](auto t) {
     using T = decltype(t);
-    const Mm project{mm, e, linear_gemv_rows(), x.options()};
+    const Mm project{mm, linear_gemm_fn(e), e, linear_gemv_rows(), x.options()};
     const Rows<T> rows{rows_kernel, s.eps, s.unit_offset};
     for (int64_t i = 0; i < n; ++i) {
       const int64_t g = G == 1 ? 0 : s.slices[i];
@@ -448,8 +449,15 @@ at::Tensor forward_logits(const DecoderStack& s, const at::Tensor& tokens, const
     x = s.emb_scale_in_dtype ? at::mul(x, at::scalar_tensor(s.emb_scale, x.options()))
                              : at::mul(x, at::Scalar(s.emb_scale));
   const at::Tensor pos = positions.clamp_min(0).view({M});
+  const int64_t* p = pos.data_ptr<int64_t>();  // (contiguous: clamp_min's own)
+  const int64_t top = M ? *std::max_element(p, p + M) : -1;
   std::vector<at::Tensor> cos, sin;
   for (size_t r = 0; r < cos_tables.size(); ++r) {
+    // the tables grow on demand (fms_paged/modules/positions.py): a position past one's rows is
+    // the caller's error, refused before a row is read
+    TORCH_CHECK_INDEX(top < cos_tables[r].size(0) && top < sin_tables[r].size(0), "decoder_logits: position ", top,
+                      " is past RoPE table ", r, "'s ", cos_tables[r].size(0),
+                      " rows (grow it first: LLaMA.rope_tables(upto))");
     cos.push_back(at::index_select(cos_tables[r], 0, pos)), sin.push_back(at::index_select(sin_tables[r], 0, pos));
   }
   check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, k_scales, v_scales);
@@ -514,6 +522,12 @@ at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at
                       p + steps - 1, " in the page table (", n_seqs, " seqs x ", pages, " pages of ", P,
                       "): RESERVE them first");
   }
+  int64_t last = -1;  // the steps' last position: every table must hold it (nothing written otherwise)
+  for (int64_t b = 0; b < B; ++b) last = std::max(last, first[b] + steps - 1);
+  for (size_t r = 0; r < cos_tables.size(); ++r)
+    TORCH_CHECK_INDEX(last < cos_tables[r].size(0) && last < sin_tables[r].size(0), "decode_greedy: position ", last,
+                      " is past RoPE table ", r, "'s ", cos_tables[r].size(0),
+                      " rows (grow it first: LLaMA.rope_tables(upto))");
   at::Tensor out = at::empty({B, steps}, tok.options());
   at::Tensor slots = G == 1 ? at::empty({B}, tok.options()) : at::empty({G, B}, tok.options());
   at::Tensor chunks = at::empty({B, 4}, tok.options());

@@ -57,17 +57,22 @@ std::string gemv_layout() {
   return FMS_PAGED_LAYOUT_OF(GemvArgs<T>, "FmsGemvArgs", FMS_PAGED_GEMV_FIELDS);
 }
 template <class T>
+std::string gemm_layout() {
+  return FMS_PAGED_LAYOUT_OF(GemvArgs<T>, "FmsGemmArgs", FMS_PAGED_GEMM_FIELDS);
+}
+template <class T>
 std::string rows_layout() {
   return FMS_PAGED_LAYOUT_OF(RowsArgs<T>, "FmsRowsArgs", FMS_PAGED_ROWS_FIELDS);
 }
 // the kinds of kernel `_load_kernel` takes, in this order ("attention_i8": attention over int8
-// pools, attention.cpp built with -DFMS_KV_INT8=1)
-constexpr std::array<const char*, 4> kKinds = {"attention", "gemv", "rows", "attention_i8"};
+// pools, attention.cpp built with -DFMS_KV_INT8=1; "gemm": gemm.cpp, many rows)
+constexpr std::array<const char*, 5> kKinds = {"attention", "gemv", "rows", "attention_i8", "gemm"};
 template <class T>
 std::string layout_of(int kind) {
   return kind == 0   ? attention_layout<T>()
          : kind == 1 ? gemv_layout<T>()
          : kind == 2 ? rows_layout<T>()
+         : kind == 4 ? gemm_layout<T>()
                      : attention_layout<T, int8_t>();
 }
 std::string expected_layout(int kind, int e) {
@@ -83,7 +88,7 @@ constexpr int64_t kHeadDimStep = 16, kMaxHeadDim = 1024;
 // once by `_load_kernel`, read by every call without a lock
 std::array<std::array<std::atomic<KernelFn>, kMaxHeadDim / kHeadDimStep + 1>, kElems> attention_fns{},
     attention_i8_fns{};
-std::array<std::atomic<KernelFn>, kElems> gemv_fns{}, rows_fns{};
+std::array<std::atomic<KernelFn>, kElems> gemv_fns{}, rows_fns{}, gemm_fns{};
 
 KernelFn attention_fn(int e, int64_t head_dim) {
   if (e < 0 || head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % kHeadDimStep) return nullptr;
@@ -95,6 +100,7 @@ KernelFn attention_i8_fn(int e, int64_t head_dim) {
 }
 KernelFn gemv_fn(int e) { return e < 0 ? nullptr : gemv_fns[e].load(std::memory_order_acquire); }
 KernelFn rows_fn(int e) { return e < 0 ? nullptr : rows_fns[e].load(std::memory_order_acquire); }
+KernelFn gemm_fn(int e) { return e < 0 ? nullptr : gemm_fns[e].load(std::memory_order_acquire); }
 
 // _load_kernel: the library at `path` (built by fms_paged.native) as the `kind` ("attention",
 // "gemv" or "rows") kernel of `dtype` (and `head_dim`, attention); refused unless its struct is
@@ -103,7 +109,7 @@ KernelFn rows_fn(int e) { return e < 0 ? nullptr : rows_fns[e].load(std::memory_
 int kind_index(const char* op, c10::string_view kind) {
   const int k = (int)(std::find(kKinds.begin(), kKinds.end(), kind) - kKinds.begin());
   TORCH_CHECK_VALUE(k < (int)kKinds.size(), op, ": kind='", kind,
-                    "'; expected 'attention', 'gemv', 'rows' or 'attention_i8'");
+                    "'; expected 'attention', 'gemv', 'rows', 'attention_i8' or 'gemm'");
   return k;
 }
 
@@ -128,7 +134,7 @@ void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dt
   if (attention)
     (k == 0 ? attention_fns : attention_i8_fns)[e][head_dim / kHeadDimStep].store(fn, std::memory_order_release);
   else
-    (k == 1 ? gemv_fns : rows_fns)[e].store(fn, std::memory_order_release);
+    (k == 1 ? gemv_fns : k == 2 ? rows_fns : gemm_fns)[e].store(fn, std::memory_order_release);
 }
 
 bool kernel_loaded(c10::string_view kind, at::ScalarType dtype, int64_t head_dim) {
@@ -136,6 +142,7 @@ bool kernel_loaded(c10::string_view kind, at::ScalarType dtype, int64_t head_dim
   return (k == 0   ? attention_fn(e, head_dim)
           : k == 1 ? gemv_fn(e)
           : k == 2 ? rows_fn(e)
+          : k == 4 ? gemm_fn(e)
                    : attention_i8_fn(e, head_dim)) != nullptr;
 }
 
@@ -280,11 +287,13 @@ void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x
   });
 }
 
-at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
+// x [..., K] @ [w_1; w_2; ...]^T by the GEMV or GEMM kernel `fn` of x's dtype (op: the operator's
+// name; ATen where `fn` is null: not loaded)
+at::Tensor product(const char* op, const at::Tensor& x, at::TensorList weights, KernelFn fn) {
   const int e = elem_index(x.scalar_type());
-  TORCH_CHECK_VALUE(e >= 0 && x.is_cpu() && x.dim() > 0, "gemv: x must be a CPU tensor [..., K] of ", elem_names,
+  TORCH_CHECK_VALUE(e >= 0 && x.is_cpu() && x.dim() > 0, op, ": x must be a CPU tensor [..., K] of ", elem_names,
                     ", got ", dtype_name(x.scalar_type()), " ", shape(x), " on ", x.device());
-  TORCH_CHECK_VALUE(!weights.empty(), "gemv: no weights");
+  TORCH_CHECK_VALUE(!weights.empty(), op, ": no weights");
   const int64_t K = x.size(-1);
   std::vector<at::Tensor> keep;  // contiguous copies of non-contiguous weights
   std::vector<const void*> ptrs;
@@ -292,7 +301,7 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
   int64_t width = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
-    TORCH_CHECK_VALUE(w.scalar_type() == x.scalar_type() && w.is_cpu() && w.dim() == 2 && w.size(1) == K, "gemv: weight ",
+    TORCH_CHECK_VALUE(w.scalar_type() == x.scalar_type() && w.is_cpu() && w.dim() == 2 && w.size(1) == K, op, ": weight ",
                       i, " must be a 2-D ", dtype_name(x.scalar_type()), " CPU tensor [N, ", K,
                       "] (x's dtype and width), got ", dtype_name(w.scalar_type()), " ", shape(w), " on ", w.device());
     if (!w.is_contiguous()) keep.push_back(w.contiguous());
@@ -300,7 +309,6 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
     rows.push_back(w.size(0));
     width += w.size(0);
   }
-  const KernelFn fn = gemv_fn(e);
   if (!fn) {  // not loaded (no compiler): the same product by ATen
     std::vector<at::Tensor> ys;
     for (const at::Tensor& w : weights) ys.push_back(at::linear(x, w));
@@ -316,25 +324,36 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
   return y;
 }
 
+at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
+  return product("gemv", x, weights, gemv_fn(elem_index(x.scalar_type())));
+}
+
+// gemm: the same product by the GEMM kernel (as `linear` computes many rows where it takes it)
+at::Tensor gemm(const at::Tensor& x, at::TensorList weights) {
+  return product("gemm", x, weights, gemm_fn(elem_index(x.scalar_type())));
+}
+
 // --------------------------------------------------------------------------------------- linear
 
 // how `linear` picks its path (set by fms_paged.native when it loads the operators: `_configure_linear`)
 struct LinearConfig {
   int64_t gemv_max_rows = 8, pack_min_weight = 1 << 18, pack_min_rows = 256;
   bool onednn = false;
+  bool own_gemm = false;  // past the GEMV's rows, the GEMM kernel on the plain weights (where loaded)
   std::array<at::ScalarType, kElems> pack_dtype{at::kFloat, at::kFloat, at::kFloat};  // per storage type
 };
 LinearConfig linear_config;
 std::mutex linear_config_mu;
 
 void configure_linear(int64_t gemv_max_rows, int64_t pack_min_weight, int64_t pack_min_rows,
-                      std::vector<at::ScalarType> pack_dtypes) {
+                      std::vector<at::ScalarType> pack_dtypes, bool own_gemm) {
   TORCH_CHECK_VALUE(pack_dtypes.empty() || pack_dtypes.size() == kElems, "_configure_linear: pack_dtypes has ",
                     pack_dtypes.size(), " entries; expected none (no oneDNN) or one per ", elem_names);
   std::lock_guard<std::mutex> lock(linear_config_mu);
   linear_config.gemv_max_rows = gemv_max_rows, linear_config.pack_min_weight = pack_min_weight;
   linear_config.pack_min_rows = pack_min_rows, linear_config.onednn = !pack_dtypes.empty();
   for (size_t i = 0; i < pack_dtypes.size(); ++i) linear_config.pack_dtype[i] = pack_dtypes[i];
+  linear_config.own_gemm = own_gemm;
 }
 
 // a packed copy of a stack of weights: what it was made from (each weight's data pointer and
@@ -419,15 +438,17 @@ at::Tensor pointwise(const at::Tensor& x, const at::Tensor& packed, const std::o
 
 int64_t linear_gemv_rows();
 
-enum class Path { gemv, packed, aten };
+enum class Path { gemv, gemm, packed, aten };
 
 // the path `linear` takes for x [..., K] times weights of `width` rows in all (a stack's): the GEMV
-// kernel for a few rows, oneDNN's packed GEMM for a large weight or many rows (or any half-precision
-// call where oneDNN has no such GEMM), at::linear for the small GEMMs left
+// kernel for a few rows; past them the GEMM kernel where it is configured and loaded (both read
+// the plain weights: each held once), else oneDNN's packed GEMM for a large weight or many rows
+// (or any half-precision call where oneDNN has no such GEMM), at::linear for the small GEMMs left
 Path linear_path(const at::Tensor& x, int64_t width, const LinearConfig& cfg) {
   const int64_t K = x.size(-1);
   const int e = elem_index(x.scalar_type());
   if (e >= 0 && x.numel() <= cfg.gemv_max_rows * K) return Path::gemv;
+  if (e >= 0 && cfg.own_gemm && gemm_fn(e)) return Path::gemm;
   const bool pack = cfg.onednn && e >= 0 &&
                     (cfg.pack_dtype[e] != x.scalar_type() || width * K >= cfg.pack_min_weight ||
                      x.numel() >= cfg.pack_min_rows * K);
@@ -442,7 +463,7 @@ LinearConfig config() {
 // _linear_path: which path `linear` takes for x and a stack of weights `width` rows wide
 std::string linear_path_name(const at::Tensor& x, int64_t width) {
   const Path p = linear_path(x, width, config());
-  return p == Path::gemv ? "gemv" : p == Path::packed ? "packed" : "aten";
+  return p == Path::gemv ? "gemv" : p == Path::gemm ? "gemm" : p == Path::packed ? "packed" : "aten";
 }
 
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias) {
@@ -454,6 +475,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::option
   auto add_bias = [&](at::Tensor y) { return bias ? at::add(y, *bias) : y; };
   const Path path = linear_path(x, width, cfg);
   if (path == Path::gemv) return add_bias(gemv(x, weights));
+  if (path == Path::gemm) return add_bias(gemm(x, weights));
   if (path == Path::packed) {
     const at::Tensor packed = packed_weights(weights, cfg.pack_dtype[e]);
     return weights.size() == 1 ? pointwise(x, packed, bias) : add_bias(pointwise(x, packed, std::nullopt));
@@ -465,6 +487,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::option
 }
 
 int64_t linear_gemv_rows() { return config().gemv_max_rows; }
+
+KernelFn linear_gemm_fn(int e) { return config().own_gemm ? gemm_fn(e) : nullptr; }
 
 // ------------------------------------------------------------------------ rms_norm and argmax
 
@@ -543,7 +567,8 @@ using namespace fms_paged_ops;
 TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
   m.def("_load_kernel(str kind, str path, ScalarType dtype, int head_dim=0) -> ()", &load_kernel);
   m.def("_kernel_loaded(str kind, ScalarType dtype, int head_dim=0) -> bool", &kernel_loaded);
-  m.def("_configure_linear(int gemv_max_rows, int pack_min_weight, int pack_min_rows, ScalarType[] pack_dtypes) -> ()",
+  m.def("_configure_linear(int gemv_max_rows, int pack_min_weight, int pack_min_rows, ScalarType[] pack_dtypes, "
+        "bool own_gemm=False) -> ()",
         &configure_linear);
   m.def("_packed_data_ptrs() -> int[]", &packed_data_ptrs);
   m.def("_linear_path(Tensor x, int width) -> str", &linear_path_name);
@@ -558,6 +583,7 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       "paged_attention_i8(Tensor q, Tensor k_pool, Tensor v_pool, Tensor k_scales, Tensor v_scales, Tensor page_table, "
       "Tensor chunks, SymInt page_size, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("gemv(Tensor x, Tensor[] weights) -> Tensor");
+  m.def("gemm(Tensor x, Tensor[] weights) -> Tensor");
   m.def("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
@@ -567,6 +593,7 @@ TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_i8", &paged_attention_i8);
   m.impl("gemv", &gemv);
+  m.impl("gemm", &gemm);
   m.impl("linear", &linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("argmax", &argmax);

@@ -54,6 +54,9 @@ KernelFn attention_fn(int e, int64_t head_dim);
 KernelFn attention_i8_fn(int e, int64_t head_dim);
 KernelFn gemv_fn(int e);
 KernelFn rows_fn(int e);
+// the GEMM kernel of storage type e where `linear` takes it past the GEMV's rows (configured and
+// loaded: `_configure_linear`), else null
+KernelFn linear_gemm_fn(int e);
 
 inline int threads() { return at::get_num_threads(); }
 
@@ -173,6 +176,7 @@ struct Rows {
 };
 
 // y [M, sum N_i] = x [M, K] (row stride x_st) @ [w_1; w_2; ...]^T by the GEMV kernel of index e
+// (or the GEMM kernel: `fn` from linear_gemm_fn, whose struct is the GEMV's fields)
 void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
               const int64_t* rows, int64_t n_weights, void* y);
 

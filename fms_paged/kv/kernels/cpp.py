@@ -95,7 +95,7 @@ class CppStep(PoolStep):
                 h.dtype != view.k_pools[0].dtype and not native.ready(h.dtype)) or (
                 quantized(view) and h.dtype != view.compute_dtype):
             return None
-        cos, sin = model.rope_tables()
+        cos, sin = model.rope_tables(int(positions.max()) + 1 if positions.numel() else 0)
         return torch.ops.fms_paged.decoder_logits(
             stack, tokens, positions, cos, sin, view.k_pools, view.v_pools, self.slots, view.page_table,
             self.chunks, view.page_size, logits_at, *scale_lists(view))
@@ -198,7 +198,8 @@ class CppKernel(Kernel):
         forward is not one call (`decodes_in_one_call`)."""
         if not self.decodes_in_one_call(model, view):
             return None
-        cos, sin = model.rope_tables()
+        # (the steps' positions: positions[b] .. positions[b] + steps - 1)
+        cos, sin = model.rope_tables(int(positions.max()) + steps if positions.numel() else 0)
         return torch.ops.fms_paged.decode_greedy(
             model.logits_stack(), tokens, positions, seqs, cos, sin, view.k_pools, view.v_pools,
             view.page_table, view.page_size, steps, *scale_lists(view))

@@ -1,0 +1,115 @@
+"""The GEMM kernel (`csrc/kernels/gemm.cpp`, the operator `fms_paged::gemm`): many rows times the
+plain row-major weights the GEMV kernel reads, against float64 of the same inputs, on each kernel
+build this CPU runs (AVX512_BF16 pairs, fp32 multiply-adds with 16 and 8 lanes, SSE2), and as the
+path `Linear` takes past the GEMV's rows with `fms_paged.native.gemm.GEMM == "own"` (no packed copy).
+
+Tolerance: every path sums in fp32 and rounds its output once, so a half-precision output is within
+u * |ref| of float64 (u: the dtype's unit roundoff, the rounding of the output) plus fp32's
+round-off over K <= 1000 terms of unit-scale products (rtol 1e-5 / atol 1e-4, as
+tests/models/test_linear.py states); fp32 outputs within that fp32 term.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fms_paged import native
+from fms_paged.modules import linear as L
+from fms_paged.native import gemm
+from tests.models.test_linear import TOL, assert_rounded_from, isas
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _operators():
+    why = native.load_gemv(torch.float32)
+    if why is not None:
+        pytest.skip(f"no C++ operators here: {why}")
+
+
+def check(got: torch.Tensor, ref: torch.Tensor) -> None:
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got.double(), ref, **TOL)
+    else:
+        assert_rounded_from(got, ref)
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_against_float64(dtype, isa, monkeypatch):
+    """Rows 1..17 (whole register tiles and every ragged rest), a stack of three weights whose row
+    counts are not whole blocks (96, 33, 7), K of 33, 97 and 1001 (odd: a vector's tail, a bf16 pair
+    cut in half), x rows strided inside a wider tensor, on each build this CPU runs."""
+    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
+    assert native.load_gemm(dtype) is None  # this build's kernel (the CPU's own again below)
+    g = torch.Generator().manual_seed(0)
+    for K in (33, 97, 1001):
+        ws = [(torch.randn(n, K, generator=g) / 16).to(dtype) for n in (96, 33, 7)]
+        wide = torch.randn(17, K + 5, generator=g).to(dtype)
+        for M in range(1, 18):
+            x = wide[:M, 2 : 2 + K]  # row stride K + 5
+            got = torch.ops.fms_paged.gemm(x, ws)
+            assert got.dtype == dtype and got.shape == (M, 136)
+            check(got, torch.cat([x.double() @ w.double().T for w in ws], -1))
+    monkeypatch.delenv("FMS_PAGED_CPU_ISA")
+    native.load_gemm(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_bits_do_not_depend_on_rows_or_threads(dtype):
+    """A row's result is the same bits whatever the other rows of its call (its place in a register
+    tile, the chunk of rows it falls in) and on 1, 2 or 3 threads: the sums of a row run in one
+    order. 300 rows of K = 640 (more than one chunk of rows) over 1,536 + 100 weight rows."""
+    assert native.load_gemm(dtype) is None
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 640, generator=g).to(dtype)
+    ws = [(torch.randn(n, 640, generator=g) / 24).to(dtype) for n in (1536, 100)]
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(torch.ops.fms_paged.gemm(x, ws))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    for rows in (slice(0, 1), slice(7, 12), slice(295, 300)):
+        assert torch.equal(torch.ops.fms_paged.gemm(x[rows], ws), outs[0][rows])
+    check(outs[0], torch.cat([x.double() @ w.double().T for w in ws], -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_takes_the_gemm_on_the_plain_weights(dtype, monkeypatch):
+    """With GEMM == "own", `Linear` and `linear_cat` run calls past the GEMV's rows through the GEMM
+    kernel: no packed copy of any weight is made, and the results are float64's of the same inputs
+    (the bias added to the rounded product, as the GEMV path adds it)."""
+    monkeypatch.setattr(gemm, "GEMM", "own")
+    L.configure()
+    try:
+        g = torch.Generator().manual_seed(2)
+        lin = L.Linear(256, 1040, bias=True).requires_grad_(False).to(dtype)
+        a, b = (L.Linear(256, n, bias=False).requires_grad_(False).to(dtype) for n in (64, 48))
+        for rows in (L.GEMV_MAX_ROWS + 1, 300):
+            x = torch.randn(rows, 256, generator=g).to(dtype)
+            assert L.cpu_path(x, lin.weight) == "gemm"
+            product = x.double() @ lin.weight.double().T
+            got = lin(x)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.double(), product + lin.bias.double(), **TOL)
+            else:
+                assert_rounded_from(got, product + lin.bias.double(), product)
+            ya, yb = L.linear_cat(x, [a, b])
+            check(ya, x.double() @ a.weight.double().T)
+            check(yb, x.double() @ b.weight.double().T)
+        assert not any(L.is_packed(m.weight) for m in (lin, a, b))
+        assert L.unpacked_bytes(torch.nn.ModuleList([lin, a, b])) == 0  # nothing will be packed
+    finally:
+        monkeypatch.undo()
+        L.configure()
+
+
+def test_gemm_refuses_bad_weights():
+    with pytest.raises(ValueError, match=r"gemm: weight 1 must be a 2-D torch.float32 CPU tensor \[N, 8\]"):
+        torch.ops.fms_paged.gemm(torch.zeros(10, 8), [torch.zeros(4, 8), torch.zeros(4, 7)])
