@@ -5,11 +5,19 @@ fidelity, the scale granularity, decode speed at long contexts and KV bytes per 
 1. Fidelity, teacher-forced over the stdlib documentation (`fms_paged.bench.fidelity.doc_text`,
    through the checkpoint's own tokenizer, BOS windows of --window tokens): each window's first half
    prefilled in chunks of 32, then one decode step per token (`fidelity.cached_logits`), on the paged
-   backend with each KV candidate; the reference is the same model and schedule with 16-bit pages
-   ("auto"). Perplexity (float64) and top-1 agreement with the reference at every position.
-   Candidates: int8 with one scale per token and kv head (what ships; the cpp kernel), int8 with a
-   scale per 32 head dims (16 for a head of 32; gather kernel), fp8 e4m3 per token and kv head
-   (gather).
+   backend with each KV form that ships (--kv: int8 through the cpp kernel, fp8 e4m3 through
+   gather); the reference is the same model and schedule with 16-bit pages ("auto"). Perplexity
+   (float64) and top-1 agreement with the reference at every position.
+1b. Quantizers screened by fake-quant (--screen): every layer's keys and values, after RoPE,
+   quantized and dequantized by a candidate, then attended causally over the whole window in one
+   forward without a cache; the same function as pages quantized on write and read back (a
+   token's own key is read from its page too), computed in one forward a window instead of a
+   decode step a token. Candidates: symmetric int8 per head, per 32 and per 16 dims, affine u8
+   with a zero point (OpenVINO's form) per head and per 32 dims, keys affine per 32 dims with
+   values symmetric per head, fp8 e4m3 per head; and the model in fp32 with no quantization, the
+   scale for what an agreement means (the bf16 model's own rounding moves that many argmaxes).
+   --screen-fp32 repeats the screen in the fp32 model against fp32 K/V, with bf16 K/V as a
+   candidate: what quantizing K/V alone moves, without the bf16 arithmetic of the rest.
 2. Granularity offline: the keys and values one window writes (read back from 16-bit pages), each
    quantized by a candidate and compared with the original: relative RMS error (||x - q(x)|| /
    ||x||) and the worst element's error relative to its row's absmax, for symmetric int8
@@ -23,7 +31,7 @@ fidelity, the scale granularity, decode speed at long contexts and KV bytes per 
 4. KV bytes per token (every layer's K and V, scales included).
 
 python scripts/kv_cache_fidelity.py [--model-path DIR] [--dtype bfloat16] [--chars 20000] \
-    [--contexts 4096,16384] --out results/kv8
+    [--kv int8,fp8_e4m3] [--screen] [--screen-fp32] [--contexts 4096,16384] --out results/kv8
 Writes <out>/kv_cache_fidelity.json and prints a markdown summary.
 """
 
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -45,6 +54,7 @@ from fms_paged.bench.fidelity import bos_windows, cached_logits, doc_text
 from fms_paged.kv._pool_ops import read_slots, write_slots
 from fms_paged.kv.cache import PagedCache
 from fms_paged.kv.quant import dequantize, quantize
+from fms_paged.kv.spec import attend
 from fms_paged.models.registry import default_model_path, get_model
 from fms_paged.tokenizers import load_tokenizer
 
@@ -53,41 +63,104 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def candidates(head_dim: int) -> list[tuple[str, str, int | None]]:
-    """(label, kv_cache_dtype, group) of the paged runs; group None: one scale per token and head."""
-    g = 32 if head_dim > 32 else 16
-    return [("int8 / head", "int8", None), (f"int8 / {g} dims", "int8", g),
-            ("fp8 e4m3 / head", "fp8_e4m3", None)]
-
-
-def fidelity(model, windows, chunk: int, groups: bool = True) -> dict:
-    """Perplexity and top-1 agreement of each candidate against 16-bit pages (`groups`: the
-    per-group int8 candidate too)."""
+def fidelity(model, windows, chunk: int, kinds: list[str]) -> dict:
+    """Perplexity and top-1 agreement of 8-bit pages of each of `kinds` (one scale per token and kv
+    head, as they ship) against 16-bit pages."""
     W = max(len(w) for w in windows)
-    runs = [("16-bit (auto)", "auto", None),
-            *(c for c in candidates(model.config.head_dim) if groups or c[2] is None)]
-    caches = {label: PagedCache(model, 1, W, kv_cache_dtype=kv, kv_group=g) for label, kv, g in runs}
-    nll = {label: 0.0 for label, _, _ in runs}
-    agree = {label: 0 for label, _, _ in runs}
+    runs = ["auto", *kinds]
+    caches = {kv: PagedCache(model, 1, W, kv_cache_dtype=kv) for kv in runs}
+    nll = dict.fromkeys(runs, 0.0)
+    agree = dict.fromkeys(runs, 0)
     n = 0
     for i, w in enumerate(windows):
         target = torch.tensor(w[1:])
         ref = None
-        for label, _, _ in runs:
-            logits = cached_logits(model, caches[label], w, chunk)[:-1].double()  # [n - 1, V]
-            nll[label] += F.cross_entropy(logits, target, reduction="sum").item()
+        for kv in runs:
+            logits = cached_logits(model, caches[kv], w, chunk)[:-1].double()  # [n - 1, V]
+            nll[kv] += F.cross_entropy(logits, target, reduction="sum").item()
             top = logits.argmax(-1)
             ref = top if ref is None else ref
-            agree[label] += int((top == ref).sum())
+            agree[kv] += int((top == ref).sum())
         n += len(w) - 1
         log(f"[fidelity] window {i + 1}/{len(windows)}")
-    base = math.exp(nll["16-bit (auto)"] / n)
+    base = math.exp(nll["auto"] / n)
     out = {}
-    for label, kv, g in runs:
-        ppl = math.exp(nll[label] / n)
-        out[label] = {"kv_cache_dtype": kv, "group": g, "kernel": caches[label].kernel.name, "ppl": ppl,
-                      "ppl_rel_pct": 100 * (ppl - base) / base, "top1_agree_pct": 100 * agree[label] / n}
+    for kv in runs:
+        ppl = math.exp(nll[kv] / n)
+        out[kv] = {"kernel": caches[kv].kernel.name, "ppl": ppl, "ppl_rel_pct": 100 * (ppl - base) / base,
+                   "top1_agree_pct": 100 * agree[kv] / n, "differ": n - agree[kv]}
     return {"positions": n, "systems": out}
+
+
+def symmetric(x: torch.Tensor, group: int, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """`quant.quantize` (int8: absmax / 127, fp8 e4m3: absmax / 448) per group of `group` dims,
+    then dequantized: x [..., D] -> [..., D] fp32."""
+    return dequantize(*quantize(x, dtype, x.shape[-1] // group), torch.float32)
+
+
+class FakeQuantStep:
+    """A no-cache attention step that quantizes and dequantizes each layer's k and v ([B, Hkv, S, D],
+    after RoPE) with `fk` / `fv` (None: as they are), then attends causally (`fms_paged.kv.spec`)."""
+
+    def __init__(self, model, fk, fv):
+        self.model, self.fk, self.fv = model, fk, fv
+
+    def prepare(self) -> FakeQuantStep:
+        return self
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = k if self.fk is None else self.fk(k).to(k.dtype)
+        v = v if self.fv is None else self.fv(v).to(v.dtype)
+        return attend(q, k, v, self.model.layers[layer].attn.spec, mask=None, is_causal=True)
+
+
+def screen(model, model32, windows, fp32_ref: bool = False) -> dict:
+    """Top-1 agreement and perplexity of fake-quantized K/V candidates (module docstring, 1b) against
+    the same model's K/V as computed, over every window in one forward each (no cache). `fp32_ref`:
+    in `model32` against fp32 K/V, with bf16 K/V as a candidate; else in `model` with `model32`
+    unquantized as a candidate."""
+    if any(layer.attn.spec.window is not None for layer in model.layers):
+        raise ValueError("the screen attends causally over the whole window: a model without sliding layers")
+    D = model.config.head_dim
+    g = 32 if D > 32 else D
+    sym = {"head": lambda x: symmetric(x, D), f"{g}": lambda x: symmetric(x, g),
+           "16": lambda x: symmetric(x, min(16, D))}
+    aff = {"head": lambda x: affine_u8(x, 1), f"{g}": lambda x: affine_u8(x, D // g)}
+    m = model32 if fp32_ref else model
+    cands = {"reference": (m, None, None)}
+    if fp32_ref:
+        bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
+        cands["bf16 K/V"] = (m, bf, bf)
+    else:
+        cands["model in fp32, K/V unquantized"] = (model32, None, None)
+    cands |= {f"int8 sym / {name}": (m, f, f) for name, f in sym.items()}
+    cands |= {f"u8 affine / {name}": (m, f, f) for name, f in aff.items()}
+    cands[f"K u8 affine / {g}, V int8 sym / head"] = (m, aff[f"{g}"], sym["head"])
+    f8 = lambda x: symmetric(x, D, torch.float8_e4m3fn)  # noqa: E731
+    cands["fp8 e4m3 / head"] = (m, f8, f8)
+    nll = dict.fromkeys(cands, 0.0)
+    agree = dict.fromkeys(cands, 0)
+    n = 0
+    with torch.inference_mode():
+        for i, w in enumerate(windows):
+            t = torch.tensor([w])  # [1, n]
+            target, ref = t[0, 1:], None
+            for name, (mm, fk, fv) in cands.items():
+                step = None if fk is None and fv is None else FakeQuantStep(mm, fk, fv)
+                logits = mm(t, torch.arange(len(w))[None], step)[0, :-1].double()  # [n - 1, V]
+                nll[name] += F.cross_entropy(logits, target, reduction="sum").item()
+                top = logits.argmax(-1)
+                ref = top if ref is None else ref
+                agree[name] += int((top == ref).sum())
+            n += len(w) - 1
+            log(f"[screen{' fp32' if fp32_ref else ''}] window {i + 1}/{len(windows)}")
+    base = math.exp(nll["reference"] / n)
+    ref_name = "the model in fp32, K/V unquantized" if fp32_ref else "the model, K/V unquantized"
+    return {"positions": n, "reference": ref_name,
+            "candidates": {name: {"ppl": math.exp(nll[name] / n),
+                                  "ppl_rel_pct": 100 * (math.exp(nll[name] / n) - base) / base,
+                                  "top1_agree_pct": 100 * agree[name] / n, "differ": n - agree[name]}
+                           for name in cands}}
 
 
 def affine_u8(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -200,9 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--no-fidelity", action="store_true")
-    p.add_argument("--no-groups", action="store_true", help="leave out the per-group int8 candidate")
+    p.add_argument("--kv", default="int8,fp8_e4m3", help="8-bit forms of the paged fidelity runs")
+    p.add_argument("--screen", action="store_true", help="the fake-quant screen of quantizers (1b)")
+    p.add_argument("--screen-fp32", action="store_true", help="the screen in the fp32 model (1b)")
     p.add_argument("--out", default="results/kv8")
     a = p.parse_args(argv)
+    # a first start's kernels build in the background while torch's operations stand in: wait for
+    # them, so that every measured call takes one path
+    os.environ.setdefault("FMS_PAGED_WAIT_FOR_BUILDS", "1")
     path = a.model_path or str(default_model_path())
     contexts = [int(c) for c in a.contexts.split(",") if c]
     longest = max([a.window, *contexts]) + a.steps + a.warmup + 16
@@ -221,8 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         res["text"] = {"chars": len(text), "windows": len(windows), "window": a.window}
         res["granularity"] = granularity(model, windows[0])
         log(json.dumps(res["granularity"], indent=1))
-        res["fidelity"] = fidelity(model, windows, a.chunk, not a.no_groups)
-        log(json.dumps(res["fidelity"], indent=1))
+        res["positions"] = sum(len(w) - 1 for w in windows)
+        if a.screen or a.screen_fp32:
+            model32 = get_model(model_path=path, attn_impl="paged", dtype="float32", device="cpu",
+                                max_expected_seq_len=max(longest, 2048)).eval()
+            for key, on, fp32_ref in (("screen", a.screen, False), ("screen_fp32", a.screen_fp32, True)):
+                if on:
+                    res[key] = screen(model, model32, windows, fp32_ref)
+                    log(json.dumps(res[key], indent=1))
+        kinds = [k for k in a.kv.split(",") if k]
+        if kinds:
+            res["fidelity"] = fidelity(model, windows, a.chunk, kinds)
+            log(json.dumps(res["fidelity"], indent=1))
     if contexts:
         res["decode_speed"] = decode_speed(model, contexts, a.steps, a.warmup)
     out = Path(a.out)

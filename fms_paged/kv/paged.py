@@ -83,7 +83,6 @@ class PagedBackend:
         kernel: str = "auto",
         score_mod: Callable | None = None,
         kv_cache_dtype: str | None = None,
-        kv_group: int | None = None,
     ):
         c = model.config
         # what the pages store: the model's dtype ("auto"), or 8-bit values with fp32 scales
@@ -91,10 +90,6 @@ class PagedBackend:
         self.kv_cache_dtype = check_kv_cache_dtype(
             getattr(c, "kv_cache_dtype", "auto") if kv_cache_dtype is None else kv_cache_dtype)
         kv_dtype = storage_dtype(self.kv_cache_dtype, model.dtype)
-        # 8-bit pages: head dims per scale (None: the whole head, one scale per token and kv head,
-        # what the cpp kernel reads; a smaller group is read by gather alone: the granularity
-        # measurement of docs/benchmarks.md compares them)
-        self.kv_group = None if kv_group in (None, c.head_dim) else kv_group
         self.P = P = c.page_size
         self.device = model.device
         self.max_batch = max_batch
@@ -104,7 +99,7 @@ class PagedBackend:
         self.num_pages = num_pages or groups.num_slices * (pool_pages(max_batch, max_seq_len, P) - 1) + 1
         self.kernel = choose_kernel(kernel, self.device, P, head_dim=c.head_dim, dtype=model.dtype,
                                     score_mod=score_mod, sinks=any(s.sinks is not None for s in self.specs),
-                                    kv_dtype=kv_dtype, kv_grouped=self.kv_group is not None)
+                                    kv_dtype=kv_dtype)
         if self.kernel.name == "flex" and self.device.type == "cuda":
             most = flex_max_pages(c.kvheads, c.head_dim, P)
             if self.num_pages > most:
@@ -118,14 +113,14 @@ class PagedBackend:
         shape = (1, c.kvheads, self.num_pages * P, c.head_dim)
         # a pool tensor per layer of a slice: [1, Hkv, num_pages * P, D], the j-th layer of every
         # slice reading tensor j (a page id belongs to one slice at a time), with an 8-bit pool's
-        # scales beside it ([1, Hkv, num_pages * P, G], addressed by slot as the values are; None
+        # scales beside it ([1, Hkv, num_pages * P, 1], addressed by slot as the values are; None
         # for 16/32 bits). Left uninitialised: a page is zeroed when a RESERVE hands it out
         # (`prepare_pages`), so pool memory is touched (on the CPU: faulted in) only as pages are
         # used. The null page is zeroed now: padding writes to it and the GATHER fallback reads it
         # for rows that see nothing.
         u = groups.layers_per_slice
-        k_store = [allocate(shape, kv_dtype, self.device, self.kv_group) for _ in range(u)]
-        v_store = [allocate(shape, kv_dtype, self.device, self.kv_group) for _ in range(u)]
+        k_store = [allocate(shape, kv_dtype, self.device) for _ in range(u)]
+        v_store = [allocate(shape, kv_dtype, self.device) for _ in range(u)]
         self.k_tensors = [p for p, _ in k_store] + [s for _, s in k_store if s is not None]
         self.v_tensors = [p for p, _ in v_store] + [s for _, s in v_store if s is not None]
         per_layer = groups.position_of  # layer -> its tensor

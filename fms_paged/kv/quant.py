@@ -3,16 +3,19 @@ written (quantized as ASSIGN writes them, never again) and read (dequantized by 
 
 `kv_cache_dtype` (vLLM's name): "auto" keeps K/V in the model's dtype; "int8" stores symmetric
 int8 (absmax / 127); "fp8_e4m3" stores float8_e4m3fn (absmax / 448). Either 8-bit form keeps one
-fp32 scale per token, kv head and group of `group` head dims beside the values:
+fp32 scale per token and kv head beside the values:
 
-    # values: [1, Hkv, num_pages * P, D]       int8 or float8_e4m3fn, slot = page * P + offset
-    # scales: [1, Hkv, num_pages * P, D // group]  fp32, indexed by slot exactly as the values are
+    # values: [1, Hkv, num_pages * P, D]  int8 or float8_e4m3fn, slot = page * P + offset
+    # scales: [1, Hkv, num_pages * P, 1]  fp32, indexed by slot exactly as the values are
 
 so every page operation (ASSIGN, GATHER, zeroing, copy-on-write) addresses both by slot along dim
-2. The default group is the whole head (one scale per token per head): docs/benchmarks.md has the
-measurement that chose it (error and perplexity of per-head, 64- and 32-wide groups, symmetric
-int8 against affine u8). A key is quantized once, from its own values alone, so a page never
-needs re-quantizing when later tokens arrive (KIVI's per-channel keys would).
+2. One scale per row is the one format: docs/benchmarks.md ("Quantizers screened") measured
+scales per 32 and 16 dims and affine u8 with a zero point against it, and none moved the top-1
+agreement or the perplexity beyond the measurement's own error, while each would cost the kernels
+arithmetic inside their dot products. A row is quantized once, from its own values alone, so a
+page never needs re-quantizing when later tokens arrive (KIVI's per-channel keys would).
+`quantize` / `dequantize` take a number of groups per row (the readers pass the scales' last
+dim, 1; the screen of scripts/kv_cache_fidelity.py passes others).
 """
 
 from __future__ import annotations
@@ -50,34 +53,29 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in _QMAX
 
 
-def bytes_per_value(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int,
-                    group: int | None = None) -> float:
+def bytes_per_value(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> float:
     """Bytes a page spends per K (or V) element, scales included."""
     dt = storage_dtype(kv_cache_dtype, model_dtype)
     size = torch.empty(0, dtype=dt).element_size()
     if not is_quantized(dt):
         return float(size)
-    return size + torch.empty(0, dtype=SCALE_DTYPE).element_size() / (group or head_dim)
+    return size + torch.empty(0, dtype=SCALE_DTYPE).element_size() / head_dim
 
 
-def scales_shape(pool_shape: tuple[int, ...], group: int | None = None) -> tuple[int, ...]:
-    """[L, Hkv, N, D] -> the scales' [L, Hkv, N, D // group] (group: default the whole head)."""
-    *lead, D = pool_shape
-    g = group or D
-    if D % g:
-        raise ValueError(f"quantization group {g} does not divide head_dim {D}")
-    return (*lead, D // g)
+def scales_shape(pool_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """[L, Hkv, N, D] -> the scales' [L, Hkv, N, 1]: one per token and kv head."""
+    return (*pool_shape[:-1], 1)
 
 
-def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-             group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def allocate(shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One pool's storage, uninitialised: (values [L, Hkv, N, D] of `dtype`, scales
-    [L, Hkv, N, D // group] fp32, or None for a 16/32-bit pool). The one place a layer's page
-    storage is made."""
+    [L, Hkv, N, 1] fp32, or None for a 16/32-bit pool). The one place a layer's page storage is
+    made."""
     values = torch.empty(shape, dtype=dtype, device=device)
     if not is_quantized(dtype):
         return values, None
-    return values, torch.empty(scales_shape(shape, group), dtype=SCALE_DTYPE, device=device)
+    return values, torch.empty(scales_shape(shape), dtype=SCALE_DTYPE, device=device)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from fms_paged.kv import cpu_kernel
 from fms_paged.kv._pool_ops import write_slots
 from fms_paged.kv.kernels import choose_kernel
 from fms_paged.kv.paged import PagedBackend
+from fms_paged.kv.quant import dequantize, quantize
 from fms_paged.native import build
 
 # a machine with a C++ compiler must build the kernel: a failed build fails these tests
@@ -288,6 +289,34 @@ def test_window_softcap_and_sinks_match_float64(isa, dtype, H, Hkv, window, soft
     out, ref, ref_abs = variant_call(isa, dtype, H, Hkv, P, window, softcap, sinks, monkeypatch)
     assert torch.isfinite(out).all()
     ok = within_rounding(out, ref, ref_abs)
+    assert ok.all(), f"{(~ok).sum().item()} outputs off by more than the dtype's rounding"
+
+
+@pytest.mark.parametrize("window,softcap,sinks,P", [
+    pytest.param(0, 0.0, None, 8, id="plain"),
+    pytest.param(5, 5.0, "small", 8, id="all-window5"),
+    pytest.param(40, 5.0, "big", 16, id="all-window40")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", isas())
+def test_int8_pools_on_each_isa_match_float64_of_dequantized(isa, dtype, window, softcap, sinks, P,
+                                                             monkeypatch):
+    """The int8-pool build ("attention_i8": 8-bit KV pages) on this CPU's build and on each
+    narrower one: int8 rows with one fp32 scale per token and kv head (`quant.quantize`, as ASSIGN
+    writes them), prefill chunks from 0 and continuing, decode rows, GQA, windows, soft-cap and
+    sinks in one call, against the float64 reference over the dequantized pages. Every stale slot's
+    and every key's older than all its sequence's queries' windows has a NaN scale: never read (or
+    never let through). The build converts rows to fp32 as it loads them and never rounds a
+    probability, so the bound is `within_rounding`'s without the |v| term."""
+    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
+    q, k, v, kp, vp, table, slots, chunks, sinks = variant_inputs(dtype, 4, 2, P, window, softcap, sinks)
+    (kq, ks), (vq, vs) = (quantize(torch.nan_to_num(x, nan=0.0), torch.int8, 1) for x in (k, v))
+    ks[kp[..., :1].isnan()] = float("nan")  # [1, Hkv, NP, 1]: the slots the kernel must not read
+    vs[vp[..., :1].isnan()] = float("nan")
+    out = run(q, kq, vq, table, chunks, P, window=window, softcap=softcap, sinks=sinks,
+              k_scales=ks, v_scales=vs)
+    kd, vd = (dequantize(x, s.nan_to_num(0.0), torch.float64) for x, s in ((kq, ks), (vq, vs)))
+    assert torch.isfinite(out).all()
+    ok = within_rounding(out, reference(q, kd, vd, slots, chunks, 4, window, softcap, sinks))
     assert ok.all(), f"{(~ok).sum().item()} outputs off by more than the dtype's rounding"
 
 

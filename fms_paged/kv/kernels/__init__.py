@@ -53,21 +53,19 @@ __all__ = [
 def choose_kernel(kernel: str, device: torch.device, page_size: int | None = None, *,
                   head_dim: int | None = None, dtype: torch.dtype | None = None,
                   score_mod: Callable | None = None, sinks: bool = False,
-                  kv_dtype: torch.dtype | None = None, kv_grouped: bool = False) -> Kernel:
+                  kv_dtype: torch.dtype | None = None) -> Kernel:
     """The kernel to run: `kernel` itself (checked), or for "auto" the first that serves the model
     here: cpp (needs `head_dim` and `dtype`; no score_mod), flex, gather (announced).
     `kv_dtype`: what the pages store (default `dtype`); 8-bit pages (`fms_paged.kv.quant`) are
     read by the kernels that dequantize them: gather (and cpp for int8; flex is refused: torch's
     flex_attention reads K and V as stored, and a `score_mod` could fold a key's scale into its
     score, but a value's scale multiplies after the softmax, which flex cannot express, so it
-    would need a dequantized copy of the whole pool; `kv_grouped`: scales per group of head dims,
-    which gather alone reads). ValueError for a kernel that cannot serve the model (cpp without
-    its requirements, gather with a score_mod: only flex applies one; flex on the CPU for a model
-    with attention `sinks`: inductor's CPU flex_attention returns no log-sum-exp, which they
-    need)."""
+    would need a dequantized copy of the whole pool). ValueError for a kernel that cannot serve the
+    model (cpp without its requirements, gather with a score_mod: only flex applies one; flex on
+    the CPU for a model with attention `sinks`: inductor's CPU flex_attention returns no
+    log-sum-exp, which they need)."""
     eight_bit = kv_dtype is not None and is_quantized(kv_dtype)
-    name = _choose(kernel, device, page_size, head_dim, dtype, score_mod, kv_dtype if eight_bit else None,
-                   kv_grouped)
+    name = _choose(kernel, device, page_size, head_dim, dtype, score_mod, kv_dtype if eight_bit else None)
     if name == "flex" and sinks and device.type == "cpu":
         raise ValueError("kernel='flex' cannot apply attention sinks on the CPU: inductor's CPU "
                          "flex_attention does not return the log-sum-exp they need (cpp and gather do)")
@@ -83,12 +81,11 @@ def _make(name: str, device: torch.device, page_size: int, score_mod: Callable |
 
 
 def _choose(kernel: str, device: torch.device, page_size: int | None, head_dim: int | None,
-            dtype: torch.dtype | None, score_mod: Callable | None, kv_8bit: torch.dtype | None = None,
-            kv_grouped: bool = False) -> str:
+            dtype: torch.dtype | None, score_mod: Callable | None, kv_8bit: torch.dtype | None = None) -> str:
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; expected one of {KERNELS}")
     if kv_8bit is not None:
-        return _choose_8bit(kernel, device, page_size, head_dim, dtype, score_mod, kv_8bit, kv_grouped)
+        return _choose_8bit(kernel, device, page_size, head_dim, dtype, score_mod, kv_8bit)
     cpp_reason = None
     if kernel in ("auto", "cpp"):
         cpp_reason = "it cannot apply a score_mod" if score_mod is not None else (
@@ -116,8 +113,7 @@ def _choose(kernel: str, device: torch.device, page_size: int | None, head_dim: 
 
 
 def _choose_8bit(kernel: str, device: torch.device, page_size: int | None, head_dim: int | None,
-                 dtype: torch.dtype | None, score_mod: Callable | None, kv_dtype: torch.dtype,
-                 kv_grouped: bool = False) -> str:
+                 dtype: torch.dtype | None, score_mod: Callable | None, kv_dtype: torch.dtype) -> str:
     """`_choose` for 8-bit pages: flex is refused (flex_attention takes K/V in the query's dtype),
     cpp reads int8 pages where it serves the model, gather reads both 8-bit forms."""
     what = f"8-bit KV pages ({kv_dtype})"
@@ -128,8 +124,7 @@ def _choose_8bit(kernel: str, device: torch.device, page_size: int | None, head_
         raise ValueError(f"kernel='flex' cannot read {what}: flex_attention reads K and V as stored and "
                          "cannot apply a value's scale (after the softmax); use kernel='gather' (or "
                          "kv_cache_dtype='auto')")
-    cpp_reason = ("it reads one scale per token and kv head, not per group of head dims" if kv_grouped
-                  else cpp_8bit_reason(device, dtype, head_dim, page_size, kv_dtype))
+    cpp_reason = cpp_8bit_reason(device, dtype, head_dim, page_size, kv_dtype)
     if kernel == "cpp" and cpp_reason is not None:
         raise ValueError(f"kernel='cpp' cannot serve this model with {what}: {cpp_reason}")
     if kernel == "auto":
