@@ -24,7 +24,12 @@ What llama.cpp's converter changed, undone here:
 
 Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (`SUPPORTED_TYPES`: what
 Q4_K_M / Q5_K_M / Q8_0 / Q4_0 files hold); others (Q2_K, Q3_K, the IQ and ternary types) are refused.
-Weights are held dequantized in the model's dtype (kernels on the quantized blocks are later work).
+On the CPU, the decoder's projections stored as Q8_0 or Q4_0 are held as the file's blocks
+(`fms_paged.modules.quantized.BlockLinear`, run by the qgemv kernel on the blocks, inside the
+one-call forward), where q/k/v of a layer are all such and gate/up alike (`_kept_as_blocks`);
+every other tensor (the embedding and a tied head among them, other block types) is dequantized
+into the model's dtype. `gguf_blocks=False` dequantizes everything (the reference the tests
+compare the kernel with).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from fms_paged.models import hugepages
 from fms_paged.models.families import CheckpointError
 from fms_paged.models.hf import config_from_hf, hf_to_ours_name, unpermute_rope
 from fms_paged.models.llama import LLaMA, LLaMAConfig
+from fms_paged.modules.quantized import BLOCK_TYPES, QK, BlockLinear
 from fms_paged.modules.positions import rope_inv_freq
 
 try:
@@ -338,6 +344,32 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
     return values + t.offset if t.offset else values
 
 
+# our names of a layer's projections (`.weight` after each), the groups one kernel call computes
+_QKV = ("attn.in_proj.query", "attn.in_proj.key", "attn.in_proj.value")
+_GATE_UP = ("ff_sub_module.wg", "ff_sub_module.w1")
+_PROJECTIONS = (*_QKV, "attn.dense", *_GATE_UP, "ff_sub_module.w2")
+
+
+def _kept_as_blocks(reader: GGUFReader, config: LLaMAConfig) -> dict[str, str]:
+    """Our name -> ggml type of each projection held as its GGUF blocks: Q8_0 / Q4_0, in a layer
+    whose q/k/v are all such (one kernel call computes them), gate/up alike."""
+    arch = _field(reader, "general.architecture")
+    names = GGUF_NAMES + (_GEMMA_NORMS if arch in _GEMMA else _LLAMA_NORMS)
+    kinds: dict[str, str] = {}
+    for t in reader.tensors:
+        hf_name = _gguf_to_hf(t.name, names)
+        name = hf_to_ours_name(hf_name, config.family) if hf_name is not None else None
+        if name is not None and t.tensor_type.name in BLOCK_TYPES:
+            kinds[name] = t.tensor_type.name
+    kept = {}
+    for i in range(config.nlayers):
+        for group in (_QKV, ("attn.dense",), _GATE_UP, ("ff_sub_module.w2",)):
+            full = [f"layers.{i}.{p}.weight" for p in group]
+            if all(n in kinds for n in full):
+                kept.update({n: kinds[n] for n in full})
+    return kept
+
+
 def _file_dtype(reader: GGUFReader) -> torch.dtype:
     """The dtype a model loads in when none is asked for: BF16 / F16 when every matrix is stored so,
     else fp32 (what llama.cpp computes block types in)."""
@@ -351,11 +383,14 @@ def load_gguf(
     attn_impl: str = "sdpa",
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    gguf_blocks: bool = True,
     **config_overrides: Any,
 ) -> LLaMA:
     """A GGUF file (or a directory holding one) as our model, each tensor dequantized into its
-    parameter in `dtype` (None: `_file_dtype`) as it is read. Raises before returning anything
-    when a tensor is missing, unexpected, of the wrong shape, of an unsupported type or cut short."""
+    parameter in `dtype` (None: `_file_dtype`) as it is read, except on the CPU (with
+    `gguf_blocks`) the projections held as their Q8_0 / Q4_0 blocks (`_kept_as_blocks`). Raises
+    before returning anything when a tensor is missing, unexpected, of the wrong shape, of an
+    unsupported type or cut short."""
     reader = open_gguf(model_path)
     path = find_gguf(model_path)
     config = config_from_hf(hf_config(reader), attn_impl=attn_impl, **config_overrides)
@@ -363,20 +398,35 @@ def load_gguf(
     native.prebuild_model(torch.device(device), dtype, config.head_dim, attn_impl)
     with torch.device("meta"):
         model = LLaMA(config)
+    kept = _kept_as_blocks(reader, config) if gguf_blocks and torch.device(device).type == "cpu" else {}
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if config.tie_heads:
         expected.pop("head.weight")
+    for name, kind in kept.items():  # each such projection a BlockLinear (on meta, filled below)
+        parent_name, attr = name.removesuffix(".weight").rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        n, k = old.weight.shape
+        with torch.device("meta"):
+            blocks = torch.empty(n, k // QK, BLOCK_TYPES[kind], dtype=torch.uint8)
+            bias = None if old.bias is None else torch.empty(n, dtype=old.bias.dtype)
+        setattr(parent, attr, BlockLinear(blocks, kind, bias))
     state: dict[str, torch.Tensor] = {}
     # CPU weights go straight into huge pages, as a checkpoint's do (models/hugepages.py)
     arena = None
     if torch.device(device).type == "cpu":
-        arena = hugepages.arena_for(math.prod(s) * dtype.itemsize for s in expected.values())
+        arena = hugepages.arena_for(math.prod(s) * dtype.itemsize for n, s in expected.items() if n not in kept)
     for t in tensors(reader, config):
         if t.name not in expected:
             raise CheckpointError(f"{path.name}: unexpected tensor {t.gguf_name!r} for this config")
         if t.shape != tuple(expected[t.name]):
             raise CheckpointError(f"{path.name}: tensor {t.gguf_name!r} has shape {t.shape}, expected "
                                   f"{tuple(expected[t.name])} for this config")
+        if t.name in kept:  # the file's blocks themselves, one copy out of the map
+            n, k = t.shape
+            blocks = torch.from_numpy(np.array(t.raw, dtype=np.uint8)).reshape(n, k // QK, BLOCK_TYPES[t.ggml_type])
+            state[t.name.removesuffix("weight") + "blocks"] = blocks
+            continue
         try:
             values = dequantize(t)
         except (ValueError, IndexError) as e:
@@ -387,6 +437,8 @@ def load_gguf(
             state[t.name] = values.to(device=device, dtype=dtype).contiguous()
         else:
             state[t.name] = dst.copy_(values)
+    for name in kept:
+        expected.pop(name)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{path.name} is missing tensors: {missing[:8]}")
@@ -411,8 +463,10 @@ def file_summary(model_path: str | os.PathLike) -> dict[str, str]:
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
     out = {"file": str(find_gguf(model_path)), "architecture": str(_field(reader, "general.architecture")),
            "tensor types": ", ".join(kinds),
-           "kernel": "dequantized at load into the model's dtype (fp32 for block types unless --dtype); "
-                     "the dtype's GEMMs (`fms-paged info`, per dtype); no kernel on quantized blocks yet"}
+           "kernel": "on the CPU, Q8_0 / Q4_0 projections held as the file's blocks and run by the fms_paged "
+                     "qgemv kernel (int8 activations per block of 32, integer dot products), inside the "
+                     "one-call forward; every other tensor dequantized at load into the model's dtype (fp32 "
+                     "for block types unless --dtype) and run by that dtype's GEMMs"}
     layers = sorted((k for k in per if k != "other"), key=lambda k: int(k.split()[1]))
     out.update({k: ", ".join(per[k]) for k in layers + (["other"] if "other" in per else [])})
     return out

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fms_paged import native
 from fms_paged.kv.groups import layer_groups
 from fms_paged.kv.quant import check_kv_cache_dtype
 from fms_paged.kv.spec import AttentionSpec
@@ -40,6 +41,7 @@ from fms_paged.modules import (
     RotaryEmbedding,
 )
 from fms_paged.modules.attention import AttentionStep
+from fms_paged.modules.quantized import BlockLinear
 from fms_paged.modules.feedforward import ACTIVATIONS, swiglu_hidden_dim
 
 ATTN_IMPLS = ("sdpa", "paged")
@@ -200,19 +202,23 @@ class LLaMABlock(nn.Module):
         """The block's weights in the order of a `fms_paged::DecoderStack` (None where the family
         has none), or None where its projections are not this module's own packed CPU `Linear`s
         (a rank's split ones: `fms_paged.parallel`; `linear_impl="torch"`) or only some of q/k/v
-        have a bias."""
+        have a bias. A projection held as GGUF blocks (`BlockLinear`) gives its blocks (the stack
+        runs them by the qgemv kernel), where q/k/v are all held so or none, and gate/up alike."""
         a, f = self.attn, self.ff_sub_module
         qkv = a.in_proj
         projections = (qkv.query, qkv.key, qkv.value, a.dense, f.wg, f.w1, f.w2)
-        if not all(type(m) is Linear and m.pack for m in projections):
+        if not all((type(m) is Linear and m.pack) or type(m) is BlockLinear for m in projections):
+            return None
+        blocks = [type(m) is BlockLinear for m in projections]
+        if len(set(blocks[:3])) > 1 or blocks[4] != blocks[5]:
             return None
         biases = [m.bias for m in projections[:3]]
         if len({b is None for b in biases}) > 1:
             return None
         norms = (a.q_norm, a.k_norm, self.post_attn_ln, self.post_ff_ln)
         qn, kn, pa, pf = (None if m is None else m.weight for m in norms)
-        return [self.ln.weight, *(m.weight for m in projections[:3]), *biases, qn, kn, a.dense.weight, pa,
-                self.ff_ln.weight, f.wg.weight, f.w1.weight, f.w2.weight, pf]
+        w = [m.blocks if type(m) is BlockLinear else m.weight for m in projections]
+        return [self.ln.weight, *w[:3], *biases, qn, kn, w[3], pa, self.ff_ln.weight, *w[4:], pf]
 
 
 # Each model's DecoderStack and whether its ends are set (`LLaMA._stack`), as made since the last
@@ -362,6 +368,10 @@ class LLaMA(nn.Module):
                 weights = None
                 break
             weights += w
+        if weights is not None and any(w is not None and w.dtype == torch.uint8 for w in weights):
+            # GGUF blocks: the stack runs them by the qgemv kernel, for the activations' dtype
+            if native.load_qgemv(self.embedding.weight.dtype) is not None:
+                weights = None
         if weights is not None:
             c, specs = self.config, self.attention_specs()
             stack = torch.classes.fms_paged.DecoderStack(

@@ -31,6 +31,14 @@
   X(const T* const*, weights) X(const int64_t*, rows) X(int64_t, n_weights)                     \
   X(T*, y) X(int32_t, threads)
 
+// y [M, sum of rows] = x [M, K] (row stride x_st) times each weight weights[i] [rows[i], K]^T held
+// as GGUF blocks of 32 (ggml type types[i]: 8 Q8_0, 2 Q4_0; rows of K / 32 blocks, raw bytes), side
+// by side; threads: at most this many (kernels/qgemv.cpp).
+#define FMS_PAGED_QGEMV_FIELDS(X)                                                               \
+  X(const T*, x) X(int64_t, M) X(int64_t, K) X(int64_t, x_st)                                   \
+  X(const int8_t* const*, weights) X(const int64_t*, rows) X(const int32_t*, types)             \
+  X(int64_t, n_weights) X(T*, y) X(int32_t, threads)
+
 // op on M rows (threads: at most this many), what a decoder block does between its projections:
 // - 0 (RMSNorm): out [M, n] = norm(x rows [M, n] at row stride x_st) with weight w, eps and
 //   unit_offset (1: Gemma's (1 + w));

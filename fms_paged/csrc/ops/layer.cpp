@@ -47,6 +47,7 @@ struct Layer {
   std::array<const at::Tensor*, kLayerWeights> w;  // (oneDNN's GEMM takes the tensors: prefill rows)
   std::array<const void*, kLayerWeights> p;
   std::array<int64_t, kLayerWeights> n;  // rows (a vector's length)
+  std::array<int32_t, kLayerWeights> type;  // a projection held as GGUF blocks: its ggml type (block_type), else 0
   const float *cos, *sin;
   PoolPtrs pools;
   double scale, softcap;
@@ -56,16 +57,27 @@ struct Layer {
 
 // the projections: y [M, sum N] = x [M, K] (row stride x_st) @ a block's weights `which`^T, by the
 // GEMV kernel for at most gemv_rows rows, else as `linear` computes it (oneDNN's packed GEMM, or
-// at::linear)
+// at::linear); weights held as GGUF blocks (all of `which` or none: checked when the stack is
+// made) by the qgemv kernel (qfn) for any number of rows
 struct Mm {
   KernelFn fn;
   int e;
   int64_t gemv_rows;
   at::TensorOptions opts;
+  KernelFn qfn = nullptr;
   // -> where the product [M, sum N] is: y, or (oneDNN's) the rows of `out`, which holds them
   template <class T>
   T* operator()(const void* x, int64_t M, int64_t K, int64_t x_st, std::initializer_list<Weight> which,
                 const Layer& L, T* y, at::Tensor& out) const {
+    if (L.type[*which.begin()]) {
+      std::array<const void*, 3> ptrs;
+      std::array<int64_t, 3> rows;
+      std::array<int32_t, 3> types;
+      int64_t i = 0;
+      for (Weight j : which) ptrs[i] = L.p[j], rows[i] = L.n[j], types[i++] = L.type[j];
+      run_qgemv(qfn, e, x, M, K, x_st, ptrs.data(), rows.data(), types.data(), i, y);
+      return y;
+    }
     if (M <= gemv_rows) {
       std::array<const void*, 3> ptrs;
       std::array<int64_t, 3> rows;
@@ -148,9 +160,16 @@ std::string names(const std::vector<at::Tensor>& weights, int64_t i) {  // "ln (
 // and head dim D)
 void check_weights(const DecoderStack& s, int64_t i) {
   auto w = [&](int64_t j) { return s.weight(i, j); };
+  // the projections may be GGUF blocks (block_type), q/k/v alike and gate/up alike
+  auto blocks = [&](int64_t j) { return w(j) && block_type(*w(j)) != 0; };
+  const bool projection[kLayerWeights] = {false, true, true, true, false, false, false, false, false,
+                                          true, false, false, true, true, true, false};
+  TORCH_CHECK_VALUE(blocks(1) == blocks(2) && blocks(1) == blocks(3) && blocks(12) == blocks(13),
+                    "DecoderStack: layer ", i, ": q, k and v must be held alike (all GGUF blocks or none), and gate ",
+                    "and up alike, got ", names(s.weights, i));
   for (int64_t j = 0; j < kLayerWeights; ++j) {
     const at::Tensor* t = w(j);
-    TORCH_CHECK_VALUE(!t || (t->scalar_type() == s.dtype && t->is_cpu() && t->is_contiguous()),
+    TORCH_CHECK_VALUE(!t || (projection[j] && blocks(j)) || (t->scalar_type() == s.dtype && t->is_cpu() && t->is_contiguous()),
                       "DecoderStack: layer ", i, ": every weight must be a contiguous CPU tensor of the stack's dtype ",
                       dtype_name(s.dtype), " (its ln's), got ", kWeightNames[j], " ", dtype_name(t->scalar_type()), " ",
                       shape(*t), t->is_contiguous() ? "" : " (not contiguous)", " on ", t->device());
@@ -161,6 +180,7 @@ void check_weights(const DecoderStack& s, int64_t i) {
   const int64_t H = required && D ? w(1)->size(0) / D : 0, Hkv = required && D ? w(2)->size(0) / D : 0;
   const int64_t F = required ? w(12)->size(0) : 0;
   auto mat = [&](int64_t j, int64_t rows, int64_t cols) {
+    if (blocks(j)) return w(j)->size(0) == rows && block_cols(*w(j)) == cols;
     return w(j)->dim() == 2 && w(j)->size(0) == rows && w(j)->size(1) == cols;
   };
   auto vec = [&](int64_t j, int64_t n) { return !w(j) || (w(j)->dim() == 1 && w(j)->numel() == n); };
@@ -246,7 +266,8 @@ namespace {
 void check_unchanged(const DecoderStack& s) {
   for (size_t j = 0; j < s.weights.size(); ++j) {
     const at::Tensor& w = s.weights[j];
-    if (!w.defined() || (w.scalar_type() == s.dtype && w.sizes() == at::IntArrayRef(s.shapes[j]) && w.is_contiguous()))
+    if (!w.defined() || ((w.scalar_type() == s.dtype || block_type(w)) && w.sizes() == at::IntArrayRef(s.shapes[j]) &&
+                         w.is_contiguous()))
       continue;
     const int64_t i = (int64_t)j / kLayerWeights;
     TORCH_CHECK_VALUE(false, "decoder_stack: layer ", i, "'s ", kWeightNames[j % kLayerWeights], " is now ",
@@ -346,7 +367,7 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
   const int e = elem_index(s.dtype);
   const bool i8 = k_scales.has_value();  // 8-bit KV pages (checked: check_step)
   const KernelFn attn = i8 ? attention_i8_fn(e, s.head_dim) : attention_fn(e, s.head_dim), mm = gemv_fn(e),
-                 rows_kernel = rows_fn(e);
+                 rows_kernel = rows_fn(e), qmm = qgemv_fn(e);
   TORCH_CHECK(attn && mm && rows_kernel, "decoder_stack: no ", !attn ? "attention" : !mm ? "GEMV" : "rows",
               " kernel loaded for ", dtype_name(s.dtype), attn ? "" : " and head_dim=" + std::to_string(s.head_dim),
               " (fms_paged.native.load_attention and fms_paged.native.load_gemv load them)");
@@ -357,6 +378,9 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
     for (int64_t j = 0; j < kLayerWeights; ++j) {
       const at::Tensor* t = s.weight(i, j);
       L.w[j] = t, L.p[j] = t ? t->data_ptr() : nullptr, L.n[j] = t ? t->size(0) : 0;
+      L.type[j] = t ? block_type(*t) : 0;
+      TORCH_CHECK(!L.type[j] || qmm, "decoder_stack: layer ", i, " holds GGUF blocks and no qgemv kernel is loaded ",
+                  "for ", dtype_name(s.dtype), " (fms_paged.native.load_qgemv loads it)");
     }
     const int64_t r = s.rope_index[i];
     L.cos = cos[r].data_ptr<float>(), L.sin = sin[r].data_ptr<float>(), L.pools = pool_ptrs(k_pools[i], v_pools[i]);
@@ -387,7 +411,7 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
   void *h = base, *y = base + M * wide * x.element_size(), *att = base + 2 * M * wide * x.element_size();
   by_elem(e, [&](auto t) {
     using T = decltype(t);
-    const Mm project{mm, e, linear_gemv_rows(), x.options()};
+    const Mm project{mm, e, linear_gemv_rows(), x.options(), qmm};
     const Rows<T> rows{rows_kernel, s.eps, s.unit_offset};
     for (int64_t i = 0; i < n; ++i) {
       const int64_t g = G == 1 ? 0 : s.slices[i];
