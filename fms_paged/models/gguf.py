@@ -50,8 +50,8 @@ from fms_paged.models import hugepages
 from fms_paged.models.families import CheckpointError
 from fms_paged.models.hf import config_from_hf, hf_to_ours_name, unpermute_rope
 from fms_paged.models.llama import LLaMA, LLaMAConfig
-from fms_paged.modules.quantized import BLOCK_TYPES, QK, BlockLinear
 from fms_paged.modules.positions import rope_inv_freq
+from fms_paged.modules.quantized import BLOCK_TYPES, QK, BlockLinear
 
 try:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
@@ -415,7 +415,8 @@ def load_gguf(
     # CPU weights go straight into huge pages, as a checkpoint's do (models/hugepages.py)
     arena = None
     if torch.device(device).type == "cpu":
-        arena = hugepages.arena_for(math.prod(s) * dtype.itemsize for n, s in expected.items() if n not in kept)
+        arena = hugepages.arena_for(math.prod(s) * dtype.itemsize
+                                    for n, s in expected.items() if n not in kept)
     for t in tensors(reader, config):
         if t.name not in expected:
             raise CheckpointError(f"{path.name}: unexpected tensor {t.gguf_name!r} for this config")
@@ -424,7 +425,8 @@ def load_gguf(
                                   f"{tuple(expected[t.name])} for this config")
         if t.name in kept:  # the file's blocks themselves, one copy out of the map
             n, k = t.shape
-            blocks = torch.from_numpy(np.array(t.raw, dtype=np.uint8)).reshape(n, k // QK, BLOCK_TYPES[t.ggml_type])
+            blocks = torch.from_numpy(np.array(t.raw, dtype=np.uint8))
+            blocks = blocks.reshape(n, k // QK, BLOCK_TYPES[t.ggml_type])
             state[t.name.removesuffix("weight") + "blocks"] = blocks
             continue
         try:

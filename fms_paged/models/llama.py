@@ -41,8 +41,8 @@ from fms_paged.modules import (
     RotaryEmbedding,
 )
 from fms_paged.modules.attention import AttentionStep
-from fms_paged.modules.quantized import BlockLinear
 from fms_paged.modules.feedforward import ACTIVATIONS, swiglu_hidden_dim
+from fms_paged.modules.quantized import BlockLinear
 
 ATTN_IMPLS = ("sdpa", "paged")
 LAYER_TYPES = ("full_attention", "sliding_attention")

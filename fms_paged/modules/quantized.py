@@ -40,7 +40,8 @@ from torch import nn
 from fms_paged import native
 from fms_paged.modules.linear import Linear
 
-__all__ = ["BLOCK_TYPES", "BlockLinear", "DEFAULT_GROUP_SIZE", "GROUP_SIZES", "QUANTIZATIONS", "QuantizationError", "QuantizedLinear",
+__all__ = ["BLOCK_TYPES", "BlockLinear", "DEFAULT_GROUP_SIZE", "GROUP_SIZES", "QUANTIZATIONS",
+           "QuantizationError", "QuantizedLinear", "dequantize_blocks", "qgemv_isa",
            "check", "check_scheme", "describe", "layer_formats", "quantize_model", "quantize_weight"]
 
 QUANTIZATIONS = ("int8", "int4")
@@ -197,7 +198,8 @@ def qgemv_isa() -> str:
     return "scalar"
 
 
-def dequantize_blocks(blocks: torch.Tensor, ggml_type: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def dequantize_blocks(blocks: torch.Tensor, ggml_type: str,
+                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """GGUF blocks [N, K / 32, bytes] of `ggml_type` (Q8_0, Q4_0) -> the weight [N, K] in `dtype`,
     exactly (each value is an fp16 scale times a small integer: exact in float64 and fp32)."""
     n, nb, _ = blocks.shape
@@ -208,7 +210,8 @@ def dequantize_blocks(blocks: torch.Tensor, ggml_type: str, dtype: torch.dtype =
         qs = blocks[..., 2:].to(torch.int16)  # [N, nb, 16]: element j (low nibble), j + 16 (high)
         q = (torch.cat([qs & 0x0F, qs >> 4], dim=-1) - 8).to(dtype)
     else:
-        raise QuantizationError(f"GGUF block type {ggml_type!r}; the qgemv kernel reads {', '.join(BLOCK_TYPES)}")
+        raise QuantizationError(f"GGUF block type {ggml_type!r}; the qgemv kernel reads "
+                                f"{', '.join(BLOCK_TYPES)}")
     return (q * d).reshape(n, nb * QK)
 
 
@@ -224,7 +227,8 @@ class BlockLinear(nn.Module):
         if ggml_type not in BLOCK_TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 3 or \
                 blocks.shape[-1] != BLOCK_TYPES.get(ggml_type):
             raise QuantizationError(f"BlockLinear: {ggml_type} blocks as uint8 [N, K / 32, "
-                                    f"{BLOCK_TYPES.get(ggml_type)}], got {blocks.dtype} {tuple(blocks.shape)}; "
+                                    f"{BLOCK_TYPES.get(ggml_type)}], got {blocks.dtype} "
+                                    f"{tuple(blocks.shape)}; "
                                     f"types read: {', '.join(BLOCK_TYPES)}")
         self.ggml_type = ggml_type
         self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * QK
@@ -243,7 +247,8 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
-        if x.device.type == "cpu" and (native.kernel_ready("qgemv", x.dtype) or native.load_qgemv(x.dtype) is None):
+        if x.device.type == "cpu" and (native.kernel_ready("qgemv", x.dtype)
+                                       or native.load_qgemv(x.dtype) is None):
             return torch.ops.fms_paged.qlinear(x, [self.blocks], self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 

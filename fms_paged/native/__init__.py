@@ -60,7 +60,8 @@ from fms_paged.native.fakes import register_fakes
 __all__ = [
     "ATTENTION_SOURCE", "ELEM_TYPES", "GEMV_SOURCE", "HEAD_DIM_MULTIPLE", "ISAS", "PAGE_MULTIPLE",
     "ROWS_SOURCE", "build_all", "cache_dir", "compiler", "compiling", "configure", "cpu_flags", "deferred",
-    "elem", "isa", "kernel_clock", "kernel_isa", "kernel_ready", "load_attention", "load_gemv", "load_qgemv", "ops",
+    "elem", "isa", "kernel_clock", "kernel_isa", "kernel_ready", "load_attention", "load_gemv", "load_qgemv",
+    "ops",
     "ops_loaded", "prebuild", "prebuild_attention", "prebuild_kernels", "prebuild_model", "ready", "register",
     "require_builds", "wait_for_builds", "yielding_to_builds",
 ]
