@@ -51,7 +51,7 @@ from fms_paged.models.families import CheckpointError
 from fms_paged.models.hf import config_from_hf, hf_to_ours_name, unpermute_rope
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules.positions import rope_inv_freq
-from fms_paged.modules.quantized import BLOCK_TYPES, QK, BlockLinear
+from fms_paged.modules.quantized import BLOCK_TYPES, QK, BlockEmbedding, BlockLinear
 
 try:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
@@ -351,8 +351,9 @@ _PROJECTIONS = (*_QKV, "attn.dense", *_GATE_UP, "ff_sub_module.w2")
 
 
 def _kept_as_blocks(reader: GGUFReader, config: LLaMAConfig) -> dict[str, str]:
-    """Our name -> ggml type of each projection held as its GGUF blocks: Q8_0 / Q4_0, in a layer
-    whose q/k/v are all such (one kernel call computes them), gate/up alike."""
+    """Our name -> ggml type of each tensor held as its GGUF blocks: Q8_0 / Q4_0 projections, in a
+    layer whose q/k/v are all such (one kernel call computes them), gate/up alike; the embedding
+    and the head where they are Q8_0 / Q4_0 (a tied head shares the embedding's blocks)."""
     arch = _field(reader, "general.architecture")
     names = GGUF_NAMES + (_GEMMA_NORMS if arch in _GEMMA else _LLAMA_NORMS)
     kinds: dict[str, str] = {}
@@ -361,7 +362,7 @@ def _kept_as_blocks(reader: GGUFReader, config: LLaMAConfig) -> dict[str, str]:
         name = hf_to_ours_name(hf_name, config.family) if hf_name is not None else None
         if name is not None and t.tensor_type.name in BLOCK_TYPES:
             kinds[name] = t.tensor_type.name
-    kept = {}
+    kept = {n: kinds[n] for n in ("embedding.weight", "head.weight") if n in kinds}
     for i in range(config.nlayers):
         for group in (_QKV, ("attn.dense",), _GATE_UP, ("ff_sub_module.w2",)):
             full = [f"layers.{i}.{p}.weight" for p in group]
@@ -402,8 +403,16 @@ def load_gguf(
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if config.tie_heads:
         expected.pop("head.weight")
+    if "embedding.weight" in kept:  # a BlockEmbedding (a tied head: a BlockLinear on its blocks, below)
+        kind = kept["embedding.weight"]
+        with torch.device("meta"):
+            blocks = torch.empty(config.src_vocab_size, config.emb_dim // QK, BLOCK_TYPES[kind],
+                                 dtype=torch.uint8)
+        model.embedding = BlockEmbedding(blocks, kind, dtype)
     for name, kind in kept.items():  # each such projection a BlockLinear (on meta, filled below)
-        parent_name, attr = name.removesuffix(".weight").rsplit(".", 1)
+        if name == "embedding.weight":
+            continue
+        parent_name, attr = name.removesuffix(".weight").rpartition(".")[::2]
         parent = model.get_submodule(parent_name)
         old = getattr(parent, attr)
         n, k = old.weight.shape
@@ -445,7 +454,9 @@ def load_gguf(
     if missing:
         raise CheckpointError(f"{path.name} is missing tensors: {missing[:8]}")
     model.load_state_dict(state, strict=not config.tie_heads, assign=True)
-    if config.tie_heads:
+    if config.tie_heads and type(model.embedding) is BlockEmbedding:  # one copy of the blocks for both
+        model.head = BlockLinear(model.embedding.blocks, model.embedding.ggml_type)
+    elif config.tie_heads:
         model.head.weight = model.embedding.weight
     model.reset_buffers()
     return model.eval()

@@ -42,7 +42,7 @@ from fms_paged.modules import (
 )
 from fms_paged.modules.attention import AttentionStep
 from fms_paged.modules.feedforward import ACTIVATIONS, swiglu_hidden_dim
-from fms_paged.modules.quantized import BlockLinear
+from fms_paged.modules.quantized import BlockEmbedding, BlockLinear
 
 ATTN_IMPLS = ("sdpa", "paged")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -302,7 +302,7 @@ class LLaMA(nn.Module):
 
     def reset_buffers(self) -> None:
         for rope in self.ropes:
-            rope.reset_buffers(self.embedding.weight.device)
+            rope.reset_buffers(self.device)
 
     def forward(
         self,
@@ -370,7 +370,7 @@ class LLaMA(nn.Module):
             weights += w
         if weights is not None and any(w is not None and w.dtype == torch.uint8 for w in weights):
             # GGUF blocks: the stack runs them by the qgemv kernel, for the activations' dtype
-            if native.load_qgemv(self.embedding.weight.dtype) is not None:
+            if native.load_qgemv(self.dtype) is not None:
                 weights = None
         if weights is not None:
             c, specs = self.config, self.attention_specs()
@@ -383,9 +383,17 @@ class LLaMA(nn.Module):
             groups = layer_groups(specs, grouped=self.attends_by_layer)
             if groups.grouped:  # each layer's page-table slice (a paged backend holds pages per group)
                 stack.set_slices(list(groups.slice_of))
-            emb, norm, head = self.embedding.weight, self.dec_norm.weight, self.head.weight
-            ends = type(self.head) is Linear and self.head.pack and self.head.bias is None and all(
-                w.dtype == weights[0].dtype and w.is_contiguous() for w in (emb, norm, head))
+            # (GGUF blocks: the embedding's rows dequantized per lookup, the head by the qgemv kernel)
+            emb = self.embedding.blocks if type(self.embedding) is BlockEmbedding else self.embedding.weight
+            norm = self.dec_norm.weight
+            head = self.head.blocks if type(self.head) is BlockLinear else self.head.weight
+            blocks = (type(self.head) is BlockLinear or type(self.embedding) is BlockEmbedding)
+            if blocks and native.load_qgemv(self.dtype) is not None:
+                head = None
+            ends = head is not None and (type(self.head) is BlockLinear or (
+                type(self.head) is Linear and self.head.pack)) and self.head.bias is None and all(
+                (w.dtype == weights[0].dtype or w.dtype == torch.uint8) and w.is_contiguous()
+                for w in (emb, norm, head))
             if ends:
                 stack.set_ends(emb, float(c.emb_scale), bool(c.emb_scale_in_dtype), norm, head,
                                float(c.logits_scaling), float(c.final_softcap or 0.0))
@@ -408,7 +416,10 @@ class LLaMA(nn.Module):
         # the lookup alone: nn.Embedding.forward hands F.embedding its float `norm_type`, which a
         # graph compiled with dynamic shapes (the prefill step) first traced as a symbolic float
         # and then traced again (a restart, seconds per 30-layer graph)
-        x = F.embedding(tokens, self.embedding.weight)
+        if type(self.embedding) is BlockEmbedding:  # GGUF blocks: the rows dequantized
+            x = self.embedding(tokens)
+        else:
+            x = F.embedding(tokens, self.embedding.weight)
         c = self.config
         if c.emb_scale != 1.0:
             scale = torch.tensor(c.emb_scale, dtype=x.dtype) if c.emb_scale_in_dtype else c.emb_scale
@@ -429,11 +440,14 @@ class LLaMA(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embedding.weight.device
+        return self.dec_norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embedding.weight.dtype
+        """The activations' dtype (the embedding's, or the final norm's where the embedding is
+        held as GGUF blocks)."""
+        emb = self.embedding
+        return emb.dtype if type(emb) is BlockEmbedding else emb.weight.dtype
 
 
 # Presets: shapes of the public checkpoints, plus `micro` for tests.

@@ -40,7 +40,8 @@ from torch import nn
 from fms_paged import native
 from fms_paged.modules.linear import Linear
 
-__all__ = ["BLOCK_TYPES", "BlockLinear", "DEFAULT_GROUP_SIZE", "GROUP_SIZES", "QUANTIZATIONS",
+__all__ = ["BLOCK_TYPES", "BlockEmbedding", "BlockLinear", "DEFAULT_GROUP_SIZE", "GROUP_SIZES",
+           "QUANTIZATIONS",
            "QuantizationError", "QuantizedLinear", "dequantize_blocks", "qgemv_isa",
            "check", "check_scheme", "describe", "layer_formats", "quantize_model", "quantize_weight"]
 
@@ -260,6 +261,36 @@ class BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.describe()}"
 
 
+class BlockEmbedding(nn.Module):
+    """The token embedding held as a GGUF file's blocks (`ggml_type` Q8_0 or Q4_0; `blocks` uint8
+    [V, C / 32, bytes per block]): a lookup dequantizes the rows it reads into `dtype` (the
+    model's), exactly where `dtype` is fp32 (an fp16 scale times a small integer). A tied head
+    shares the same blocks tensor (`BlockLinear(embedding.blocks, ...)`): one copy for both."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str, dtype: torch.dtype):
+        super().__init__()
+        if ggml_type not in BLOCK_TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 3:
+            raise QuantizationError(f"BlockEmbedding: {ggml_type} blocks as uint8 [V, C / 32, bytes], got "
+                                    f"{blocks.dtype} {tuple(blocks.shape)}; types read: "
+                                    f"{', '.join(BLOCK_TYPES)}")
+        self.ggml_type, self.dtype = ggml_type, dtype
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], blocks.shape[1] * QK
+        self.register_buffer("blocks", blocks)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [...] int64 -> [..., C] in the model's dtype
+        rows = self.blocks.index_select(0, tokens.reshape(-1))
+        return dequantize_blocks(rows, self.ggml_type, torch.float32).to(self.dtype).reshape(
+            *tokens.shape, self.embedding_dim)
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"GGUF {self.ggml_type} blocks, rows dequantized per lookup into {dtype}"
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.describe()}"
+
+
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str, Linear]]:
     """(parent, attribute, Linear) of each projection of the decoder blocks (not the LM head)."""
     found = []
@@ -305,7 +336,7 @@ def describe(model: nn.Module) -> list[dict[str, str]]:
                              "format": f"{str(m.weight.dtype).removeprefix('torch.')}, fms_paged linear"})
     head = model.head
     rows.append({"layer": "head", "module": "head",
-                 "format": head.describe() if isinstance(head, QuantizedLinear)
+                 "format": head.describe() if isinstance(head, (QuantizedLinear, BlockLinear))
                  else f"{str(head.weight.dtype).removeprefix('torch.')}, fms_paged linear"})
     return rows
 
@@ -325,5 +356,7 @@ def layer_formats(model: nn.Module) -> dict[str, str]:
             out[key] = fmt if layer == "head" else f"{fmt} ({len(mods)} projections)"
         else:
             out[key] = "; ".join(f"{', '.join(mods)}: {fmt}" for fmt, mods in formats.items())
-    out["embedding"] = str(model.embedding.weight.dtype).removeprefix("torch.")
+    emb = model.embedding
+    out["embedding"] = emb.describe() if isinstance(emb, BlockEmbedding) else \
+        str(emb.weight.dtype).removeprefix("torch.")
     return out

@@ -20,7 +20,12 @@ gguf = pytest.importorskip("gguf")
 
 from fms_paged import Engine, SamplingParams, generate, get_model, native  # noqa: E402
 from fms_paged.models.gguf import file_summary  # noqa: E402
-from fms_paged.modules.quantized import BlockLinear, dequantize_blocks, layer_formats  # noqa: E402
+from fms_paged.modules.quantized import (  # noqa: E402
+    BlockEmbedding,
+    BlockLinear,
+    dequantize_blocks,
+    layer_formats,
+)
 from tests.gguf_files import Q, prompt_ids, rel_err, write_gguf  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_0")
@@ -117,8 +122,9 @@ MODEL_REL = 5e-2
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_model_logits_and_engine_against_the_dequantized_model(kind, tmp_path):
-    """A llama GGUF of one block type: the projections load as blocks (no dequantized copy: the
-    model holds no fp32 tensor of their size), the one-call C++ forward takes them, logits (the
+    """A llama GGUF of one block type: every matrix loads as its blocks (projections, embedding and
+    head; no dequantized copy: the model's only fp32 tensors are its norms), the one-call C++
+    forward takes them, logits (the
     sdpa model and the paged one) within MODEL_REL of the dequantized model's, and the engine's
     greedy tokens from the cpp kernel equal the paged model's own."""
     file = tmp_path / "m.gguf"
@@ -126,10 +132,10 @@ def test_model_logits_and_engine_against_the_dequantized_model(kind, tmp_path):
     ref = get_model(model_path=file, device="cpu", dtype=torch.float32, gguf_blocks=False)
     dense = get_model(model_path=file, device="cpu", dtype=torch.float32)
     paged = get_model(model_path=file, device="cpu", dtype=torch.float32, attn_impl="paged", page_size=16)
-    block_mods = [m for m in paged.modules() if isinstance(m, BlockLinear)]
+    block_mods = [m for m in paged.layers.modules() if isinstance(m, BlockLinear)]
     assert len(block_mods) == 7 * paged.config.nlayers and all(m.ggml_type == kind for m in block_mods)
-    assert not any(p.dim() == 2 and p.shape == (m.out_features, m.in_features)
-                   for m in block_mods for p in paged.parameters())
+    assert isinstance(paged.embedding, BlockEmbedding) and isinstance(paged.head, BlockLinear)
+    assert all(p.dim() == 1 for p in paged.parameters())  # the norms' weights alone
     ids = prompt_ids(20)
     with torch.no_grad():
         want = ref(ids)

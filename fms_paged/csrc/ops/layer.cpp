@@ -231,7 +231,8 @@ void DecoderStack::set_ends(at::Tensor embedding_, double emb_scale_, bool in_dt
   TORCH_CHECK_VALUE(logits_scaling_ != 0.0 && final_softcap_ >= 0.0, "DecoderStack.set_ends: logits_scaling=",
                     py_float(logits_scaling_), ", final_softcap=", py_float(final_softcap_),
                     "; expected a non-zero divisor and a cap >= 0 (0: none)");
-  auto ok = [&](const at::Tensor& t, int64_t dim) {
+  auto ok = [&](const at::Tensor& t, int64_t dim) {  // (the embedding and head may be GGUF blocks)
+    if (dim == 2 && block_type(t)) return block_cols(t) == width;
     return t.scalar_type() == dtype && t.is_cpu() && t.is_contiguous() && t.dim() == dim && t.size(-1) == width;
   };
   TORCH_CHECK_VALUE(ok(embedding_, 2) && ok(final_norm_, 1) && ok(head_, 2), "DecoderStack.set_ends: the embedding [V, ",
@@ -278,8 +279,8 @@ void check_unchanged(const DecoderStack& s) {
   const std::array<const at::Tensor*, 3> ends = {&s.embedding, &s.final_norm, &s.head};
   for (size_t j = 0; j < ends.size(); ++j) {
     const at::Tensor& w = *ends[j];
-    TORCH_CHECK_VALUE(!w.defined() || (w.scalar_type() == s.dtype && w.sizes() == at::IntArrayRef(s.end_shapes[j]) &&
-                                       w.is_contiguous()),
+    TORCH_CHECK_VALUE(!w.defined() || ((w.scalar_type() == s.dtype || block_type(w)) &&
+                                       w.sizes() == at::IntArrayRef(s.end_shapes[j]) && w.is_contiguous()),
                       "decoder_stack: the ", std::array<const char*, 3>{"embedding", "final norm", "head"}[j],
                       " is now ", dtype_name(w.scalar_type()), " ", shape(w), "; the stack's ends were set with ",
                       dtype_name(s.dtype), " ", shape(s.end_shapes[j]), ": make a new DecoderStack");
@@ -467,7 +468,8 @@ at::Tensor forward_logits(const DecoderStack& s, const at::Tensor& tokens, const
                           const at::Tensor& chunks, int64_t page_size, const std::optional<at::Tensor>& logits_at,
                           const std::optional<at::TensorList>& k_scales, const std::optional<at::TensorList>& v_scales) {
   const int64_t B = tokens.size(0), S = tokens.size(1), M = B * S;
-  at::Tensor x = at::embedding(s.embedding, tokens).view({M, s.width});  // fresh: the residual stream
+  at::Tensor x = (block_type(s.embedding) ? block_embedding(s.embedding, tokens, s.dtype)
+                                          : at::embedding(s.embedding, tokens)).view({M, s.width});  // fresh: the residual stream
   if (s.emb_scale != 1.0)
     x = s.emb_scale_in_dtype ? at::mul(x, at::scalar_tensor(s.emb_scale, x.options()))
                              : at::mul(x, at::Scalar(s.emb_scale));
@@ -479,7 +481,8 @@ at::Tensor forward_logits(const DecoderStack& s, const at::Tensor& tokens, const
   check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, k_scales, v_scales);
   run_stack(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size, k_scales, v_scales);
   const at::Tensor rows = logits_at ? x.index_select(0, *logits_at) : x.view({B, S, s.width});
-  at::Tensor logits = linear(rms_norm(rows, s.final_norm, s.eps, s.unit_offset), {s.head}, std::nullopt);
+  const at::Tensor normed = rms_norm(rows, s.final_norm, s.eps, s.unit_offset);
+  at::Tensor logits = block_type(s.head) ? qlinear(normed, {s.head}, std::nullopt) : linear(normed, {s.head}, std::nullopt);
   if (s.logits_scaling != 1.0) logits = at::div(logits, at::Scalar(s.logits_scaling));  // as LLaMA.logits
   if (s.final_softcap != 0.0)
     logits = at::mul(at::tanh(at::div(logits, at::Scalar(s.final_softcap))), at::Scalar(s.final_softcap));

@@ -190,6 +190,11 @@ inline int64_t block_cols(const at::Tensor& w) { return w.size(1) * 32; }
 // each w_i GGUF blocks of ggml type types[i]
 void run_qgemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
                const int64_t* rows, const int32_t* types, int64_t n_weights, void* y);
+// the operator qlinear: x [..., K] @ [w_1; ...]^T (+ bias) for GGUF block weights
+at::Tensor qlinear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias);
+// the rows `tokens` [B, S] of an embedding held as GGUF blocks [V, C / 32, bytes], dequantized
+// into `dtype` -> [B, S, C] (fp32 exactly; rounded once to bf16 / fp16)
+at::Tensor block_embedding(const at::Tensor& blocks, const at::Tensor& tokens, at::ScalarType dtype);
 
 // x [..., K] @ [w_1; w_2; ...]^T + bias by the path the rows call for (ops/ops.cpp), and the
 // most rows it gives the GEMV kernel

@@ -31,8 +31,6 @@ void run_qgemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t 
   });
 }
 
-namespace {
-
 // qlinear: [m(x) for the weights] side by side, + bias [sum N] (or None)
 at::Tensor qlinear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias) {
   const int e = elem_index(x.scalar_type());
@@ -66,7 +64,35 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList weights, const std::optio
   return bias ? at::add(y, *bias) : y;
 }
 
-}  // namespace
+at::Tensor block_embedding(const at::Tensor& blocks, const at::Tensor& tokens, at::ScalarType dtype) {
+  const int type = block_type(blocks);
+  TORCH_CHECK_VALUE(type && tokens.scalar_type() == at::kLong, "block_embedding: GGUF blocks and int64 tokens, got ",
+                    dtype_name(blocks.scalar_type()), " ", shape(blocks), " and ", dtype_name(tokens.scalar_type()));
+  const int64_t V = blocks.size(0), nb = blocks.size(1), bb = blocks.size(2), C = nb * 32;
+  const at::Tensor tok = tokens.contiguous();
+  const int64_t n = tok.numel();
+  const int64_t* t = tok.data_ptr<int64_t>();
+  at::Tensor out = at::empty({n, C}, tokens.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK_VALUE(t[r] >= 0 && t[r] < V, "block_embedding: token ", t[r], " outside the vocabulary of ", V);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = base + (t[r] * nb + b) * bb;
+      const float d = static_cast<float>(c10::Half(static_cast<uint16_t>(blk[0] | (blk[1] << 8)), c10::Half::from_bits()));
+      float* dst = o + r * C + b * 32;
+      if (type == 8)
+        for (int i = 0; i < 32; ++i) dst[i] = d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
+      else
+        for (int i = 0; i < 16; ++i)
+          dst[i] = d * static_cast<float>((blk[2 + i] & 0x0f) - 8), dst[i + 16] = d * static_cast<float>((blk[2 + i] >> 4) - 8);
+    }
+  }
+  std::vector<int64_t> sizes(tokens.sizes().begin(), tokens.sizes().end());
+  sizes.push_back(C);
+  return (dtype == at::kFloat ? out : out.to(dtype)).view(sizes);
+}
+
 }  // namespace fms_paged_ops
 
 TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
