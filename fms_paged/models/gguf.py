@@ -51,7 +51,7 @@ from fms_paged.models.families import CheckpointError
 from fms_paged.models.hf import config_from_hf, hf_to_ours_name, unpermute_rope
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules.positions import rope_inv_freq
-from fms_paged.modules.quantized import BLOCK_TYPES, QK, BlockEmbedding, BlockLinear
+from fms_paged.modules.quantized import BLOCK_TYPES, QK, BlockEmbedding, BlockLinear, qgemv_isa
 
 try:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
@@ -60,7 +60,7 @@ except ImportError:  # optional: only GGUF files need it
     GGUFReader = None  # type: ignore[assignment,misc]
 
 __all__ = ["SUPPORTED_TYPES", "GGUFTensor", "dequantize", "file_summary", "find_gguf", "hf_config", "is_gguf",
-           "load_gguf", "open_gguf", "tensors"]
+           "layer_kernels", "load_gguf", "open_gguf", "tensors"]
 
 # Q4_1 / Q5_0 / Q5_1 too: llama.cpp's quantizer writes Q5_0 / Q5_1 / Q8_0 for a tensor whose rows
 # are not a multiple of 256 wide in a Q4_K_M / Q5_K_M file (SmolLM2-135M's 576, Qwen2.5-0.5B's 896)
@@ -476,10 +476,54 @@ def file_summary(model_path: str | os.PathLike) -> dict[str, str]:
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
     out = {"file": str(find_gguf(model_path)), "architecture": str(_field(reader, "general.architecture")),
            "tensor types": ", ".join(kinds),
-           "kernel": "on the CPU, Q8_0 / Q4_0 projections held as the file's blocks and run by the fms_paged "
-                     "qgemv kernel (int8 activations per block of 32, integer dot products), inside the "
-                     "one-call forward; every other tensor dequantized at load into the model's dtype (fp32 "
+           "kernel": "on the CPU, Q8_0 / Q4_0 projections, embedding and head held as the file's blocks and "
+                     "run by the fms_paged qgemv kernel (int8 activations per block of 32, integer dot "
+                     "products), inside the one-call forward (`layers`: each layer's); every other tensor dequantized at load into the model's dtype (fp32 "
                      "for block types unless --dtype) and run by that dtype's GEMMs"}
     layers = sorted((k for k in per if k != "other"), key=lambda k: int(k.split()[1]))
     out.update({k: ", ".join(per[k]) for k in layers + (["other"] if "other" in per else [])})
+    return out
+
+
+def layer_kernels(model_path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, str]:
+    """What `fms-paged info x.gguf` says of each layer ("layer 3"): its projections' format and the
+    kernel that runs each on the CPU, as `load_gguf` holds them (`_kept_as_blocks`), read from
+    the file's table without loading a weight; then the embedding's and the head's. Projections
+    alike are one line ("GGUF Q4_0 blocks, fms_paged qgemv (...) (7 projections)"), else each
+    format names its projections."""
+    reader = open_gguf(model_path)
+    config = config_from_hf(hf_config(reader))
+    dtype = dtype or _file_dtype(reader)
+    kept = _kept_as_blocks(reader, config)
+    arch = _field(reader, "general.architecture")
+    names = GGUF_NAMES + (_GEMMA_NORMS if arch in _GEMMA else _LLAMA_NORMS)
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        hf_name = _gguf_to_hf(t.name, names)
+        name = hf_to_ours_name(hf_name, config.family) if hf_name is not None else None
+        if name is not None:
+            types[name] = t.tensor_type.name
+    dt = str(dtype).removeprefix("torch.")
+    qgemv = f"fms_paged qgemv (int8 activations per block of 32, {qgemv_isa()})"
+
+    def fmt(name: str) -> str:
+        if name in kept:
+            return f"GGUF {kept[name]} blocks, {qgemv}"
+        return f"{types.get(name, 'absent')} held as {dt}, the {dt} GEMV / GEMM"
+
+    out = {}
+    for i in range(config.nlayers):
+        by_fmt: dict[str, list[str]] = {}
+        for p in _PROJECTIONS:
+            by_fmt.setdefault(fmt(f"layers.{i}.{p}.weight"), []).append(p.rsplit(".", 1)[-1])
+        if len(by_fmt) == 1:
+            (f, mods), = by_fmt.items()
+            out[f"layer {i}"] = f"{f} ({len(mods)} projections)"
+        else:
+            out[f"layer {i}"] = "; ".join(f"{', '.join(mods)}: {f}" for f, mods in by_fmt.items())
+    emb = "embedding.weight"
+    out["embedding"] = (f"GGUF {kept[emb]} blocks, rows dequantized per lookup into {dt}" if emb in kept
+                        else fmt(emb).split(",")[0])
+    head = "embedding.weight" if config.tie_heads else "head.weight"
+    out["head"] = fmt(head) + (" (tied: the embedding's)" if config.tie_heads else "")
     return out

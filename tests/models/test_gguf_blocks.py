@@ -19,13 +19,14 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from fms_paged import Engine, SamplingParams, generate, get_model, native  # noqa: E402
-from fms_paged.models.gguf import file_summary  # noqa: E402
+from fms_paged.models.gguf import file_summary, layer_kernels  # noqa: E402
 from fms_paged.modules.quantized import (  # noqa: E402
     BlockEmbedding,
     BlockLinear,
     dequantize_blocks,
     layer_formats,
 )
+from fms_paged.modules.quantized import qgemv_isa as native_isa  # noqa: E402
 from tests.gguf_files import Q, prompt_ids, rel_err, write_gguf  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_0")
@@ -172,3 +173,11 @@ def test_mixed_groups_stay_dequantized_and_info_names_the_kernel(tmp_path):
     with torch.no_grad():
         assert rel_err(model(ids), ref(ids)) <= MODEL_REL
     assert "qgemv" in file_summary(file)["kernel"]
+    layers = layer_kernels(file)
+    q = "fms_paged qgemv (int8 activations per block of 32, "
+    run = f"{q}{native_isa()})"
+    assert layers["layer 1"].split("; ") == [
+        f"query, key, w2: GGUF Q4_0 blocks, {run}", f"value, dense: GGUF Q8_0 blocks, {run}",
+        "wg: Q4_0 held as float32, the float32 GEMV / GEMM",
+        "w1: Q4_K held as float32, the float32 GEMV / GEMM"]
+    assert layers["head"].startswith("GGUF Q8_0 blocks, " + q)
