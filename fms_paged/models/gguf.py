@@ -478,8 +478,9 @@ def file_summary(model_path: str | os.PathLike) -> dict[str, str]:
            "tensor types": ", ".join(kinds),
            "kernel": "on the CPU, Q8_0 / Q4_0 projections, embedding and head held as the file's blocks and "
                      "run by the fms_paged qgemv kernel (int8 activations per block of 32, integer dot "
-                     "products), inside the one-call forward (`layers`: each layer's); every other tensor dequantized at load into the model's dtype (fp32 "
-                     "for block types unless --dtype) and run by that dtype's GEMMs"}
+                     "products), inside the one-call forward (`layers`: each layer's); every other "
+                     "tensor dequantized at load into the model's dtype (fp32 for block types unless "
+                     "--dtype) and run by that dtype's GEMMs"}
     layers = sorted((k for k in per if k != "other"), key=lambda k: int(k.split()[1]))
     out.update({k: ", ".join(per[k]) for k in layers + (["other"] if "other" in per else [])})
     return out
