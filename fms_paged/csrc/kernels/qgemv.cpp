@@ -50,7 +50,11 @@ namespace {
 using T = FMS_ELEM;
 constexpr int QK = 32;  // values per block
 constexpr int kQ8_0 = 8, kQ4_0 = 2;  // ggml's type ids
+#if defined(__AVX512F__)
+constexpr int MR = 8, NR = 2;  // register tile: rows of x by weight rows (32 registers)
+#else
 constexpr int MR = 4, NR = 2;  // register tile: rows of x by weight rows
+#endif
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (as gemv.cpp)
 
 inline int block_bytes(int type) { return type == kQ8_0 ? 34 : 18; }
@@ -62,10 +66,17 @@ inline float half(const uint8_t* p) {  // an fp16 scale, unaligned
 }
 
 // x [M, K] (row stride x_st) quantized per block of 32: q [M, K] int8, d [M, K / 32] fp32
+// With AVX-512 (Z512), also per block: x + 128 as unsigned bytes (qu: the Q8_0 products), the block's
+// scale repeated over 8 lanes (dv, [M, nb2, 8]) and -8 x's sums over 4 bytes as 8 int32 lanes (c4,
+// [M, nb2, 8]: Q4_0's offset, the products' starting sums), each row padded to an even number of
+// blocks nb2 (zeros): two blocks are one 512-bit register.
 struct XQ {
   std::vector<int8_t> q;
   std::vector<float> d;
-  int64_t K, nb;
+  std::vector<uint8_t> qu;
+  std::vector<float> dv;
+  std::vector<int32_t> c4;
+  int64_t K, nb, nb2;
 };
 
 void quantize_row(const T* x, int64_t K, int8_t* q, float* d) {
@@ -93,15 +104,99 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d) {
   }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define FMS_Q512 1
+#endif
+
 void quantize_rows(const T* x, int64_t M, int64_t K, int64_t x_st, int threads, XQ& out) {
-  out.K = K, out.nb = K / QK;
-  out.q.resize(M * K), out.d.resize(M * out.nb);
+  out.nb = K / QK, out.nb2 = (out.nb + 1) / 2 * 2, out.K = out.nb2 * QK;  // (rows padded: K2)
+  const int64_t K2 = out.K, nb2 = out.nb2;
+  out.q.assign(M * K2, 0), out.d.assign(M * nb2, 0.0f);
+#ifdef FMS_Q512
+  out.qu.resize(M * K2), out.dv.resize(M * nb2 * 8), out.c4.resize(M * nb2 * 8);
+#endif
   const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, M * K / 65536));
 #pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
-  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * x_st, K, out.q.data() + m * K, out.d.data() + m * out.nb);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(x + m * x_st, K, out.q.data() + m * K2, out.d.data() + m * nb2);
+#ifdef FMS_Q512
+    for (int64_t b = 0; b < nb2; ++b) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out.q.data() + m * K2 + b * QK));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qu.data() + m * K2 + b * QK),
+                          _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
+      const __m256i c = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8),
+                                            _mm256_sub_epi8(_mm256_setzero_si256(), v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.c4.data() + (m * nb2 + b) * 8), c);
+      _mm256_storeu_ps(out.dv.data() + (m * nb2 + b) * 8, _mm256_set1_ps(out.d[m * nb2 + b]));
+    }
+#endif
+  }
 }
 
-#if defined(__AVX2__)
+#ifdef FMS_Q512
+// Two blocks at a time in 512-bit registers, one vpdpbusd per pair of blocks and row of x:
+// - Q4_0: the quants q in [0, 15] as they are (unsigned) times x (signed), the sums starting at
+//   -8 sum x (c4): sum (q - 8) x;
+// - Q8_0: x + 128 (unsigned) times w (signed), the sums starting at -128 sum w (one vpdpbusd per
+//   weight block pair, for all the tile's rows): sum x w.
+// Then each lane's int32 sum to fp32, times dx (dv) and dw, into the tile's fp32 accumulators.
+// A row's odd last block is a pair whose second block is zeros (x's padding; w's not read).
+template <int type>
+inline __m512i decode2(const uint8_t* blk, bool two, __m512& dw, __m512i& start) {
+  const int bb = block_bytes(type);
+  const float d0 = half(blk), d1 = two ? half(blk + bb) : 0.0f;
+  dw = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+  if constexpr (type == kQ8_0) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + bb + 2)) : _mm256_setzero_si256();
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+    start = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80),
+                                _mm512_sub_epi8(_mm512_setzero_si512(), w));  // -128 sum w
+    return w;
+  } else {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + bb + 2)) : _mm_setzero_si128();
+    const __m256i y = _mm256_set_m128i(q1, q0);
+    const __m256i lo = _mm256_and_si256(y, _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), _mm256_set1_epi8(0x0f));
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo0 lo1 hi0 hi1
+    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));              // lo0 hi0 lo1 hi1
+  }
+}
+inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+template <int type, int mr, int nr>
+void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
+  __m512 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int bb = block_bytes(type);
+  const int64_t K = xq.K, nb2 = xq.nb2;
+  for (int64_t b = 0; b < xq.nb; b += 2) {
+    const bool two = b + 1 < xq.nb;
+    __m512i wv[nr], start[nr];
+    __m512 dw[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = decode2<type>(w[j] + b * bb, two, dw[j], start[j]);
+    for (int i = 0; i < mr; ++i) {
+      const int64_t r = m0 + i;
+      const __m512 dx = _mm512_loadu_ps(xq.dv.data() + (r * nb2 + b) * 8);
+      __m512i xv, c;
+      if constexpr (type == kQ8_0) {
+        xv = _mm512_loadu_si512(xq.qu.data() + r * K + b * QK);
+      } else {
+        xv = _mm512_loadu_si512(xq.q.data() + r * K + b * QK);
+        c = _mm512_loadu_si512(xq.c4.data() + (r * nb2 + b) * 8);
+      }
+      for (int j = 0; j < nr; ++j) {
+        const __m512i s = type == kQ8_0 ? _mm512_dpbusd_epi32(start[j], xv, wv[j]) : _mm512_dpbusd_epi32(c, wv[j], xv);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), dw[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i][j] = hsum512(acc[i][j]);
+}
+#elif defined(__AVX2__)
 // a weight block's 32 values as signed bytes, and its scale
 template <int type>
 inline __m256i decode(const uint8_t* blk, float& d) {
@@ -138,7 +233,7 @@ void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
     for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps();
   const int bb = block_bytes(type);
   const int8_t* xr = xq.q.data() + m0 * xq.K;
-  const float* xd = xq.d.data() + m0 * xq.nb;
+  const float* xd = xq.d.data() + m0 * xq.nb2;
   for (int64_t b = 0; b < xq.nb; ++b) {
     __m256i ws[nr], aw[nr];
     float dw[nr];
@@ -148,7 +243,7 @@ void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
     }
     for (int i = 0; i < mr; ++i) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + i * xq.K + b * QK));
-      const float dx = xd[i * xq.nb + b];
+      const float dx = xd[i * xq.nb2 + b];
       for (int j = 0; j < nr; ++j) {
         const __m256i s = dot(aw[j], _mm256_sign_epi8(xv, ws[j]));  // |w| times x with w's sign
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[j] * dx), acc[i][j]);
@@ -178,7 +273,7 @@ void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
     for (int j = 0; j < nr; ++j) decode<type>(w[j] + b * bb, v[j], dw[j]);
     for (int i = 0; i < mr; ++i) {
       const int8_t* xv = xq.q.data() + (m0 + i) * xq.K + b * QK;
-      const float dx = xq.d[(m0 + i) * xq.nb + b];
+      const float dx = xq.d[(m0 + i) * xq.nb2 + b];
       for (int j = 0; j < nr; ++j) {
         int32_t s = 0;
         for (int k = 0; k < QK; ++k) s += (int32_t)v[j][k] * xv[k];
@@ -191,22 +286,31 @@ void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
 }
 #endif
 
+// rows m .. m + mr of y, columns j0 .. j0 + nr: one tile
+template <int type, int mr, int nr>
+void tile_to(const XQ& xq, int64_t m, const uint8_t* const* ws, int64_t j0, T* y, int64_t y_st) {
+  float out[MR][NR];
+  tile<type, mr, nr>(xq, m, ws, out);
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) y[(m + i) * y_st + j0 + j] = fms_vec::from_f32<T>(out[i][j]);
+}
+// the last `left` (< MR) rows: one tile of that many
+template <int type, int mr, int nr>
+void rest(int64_t left, const XQ& xq, int64_t m, const uint8_t* const* ws, int64_t j0, T* y, int64_t y_st) {
+  if constexpr (mr > 0) {
+    if (left == mr) return tile_to<type, mr, nr>(xq, m, ws, j0, y, y_st);
+    rest<type, mr - 1, nr>(left, xq, m, ws, j0, y, y_st);
+  }
+}
+
 // y[m, col + j0 + j] for every row m of x and weight rows j0 .. j0 + n (n <= NR) of one weight
 template <int type, int nr>
 void rows_of(const XQ& xq, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t j0, T* y, int64_t y_st) {
   const uint8_t* ws[NR];
   for (int j = 0; j < nr; ++j) ws[j] = w + (j0 + j) * row_bytes;
-  float out[MR][NR];
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) {
-    tile<type, MR, nr>(xq, m, ws, out);
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < nr; ++j) y[(m + i) * y_st + j0 + j] = fms_vec::from_f32<T>(out[i][j]);
-  }
-  for (; m < M; ++m) {
-    tile<type, 1, nr>(xq, m, ws, out);
-    for (int j = 0; j < nr; ++j) y[m * y_st + j0 + j] = fms_vec::from_f32<T>(out[0][j]);
-  }
+  for (; m + MR <= M; m += MR) tile_to<type, MR, nr>(xq, m, ws, j0, y, y_st);
+  rest<type, MR - 1, nr>(M - m, xq, m, ws, j0, y, y_st);
 }
 
 template <int type>
