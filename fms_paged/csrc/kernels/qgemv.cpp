@@ -322,6 +322,76 @@ void block(int64_t n, const XQ& xq, int64_t M, const uint8_t* w, int64_t row_byt
     rows_of<type, 1>(xq, M, w, row_bytes, j0, y, y_st);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Prefill (M >= TILE_ROWS rows of x) where the CPU multiplies bf16 pairs (vdpbf16ps): a weight row
+// pair at a time is dequantized into bf16 (d q, rounded to nearest even: 2^-9 of each weight at
+// most) in a buffer of the thread's, then dotted with every row of x in bf16 (x itself for a bf16
+// model, else rounded once: 2^-9 of each value), fp32 sums: one instruction per 32 products of a row
+// pair, no activation quantization. The blocks stay the only copy of the weights: a tile of two
+// rows (a few KB) is all that is ever dequantized.
+#define FMS_QTILES 1
+constexpr int64_t TILE_ROWS = 16;
+
+template <int type>
+void dequant_row_bf16(const uint8_t* w, int64_t nb, uint16_t* out) {
+  const int bb = block_bytes(type);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bb;
+    const __m512 d = _mm512_set1_ps(half(blk));
+    __m512 lo, hi;  // elements 0..15, 16..31
+    if constexpr (type == kQ8_0) {
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18))));
+    } else {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+      const __m128i eight = _mm_set1_epi8(8), mask = _mm_set1_epi8(0x0f);
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_and_si128(q, mask), eight)));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), eight)));
+    }
+    _mm512_storeu_si512(out + b * QK, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d), _mm512_mul_ps(lo, d)));
+  }
+}
+
+// y [mr rows from m, nr columns from j0] = x rows (bf16, row stride K) . weight rows wb (bf16 [nr, K])
+template <int mr, int nr>
+void tile_bf16(const uint16_t* x, int64_t K, int64_t m, const uint16_t* wb, int64_t j0, T* y, int64_t y_st) {
+  __m512 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * K + k);
+    for (int i = 0; i < mr; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m + i) * K + k);
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) y[(m + i) * y_st + j0 + j] = fms_vec::from_f32<T>(_mm512_reduce_add_ps(acc[i][j]));
+}
+template <int mr, int nr>
+void rest_bf16(int64_t left, const uint16_t* x, int64_t K, int64_t m, const uint16_t* wb, int64_t j0, T* y,
+               int64_t y_st) {
+  if constexpr (mr > 0) {
+    if (left == mr) return tile_bf16<mr, nr>(x, K, m, wb, j0, y, y_st);
+    rest_bf16<mr - 1, nr>(left, x, K, m, wb, j0, y, y_st);
+  }
+}
+template <int nr>
+void rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wb, int64_t j0, T* y, int64_t y_st) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile_bf16<MR, nr>(x, K, m, wb, j0, y, y_st);
+  rest_bf16<MR - 1, nr>(M - m, x, K, m, wb, j0, y, y_st);
+}
+// x [M, K] (row stride x_st) as bf16 rows [M, K] in buf
+void rows_to_bf16(const T* x, int64_t M, int64_t K, int64_t x_st, std::vector<uint16_t>& buf) {
+  buf.resize(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      buf[m * K + k] = fms_vec::from_f32<fms_bf16>(fms_vec::to_f32(x[m * x_st + k])).bits;
+}
+#endif
+
 }  // namespace
 
 // The kernel's arguments: the struct of FMS_PAGED_QGEMV_FIELDS (kernels/kernels.h), checked by
@@ -339,6 +409,13 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
     if (a.types[i] != kQ8_0 && a.types[i] != kQ4_0) return 1;
   static thread_local XQ kept;  // kept from call to call: a prefill's rows are megabytes
   XQ& xq = kept;  // (the caller's: a thread_local named inside the parallel region is each thread's own)
+#ifdef FMS_QTILES
+  const bool tiles = M >= TILE_ROWS && K % 32 == 0;
+  static thread_local std::vector<uint16_t> xb_kept;
+  std::vector<uint16_t>& xb = xb_kept;
+  if (tiles) rows_to_bf16(a.x, M, K, a.x_st, xb);
+  else
+#endif
   quantize_rows(a.x, M, K, a.x_st, a.threads, xq);
   // the weights' row pairs, segment by segment: pair p is segment i's rows (p - first[i]) NR on
   std::vector<int64_t> first{0}, col{0};
@@ -353,6 +430,9 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   {
     const int t = omp_get_thread_num();
     int64_t i = 0;
+#ifdef FMS_QTILES
+    std::vector<uint16_t> wb(tiles ? NR * K : 0);  // the thread's dequantized row pair
+#endif
     for (int64_t p = np * t / threads; p < np * (t + 1) / threads; ++p) {
       while (p >= first[i + 1]) ++i;
       const int type = a.types[i];
@@ -360,6 +440,18 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
       const int64_t row_bytes = K / QK * block_bytes(type);
       const uint8_t* w = reinterpret_cast<const uint8_t*>(a.weights[i]);
       T* y = a.y + col[i];
+#ifdef FMS_QTILES
+      if (tiles) {
+        for (int64_t j = 0; j < n; ++j)
+          (type == kQ8_0 ? dequant_row_bf16<kQ8_0> : dequant_row_bf16<kQ4_0>)(w + (j0 + j) * row_bytes, K / QK,
+                                                                             wb.data() + j * K);
+        if (n == NR)
+          rows_bf16<NR>(xb.data(), M, K, wb.data(), j0, y, y_st);
+        else
+          rows_bf16<1>(xb.data(), M, K, wb.data(), j0, y, y_st);
+        continue;
+      }
+#endif
       if (type == kQ8_0)
         block<kQ8_0>(n, xq, M, w, row_bytes, j0, y, y_st);
       else
