@@ -12,7 +12,11 @@ it; prefill tok/s is 512 over the time to the first token. The engine: `benchmar
 `scripts/peer_llamacpp.py` in `.venv-llamacpp` with its default f16 KV cache. Steady RSS: each
 process's resident memory sampled every 50 ms, the median over its last half (the timed runs).
 Systems alternate within a round and the order flips every other round (A B, B A): a shared VM's
-speed drifts over minutes. Writes OUT/gguf_blocks.json and .md.
+speed drifts over minutes. `--cores 0` pins both systems to those cores (taskset; llama.cpp takes
+as many threads as its affinity mask has cores, the engine OMP_NUM_THREADS of them): on a machine
+that other jobs oversubscribe, two threads that meet at a barrier per operation wait for each
+other's time slices, and both systems then measure the scheduler more than their kernels.
+Writes OUT/gguf_blocks.json and .md.
 """
 
 from __future__ import annotations
@@ -52,11 +56,15 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def run_job(cmd: list[str], job: dict, tmp: Path, tag: str) -> dict:
+def run_job(cmd: list[str], job: dict, tmp: Path, tag: str, cores: str | None = None) -> dict:
     src, dst = tmp / f"{tag}.in.json", tmp / f"{tag}.out.json"
     src.write_text(json.dumps(job))
+    env = checkout_env()
+    if cores:
+        cmd = ["taskset", "-c", cores, *cmd]
+        env["OMP_NUM_THREADS"] = str(len(cores.split(",")))
     proc = subprocess.Popen([*cmd, str(src), str(dst)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=checkout_env())
+                            text=True, env=env)
     samples: list[float] = []
 
     def sample() -> None:
@@ -84,6 +92,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--cores", default=None, help="pin both systems to these cores (taskset -c), e.g. 0")
     ap.add_argument("--out", type=Path, default=Path("results/gguf-blocks"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -102,7 +111,8 @@ def main() -> int:
                     for name in order:
                         dtype = args.dtype if name == "fms_paged" else "float16"
                         loads.append(os.getloadavg()[0])
-                        res = run_job(systems[name], {**job, "dtype": dtype}, Path(tmp), f"{name}-{r}")
+                        res = run_job(systems[name], {**job, "dtype": dtype}, Path(tmp), f"{name}-{r}",
+                                      args.cores)
                         key = f"{f.name} | {w} | {name}"
                         results.setdefault(key, {"runs": []})["runs"].append(res)
                         rate = res.get("output_tok_s")
