@@ -35,7 +35,7 @@ from pathlib import Path
 from benchmarks import REPO_ROOT, checkout_env
 
 LLAMACPP_PY = Path(os.environ.get("LLAMACPP_PY", REPO_ROOT / ".venv-llamacpp" / "bin" / "python"))
-WORKLOADS = {"one stream": (1, 64, 64), "four streams": (4, 80, 64), "prefill 512": (1, 512, 1)}
+WORKLOADS = {"one stream": (1, 64, 64), "four streams": (4, 80, 64), "prefill 512": (1, 512, 2)}
 
 
 def requests(n: int, prompt: int, new: int, vocab: int = 49152) -> list[dict]:
