@@ -4,7 +4,7 @@ on the same file, each system in a process of its own (docs/benchmarks.md, "Quan
     python -m benchmarks.gguf_blocks FILE.gguf [FILE.gguf ...] [--rounds 2] [--out results/gguf-blocks]
 
 Workloads (greedy, every request making all its tokens, prefix caching off): one stream (prompt 64,
-64 new), four streams (prompts 80, 64 new each), and a prefill of 512 tokens (one request, one new
+64 new), four streams (prompts 80, 64 new each), and a prefill of 512 tokens (one request, two new
 token: its time to first token). Output tok/s is new tokens over a run's wall time (the prefill's
 included), the median of `repeats` timed runs after a warm-up run, as `make bench-native` reports
 it; prefill tok/s is 512 over the time to the first token. The engine: `benchmarks.vs_native_engine`

@@ -1,8 +1,10 @@
 """Perplexity of GGUF Q8_0 / Q4_0 models on the qgemv kernel (int8 activations per block of 32)
 against the same file dequantized (`gguf_blocks=False`: the exact weights, 32-bit activations), on
 real text: the Python standard library's held-out source (`fms_paged.data.heldout_text`), windows of
-256 tokens, the paged model (the one-call C++ forward) in fp32. docs/benchmarks.md, "Quantized GGUF
-kernels": the issue's bound is 0.5%.
+256 tokens, the paged model (the one-call C++ forward) in fp32. Two paths of the kernel: "decode",
+the windows fed in chunks of 8 tokens (fewer than 16 rows a call: int8 activations, llama.cpp's
+scheme), and "prefill", each window in one chunk (bf16 tiles where the CPU has AVX512_BF16).
+docs/benchmarks.md, "Quantized GGUF kernels": the issue's bound is 0.5%.
 
     python scripts/gguf_blocks_ppl.py FILE.gguf [FILE.gguf ...] [--chars 20000]
 """
@@ -31,12 +33,13 @@ def main() -> int:
     for f in args.files:
         ids = load_tokenizer(f).encode(heldout_text(max_chars=args.chars))
         row = {"tokens": len(ids)}
-        for name, blocks in (("blocks", True), ("dequantized", False)):
+        for name, blocks, chunk in (("dequantized", False, None), ("decode", True, 8), ("prefill", True, None)):
             model = get_model(model_path=f, device="cpu", dtype=torch.float32, attn_impl="paged",
                               gguf_blocks=blocks)
-            row[name] = perplexity(model, ids, window=args.window)["ppl"]
+            row[name] = perplexity(model, ids, window=args.window, chunk=chunk)["ppl"]
             del model
-        row["rel"] = row["blocks"] / row["dequantized"] - 1
+        for name in ("decode", "prefill"):
+            row[f"{name}_rel"] = row[name] / row["dequantized"] - 1
         out[f] = row
         print(f, json.dumps(row), flush=True)
     return 0
