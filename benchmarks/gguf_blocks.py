@@ -5,7 +5,7 @@ on the same file, each system in a process of its own (docs/benchmarks.md, "Quan
 
 Workloads (greedy, every request making all its tokens, prefix caching off): one stream (prompt 64,
 64 new), four streams (prompts 80, 64 new each), and a prefill of 512 tokens (one request, two new
-token: its time to first token). Output tok/s is new tokens over a run's wall time (the prefill's
+tokens: its time to first token). Output tok/s is new tokens over a run's wall time (the prefill's
 included), the median of `repeats` timed runs after a warm-up run, as `make bench-native` reports
 it; prefill tok/s is 512 over the time to the first token. The engine: `benchmarks.vs_native_engine`
 (default settings) with the model in `--dtype` (its activations and KV pages); llama.cpp:

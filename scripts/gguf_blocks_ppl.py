@@ -33,7 +33,8 @@ def main() -> int:
     for f in args.files:
         ids = load_tokenizer(f).encode(heldout_text(max_chars=args.chars))
         row = {"tokens": len(ids)}
-        for name, blocks, chunk in (("dequantized", False, None), ("decode", True, 8), ("prefill", True, None)):
+        paths = (("dequantized", False, None), ("decode", True, 8), ("prefill", True, None))
+        for name, blocks, chunk in paths:
             model = get_model(model_path=f, device="cpu", dtype=torch.float32, attn_impl="paged",
                               gguf_blocks=blocks)
             row[name] = perplexity(model, ids, window=args.window, chunk=chunk)["ppl"]
