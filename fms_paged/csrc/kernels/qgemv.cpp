@@ -417,10 +417,14 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   else
 #endif
   quantize_rows(a.x, M, K, a.x_st, a.threads, xq);
-  // the weights' row pairs, segment by segment: pair p is segment i's rows (p - first[i]) NR on
+  // the weights' row blocks of nr rows, segment by segment: block p is segment i's rows
+  // (p - first[i]) nr on. A decode of one or two rows reads one weight row at a time: a thread's
+  // share is then one sequential stream, which the hardware prefetcher follows (gemv.cpp's
+  // finding for its own decode; not measured apart here: this machine's memory was shared)
+  const int64_t nr = M <= 2 ? 1 : NR;
   std::vector<int64_t> first{0}, col{0};
   for (int64_t i = 0; i < a.n_weights; ++i) {
-    first.push_back(first.back() + (a.rows[i] + NR - 1) / NR);
+    first.push_back(first.back() + (a.rows[i] + nr - 1) / nr);
     col.push_back(col.back() + a.rows[i]);
   }
   const int64_t np = first.back(), y_st = col.back();
@@ -436,7 +440,7 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
     for (int64_t p = np * t / threads; p < np * (t + 1) / threads; ++p) {
       while (p >= first[i + 1]) ++i;
       const int type = a.types[i];
-      const int64_t j0 = (p - first[i]) * NR, n = std::min<int64_t>(NR, a.rows[i] - j0);
+      const int64_t j0 = (p - first[i]) * nr, n = std::min<int64_t>(nr, a.rows[i] - j0);
       const int64_t row_bytes = K / QK * block_bytes(type);
       const uint8_t* w = reinterpret_cast<const uint8_t*>(a.weights[i]);
       T* y = a.y + col[i];
