@@ -7,7 +7,7 @@ Workloads (greedy, every request making all its tokens, prefix caching off): one
 64 new), four streams (prompts 80, 64 new each), and a prefill of 512 tokens (one request, two new
 tokens: its time to first token). Output tok/s is new tokens over a run's wall time (the prefill's
 included), the median of `repeats` timed runs after a warm-up run, as `make bench-native` reports
-it; prefill tok/s is 512 over the time to the first token. The engine: `benchmarks.vs_native_engine`
+it; prefill tok/s is 512 over the run's time (the prefill and one decode step, for both systems). The engine: `benchmarks.vs_native_engine`
 (default settings) with the model in `--dtype` (its activations and KV pages); llama.cpp:
 `scripts/peer_llamacpp.py` in `.venv-llamacpp` with its default f16 KV cache. Steady RSS: each
 process's resident memory sampled every 50 ms, the median over its last half (the timed runs).
@@ -116,10 +116,9 @@ def main() -> int:
                         key = f"{f.name} | {w} | {name}"
                         results.setdefault(key, {"runs": []})["runs"].append(res)
                         rate = res.get("output_tok_s")
-                        if w == "prefill 512" and "ttft_s" in res:
-                            ttft = res["ttft_s"][0] if isinstance(res["ttft_s"], list) else res["ttft_s"]
-                            rate = prompt / ttft if ttft else None
-                            res["prefill_tok_s"] = rate
+                        if w == "prefill 512" and res.get("duration_s"):
+                            # the prompt over the run (its prefill and one decode step), alike for both
+                            rate = res["prefill_tok_s"] = prompt / res["duration_s"]
                         print(f"{key} round {r}: {rate} tok/s, rss {res.get('steady_rss_mb')} MB "
                               f"{res.get('error', '')[:300]}", flush=True)
     rows = []
