@@ -5,10 +5,10 @@ on the same file, each system in a process of its own (docs/benchmarks.md, "Quan
 
 Workloads (greedy, every request making all its tokens, prefix caching off): one stream (prompt 64,
 64 new), four streams (prompts 80, 64 new each), and a prefill of 512 tokens (one request, two new
-tokens: its time to first token). Output tok/s is new tokens over a run's wall time (the prefill's
-included), the median of `repeats` timed runs after a warm-up run, as `make bench-native` reports
-it; prefill tok/s is 512 over the run's time (the prefill and one decode step, for both systems). The engine: `benchmarks.vs_native_engine`
-(default settings) with the model in `--dtype` (its activations and KV pages); llama.cpp:
+tokens). Output tok/s is new tokens over a run's wall time (the prefill's included), the median
+of `repeats` timed runs after a warm-up run, as `make bench-native` reports it; prefill tok/s is
+512 over the run's time (the prefill and one decode step, for both systems). The engine:
+`benchmarks.vs_native_engine` (default settings) with the model in `--dtype` (its activations and KV pages); llama.cpp:
 `scripts/peer_llamacpp.py` in `.venv-llamacpp` with its default f16 KV cache. Steady RSS: each
 process's resident memory sampled every 50 ms, the median over its last half (the timed runs).
 Systems alternate within a round and the order flips every other round (A B, B A): a shared VM's
