@@ -9,7 +9,7 @@ tokens). Output tok/s is new tokens over a run's wall time (the prefill's includ
 of `repeats` timed runs after a warm-up run, as `make bench-native` reports it; prefill tok/s is
 512 over the run's time (the prefill and one decode step, for both systems). The engine:
 `benchmarks.vs_native_engine` (default settings) with the model in `--dtype` (its activations and
-KV pages); llama.cpp: `scripts/peer_llamacpp.py` in `.venv-llamacpp` with its default f16 KV cache. Steady RSS: each
+KV pages); llama.cpp: `scripts/peer_llamacpp.py` (.venv-llamacpp), f16 KV cache. Steady RSS: each
 process's resident memory sampled every 50 ms, the median over its last half (the timed runs).
 Systems alternate within a round and the order flips every other round (A B, B A): a shared VM's
 speed drifts over minutes. `--cores 0` pins both systems to those cores (taskset; llama.cpp takes
