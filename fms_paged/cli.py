@@ -373,9 +373,11 @@ def cpu_paths(head_dim: int, page_size: int) -> dict:
 def cmd_info(args) -> int:
     info = machine_info(args.device)
     if args.model is not None:  # a GGUF file: its architecture, each layer's formats, how they run
-        from fms_paged.models.gguf import file_summary
+        from fms_paged.models.gguf import file_summary, layer_kernels
 
         info["model"] = file_summary(args.model)
+        if args.quantization is None:  # each layer's format and the kernel that runs it, as loaded
+            info["layers"] = layer_kernels(args.model)
     if args.quantization is not None:  # each layer's format and kernel once quantized
         from fms_paged import get_model
         from fms_paged.modules.quantized import layer_formats

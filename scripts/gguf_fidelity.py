@@ -93,7 +93,9 @@ def main() -> int:
     for name in TYPES:
         file = work / f"{name}.gguf"
         t0 = time.perf_counter()
-        ours_model = get_model(model_path=file, device="cpu", dtype=torch.float32)
+        # (dequantized: the comparison with transformers is for 32-bit activations; the Q8_0 / Q4_0
+        # kernel's own int8 activations: scripts/gguf_blocks_ppl.py)
+        ours_model = get_model(model_path=file, device="cpu", dtype=torch.float32, gguf_blocks=False)
         load_s = time.perf_counter() - t0
         theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
             str(work), gguf_file=file.name, dtype=torch.float32).eval()

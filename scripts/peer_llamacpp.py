@@ -140,7 +140,10 @@ def _convert(src: Path, out: Path, outtype: str, log: Path) -> bool:
 
 
 def gguf_for(model_dir: Path, dtype: str) -> tuple[Path, dict]:
-    """The cached GGUF of model_dir at dtype, converting it first if needed."""
+    """The cached GGUF of model_dir at dtype, converting it first if needed; a .gguf file itself
+    as it is (a file quantized by llama.cpp's own tools: dtype then sets the KV cache's alone)."""
+    if model_dir.suffix == ".gguf" and model_dir.is_file():
+        return model_dir, {"gguf": str(model_dir), "given": True}
     outtype = OUTTYPE[dtype]
     cache = Path(sys.prefix) / "gguf"
     cache.mkdir(parents=True, exist_ok=True)

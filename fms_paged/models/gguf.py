@@ -24,7 +24,12 @@ What llama.cpp's converter changed, undone here:
 
 Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (`SUPPORTED_TYPES`: what
 Q4_K_M / Q5_K_M / Q8_0 / Q4_0 files hold); others (Q2_K, Q3_K, the IQ and ternary types) are refused.
-Weights are held dequantized in the model's dtype (kernels on the quantized blocks are later work).
+On the CPU, the decoder's projections stored as Q8_0 or Q4_0 are held as the file's blocks
+(`fms_paged.modules.quantized.BlockLinear`, run by the qgemv kernel on the blocks, inside the
+one-call forward), where q/k/v of a layer are all such and gate/up alike (`_kept_as_blocks`);
+every other tensor (the embedding and a tied head among them, other block types) is dequantized
+into the model's dtype. `gguf_blocks=False` dequantizes everything (the reference the tests
+compare the kernel with).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from fms_paged.models.families import CheckpointError
 from fms_paged.models.hf import config_from_hf, hf_to_ours_name, unpermute_rope
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules.positions import rope_inv_freq
+from fms_paged.modules.quantized import BLOCK_TYPES, QK, BlockEmbedding, BlockLinear, qgemv_isa
 
 try:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
@@ -54,7 +60,7 @@ except ImportError:  # optional: only GGUF files need it
     GGUFReader = None  # type: ignore[assignment,misc]
 
 __all__ = ["SUPPORTED_TYPES", "GGUFTensor", "dequantize", "file_summary", "find_gguf", "hf_config", "is_gguf",
-           "load_gguf", "open_gguf", "tensors"]
+           "layer_kernels", "load_gguf", "open_gguf", "tensors"]
 
 # Q4_1 / Q5_0 / Q5_1 too: llama.cpp's quantizer writes Q5_0 / Q5_1 / Q8_0 for a tensor whose rows
 # are not a multiple of 256 wide in a Q4_K_M / Q5_K_M file (SmolLM2-135M's 576, Qwen2.5-0.5B's 896)
@@ -338,6 +344,33 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
     return values + t.offset if t.offset else values
 
 
+# our names of a layer's projections (`.weight` after each), the groups one kernel call computes
+_QKV = ("attn.in_proj.query", "attn.in_proj.key", "attn.in_proj.value")
+_GATE_UP = ("ff_sub_module.wg", "ff_sub_module.w1")
+_PROJECTIONS = (*_QKV, "attn.dense", *_GATE_UP, "ff_sub_module.w2")
+
+
+def _kept_as_blocks(reader: GGUFReader, config: LLaMAConfig) -> dict[str, str]:
+    """Our name -> ggml type of each tensor held as its GGUF blocks: Q8_0 / Q4_0 projections, in a
+    layer whose q/k/v are all such (one kernel call computes them), gate/up alike; the embedding
+    and the head where they are Q8_0 / Q4_0 (a tied head shares the embedding's blocks)."""
+    arch = _field(reader, "general.architecture")
+    names = GGUF_NAMES + (_GEMMA_NORMS if arch in _GEMMA else _LLAMA_NORMS)
+    kinds: dict[str, str] = {}
+    for t in reader.tensors:
+        hf_name = _gguf_to_hf(t.name, names)
+        name = hf_to_ours_name(hf_name, config.family) if hf_name is not None else None
+        if name is not None and t.tensor_type.name in BLOCK_TYPES:
+            kinds[name] = t.tensor_type.name
+    kept = {n: kinds[n] for n in ("embedding.weight", "head.weight") if n in kinds}
+    for i in range(config.nlayers):
+        for group in (_QKV, ("attn.dense",), _GATE_UP, ("ff_sub_module.w2",)):
+            full = [f"layers.{i}.{p}.weight" for p in group]
+            if all(n in kinds for n in full):
+                kept.update({n: kinds[n] for n in full})
+    return kept
+
+
 def _file_dtype(reader: GGUFReader) -> torch.dtype:
     """The dtype a model loads in when none is asked for: BF16 / F16 when every matrix is stored so,
     else fp32 (what llama.cpp computes block types in)."""
@@ -351,11 +384,14 @@ def load_gguf(
     attn_impl: str = "sdpa",
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    gguf_blocks: bool = True,
     **config_overrides: Any,
 ) -> LLaMA:
     """A GGUF file (or a directory holding one) as our model, each tensor dequantized into its
-    parameter in `dtype` (None: `_file_dtype`) as it is read. Raises before returning anything
-    when a tensor is missing, unexpected, of the wrong shape, of an unsupported type or cut short."""
+    parameter in `dtype` (None: `_file_dtype`) as it is read, except on the CPU (with
+    `gguf_blocks`) the projections held as their Q8_0 / Q4_0 blocks (`_kept_as_blocks`). Raises
+    before returning anything when a tensor is missing, unexpected, of the wrong shape, of an
+    unsupported type or cut short."""
     reader = open_gguf(model_path)
     path = find_gguf(model_path)
     config = config_from_hf(hf_config(reader), attn_impl=attn_impl, **config_overrides)
@@ -363,20 +399,45 @@ def load_gguf(
     native.prebuild_model(torch.device(device), dtype, config.head_dim, attn_impl)
     with torch.device("meta"):
         model = LLaMA(config)
+    kept = _kept_as_blocks(reader, config) if gguf_blocks and torch.device(device).type == "cpu" else {}
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if config.tie_heads:
         expected.pop("head.weight")
+    if "embedding.weight" in kept:  # a BlockEmbedding (a tied head: a BlockLinear on its blocks, below)
+        kind = kept["embedding.weight"]
+        with torch.device("meta"):
+            blocks = torch.empty(config.src_vocab_size, config.emb_dim // QK, BLOCK_TYPES[kind],
+                                 dtype=torch.uint8)
+        model.embedding = BlockEmbedding(blocks, kind, dtype)
+    for name, kind in kept.items():  # each such projection a BlockLinear (on meta, filled below)
+        if name == "embedding.weight":
+            continue
+        parent_name, attr = name.removesuffix(".weight").rpartition(".")[::2]
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        n, k = old.weight.shape
+        with torch.device("meta"):
+            blocks = torch.empty(n, k // QK, BLOCK_TYPES[kind], dtype=torch.uint8)
+            bias = None if old.bias is None else torch.empty(n, dtype=old.bias.dtype)
+        setattr(parent, attr, BlockLinear(blocks, kind, bias))
     state: dict[str, torch.Tensor] = {}
     # CPU weights go straight into huge pages, as a checkpoint's do (models/hugepages.py)
     arena = None
     if torch.device(device).type == "cpu":
-        arena = hugepages.arena_for(math.prod(s) * dtype.itemsize for s in expected.values())
+        arena = hugepages.arena_for(math.prod(s) * dtype.itemsize
+                                    for n, s in expected.items() if n not in kept)
     for t in tensors(reader, config):
         if t.name not in expected:
             raise CheckpointError(f"{path.name}: unexpected tensor {t.gguf_name!r} for this config")
         if t.shape != tuple(expected[t.name]):
             raise CheckpointError(f"{path.name}: tensor {t.gguf_name!r} has shape {t.shape}, expected "
                                   f"{tuple(expected[t.name])} for this config")
+        if t.name in kept:  # the file's blocks themselves, one copy out of the map
+            n, k = t.shape
+            blocks = torch.from_numpy(np.array(t.raw, dtype=np.uint8))
+            blocks = blocks.reshape(n, k // QK, BLOCK_TYPES[t.ggml_type])
+            state[t.name.removesuffix("weight") + "blocks"] = blocks
+            continue
         try:
             values = dequantize(t)
         except (ValueError, IndexError) as e:
@@ -387,11 +448,15 @@ def load_gguf(
             state[t.name] = values.to(device=device, dtype=dtype).contiguous()
         else:
             state[t.name] = dst.copy_(values)
+    for name in kept:
+        expected.pop(name)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{path.name} is missing tensors: {missing[:8]}")
     model.load_state_dict(state, strict=not config.tie_heads, assign=True)
-    if config.tie_heads:
+    if config.tie_heads and type(model.embedding) is BlockEmbedding:  # one copy of the blocks for both
+        model.head = BlockLinear(model.embedding.blocks, model.embedding.ggml_type)
+    elif config.tie_heads:
         model.head.weight = model.embedding.weight
     model.reset_buffers()
     return model.eval()
@@ -411,8 +476,55 @@ def file_summary(model_path: str | os.PathLike) -> dict[str, str]:
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
     out = {"file": str(find_gguf(model_path)), "architecture": str(_field(reader, "general.architecture")),
            "tensor types": ", ".join(kinds),
-           "kernel": "dequantized at load into the model's dtype (fp32 for block types unless --dtype); "
-                     "the dtype's GEMMs (`fms-paged info`, per dtype); no kernel on quantized blocks yet"}
+           "kernel": "on the CPU, Q8_0 / Q4_0 projections, embedding and head held as the file's blocks and "
+                     "run by the fms_paged qgemv kernel (int8 activations per block of 32, integer dot "
+                     "products), inside the one-call forward (`layers`: each layer's); every other "
+                     "tensor dequantized at load into the model's dtype (fp32 for block types unless "
+                     "--dtype) and run by that dtype's GEMMs"}
     layers = sorted((k for k in per if k != "other"), key=lambda k: int(k.split()[1]))
     out.update({k: ", ".join(per[k]) for k in layers + (["other"] if "other" in per else [])})
+    return out
+
+
+def layer_kernels(model_path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, str]:
+    """What `fms-paged info x.gguf` says of each layer ("layer 3"): its projections' format and the
+    kernel that runs each on the CPU, as `load_gguf` holds them (`_kept_as_blocks`), read from
+    the file's table without loading a weight; then the embedding's and the head's. Projections
+    alike are one line ("GGUF Q4_0 blocks, fms_paged qgemv (...) (7 projections)"), else each
+    format names its projections."""
+    reader = open_gguf(model_path)
+    config = config_from_hf(hf_config(reader))
+    dtype = dtype or _file_dtype(reader)
+    kept = _kept_as_blocks(reader, config)
+    arch = _field(reader, "general.architecture")
+    names = GGUF_NAMES + (_GEMMA_NORMS if arch in _GEMMA else _LLAMA_NORMS)
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        hf_name = _gguf_to_hf(t.name, names)
+        name = hf_to_ours_name(hf_name, config.family) if hf_name is not None else None
+        if name is not None:
+            types[name] = t.tensor_type.name
+    dt = str(dtype).removeprefix("torch.")
+    qgemv = f"fms_paged qgemv (int8 activations per block of 32, {qgemv_isa()})"
+
+    def fmt(name: str) -> str:
+        if name in kept:
+            return f"GGUF {kept[name]} blocks, {qgemv}"
+        return f"{types.get(name, 'absent')} held as {dt}, the {dt} GEMV / GEMM"
+
+    out = {}
+    for i in range(config.nlayers):
+        by_fmt: dict[str, list[str]] = {}
+        for p in _PROJECTIONS:
+            by_fmt.setdefault(fmt(f"layers.{i}.{p}.weight"), []).append(p.rsplit(".", 1)[-1])
+        if len(by_fmt) == 1:
+            (f, mods), = by_fmt.items()
+            out[f"layer {i}"] = f"{f} ({len(mods)} projections)"
+        else:
+            out[f"layer {i}"] = "; ".join(f"{', '.join(mods)}: {f}" for f, mods in by_fmt.items())
+    emb = "embedding.weight"
+    out["embedding"] = (f"GGUF {kept[emb]} blocks, rows dequantized per lookup into {dt}" if emb in kept
+                        else fmt(emb).split(",")[0])
+    head = "embedding.weight" if config.tie_heads else "head.weight"
+    out["head"] = fmt(head) + (" (tied: the embedding's)" if config.tie_heads else "")
     return out

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fms_paged import native
 from fms_paged.kv.groups import layer_groups
 from fms_paged.kv.quant import check_kv_cache_dtype
 from fms_paged.kv.spec import AttentionSpec
@@ -41,6 +42,7 @@ from fms_paged.modules import (
 )
 from fms_paged.modules.attention import AttentionStep
 from fms_paged.modules.feedforward import ACTIVATIONS, swiglu_hidden_dim
+from fms_paged.modules.quantized import BlockEmbedding, BlockLinear
 
 ATTN_IMPLS = ("sdpa", "paged")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -200,19 +202,23 @@ class LLaMABlock(nn.Module):
         """The block's weights in the order of a `fms_paged::DecoderStack` (None where the family
         has none), or None where its projections are not this module's own packed CPU `Linear`s
         (a rank's split ones: `fms_paged.parallel`; `linear_impl="torch"`) or only some of q/k/v
-        have a bias."""
+        have a bias. A projection held as GGUF blocks (`BlockLinear`) gives its blocks (the stack
+        runs them by the qgemv kernel), where q/k/v are all held so or none, and gate/up alike."""
         a, f = self.attn, self.ff_sub_module
         qkv = a.in_proj
         projections = (qkv.query, qkv.key, qkv.value, a.dense, f.wg, f.w1, f.w2)
-        if not all(type(m) is Linear and m.pack for m in projections):
+        if not all((type(m) is Linear and m.pack) or type(m) is BlockLinear for m in projections):
+            return None
+        blocks = [type(m) is BlockLinear for m in projections]
+        if len(set(blocks[:3])) > 1 or blocks[4] != blocks[5]:
             return None
         biases = [m.bias for m in projections[:3]]
         if len({b is None for b in biases}) > 1:
             return None
         norms = (a.q_norm, a.k_norm, self.post_attn_ln, self.post_ff_ln)
         qn, kn, pa, pf = (None if m is None else m.weight for m in norms)
-        return [self.ln.weight, *(m.weight for m in projections[:3]), *biases, qn, kn, a.dense.weight, pa,
-                self.ff_ln.weight, f.wg.weight, f.w1.weight, f.w2.weight, pf]
+        w = [m.blocks if type(m) is BlockLinear else m.weight for m in projections]
+        return [self.ln.weight, *w[:3], *biases, qn, kn, w[3], pa, self.ff_ln.weight, *w[4:], pf]
 
 
 # Each model's DecoderStack and whether its ends are set (`LLaMA._stack`), as made since the last
@@ -296,7 +302,7 @@ class LLaMA(nn.Module):
 
     def reset_buffers(self) -> None:
         for rope in self.ropes:
-            rope.reset_buffers(self.embedding.weight.device)
+            rope.reset_buffers(self.device)
 
     def forward(
         self,
@@ -366,6 +372,10 @@ class LLaMA(nn.Module):
                 weights = None
                 break
             weights += w
+        if weights is not None and any(w is not None and w.dtype == torch.uint8 for w in weights):
+            # GGUF blocks: the stack runs them by the qgemv kernel, for the activations' dtype
+            if native.load_qgemv(self.dtype) is not None:
+                weights = None
         if weights is not None:
             c, specs = self.config, self.attention_specs()
             stack = torch.classes.fms_paged.DecoderStack(
@@ -377,9 +387,17 @@ class LLaMA(nn.Module):
             groups = layer_groups(specs, grouped=self.attends_by_layer)
             if groups.grouped:  # each layer's page-table slice (a paged backend holds pages per group)
                 stack.set_slices(list(groups.slice_of))
-            emb, norm, head = self.embedding.weight, self.dec_norm.weight, self.head.weight
-            ends = type(self.head) is Linear and self.head.pack and self.head.bias is None and all(
-                w.dtype == weights[0].dtype and w.is_contiguous() for w in (emb, norm, head))
+            # (GGUF blocks: the embedding's rows dequantized per lookup, the head by the qgemv kernel)
+            emb = self.embedding.blocks if type(self.embedding) is BlockEmbedding else self.embedding.weight
+            norm = self.dec_norm.weight
+            head = self.head.blocks if type(self.head) is BlockLinear else self.head.weight
+            blocks = (type(self.head) is BlockLinear or type(self.embedding) is BlockEmbedding)
+            if blocks and native.load_qgemv(self.dtype) is not None:
+                head = None
+            ends = head is not None and (type(self.head) is BlockLinear or (
+                type(self.head) is Linear and self.head.pack)) and self.head.bias is None and all(
+                (w.dtype == weights[0].dtype or w.dtype == torch.uint8) and w.is_contiguous()
+                for w in (emb, norm, head))
             if ends:
                 stack.set_ends(emb, float(c.emb_scale), bool(c.emb_scale_in_dtype), norm, head,
                                float(c.logits_scaling), float(c.final_softcap or 0.0))
@@ -402,7 +420,10 @@ class LLaMA(nn.Module):
         # the lookup alone: nn.Embedding.forward hands F.embedding its float `norm_type`, which a
         # graph compiled with dynamic shapes (the prefill step) first traced as a symbolic float
         # and then traced again (a restart, seconds per 30-layer graph)
-        x = F.embedding(tokens, self.embedding.weight)
+        if type(self.embedding) is BlockEmbedding:  # GGUF blocks: the rows dequantized
+            x = self.embedding(tokens)
+        else:
+            x = F.embedding(tokens, self.embedding.weight)
         c = self.config
         if c.emb_scale != 1.0:
             scale = torch.tensor(c.emb_scale, dtype=x.dtype) if c.emb_scale_in_dtype else c.emb_scale
@@ -423,11 +444,14 @@ class LLaMA(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embedding.weight.device
+        return self.dec_norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embedding.weight.dtype
+        """The activations' dtype (the embedding's, or the final norm's where the embedding is
+        held as GGUF blocks)."""
+        emb = self.embedding
+        return emb.dtype if type(emb) is BlockEmbedding else emb.weight.dtype
 
 
 # Presets: shapes of the public checkpoints, plus `micro` for tests.

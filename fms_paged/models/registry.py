@@ -99,6 +99,8 @@ def get_model(
         from fms_paged.models.hf import load_hf
 
         if is_gguf(model_path):  # a .gguf file: llama.cpp's format
+            if quantization is not None:  # quantize on load starts from the dequantized weights
+                config_overrides["gguf_blocks"] = False
             model = load_gguf(model_path, attn_impl=attn_impl, device=dev, dtype=dt, **config_overrides)
         else:
             model = load_hf(model_path, attn_impl=attn_impl, device=dev, dtype=dt, progress=progress,

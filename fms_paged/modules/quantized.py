@@ -22,16 +22,27 @@ replacement is made. The embedding and the LM head stay in the model's dtype (th
 share of the weight bytes of the models we run, and its error lands on every logit directly).
 A model so quantized has no one-call C++ forward (`LLaMABlock.fused_weights` is None for it):
 its layers run module by module.
+
+`BlockLinear` holds a GGUF file's Q8_0 or Q4_0 weight as the file's own blocks (`gguf_blocks`:
+uint8 [N, K / 32, 34 or 18], ggml's block_q8_0 / block_q4_0 bytes, no repacking and no
+full-precision copy), computed by the project's kernel on those blocks
+(`csrc/kernels/qgemv.cpp`, `torch.ops.fms_paged.qlinear`): each row of x quantized to int8 per
+block of 32 and integer dot products, llama.cpp's scheme. Unlike `QuantizedLinear` it runs inside
+the one-call C++ forward (`fms_paged::DecoderStack` takes the blocks as a projection's weight).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from fms_paged import native
 from fms_paged.modules.linear import Linear
 
-__all__ = ["DEFAULT_GROUP_SIZE", "GROUP_SIZES", "QUANTIZATIONS", "QuantizationError", "QuantizedLinear",
+__all__ = ["BLOCK_TYPES", "BlockEmbedding", "BlockLinear", "DEFAULT_GROUP_SIZE", "GROUP_SIZES",
+           "QUANTIZATIONS",
+           "QuantizationError", "QuantizedLinear", "dequantize_blocks", "qgemv_isa",
            "check", "check_scheme", "describe", "layer_formats", "quantize_model", "quantize_weight"]
 
 QUANTIZATIONS = ("int8", "int4")
@@ -40,6 +51,9 @@ DEFAULT_GROUP_SIZE = 128  # torchao's Int4WeightOnlyConfig default
 INT4_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` wants N % 16 == 0
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNELS = {"int8": "aten _weight_int8pack_mm", "int4": "aten _weight_int4pack_mm_for_cpu"}
+# the GGUF block types the qgemv kernel reads -> bytes per block of 32 values
+BLOCK_TYPES = {"Q8_0": 34, "Q4_0": 18}
+QK = 32  # values per GGUF block
 
 
 class QuantizationError(ValueError):
@@ -172,6 +186,111 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.describe()}"
 
 
+def qgemv_isa() -> str:
+    """How the qgemv kernel built for `native.isa()` takes its dot products on this CPU."""
+    flags = native.cpu_flags()
+    which = native.isa()
+    if which == "native" and "avx512_vnni" in flags and "avx512vl" in flags:
+        return "AVX512-VNNI vpdpbusd"
+    if which == "native" and "avx_vnni" in flags:
+        return "AVX-VNNI vpdpbusd"
+    if which in ("native", "avx2") and "avx2" in flags:
+        return "AVX2 vpmaddubsw"
+    return "scalar"
+
+
+def dequantize_blocks(blocks: torch.Tensor, ggml_type: str,
+                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """GGUF blocks [N, K / 32, bytes] of `ggml_type` (Q8_0, Q4_0) -> the weight [N, K] in `dtype`,
+    exactly (each value is an fp16 scale times a small integer: exact in float64 and fp32)."""
+    n, nb, _ = blocks.shape
+    d = blocks[..., :2].contiguous().view(torch.float16).to(dtype)  # [N, nb, 1]
+    if ggml_type == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).to(dtype)  # [N, nb, 32]
+    elif ggml_type == "Q4_0":
+        qs = blocks[..., 2:].to(torch.int16)  # [N, nb, 16]: element j (low nibble), j + 16 (high)
+        q = (torch.cat([qs & 0x0F, qs >> 4], dim=-1) - 8).to(dtype)
+    else:
+        raise QuantizationError(f"GGUF block type {ggml_type!r}; the qgemv kernel reads "
+                                f"{', '.join(BLOCK_TYPES)}")
+    return (q * d).reshape(n, nb * QK)
+
+
+class BlockLinear(nn.Module):
+    """y = x @ W^T + b with W held as a GGUF file's blocks (`ggml_type` Q8_0 or Q4_0; `blocks`
+    uint8 [N, K / 32, bytes per block]), computed by the qgemv kernel (`fms_paged::qlinear`) for
+    decode and prefill rows alike; x in the model's dtype (fp32, bf16 or fp16), the bias too.
+    Inference only. Where the kernel cannot be had (no C++ compiler) each call dequantizes the
+    weight into a temporary and runs F.linear: correct, slow, and announced by `describe`."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str, bias: torch.Tensor | None = None):
+        super().__init__()
+        if ggml_type not in BLOCK_TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 3 or \
+                blocks.shape[-1] != BLOCK_TYPES.get(ggml_type):
+            raise QuantizationError(f"BlockLinear: {ggml_type} blocks as uint8 [N, K / 32, "
+                                    f"{BLOCK_TYPES.get(ggml_type)}], got {blocks.dtype} "
+                                    f"{tuple(blocks.shape)}; "
+                                    f"types read: {', '.join(BLOCK_TYPES)}")
+        self.ggml_type = ggml_type
+        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * QK
+        self.register_buffer("blocks", blocks)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def kernel(self, dtype: torch.dtype | None = None) -> str:
+        """The kernel that computes this projection here (for activations of `dtype`)."""
+        if native.compiler() is None:
+            return "dequantized per call + F.linear (no C++ compiler for the qgemv kernel)"
+        return f"fms_paged qgemv (int8 activations per block of 32, {qgemv_isa()})"
+
+    def describe(self) -> str:
+        """The format and kernel, as `fms-paged info` says them."""
+        return f"GGUF {self.ggml_type} blocks, {self.kernel()}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]
+        if x.device.type == "cpu" and (native.kernel_ready("qgemv", x.dtype)
+                                       or native.load_qgemv(x.dtype) is None):
+            return torch.ops.fms_paged.qlinear(x, [self.blocks], self.bias)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def dequantized(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The weight [N, K] in `dtype` (exact in float64 and fp32: the tests' reference)."""
+        return dequantize_blocks(self.blocks, self.ggml_type, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.describe()}"
+
+
+class BlockEmbedding(nn.Module):
+    """The token embedding held as a GGUF file's blocks (`ggml_type` Q8_0 or Q4_0; `blocks` uint8
+    [V, C / 32, bytes per block]): a lookup dequantizes the rows it reads into `dtype` (the
+    model's), exactly where `dtype` is fp32 (an fp16 scale times a small integer). A tied head
+    shares the same blocks tensor (`BlockLinear(embedding.blocks, ...)`): one copy for both."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str, dtype: torch.dtype):
+        super().__init__()
+        if ggml_type not in BLOCK_TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 3:
+            raise QuantizationError(f"BlockEmbedding: {ggml_type} blocks as uint8 [V, C / 32, bytes], got "
+                                    f"{blocks.dtype} {tuple(blocks.shape)}; types read: "
+                                    f"{', '.join(BLOCK_TYPES)}")
+        self.ggml_type, self.dtype = ggml_type, dtype
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], blocks.shape[1] * QK
+        self.register_buffer("blocks", blocks)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [...] int64 -> [..., C] in the model's dtype
+        rows = self.blocks.index_select(0, tokens.reshape(-1))
+        return dequantize_blocks(rows, self.ggml_type, torch.float32).to(self.dtype).reshape(
+            *tokens.shape, self.embedding_dim)
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"GGUF {self.ggml_type} blocks, rows dequantized per lookup into {dtype}"
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.describe()}"
+
+
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str, Linear]]:
     """(parent, attribute, Linear) of each projection of the decoder blocks (not the LM head)."""
     found = []
@@ -210,14 +329,14 @@ def describe(model: nn.Module) -> list[dict[str, str]]:
     rows = []
     for i, layer in enumerate(model.layers):
         for name, m in layer.named_modules():
-            if isinstance(m, QuantizedLinear):
+            if isinstance(m, (QuantizedLinear, BlockLinear)):
                 rows.append({"layer": str(i), "module": name, "format": m.describe()})
             elif isinstance(m, Linear):
                 rows.append({"layer": str(i), "module": name,
                              "format": f"{str(m.weight.dtype).removeprefix('torch.')}, fms_paged linear"})
     head = model.head
     rows.append({"layer": "head", "module": "head",
-                 "format": head.describe() if isinstance(head, QuantizedLinear)
+                 "format": head.describe() if isinstance(head, (QuantizedLinear, BlockLinear))
                  else f"{str(head.weight.dtype).removeprefix('torch.')}, fms_paged linear"})
     return rows
 
@@ -237,5 +356,7 @@ def layer_formats(model: nn.Module) -> dict[str, str]:
             out[key] = fmt if layer == "head" else f"{fmt} ({len(mods)} projections)"
         else:
             out[key] = "; ".join(f"{', '.join(mods)}: {fmt}" for fmt, mods in formats.items())
-    out["embedding"] = str(model.embedding.weight.dtype).removeprefix("torch.")
+    emb = model.embedding
+    out["embedding"] = emb.describe() if isinstance(emb, BlockEmbedding) else \
+        str(emb.weight.dtype).removeprefix("torch.")
     return out

@@ -41,6 +41,7 @@ from fms_paged.native.build import (
     GEMV_SOURCE,
     ISAS,
     OPS_SOURCES,
+    QGEMV_SOURCE,
     ROWS_SOURCE,
     build_library,
     cache_dir,
@@ -62,6 +63,7 @@ __all__ = [
     "PAGE_MULTIPLE",
     "ROWS_SOURCE", "build_all", "cache_dir", "compiler", "compiling", "configure", "cpu_flags", "deferred",
     "elem", "isa", "kernel_clock", "kernel_isa", "kernel_ready", "load_attention", "load_gemm", "load_gemv",
+    "load_qgemv",
     "ops",
     "ops_loaded", "prebuild", "prebuild_attention", "prebuild_kernels", "prebuild_model", "ready", "register",
     "require_builds", "wait_for_builds", "yielding_to_builds",
@@ -277,6 +279,15 @@ def load_gemm(dtype: torch.dtype) -> str | None:
     (`fms_paged::gemm`; `linear` past the GEMV's rows where `gemm.GEMM == "own"`) -> None, or why
     not (`fms_paged::gemm` then computes with ATen, and `linear` with oneDNN)."""
     return register("gemm", GEMM_SOURCE, dtype)
+
+
+def load_qgemv(dtype: torch.dtype) -> str | None:
+    """Load the operators and the kernel of products with GGUF Q8_0 / Q4_0 blocks for activations
+    of `dtype` (`csrc/kernels/qgemv.cpp`, built for `isa()` once per machine) -> None, or why not
+    (`fms_paged::qlinear` and a stack holding blocks then refuse to run)."""
+    if dtype not in ELEM_TYPES:
+        return f"the qgemv kernel takes {', '.join(map(str, ELEM_TYPES))}, not {dtype}"
+    return load_gemv(dtype) or register("qgemv", QGEMV_SOURCE, dtype)
 
 
 def load_attention(head_dim: int, dtype: torch.dtype = torch.float32, kv_int8: bool = False) -> str | None:

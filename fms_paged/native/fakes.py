@@ -34,6 +34,10 @@ def register_fakes() -> None:
     def _linear(x, weights, bias):
         return _stacked(x, weights)
 
+    @torch.library.register_fake("fms_paged::qlinear")
+    def _qlinear(x, weights, bias):
+        return _stacked(x, weights)
+
     @torch.library.register_fake("fms_paged::rms_norm")
     def _rms_norm(x, weight, eps, unit_offset):
         return torch.empty_like(x)

@@ -536,8 +536,8 @@ def test_library_with_another_layout_is_refused(tmp_path):
         with pytest.raises(RuntimeError, match=r"laid out as 'FmsPagedAttentionArgs .*" + shown):
             torch.ops.fms_paged._load_kernel("attention", path, dtype, D)
     assert torch.equal(run(q, k, v, table, chunks, P), good)
-    with pytest.raises(ValueError,
-                       match=r"kind='other'; expected 'attention', 'gemv', 'rows', 'attention_i8' or 'gemm'"):
+    with pytest.raises(ValueError, match=r"kind='other'; expected 'attention', 'gemv', 'rows', "
+                                         r"'attention_i8', 'gemm' or 'qgemv'"):
         torch.ops.fms_paged._load_kernel("other", cases[0][0], torch.float32, D)
     with pytest.raises(ValueError, match=r"_kernel_loaded: kind='other'; expected 'attention'"):
         torch.ops.fms_paged._kernel_loaded("other", torch.float32)

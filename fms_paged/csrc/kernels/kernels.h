@@ -34,6 +34,13 @@
 // the same for many rows (prefill steps: gemm.cpp, which reads the weights where they lie as the
 // GEMV kernel does; its own struct name, so that neither library passes for the other)
 #define FMS_PAGED_GEMM_FIELDS(X) FMS_PAGED_GEMV_FIELDS(X)
+// y [M, sum of rows] = x [M, K] (row stride x_st) times each weight weights[i] [rows[i], K]^T held
+// as GGUF blocks of 32 (ggml type types[i]: 8 Q8_0, 2 Q4_0; rows of K / 32 blocks, raw bytes), side
+// by side; threads: at most this many (kernels/qgemv.cpp).
+#define FMS_PAGED_QGEMV_FIELDS(X)                                                               \
+  X(const T*, x) X(int64_t, M) X(int64_t, K) X(int64_t, x_st)                                   \
+  X(const int8_t* const*, weights) X(const int64_t*, rows) X(const int32_t*, types)             \
+  X(int64_t, n_weights) X(T*, y) X(int32_t, threads)
 
 // op on M rows (threads: at most this many), what a decoder block does between its projections:
 // - 0 (RMSNorm): out [M, n] = norm(x rows [M, n] at row stride x_st) with weight w, eps and

@@ -47,6 +47,7 @@ struct Layer {
   std::array<const at::Tensor*, kLayerWeights> w;  // (oneDNN's GEMM takes the tensors: prefill rows)
   std::array<const void*, kLayerWeights> p;
   std::array<int64_t, kLayerWeights> n;  // rows (a vector's length)
+  std::array<int32_t, kLayerWeights> type;  // a projection held as GGUF blocks: its ggml type (block_type), else 0
   const float *cos, *sin;
   PoolPtrs pools;
   double scale, softcap;
@@ -57,16 +58,27 @@ struct Layer {
 // the projections: y [M, sum N] = x [M, K] (row stride x_st) @ a block's weights `which`^T, by the
 // GEMV kernel for at most gemv_rows rows, else by the GEMM kernel where `linear` takes it
 // (`gemm`: configured and loaded), else as `linear` computes it (oneDNN's packed GEMM, or
-// at::linear)
+// at::linear); weights held as GGUF blocks (all of `which` or none: checked when the stack is
+// made) by the qgemv kernel (qfn) for any number of rows
 struct Mm {
   KernelFn fn, gemm;
   int e;
   int64_t gemv_rows;
   at::TensorOptions opts;
+  KernelFn qfn = nullptr;
   // -> where the product [M, sum N] is: y, or (oneDNN's) the rows of `out`, which holds them
   template <class T>
   T* operator()(const void* x, int64_t M, int64_t K, int64_t x_st, std::initializer_list<Weight> which,
                 const Layer& L, T* y, at::Tensor& out) const {
+    if (L.type[*which.begin()]) {
+      std::array<const void*, 3> ptrs;
+      std::array<int64_t, 3> rows;
+      std::array<int32_t, 3> types;
+      int64_t i = 0;
+      for (Weight j : which) ptrs[i] = L.p[j], rows[i] = L.n[j], types[i++] = L.type[j];
+      run_qgemv(qfn, e, x, M, K, x_st, ptrs.data(), rows.data(), types.data(), i, y);
+      return y;
+    }
     if (M <= gemv_rows || gemm) {
       std::array<const void*, 3> ptrs;
       std::array<int64_t, 3> rows;
@@ -149,9 +161,16 @@ std::string names(const std::vector<at::Tensor>& weights, int64_t i) {  // "ln (
 // and head dim D)
 void check_weights(const DecoderStack& s, int64_t i) {
   auto w = [&](int64_t j) { return s.weight(i, j); };
+  // the projections may be GGUF blocks (block_type), q/k/v alike and gate/up alike
+  auto blocks = [&](int64_t j) { return w(j) && block_type(*w(j)) != 0; };
+  const bool projection[kLayerWeights] = {false, true, true, true, false, false, false, false, false,
+                                          true, false, false, true, true, true, false};
+  TORCH_CHECK_VALUE(blocks(1) == blocks(2) && blocks(1) == blocks(3) && blocks(12) == blocks(13),
+                    "DecoderStack: layer ", i, ": q, k and v must be held alike (all GGUF blocks or none), and gate ",
+                    "and up alike, got ", names(s.weights, i));
   for (int64_t j = 0; j < kLayerWeights; ++j) {
     const at::Tensor* t = w(j);
-    TORCH_CHECK_VALUE(!t || (t->scalar_type() == s.dtype && t->is_cpu() && t->is_contiguous()),
+    TORCH_CHECK_VALUE(!t || (projection[j] && blocks(j)) || (t->scalar_type() == s.dtype && t->is_cpu() && t->is_contiguous()),
                       "DecoderStack: layer ", i, ": every weight must be a contiguous CPU tensor of the stack's dtype ",
                       dtype_name(s.dtype), " (its ln's), got ", kWeightNames[j], " ", dtype_name(t->scalar_type()), " ",
                       shape(*t), t->is_contiguous() ? "" : " (not contiguous)", " on ", t->device());
@@ -162,6 +181,7 @@ void check_weights(const DecoderStack& s, int64_t i) {
   const int64_t H = required && D ? w(1)->size(0) / D : 0, Hkv = required && D ? w(2)->size(0) / D : 0;
   const int64_t F = required ? w(12)->size(0) : 0;
   auto mat = [&](int64_t j, int64_t rows, int64_t cols) {
+    if (blocks(j)) return w(j)->size(0) == rows && block_cols(*w(j)) == cols;
     return w(j)->dim() == 2 && w(j)->size(0) == rows && w(j)->size(1) == cols;
   };
   auto vec = [&](int64_t j, int64_t n) { return !w(j) || (w(j)->dim() == 1 && w(j)->numel() == n); };
@@ -212,7 +232,8 @@ void DecoderStack::set_ends(at::Tensor embedding_, double emb_scale_, bool in_dt
   TORCH_CHECK_VALUE(logits_scaling_ != 0.0 && final_softcap_ >= 0.0, "DecoderStack.set_ends: logits_scaling=",
                     py_float(logits_scaling_), ", final_softcap=", py_float(final_softcap_),
                     "; expected a non-zero divisor and a cap >= 0 (0: none)");
-  auto ok = [&](const at::Tensor& t, int64_t dim) {
+  auto ok = [&](const at::Tensor& t, int64_t dim) {  // (the embedding and head may be GGUF blocks)
+    if (dim == 2 && block_type(t)) return block_cols(t) == width;
     return t.scalar_type() == dtype && t.is_cpu() && t.is_contiguous() && t.dim() == dim && t.size(-1) == width;
   };
   TORCH_CHECK_VALUE(ok(embedding_, 2) && ok(final_norm_, 1) && ok(head_, 2), "DecoderStack.set_ends: the embedding [V, ",
@@ -247,7 +268,8 @@ namespace {
 void check_unchanged(const DecoderStack& s) {
   for (size_t j = 0; j < s.weights.size(); ++j) {
     const at::Tensor& w = s.weights[j];
-    if (!w.defined() || (w.scalar_type() == s.dtype && w.sizes() == at::IntArrayRef(s.shapes[j]) && w.is_contiguous()))
+    if (!w.defined() || ((w.scalar_type() == s.dtype || block_type(w)) && w.sizes() == at::IntArrayRef(s.shapes[j]) &&
+                         w.is_contiguous()))
       continue;
     const int64_t i = (int64_t)j / kLayerWeights;
     TORCH_CHECK_VALUE(false, "decoder_stack: layer ", i, "'s ", kWeightNames[j % kLayerWeights], " is now ",
@@ -258,8 +280,8 @@ void check_unchanged(const DecoderStack& s) {
   const std::array<const at::Tensor*, 3> ends = {&s.embedding, &s.final_norm, &s.head};
   for (size_t j = 0; j < ends.size(); ++j) {
     const at::Tensor& w = *ends[j];
-    TORCH_CHECK_VALUE(!w.defined() || (w.scalar_type() == s.dtype && w.sizes() == at::IntArrayRef(s.end_shapes[j]) &&
-                                       w.is_contiguous()),
+    TORCH_CHECK_VALUE(!w.defined() || ((w.scalar_type() == s.dtype || block_type(w)) &&
+                                       w.sizes() == at::IntArrayRef(s.end_shapes[j]) && w.is_contiguous()),
                       "decoder_stack: the ", std::array<const char*, 3>{"embedding", "final norm", "head"}[j],
                       " is now ", dtype_name(w.scalar_type()), " ", shape(w), "; the stack's ends were set with ",
                       dtype_name(s.dtype), " ", shape(s.end_shapes[j]), ": make a new DecoderStack");
@@ -347,7 +369,7 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
   const int e = elem_index(s.dtype);
   const bool i8 = k_scales.has_value();  // 8-bit KV pages (checked: check_step)
   const KernelFn attn = i8 ? attention_i8_fn(e, s.head_dim) : attention_fn(e, s.head_dim), mm = gemv_fn(e),
-                 rows_kernel = rows_fn(e);
+                 rows_kernel = rows_fn(e), qmm = qgemv_fn(e);
   TORCH_CHECK(attn && mm && rows_kernel, "decoder_stack: no ", !attn ? "attention" : !mm ? "GEMV" : "rows",
               " kernel loaded for ", dtype_name(s.dtype), attn ? "" : " and head_dim=" + std::to_string(s.head_dim),
               " (fms_paged.native.load_attention and fms_paged.native.load_gemv load them)");
@@ -358,6 +380,9 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
     for (int64_t j = 0; j < kLayerWeights; ++j) {
       const at::Tensor* t = s.weight(i, j);
       L.w[j] = t, L.p[j] = t ? t->data_ptr() : nullptr, L.n[j] = t ? t->size(0) : 0;
+      L.type[j] = t ? block_type(*t) : 0;
+      TORCH_CHECK(!L.type[j] || qmm, "decoder_stack: layer ", i, " holds GGUF blocks and no qgemv kernel is loaded ",
+                  "for ", dtype_name(s.dtype), " (fms_paged.native.load_qgemv loads it)");
     }
     const int64_t r = s.rope_index[i];
     L.cos = cos[r].data_ptr<float>(), L.sin = sin[r].data_ptr<float>(), L.pools = pool_ptrs(k_pools[i], v_pools[i]);
@@ -388,7 +413,7 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
   void *h = base, *y = base + M * wide * x.element_size(), *att = base + 2 * M * wide * x.element_size();
   by_elem(e, [&](auto t) {
     using T = decltype(t);
-    const Mm project{mm, linear_gemm_fn(e), e, linear_gemv_rows(), x.options()};
+    const Mm project{mm, linear_gemm_fn(e), e, linear_gemv_rows(), x.options(), qmm};
     const Rows<T> rows{rows_kernel, s.eps, s.unit_offset};
     for (int64_t i = 0; i < n; ++i) {
       const int64_t g = G == 1 ? 0 : s.slices[i];
@@ -444,7 +469,8 @@ at::Tensor forward_logits(const DecoderStack& s, const at::Tensor& tokens, const
                           const at::Tensor& chunks, int64_t page_size, const std::optional<at::Tensor>& logits_at,
                           const std::optional<at::TensorList>& k_scales, const std::optional<at::TensorList>& v_scales) {
   const int64_t B = tokens.size(0), S = tokens.size(1), M = B * S;
-  at::Tensor x = at::embedding(s.embedding, tokens).view({M, s.width});  // fresh: the residual stream
+  at::Tensor x = (block_type(s.embedding) ? block_embedding(s.embedding, tokens, s.dtype)
+                                          : at::embedding(s.embedding, tokens)).view({M, s.width});  // fresh: the residual stream
   if (s.emb_scale != 1.0)
     x = s.emb_scale_in_dtype ? at::mul(x, at::scalar_tensor(s.emb_scale, x.options()))
                              : at::mul(x, at::Scalar(s.emb_scale));
@@ -463,7 +489,8 @@ at::Tensor forward_logits(const DecoderStack& s, const at::Tensor& tokens, const
   check_step(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, k_scales, v_scales);
   run_stack(s, x, cos, sin, k_pools, v_pools, slots, page_table, chunks, page_size, k_scales, v_scales);
   const at::Tensor rows = logits_at ? x.index_select(0, *logits_at) : x.view({B, S, s.width});
-  at::Tensor logits = linear(rms_norm(rows, s.final_norm, s.eps, s.unit_offset), {s.head}, std::nullopt);
+  const at::Tensor normed = rms_norm(rows, s.final_norm, s.eps, s.unit_offset);
+  at::Tensor logits = block_type(s.head) ? qlinear(normed, {s.head}, std::nullopt) : linear(normed, {s.head}, std::nullopt);
   if (s.logits_scaling != 1.0) logits = at::div(logits, at::Scalar(s.logits_scaling));  // as LLaMA.logits
   if (s.final_softcap != 0.0)
     logits = at::mul(at::tanh(at::div(logits, at::Scalar(s.final_softcap))), at::Scalar(s.final_softcap));

@@ -64,15 +64,21 @@ template <class T>
 std::string rows_layout() {
   return FMS_PAGED_LAYOUT_OF(RowsArgs<T>, "FmsRowsArgs", FMS_PAGED_ROWS_FIELDS);
 }
+template <class T>
+std::string qgemv_layout() {
+  return FMS_PAGED_LAYOUT_OF(QgemvArgs<T>, "FmsQgemvArgs", FMS_PAGED_QGEMV_FIELDS);
+}
 // the kinds of kernel `_load_kernel` takes, in this order ("attention_i8": attention over int8
-// pools, attention.cpp built with -DFMS_KV_INT8=1; "gemm": gemm.cpp, many rows)
-constexpr std::array<const char*, 5> kKinds = {"attention", "gemv", "rows", "attention_i8", "gemm"};
+// pools, attention.cpp built with -DFMS_KV_INT8=1; "gemm": gemm.cpp, many rows; "qgemv": products
+// with GGUF blocks, qgemv.cpp)
+constexpr std::array<const char*, 6> kKinds = {"attention", "gemv", "rows", "attention_i8", "gemm", "qgemv"};
 template <class T>
 std::string layout_of(int kind) {
   return kind == 0   ? attention_layout<T>()
          : kind == 1 ? gemv_layout<T>()
          : kind == 2 ? rows_layout<T>()
          : kind == 4 ? gemm_layout<T>()
+         : kind == 5 ? qgemv_layout<T>()
                      : attention_layout<T, int8_t>();
 }
 std::string expected_layout(int kind, int e) {
@@ -88,7 +94,7 @@ constexpr int64_t kHeadDimStep = 16, kMaxHeadDim = 1024;
 // once by `_load_kernel`, read by every call without a lock
 std::array<std::array<std::atomic<KernelFn>, kMaxHeadDim / kHeadDimStep + 1>, kElems> attention_fns{},
     attention_i8_fns{};
-std::array<std::atomic<KernelFn>, kElems> gemv_fns{}, rows_fns{}, gemm_fns{};
+std::array<std::atomic<KernelFn>, kElems> gemv_fns{}, rows_fns{}, gemm_fns{}, qgemv_fns{};
 
 KernelFn attention_fn(int e, int64_t head_dim) {
   if (e < 0 || head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % kHeadDimStep) return nullptr;
@@ -101,6 +107,7 @@ KernelFn attention_i8_fn(int e, int64_t head_dim) {
 KernelFn gemv_fn(int e) { return e < 0 ? nullptr : gemv_fns[e].load(std::memory_order_acquire); }
 KernelFn rows_fn(int e) { return e < 0 ? nullptr : rows_fns[e].load(std::memory_order_acquire); }
 KernelFn gemm_fn(int e) { return e < 0 ? nullptr : gemm_fns[e].load(std::memory_order_acquire); }
+KernelFn qgemv_fn(int e) { return e < 0 ? nullptr : qgemv_fns[e].load(std::memory_order_acquire); }
 
 // _load_kernel: the library at `path` (built by fms_paged.native) as the `kind` ("attention",
 // "gemv" or "rows") kernel of `dtype` (and `head_dim`, attention); refused unless its struct is
@@ -109,7 +116,7 @@ KernelFn gemm_fn(int e) { return e < 0 ? nullptr : gemm_fns[e].load(std::memory_
 int kind_index(const char* op, c10::string_view kind) {
   const int k = (int)(std::find(kKinds.begin(), kKinds.end(), kind) - kKinds.begin());
   TORCH_CHECK_VALUE(k < (int)kKinds.size(), op, ": kind='", kind,
-                    "'; expected 'attention', 'gemv', 'rows', 'attention_i8' or 'gemm'");
+                    "'; expected 'attention', 'gemv', 'rows', 'attention_i8', 'gemm' or 'qgemv'");
   return k;
 }
 
@@ -134,7 +141,7 @@ void load_kernel(c10::string_view kind, c10::string_view path, at::ScalarType dt
   if (attention)
     (k == 0 ? attention_fns : attention_i8_fns)[e][head_dim / kHeadDimStep].store(fn, std::memory_order_release);
   else
-    (k == 1 ? gemv_fns : k == 2 ? rows_fns : gemm_fns)[e].store(fn, std::memory_order_release);
+    (k == 1 ? gemv_fns : k == 2 ? rows_fns : k == 4 ? gemm_fns : qgemv_fns)[e].store(fn, std::memory_order_release);
 }
 
 bool kernel_loaded(c10::string_view kind, at::ScalarType dtype, int64_t head_dim) {
@@ -143,6 +150,7 @@ bool kernel_loaded(c10::string_view kind, at::ScalarType dtype, int64_t head_dim
           : k == 1 ? gemv_fn(e)
           : k == 2 ? rows_fn(e)
           : k == 4 ? gemm_fn(e)
+          : k == 5 ? qgemv_fn(e)
                    : attention_i8_fn(e, head_dim)) != nullptr;
 }
 

@@ -43,6 +43,10 @@ struct GemvArgs {
   FMS_PAGED_GEMV_FIELDS(FMS_PAGED_FIELD_DECL)
 };
 template <class T>
+struct QgemvArgs {
+  FMS_PAGED_QGEMV_FIELDS(FMS_PAGED_FIELD_DECL)
+};
+template <class T>
 struct RowsArgs {
   FMS_PAGED_ROWS_FIELDS(FMS_PAGED_FIELD_DECL)
 };
@@ -57,6 +61,7 @@ KernelFn rows_fn(int e);
 // the GEMM kernel of storage type e where `linear` takes it past the GEMV's rows (configured and
 // loaded: `_configure_linear`), else null
 KernelFn linear_gemm_fn(int e);
+KernelFn qgemv_fn(int e);  // products with GGUF blocks (kernels/qgemv.cpp)
 
 inline int threads() { return at::get_num_threads(); }
 
@@ -179,6 +184,21 @@ struct Rows {
 // (or the GEMM kernel: `fn` from linear_gemm_fn, whose struct is the GEMV's fields)
 void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
               const int64_t* rows, int64_t n_weights, void* y);
+
+// GGUF block weights (ops/qlinear.cpp): a weight held as Q8_0 / Q4_0 blocks is a contiguous
+// uint8 CPU tensor [N, K / 32, block bytes] (34: Q8_0, 18: Q4_0) -> its ggml type (8, 2), or 0
+// for any other tensor; and K
+int block_type(const at::Tensor& w);
+inline int64_t block_cols(const at::Tensor& w) { return w.size(1) * 32; }
+// y [M, sum N_i] = x [M, K] (row stride x_st) @ [w_1; w_2; ...]^T by the qgemv kernel of index e,
+// each w_i GGUF blocks of ggml type types[i]
+void run_qgemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
+               const int64_t* rows, const int32_t* types, int64_t n_weights, void* y);
+// the operator qlinear: x [..., K] @ [w_1; ...]^T (+ bias) for GGUF block weights
+at::Tensor qlinear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias);
+// the rows `tokens` [B, S] of an embedding held as GGUF blocks [V, C / 32, bytes], dequantized
+// into `dtype` -> [B, S, C] (fp32 exactly; rounded once to bf16 / fp16)
+at::Tensor block_embedding(const at::Tensor& blocks, const at::Tensor& tokens, at::ScalarType dtype);
 
 // x [..., K] @ [w_1; w_2; ...]^T + bias by the path the rows call for (ops/ops.cpp), and the
 // most rows it gives the GEMV kernel

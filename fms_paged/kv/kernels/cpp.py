@@ -89,7 +89,9 @@ class CppStep(PoolStep):
         stack = model.logits_stack()
         if stack is None:
             return None
-        h, view = model.head.weight, self.view  # (a cpp step needs no `prepare`: slots and chunks are all)
+        # (a head held as GGUF blocks: the final norm's weight stands for its dtype and grad)
+        h = getattr(model.head, "weight", model.dec_norm.weight)
+        view = self.view  # (a cpp step needs no `prepare`: slots and chunks are all)
         # (`fused` found the C++ path ready for the pools' dtype: the head's, unless it was converted)
         if (torch.is_grad_enabled() and h.requires_grad) or (
                 h.dtype != view.k_pools[0].dtype and not native.ready(h.dtype)) or (

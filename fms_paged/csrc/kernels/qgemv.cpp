@@ -1,0 +1,468 @@
+// Products of rows with weights held as GGUF blocks, y = x W^T, dequantized in registers: the
+// projections of a GGUF model loaded at Q8_0 or Q4_0 (fms_paged/modules/quantized.py BlockLinear),
+// for decode rows and prefill chunks alike. Built and loaded by fms_paged/native once per storage
+// type T of x and y (-DFMS_ELEM: float, fms_bf16 or fms_f16), like gemv.cpp.
+//
+// A weight row of K values is K / 32 blocks, each an fp16 scale d and 32 quants, as llama.cpp
+// writes them (ggml's block_q8_0 / block_q4_0, no repacking):
+// - Q8_0 (34 bytes): d, then 32 int8 q: w = d q;
+// - Q4_0 (18 bytes): d, then 16 bytes of nibbles, byte j holding element j (low) and j + 16
+//   (high): w = d (q - 8).
+// As llama.cpp's vec_dot_q8_0_q8_0 / vec_dot_q4_0_q8_0 do, each row of x is quantized once per
+// call to int8 per block of 32 (scale dx = max |x| / 127, fp32 here where llama.cpp rounds it to
+// fp16; q = x / dx rounded to nearest even), and each block's dot product is a sum of int8 x int8
+// products in int32, exact, times dw dx in fp32: sum_b dw_b dx_b sum_i qw_bi qx_bi. The only
+// error beside fp32 sums is the activations' rounding, at most dx / 2 = max|x_b| / 254 per value.
+//
+// Per ISA (chosen when built, as gemv.cpp's): AVX-512 VNNI (vpdpbusd on 256-bit registers, one
+// block per register: 32 products into 8 int32 sums in one instruction; AVX-VNNI likewise), AVX2
+// (vpmaddubsw then vpmaddwd against ones), and a scalar baseline. vpdpbusd / vpmaddubsw multiply
+// unsigned by signed bytes, so the signs move onto x: |w| times x with w's sign (vpsignb), as
+// llama.cpp does; |w| <= 127 and |qx| <= 127 keep vpmaddubsw's pairwise int16 sums below 32767.
+//
+// Register tiles of MR rows of x by NR weight rows: a weight block is decoded once for MR rows,
+// and a tile's fp32 accumulators are vectors (cvt and FMA per block, one horizontal sum per tile).
+// Threads split the weight rows (all segments of one call: q/k/v side by side in y) into
+// contiguous shares; a prefill's rows of x are reused from L2 for each weight row pair.
+#include <omp.h>
+
+#include "args.h"
+#include "kernels.h"
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef FMS_ELEM
+#error "compile with -DFMS_ELEM=<float, fms_bf16 or fms_f16>: the storage type of x and y"
+#endif
+
+namespace {
+
+using T = FMS_ELEM;
+constexpr int QK = 32;  // values per block
+constexpr int kQ8_0 = 8, kQ4_0 = 2;  // ggml's type ids
+#if defined(__AVX512F__)
+constexpr int MR = 8, NR = 2;  // register tile: rows of x by weight rows (32 registers)
+#else
+constexpr int MR = 4, NR = 2;  // register tile: rows of x by weight rows
+#endif
+constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (as gemv.cpp)
+
+inline int block_bytes(int type) { return type == kQ8_0 ? 34 : 18; }
+
+inline float half(const uint8_t* p) {  // an fp16 scale, unaligned
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return fms_vec::to_f32(fms_f16{h});
+}
+
+// x [M, K] (row stride x_st) quantized per block of 32: q [M, K] int8, d [M, K / 32] fp32
+// With AVX-512 (Z512), also per block: x + 128 as unsigned bytes (qu: the Q8_0 products), the block's
+// scale repeated over 8 lanes (dv, [M, nb2, 8]) and -8 x's sums over 4 bytes as 8 int32 lanes (c4,
+// [M, nb2, 8]: Q4_0's offset, the products' starting sums), each row padded to an even number of
+// blocks nb2 (zeros): two blocks are one 512-bit register.
+struct XQ {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<uint8_t> qu;
+  std::vector<float> dv;
+  std::vector<int32_t> c4;
+  int64_t K, nb, nb2;
+};
+
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d) {
+  constexpr int W = 8;
+  typedef float v8 __attribute__((vector_size(W * sizeof(float))));
+  typedef int32_t i8v __attribute__((vector_size(W * sizeof(int32_t))));
+  for (int64_t b = 0; b < K / QK; ++b) {
+    v8 v[QK / W];
+    for (int k = 0; k < QK / W; ++k) v[k] = fms_vec::load<W>(x + b * QK + k * W);
+    v8 mx = v8{} + 0.0f;
+    for (int k = 0; k < QK / W; ++k) {
+      const v8 a = v[k] < 0.0f ? -v[k] : v[k];
+      mx = a > mx ? a : mx;
+    }
+    float amax = 0.0f;
+    for (int i = 0; i < W; ++i) amax = std::max(amax, mx[i]);
+    const float dx = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = dx;
+    for (int k = 0; k < QK / W; ++k) {
+      // round to nearest even (|v id| <= 127: the magic number's trick is exact)
+      const v8 r = (v[k] * id + 12582912.0f) - 12582912.0f;
+      const i8v qi = __builtin_convertvector(r, i8v);
+      for (int i = 0; i < W; ++i) q[b * QK + k * W + i] = (int8_t)qi[i];
+    }
+  }
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define FMS_Q512 1
+#endif
+
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t x_st, int threads, XQ& out) {
+  out.nb = K / QK, out.nb2 = (out.nb + 1) / 2 * 2, out.K = out.nb2 * QK;  // (rows padded: K2)
+  const int64_t K2 = out.K, nb2 = out.nb2;
+  out.q.assign(M * K2, 0), out.d.assign(M * nb2, 0.0f);
+#ifdef FMS_Q512
+  out.qu.resize(M * K2), out.dv.resize(M * nb2 * 8), out.c4.resize(M * nb2 * 8);
+#endif
+  const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, M * K / 65536));
+#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(x + m * x_st, K, out.q.data() + m * K2, out.d.data() + m * nb2);
+#ifdef FMS_Q512
+    for (int64_t b = 0; b < nb2; ++b) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out.q.data() + m * K2 + b * QK));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qu.data() + m * K2 + b * QK),
+                          _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
+      const __m256i c = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8),
+                                            _mm256_sub_epi8(_mm256_setzero_si256(), v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.c4.data() + (m * nb2 + b) * 8), c);
+      _mm256_storeu_ps(out.dv.data() + (m * nb2 + b) * 8, _mm256_set1_ps(out.d[m * nb2 + b]));
+    }
+#endif
+  }
+}
+
+#ifdef FMS_Q512
+// Two blocks at a time in 512-bit registers, one vpdpbusd per pair of blocks and row of x:
+// - Q4_0: the quants q in [0, 15] as they are (unsigned) times x (signed), the sums starting at
+//   -8 sum x (c4): sum (q - 8) x;
+// - Q8_0: x + 128 (unsigned) times w (signed), the sums starting at -128 sum w (one vpdpbusd per
+//   weight block pair, for all the tile's rows): sum x w.
+// Then each lane's int32 sum to fp32, times dx (dv) and dw, into the tile's fp32 accumulators.
+// A row's odd last block is a pair whose second block is zeros (x's padding; w's not read).
+template <int type>
+inline __m512i decode2(const uint8_t* blk, bool two, __m512& dw, __m512i& start) {
+  const int bb = block_bytes(type);
+  const float d0 = half(blk), d1 = two ? half(blk + bb) : 0.0f;
+  dw = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+  if constexpr (type == kQ8_0) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + bb + 2)) : _mm256_setzero_si256();
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+    start = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80),
+                                _mm512_sub_epi8(_mm512_setzero_si512(), w));  // -128 sum w
+    return w;
+  } else {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + bb + 2)) : _mm_setzero_si128();
+    const __m256i y = _mm256_set_m128i(q1, q0);
+    const __m256i lo = _mm256_and_si256(y, _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), _mm256_set1_epi8(0x0f));
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo0 lo1 hi0 hi1
+    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));              // lo0 hi0 lo1 hi1
+  }
+}
+inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+template <int type, int mr, int nr>
+void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
+  __m512 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int bb = block_bytes(type);
+  const int64_t K = xq.K, nb2 = xq.nb2;
+  for (int64_t b = 0; b < xq.nb; b += 2) {
+    const bool two = b + 1 < xq.nb;
+    __m512i wv[nr], start[nr];
+    __m512 dw[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = decode2<type>(w[j] + b * bb, two, dw[j], start[j]);
+    for (int i = 0; i < mr; ++i) {
+      const int64_t r = m0 + i;
+      const __m512 dx = _mm512_loadu_ps(xq.dv.data() + (r * nb2 + b) * 8);
+      __m512i xv, c;
+      if constexpr (type == kQ8_0) {
+        xv = _mm512_loadu_si512(xq.qu.data() + r * K + b * QK);
+      } else {
+        xv = _mm512_loadu_si512(xq.q.data() + r * K + b * QK);
+        c = _mm512_loadu_si512(xq.c4.data() + (r * nb2 + b) * 8);
+      }
+      for (int j = 0; j < nr; ++j) {
+        const __m512i s = type == kQ8_0 ? _mm512_dpbusd_epi32(start[j], xv, wv[j]) : _mm512_dpbusd_epi32(c, wv[j], xv);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), dw[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i][j] = hsum512(acc[i][j]);
+}
+#elif defined(__AVX2__)
+// a weight block's 32 values as signed bytes, and its scale
+template <int type>
+inline __m256i decode(const uint8_t* blk, float& d) {
+  d = half(blk);
+  if constexpr (type == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
+    return _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+  }
+}
+// 8 int32 sums of products of unsigned a by signed b, 4 byte pairs each
+inline __m256i dot(__m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// out[i][j] = x row m0 + i . weight row w[j] (i < mr, j < nr)
+template <int type, int mr, int nr>
+void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
+  __m256 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int bb = block_bytes(type);
+  const int8_t* xr = xq.q.data() + m0 * xq.K;
+  const float* xd = xq.d.data() + m0 * xq.nb2;
+  for (int64_t b = 0; b < xq.nb; ++b) {
+    __m256i ws[nr], aw[nr];
+    float dw[nr];
+    for (int j = 0; j < nr; ++j) {
+      ws[j] = decode<type>(w[j] + b * bb, dw[j]);
+      aw[j] = _mm256_sign_epi8(ws[j], ws[j]);  // |w|
+    }
+    for (int i = 0; i < mr; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + i * xq.K + b * QK));
+      const float dx = xd[i * xq.nb2 + b];
+      for (int j = 0; j < nr; ++j) {
+        const __m256i s = dot(aw[j], _mm256_sign_epi8(xv, ws[j]));  // |w| times x with w's sign
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[j] * dx), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i][j] = hsum(acc[i][j]);
+}
+#else
+template <int type>
+inline void decode(const uint8_t* blk, int8_t* v, float& d) {
+  d = half(blk);
+  if constexpr (type == kQ8_0) {
+    std::memcpy(v, blk + 2, QK);
+  } else {
+    for (int j = 0; j < QK / 2; ++j) v[j] = (int8_t)((blk[2 + j] & 0x0f) - 8), v[j + 16] = (int8_t)((blk[2 + j] >> 4) - 8);
+  }
+}
+template <int type, int mr, int nr>
+void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
+  float acc[mr][nr] = {};
+  const int bb = block_bytes(type);
+  for (int64_t b = 0; b < xq.nb; ++b) {
+    int8_t v[nr][QK];
+    float dw[nr];
+    for (int j = 0; j < nr; ++j) decode<type>(w[j] + b * bb, v[j], dw[j]);
+    for (int i = 0; i < mr; ++i) {
+      const int8_t* xv = xq.q.data() + (m0 + i) * xq.K + b * QK;
+      const float dx = xq.d[(m0 + i) * xq.nb2 + b];
+      for (int j = 0; j < nr; ++j) {
+        int32_t s = 0;
+        for (int k = 0; k < QK; ++k) s += (int32_t)v[j][k] * xv[k];
+        acc[i][j] += (float)s * (dw[j] * dx);
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i][j] = acc[i][j];
+}
+#endif
+
+// rows m .. m + mr of y, columns j0 .. j0 + nr: one tile
+template <int type, int mr, int nr>
+void tile_to(const XQ& xq, int64_t m, const uint8_t* const* ws, int64_t j0, T* y, int64_t y_st) {
+  float out[MR][NR];
+  tile<type, mr, nr>(xq, m, ws, out);
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) y[(m + i) * y_st + j0 + j] = fms_vec::from_f32<T>(out[i][j]);
+}
+// the last `left` (< MR) rows: one tile of that many
+template <int type, int mr, int nr>
+void rest(int64_t left, const XQ& xq, int64_t m, const uint8_t* const* ws, int64_t j0, T* y, int64_t y_st) {
+  if constexpr (mr > 0) {
+    if (left == mr) return tile_to<type, mr, nr>(xq, m, ws, j0, y, y_st);
+    rest<type, mr - 1, nr>(left, xq, m, ws, j0, y, y_st);
+  }
+}
+
+// y[m, col + j0 + j] for every row m of x and weight rows j0 .. j0 + n (n <= NR) of one weight
+template <int type, int nr>
+void rows_of(const XQ& xq, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t j0, T* y, int64_t y_st) {
+  const uint8_t* ws[NR];
+  for (int j = 0; j < nr; ++j) ws[j] = w + (j0 + j) * row_bytes;
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile_to<type, MR, nr>(xq, m, ws, j0, y, y_st);
+  rest<type, MR - 1, nr>(M - m, xq, m, ws, j0, y, y_st);
+}
+
+template <int type>
+void block(int64_t n, const XQ& xq, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t j0, T* y,
+           int64_t y_st) {
+  if (n == NR)
+    rows_of<type, NR>(xq, M, w, row_bytes, j0, y, y_st);
+  else
+    rows_of<type, 1>(xq, M, w, row_bytes, j0, y, y_st);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Prefill (M >= TILE_ROWS rows of x) where the CPU multiplies bf16 pairs (vdpbf16ps): a weight row
+// pair at a time is dequantized into bf16 (d q, rounded to nearest even: 2^-9 of each weight at
+// most) in a buffer of the thread's, then dotted with every row of x in bf16 (x itself for a bf16
+// model, else rounded once: 2^-9 of each value), fp32 sums: one instruction per 32 products of a row
+// pair, no activation quantization. The blocks stay the only copy of the weights: a tile of two
+// rows (a few KB) is all that is ever dequantized.
+#define FMS_QTILES 1
+constexpr int64_t TILE_ROWS = 16;
+
+template <int type>
+void dequant_row_bf16(const uint8_t* w, int64_t nb, uint16_t* out) {
+  const int bb = block_bytes(type);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bb;
+    const __m512 d = _mm512_set1_ps(half(blk));
+    __m512 lo, hi;  // elements 0..15, 16..31
+    if constexpr (type == kQ8_0) {
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18))));
+    } else {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+      const __m128i eight = _mm_set1_epi8(8), mask = _mm_set1_epi8(0x0f);
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_and_si128(q, mask), eight)));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), eight)));
+    }
+    _mm512_storeu_si512(out + b * QK, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d), _mm512_mul_ps(lo, d)));
+  }
+}
+
+// y [mr rows from m, nr columns from j0] = x rows (bf16, row stride K) . weight rows wb (bf16 [nr, K])
+template <int mr, int nr>
+void tile_bf16(const uint16_t* x, int64_t K, int64_t m, const uint16_t* wb, int64_t j0, T* y, int64_t y_st) {
+  __m512 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * K + k);
+    for (int i = 0; i < mr; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m + i) * K + k);
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) y[(m + i) * y_st + j0 + j] = fms_vec::from_f32<T>(_mm512_reduce_add_ps(acc[i][j]));
+}
+template <int mr, int nr>
+void rest_bf16(int64_t left, const uint16_t* x, int64_t K, int64_t m, const uint16_t* wb, int64_t j0, T* y,
+               int64_t y_st) {
+  if constexpr (mr > 0) {
+    if (left == mr) return tile_bf16<mr, nr>(x, K, m, wb, j0, y, y_st);
+    rest_bf16<mr - 1, nr>(left, x, K, m, wb, j0, y, y_st);
+  }
+}
+template <int nr>
+void rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wb, int64_t j0, T* y, int64_t y_st) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile_bf16<MR, nr>(x, K, m, wb, j0, y, y_st);
+  rest_bf16<MR - 1, nr>(M - m, x, K, m, wb, j0, y, y_st);
+}
+// x [M, K] (row stride x_st) as bf16 rows [M, K] in buf
+void rows_to_bf16(const T* x, int64_t M, int64_t K, int64_t x_st, std::vector<uint16_t>& buf) {
+  buf.resize(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      buf[m * K + k] = fms_vec::from_f32<fms_bf16>(fms_vec::to_f32(x[m * x_st + k])).bits;
+}
+#endif
+
+}  // namespace
+
+// The kernel's arguments: the struct of FMS_PAGED_QGEMV_FIELDS (kernels/kernels.h), checked by
+// the operators against their own layout when they load the library (as gemv.cpp's).
+extern "C" {
+
+FMS_PAGED_ARGS(FmsQgemvArgs, FMS_PAGED_QGEMV_FIELDS, fms_paged_qgemv_layout)
+
+// -> 0, or 1 for a weight of a type other than Q8_0 / Q4_0 or K not a multiple of 32
+int fms_paged_qgemv(const FmsQgemvArgs* args) {
+  const FmsQgemvArgs& a = *args;
+  const int64_t M = a.M, K = a.K;
+  if (K % QK) return 1;
+  for (int64_t i = 0; i < a.n_weights; ++i)
+    if (a.types[i] != kQ8_0 && a.types[i] != kQ4_0) return 1;
+  static thread_local XQ kept;  // kept from call to call: a prefill's rows are megabytes
+  XQ& xq = kept;  // (the caller's: a thread_local named inside the parallel region is each thread's own)
+#ifdef FMS_QTILES
+  const bool tiles = M >= TILE_ROWS && K % 32 == 0;
+  static thread_local std::vector<uint16_t> xb_kept;
+  std::vector<uint16_t>& xb = xb_kept;
+  if (tiles) rows_to_bf16(a.x, M, K, a.x_st, xb);
+  else
+#endif
+  quantize_rows(a.x, M, K, a.x_st, a.threads, xq);
+  // the weights' row blocks of nr rows, segment by segment: block p is segment i's rows
+  // (p - first[i]) nr on. A decode of one or two rows reads one weight row at a time: a thread's
+  // share is then one sequential stream, which the hardware prefetcher follows (gemv.cpp's
+  // finding for its own decode; not measured apart here: this machine's memory was shared)
+  const int64_t nr = M <= 2 ? 1 : NR;
+  std::vector<int64_t> first{0}, col{0};
+  for (int64_t i = 0; i < a.n_weights; ++i) {
+    first.push_back(first.back() + (a.rows[i] + nr - 1) / nr);
+    col.push_back(col.back() + a.rows[i]);
+  }
+  const int64_t np = first.back(), y_st = col.back();
+  const int64_t by_work = std::max<int64_t>(1, M * y_st * K / GRAIN);
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, np, by_work}));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    int64_t i = 0;
+#ifdef FMS_QTILES
+    std::vector<uint16_t> wb(tiles ? NR * K : 0);  // the thread's dequantized row pair
+#endif
+    for (int64_t p = np * t / threads; p < np * (t + 1) / threads; ++p) {
+      while (p >= first[i + 1]) ++i;
+      const int type = a.types[i];
+      const int64_t j0 = (p - first[i]) * nr, n = std::min<int64_t>(nr, a.rows[i] - j0);
+      const int64_t row_bytes = K / QK * block_bytes(type);
+      const uint8_t* w = reinterpret_cast<const uint8_t*>(a.weights[i]);
+      T* y = a.y + col[i];
+#ifdef FMS_QTILES
+      if (tiles) {
+        for (int64_t j = 0; j < n; ++j)
+          (type == kQ8_0 ? dequant_row_bf16<kQ8_0> : dequant_row_bf16<kQ4_0>)(w + (j0 + j) * row_bytes, K / QK,
+                                                                             wb.data() + j * K);
+        if (n == NR)
+          rows_bf16<NR>(xb.data(), M, K, wb.data(), j0, y, y_st);
+        else
+          rows_bf16<1>(xb.data(), M, K, wb.data(), j0, y, y_st);
+        continue;
+      }
+#endif
+      if (type == kQ8_0)
+        block<kQ8_0>(n, xq, M, w, row_bytes, j0, y, y_st);
+      else
+        block<kQ4_0>(n, xq, M, w, row_bytes, j0, y, y_st);
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

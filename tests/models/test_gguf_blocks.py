@@ -1,0 +1,198 @@
+"""GGUF Q8_0 / Q4_0 projections held as the file's blocks (`BlockLinear`) and computed by the qgemv
+kernel (csrc/kernels/qgemv.cpp): each row of x quantized to int8 per block of 32 (scale
+max|x_b| / 127, rounded to nearest), integer dot products, fp32 sums.
+
+The kernel's error bound, which the kernel tests assert per output: the integer products are exact,
+so beside fp32 rounding the only error is x's rounding, at most dx_b / 2 = max|x_b| / 254 per
+value of block b: |y - x W^T| <= sum_b (max|x_b| / 254) sum_{i in b} |w_i| (+ fp32 sums' and
+the output's own rounding: 1e-5 relative to sum |x| |w|, and bf16's 2^-8 of |y|).
+
+Prefill calls (at least TILE_ROWS rows) on a CPU with AVX512_BF16 (the native build here) take
+another path: each weight row pair dequantized into bf16 (2^-9 of each weight) and dotted with x
+rounded to bf16 (2^-9 of each value), fp32 sums: |y - x W^T| <= 2^-8 sum |x| |w| (+ the same
+fp32 and output rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from fms_paged import Engine, SamplingParams, generate, get_model, native  # noqa: E402
+from fms_paged.models.gguf import file_summary, layer_kernels  # noqa: E402
+from fms_paged.modules.quantized import (  # noqa: E402
+    BlockEmbedding,
+    BlockLinear,
+    dequantize_blocks,
+    layer_formats,
+)
+from fms_paged.modules.quantized import qgemv_isa as native_isa  # noqa: E402
+from tests.gguf_files import Q, prompt_ids, rel_err, write_gguf  # noqa: E402
+
+TYPES = ("Q8_0", "Q4_0")
+TILE_ROWS = 16  # (qgemv.cpp) rows from which an AVX512_BF16 build dequantizes bf16 tiles
+
+
+def tiles(isa: str, rows: int) -> bool:
+    """Whether a call of `rows` rows takes the bf16 tiles (else int8 activations)."""
+    return isa == "native" and "avx512_bf16" in native.cpu_flags() and rows >= TILE_ROWS
+
+
+def isas() -> list[str]:
+    """The builds this CPU runs: its own (VNNI where it has it) and the narrower ones."""
+    flags = native.cpu_flags()
+    return ["native", "baseline"] + (["avx2"] if {"avx2", "f16c"} <= flags else [])
+
+
+@contextlib.contextmanager
+def isa_build(isa: str, dtype: torch.dtype, monkeypatch):
+    """The operators run the `isa` build of the qgemv kernel for `dtype` inside, this CPU's own after."""
+    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
+    assert native.load_qgemv(dtype) is None
+    try:
+        yield
+    finally:
+        monkeypatch.delenv("FMS_PAGED_CPU_ISA")
+        native.load_qgemv(dtype)
+
+
+def blocks_of(values: np.ndarray, kind: str) -> torch.Tensor:
+    """fp32 [N, K] quantized by gguf (llama.cpp's quantizer) -> uint8 blocks [N, K / 32, bytes]."""
+    raw = gguf.quants.quantize(values.astype(np.float32), Q[kind])
+    n, k = values.shape
+    return torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // 32, -1)
+
+
+def kernel_bound(x: torch.Tensor, w: torch.Tensor, isa: str = "native") -> torch.Tensor:
+    """The path's bound for x [M, K], w [N, K] (float64) -> [M, N]: sum_b (max|x_b| / 254) sum_{i in
+    b} |w_i| (int8 activations), or 2^-8 sum |x| |w| (bf16 tiles)."""
+    M, K = x.shape
+    if tiles(isa, M):
+        return 2.0**-8 * (x.abs() @ w.abs().T)
+    amax = x.abs().reshape(M, K // 32, 32).amax(-1)  # [M, nb]
+    wsum = w.abs().reshape(w.shape[0], K // 32, 32).sum(-1)  # [N, nb]
+    return amax / 254 @ wsum.T
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", TYPES)
+def test_kernel_within_the_int8_kernel_bound(kind, dtype, isa, monkeypatch):
+    """x [M, K] @ blocks^T on each build, for 1, 3, 6 and 20 rows (tiles of 4 and 8 and the rows
+    after them; 20: a prefill's path) and weight stacks of odd widths (the last row pair half full),
+    K of 10 blocks (AVX-512 takes two a register: 5 pairs) and 11 (a pair half full), against
+    float64 of the dequantized weights, within the path's stated bound; and gguf's own dequantizer
+    agrees with ours bit for bit."""
+    rng = np.random.default_rng(0)
+    with isa_build(isa, dtype, monkeypatch):
+        for K in (320, 352):
+            ws = [rng.normal(0, 0.05, (n, K)).astype(np.float32) for n in (37, 64, 5)]
+            blocks = [blocks_of(w, kind) for w in ws]
+            for b in blocks:
+                theirs = gguf.quants.dequantize(b.reshape(b.shape[0], -1).numpy(), Q[kind]).astype(np.float64)
+                assert np.array_equal(dequantize_blocks(b, kind).numpy(), theirs.reshape(b.shape[0], K))
+            for M in (1, 3, 6, 20):
+                x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+                got = torch.ops.fms_paged.qlinear(x, blocks, None)
+                assert got.dtype == dtype and got.shape == (M, 106)
+                w64 = torch.cat([dequantize_blocks(b, kind) for b in blocks])
+                x64 = x.double()
+                want = x64 @ w64.T
+                out_round = 2.0**-8 if dtype == torch.bfloat16 else 0.0  # y stored in bf16
+                rounding = 1e-5 * (x64.abs() @ w64.abs().T) + out_round * want.abs()
+                err = (got.double() - want).abs()
+                assert (err <= kernel_bound(x64, w64, isa) + rounding).all()
+                # the bound is not vacuous: the error is far below |y|
+                assert float(err.max()) <= 0.02 * float(want.abs().max())
+
+
+def test_a_prefill_of_many_rows_and_the_bias():
+    """A prefill's rows (300, on every thread) through BlockLinear with a bias, against float64."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.05, (96, 256)).astype(np.float32)
+    bias = torch.randn(96)
+    m = BlockLinear(blocks_of(w, "Q4_0"), "Q4_0", bias)
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(2))
+    got = m(x)
+    w64 = m.dequantized()
+    want = x.double() @ w64.T + bias.double()
+    assert ((got.double() - want).abs() <= kernel_bound(x.double(), w64) + 1e-5 * (
+        x.double().abs() @ w64.abs().T + bias.double().abs())).all()
+
+
+# the model's logits against the dequantized model's (same file, `gguf_blocks=False`: fp32 sums
+# of the exact weights). Per projection the kernel's error is at most max|x_b| / 254 per value
+# (asserted above); the activations' rounding (uniform, ~0.6% of a value's spread per
+# projection) adds up over two layers of random weights, whose outputs carry no structure that
+# would average it out: the logits moved 1.5-2.9% of their largest over Q8_0, Q4_0 and a mix, two
+# seeds each, as much as a float64 simulation of the kernel's scheme (the kernel matched that
+# simulation to 1e-6 wherever no rounding of x flipped). 5% leaves headroom and still fails a kernel
+# that reads a block, a nibble or a scale wrong (errors of 10-100% of the logits).
+MODEL_REL = 5e-2
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_model_logits_and_engine_against_the_dequantized_model(kind, tmp_path):
+    """A llama GGUF of one block type: every matrix loads as its blocks (projections, embedding and
+    head; no dequantized copy: the model's only fp32 tensors are its norms), the one-call C++
+    forward takes them, logits (the
+    sdpa model and the paged one) within MODEL_REL of the dequantized model's, and the engine's
+    greedy tokens from the cpp kernel equal the paged model's own."""
+    file = tmp_path / "m.gguf"
+    write_gguf(file, "llama", Q[kind])
+    ref = get_model(model_path=file, device="cpu", dtype=torch.float32, gguf_blocks=False)
+    dense = get_model(model_path=file, device="cpu", dtype=torch.float32)
+    paged = get_model(model_path=file, device="cpu", dtype=torch.float32, attn_impl="paged", page_size=16)
+    block_mods = [m for m in paged.layers.modules() if isinstance(m, BlockLinear)]
+    assert len(block_mods) == 7 * paged.config.nlayers and all(m.ggml_type == kind for m in block_mods)
+    assert isinstance(paged.embedding, BlockEmbedding) and isinstance(paged.head, BlockLinear)
+    assert all(p.dim() == 1 for p in paged.parameters())  # the norms' weights alone
+    ids = prompt_ids(20)
+    with torch.no_grad():
+        want = ref(ids)
+        assert rel_err(dense(ids), want) <= MODEL_REL
+        prompts = [ids[0].tolist(), prompt_ids(9, 3)[0].tolist()]
+        tokens = generate(paged, prompts, 8, eos_id=None)
+    assert paged.decoder_stack() is not None and paged.logits_stack() is not None  # the one-call forward
+    eng = Engine(paged, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, compile=False,
+                 kernel="cpp")
+    ids_ = [eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    got: dict[int, list[int]] = {}
+    for out in eng.stream():
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [got[i] for i in ids_] == tokens
+    formats = layer_formats(paged)
+    assert formats["layer 0"].startswith(f"GGUF {kind} blocks, fms_paged qgemv"), formats
+
+
+def test_mixed_groups_stay_dequantized_and_info_names_the_kernel(tmp_path):
+    """q/k Q4_0 with v Q8_0 run as blocks together (one call takes both types); a layer whose gate
+    is Q4_0 and up a K-quant keeps gate/up dequantized (one kernel call computes both); the file's
+    summary names the kernel."""
+    file = tmp_path / "mix.gguf"
+    kinds = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0,
+             "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0, "ffn_up": Q.Q4_K, "ffn_down": Q.Q4_0}
+    write_gguf(file, "llama", kinds)
+    model = get_model(model_path=file, device="cpu", dtype=torch.float32)
+    layer = model.layers[0]
+    assert isinstance(layer.attn.in_proj.value, BlockLinear) and layer.attn.in_proj.value.ggml_type == "Q8_0"
+    assert not isinstance(layer.ff_sub_module.wg, BlockLinear)
+    assert isinstance(layer.ff_sub_module.w2, BlockLinear)
+    ref = get_model(model_path=file, device="cpu", dtype=torch.float32, gguf_blocks=False)
+    ids = prompt_ids(10)
+    with torch.no_grad():
+        assert rel_err(model(ids), ref(ids)) <= MODEL_REL
+    assert "qgemv" in file_summary(file)["kernel"]
+    layers = layer_kernels(file)
+    q = "fms_paged qgemv (int8 activations per block of 32, "
+    run = f"{q}{native_isa()})"
+    assert layers["layer 1"].split("; ") == [
+        f"query, key, w2: GGUF Q4_0 blocks, {run}", f"value, dense: GGUF Q8_0 blocks, {run}",
+        "wg: Q4_0 held as float32, the float32 GEMV / GEMM",
+        "w1: Q4_K held as float32, the float32 GEMV / GEMM"]
+    assert layers["head"].startswith("GGUF Q8_0 blocks, " + q)
