@@ -1,0 +1,88 @@
+"""Beam search (`SamplingParams(use_beam_search=True)`, fms_paged/engine/beam.py) against Hugging
+Face `generate(num_beams=4, num_return_sequences=4, length_penalty=1.0, early_stopping=True,
+do_sample=False)` on random-weight checkpoints of every family we load: the same four hypotheses,
+best first, and the same cumulative log-probabilities; under preemption (a pool too small for the
+beams and the requests beside them) and with prefix-cache hits too; the pool accounts for every
+page after every step (freed pages poisoned with NaN) and every page comes back at the end.
+
+The stop token of each case is one of greedy decoding's tokens on which transformers' hypotheses
+finish early (the others at max_new_tokens): both ways a hypothesis ends are exercised.
+"""
+
+import pytest
+import torch
+
+from fms_paged import Engine, SamplingParams, get_model
+from tests.conftest import HF_FAMILIES
+from tests.engine.test_families import check_pool, kernel_for, poison_free
+
+P, K, NEW = 16, 4, 8
+# fp32 log-probabilities summed over <= NEW tokens: our paged kernels' logits agree with
+# transformers' eager ones to ~1e-5 (fp32 round-off, tests/models), a sum of 8 differs by < 1e-4
+ATOL = 1e-4
+
+
+def hf_beams(hf, prompt: list[int], stop: int, new: int = NEW) -> list[tuple[list[int], float]]:
+    """transformers' beam search: the K hypotheses (generated tokens, cumulative log-probability =
+    sequences_scores * length ** 1.0), best first."""
+    out = hf.generate(torch.tensor([prompt]), num_beams=K, num_return_sequences=K, length_penalty=1.0,
+                      early_stopping=True, do_sample=False, max_new_tokens=new, eos_token_id=stop,
+                      pad_token_id=stop, output_scores=True, return_dict_in_generate=True)
+    lengths = (out.beam_indices != -1).sum(1).tolist()
+    seqs = out.sequences[:, len(prompt):].tolist()
+    return [(s[:n], float(score) * n) for s, n, score in zip(seqs, lengths, out.sequences_scores.tolist())]
+
+
+def stop_and_reference(hf, prompt: list[int], new: int = NEW) -> tuple[int, list]:
+    """A stop token on which some of transformers' hypotheses finish before `new` tokens (the
+    first of greedy decoding's tokens that does), and transformers' beams with it."""
+    greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    for stop in greedy[1:]:
+        ref = hf_beams(hf, prompt, stop, new)
+        if any(len(t) < new for t, _ in ref):
+            return stop, ref
+    raise AssertionError(f"no greedy token ends a hypothesis early: {greedy}")
+
+
+def beam_params(stop: int, new: int = NEW) -> SamplingParams:
+    return SamplingParams(max_new_tokens=new, n=K, use_beam_search=True, length_penalty=1.0,
+                          early_stopping=True, stop_token_ids=(stop,), ignore_eos=True)
+
+
+def run(eng: Engine, poison: bool = False) -> dict[int, list]:
+    """Step `eng` to the end, checking the pool after every step -> request id -> its outputs by
+    index."""
+    got: dict[int, dict] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, {})[o.index] = o
+        check_pool(eng)
+        if poison:
+            poison_free(eng)
+    return {rid: [outs[i] for i in sorted(outs)] for rid, outs in got.items()}
+
+
+def assert_same(ours: list, ref: list[tuple[list[int], float]], stop: int) -> None:
+    """Our outputs (best first) are transformers' hypotheses, with their cumulative log-probability
+    (within ATOL) and the reason each ended."""
+    assert [o.new_token_ids for o in ours] == [t for t, _ in ref]
+    for o, (_, cum) in zip(ours, ref):
+        assert o.finished and abs(o.cumulative_logprob - cum) <= ATOL, (o.cumulative_logprob, cum)
+        assert o.finish_reason == ("stop" if o.new_token_ids[-1] == stop else "length")
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+def test_beams_equal_transformers(family, hf_family, device):
+    hf, path = hf_family(family)
+    paged = get_model(model_path=path, device=device, page_size=P, attn_impl="paged")
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 256, (21,), generator=g).tolist()
+    stop, ref = stop_and_reference(hf, prompt)
+    eng = Engine(paged, max_num_seqs=K, max_num_batched_tokens=32, num_pages=24, max_model_len=64,
+                 compile=False, kernel=kernel_for(device))
+    rid = eng.add_request(prompt, beam_params(stop))
+    got = run(eng, poison=True)
+    assert_same(got[rid], ref, stop)
+    eng.reset_prefix_cache()
+    assert eng.pm.num_free_pages == eng.pm.num_pages - 1
