@@ -79,7 +79,7 @@ class BeamGroup:
         self.finished: list[Hypothesis] = []
         self.improvable = True
         self.keep = max(2, 1 + len(self.stop_ids)) * k
-        for i, b in enumerate(beams):
+        for b in beams:
             b.beam = self
 
     @property
@@ -91,8 +91,9 @@ def check_request(params: SamplingParams, prompt_len: int, max_num_seqs: int, pa
                   free_pages: int, slices: int, tensor_parallel: bool) -> None:
     """ValueError unless a beam-search request fits the engine: k rows, and the pages of the k beams
     at their longest (the prompt's full pages once, each beam's own pages from there: the tail of
-    the prompt's last page and its generated tokens), in each of the `slices` layer slices, within
-    the pool's `free_pages` (all but the null page)."""
+    the prompt's last page and its generated tokens, and a page of planning headroom), in each of
+    the `slices` layer slices, within the pool's `free_pages` (all but the null page): a group
+    alone in the pool always gets to its end."""
     k = params.n
     if tensor_parallel:
         raise ValueError("SamplingParams.use_beam_search=True: not supported on tensor-parallel engines")
@@ -100,7 +101,9 @@ def check_request(params: SamplingParams, prompt_len: int, max_num_seqs: int, pa
         raise ValueError(f"SamplingParams.n={k} beams > max_num_seqs={max_num_seqs}: the beams of a "
                          "request run at once, a row each")
     P = page_size
-    need = slices * (prompt_len // P + k * pages_for(prompt_len % P + params.max_new_tokens, P))
+    # (+1: the scheduler plans a private copy of a shared last page for every holder that grows,
+    # where the last of them keeps it)
+    need = slices * (prompt_len // P + k * pages_for(prompt_len % P + params.max_new_tokens, P) + 1)
     if need > free_pages:
         raise ValueError(f"beam search of n={k} beams on a prompt of {prompt_len} tokens with "
                          f"max_new_tokens={params.max_new_tokens} may hold {need} pages > the pool's "

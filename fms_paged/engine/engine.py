@@ -298,8 +298,9 @@ class Engine:
                 f"{params.max_new_tokens} = {total} tokens > {limit}, {which}"
             )
         if params.use_beam_search:  # k rows, and the k beams' pages
-            beam.check_request(params, len(prompt), self.max_num_seqs, self.pm.page_size, self.pm.num_pages - 1,
-                               self.backend.groups.num_slices, self.control is not None)
+            beam.check_request(params, len(prompt), self.max_num_seqs, self.pm.page_size,
+                               self.pm.num_pages - 1, self.backend.groups.num_slices,
+                               self.control is not None)
         rid = next(self._ids)
         self.enqueue(rid, prompt, params, cache_salt, arrival_time)
         return rid

@@ -138,10 +138,12 @@ class SamplingParams:
                 raise bad(name, "its default without use_beam_search=True (it only ranks beams)")
             return
         for name, ok, expected in (
-                ("temperature", self.temperature == 0, "0 with use_beam_search (beams are chosen, not sampled)"),
+                ("temperature", self.temperature == 0,
+                 "0 with use_beam_search (beams are chosen, not sampled)"),
                 ("top_k", self.top_k is None, "None with use_beam_search"),
                 ("top_p", self.top_p in (None, 1, 1.0), "None or 1.0 with use_beam_search"),
-                ("logprobs", self.logprobs is None, "None with use_beam_search (outputs carry cumulative_logprob)"),
+                ("logprobs", self.logprobs is None,
+                 "None with use_beam_search (outputs carry cumulative_logprob)"),
                 ("prompt_logprobs", self.prompt_logprobs is None, "None with use_beam_search"),
                 ("grammar", self.grammar is None, "None with use_beam_search"),
                 ("max_new_tokens", self.max_new_tokens >= 1, "an int >= 1 with use_beam_search")):
