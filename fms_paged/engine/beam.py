@@ -189,24 +189,29 @@ def preempt(sched, g: BeamGroup) -> list[Request]:
 
 
 # ------------------------------------------------------------------ the runner's hook
-@torch.inference_mode()
 def candidates(logits: torch.Tensor, sampled: list[tuple[Request, int]]) -> dict | None:
     """logits [K, V] of a step, `sampled` its (request, logits row) -> for each beam group sampled,
     its `keep` best candidates (cumulative score, parent beam, token), best first: the fp32
     log-softmax of each beam's logits plus its score, top-k over every beam's vocabulary. None
-    when no beam is sampled. One host read per group."""
-    rows: dict[BeamGroup, dict[Request, int]] = {}
+    when no beam is sampled (a scan of `sampled`, nothing more). One host read per group. (Called
+    by the runner under its inference mode.)"""
+    rows: dict[BeamGroup, dict[Request, int]] | None = None
     for r, row in sampled:
         if r.beam is not None:
+            rows = {} if rows is None else rows
             rows.setdefault(r.beam, {})[r] = row
-    if not rows:
+    if rows is None:
         return None
     out = {}
     for g, of in rows.items():
         if len(of) != g.width:
             raise RuntimeError(f"beam search: {len(of)} of a group's {g.width} beams sampled in one step")
-        idx = torch.tensor([of[b] for b in g.beams], device=logits.device)
-        lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)  # [k, V]
+        at = [of[b] for b in g.beams]
+        if at == list(range(at[0], at[0] + g.width)):  # (decoding: the group's rows in order)
+            x = logits[at[0] : at[0] + g.width]
+        else:
+            x = logits.index_select(0, torch.tensor(at, device=logits.device))
+        lp = torch.log_softmax(x.float(), dim=-1)  # [k, V]
         V = lp.shape[-1]
         scores = lp + torch.tensor(g.scores, dtype=torch.float32, device=lp.device)[:, None]
         vals, flat = torch.topk(scores.flatten(), min(g.keep, g.width * V))  # [keep]
@@ -259,15 +264,21 @@ def _move(sched, g: BeamGroup, chosen: list[tuple[int, int, float]], now: float)
     times = [list(b.token_times) for b in old]
     used = {q for q, _, _ in chosen}
     spare = [b for j, b in enumerate(old) if j not in used]
-    for b in spare:
-        sched._free(b)  # ERASE: its pages go back (or stay with the prefix cache), its row too
+    if spare:  # ERASE them at once: their pages go back (or stay with the prefix cache); rows kept
+        pm, cache = sched.pm, sched.cache
+        ids = [b.seq_id for b in spare]
+        pages = [pm.pages_of(s) for s in ids] if cache else []
+        pm.erase(ids)
+        for held in pages:
+            cache.release(held)  # listed pages nobody holds now: evictable
+        for b in spare:
+            b.cache_chain = []
     claimed: set[int] = set()
     beams = []
     for q, tok, _ in chosen:
         parent = old[q]
         if q in claimed:
-            b = spare.pop()
-            b.seq_id = sched.free_rows.pop()
+            b = spare.pop()  # its row takes the parent's pages
             sched.pm.fork(parent.seq_id, b.seq_id)
             b.num_computed, b.cache_chain = parent.num_computed, list(parent.cache_chain)
         else:
