@@ -23,15 +23,18 @@ P, K, NEW = 16, 4, 8
 ATOL = 1e-4
 
 
-def hf_beams(hf, prompt: list[int], stop: int, new: int = NEW) -> list[tuple[list[int], float]]:
+def hf_beams(hf, prompt: list[int], stop: int, new: int = NEW, length_penalty: float = 1.0,
+             early_stopping: bool | str = True) -> list[tuple[list[int], float]]:
     """transformers' beam search: the K hypotheses (generated tokens, cumulative log-probability =
-    sequences_scores * length ** 1.0), best first."""
-    out = hf.generate(torch.tensor([prompt]), num_beams=K, num_return_sequences=K, length_penalty=1.0,
-                      early_stopping=True, do_sample=False, max_new_tokens=new, eos_token_id=stop,
-                      pad_token_id=stop, output_scores=True, return_dict_in_generate=True)
+    sequences_scores * length ** length_penalty), best first."""
+    out = hf.generate(torch.tensor([prompt]), num_beams=K, num_return_sequences=K,
+                      length_penalty=length_penalty, early_stopping=early_stopping, do_sample=False,
+                      max_new_tokens=new, eos_token_id=stop, pad_token_id=stop, output_scores=True,
+                      return_dict_in_generate=True)
     lengths = (out.beam_indices != -1).sum(1).tolist()
     seqs = out.sequences[:, len(prompt):].tolist()
-    return [(s[:n], float(score) * n) for s, n, score in zip(seqs, lengths, out.sequences_scores.tolist())]
+    return [(s[:n], float(score) * n**length_penalty)
+            for s, n, score in zip(seqs, lengths, out.sequences_scores.tolist())]
 
 
 def stop_and_reference(hf, prompt: list[int], new: int = NEW, tries: int = 4) -> tuple[int, list]:
@@ -141,3 +144,22 @@ def test_beams_under_preemption_and_prefix_hits(family, hf_family, device):
     assert [o.stats["cached_tokens"] for o in got[a2]] == [hit] * K
     eng.reset_prefix_cache()
     assert eng.pm.num_free_pages == eng.pm.num_pages - 1
+
+
+@pytest.mark.parametrize("early_stopping, length_penalty", [(False, 1.0), ("never", 0.5), (True, 2.0)])
+def test_early_stopping_rules_and_length_penalties(early_stopping, length_penalty, hf_family, device):
+    """HF's other stopping rules (False: its heuristic on the current length; "never": on
+    max_new_tokens with a positive penalty) and other penalties rank and stop as transformers
+    does (Llama; the stop token of the parity test's kind). Cumulative log-probabilities are
+    compared, and the score's penalty is applied by both in fp32, so ATOL holds."""
+    hf, path = hf_family("llama")
+    paged = get_model(model_path=path, device=device, page_size=P, attn_impl="paged")
+    prompt = torch.randint(3, 256, (21,), generator=torch.Generator().manual_seed(11)).tolist()
+    stop, _ = stop_and_reference(hf, prompt)
+    ref = hf_beams(hf, prompt, stop, NEW, length_penalty, early_stopping)
+    eng = Engine(paged, max_num_seqs=K, max_num_batched_tokens=32, num_pages=24, max_model_len=64,
+                 compile=False, kernel=kernel_for(device))
+    params = SamplingParams(max_new_tokens=NEW, n=K, use_beam_search=True, length_penalty=length_penalty,
+                            early_stopping=early_stopping, stop_token_ids=(stop,), ignore_eos=True)
+    rid = eng.add_request(prompt, params)
+    assert_same(run(eng)[rid], ref, stop)
