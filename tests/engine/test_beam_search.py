@@ -2,8 +2,9 @@
 Face `generate(num_beams=4, num_return_sequences=4, length_penalty=1.0, early_stopping=True,
 do_sample=False)` on random-weight checkpoints of every family we load: the same four hypotheses,
 best first, and the same cumulative log-probabilities; under preemption (a pool too small for the
-beams and the requests beside them) and with prefix-cache hits too; the pool accounts for every
-page after every step (freed pages poisoned with NaN) and every page comes back at the end.
+beams and the requests beside them) and with prefix-cache hits too; HF's other stopping rules
+and length penalties; the pool accounts for every page after every step (freed pages poisoned
+with NaN) and every page comes back at the end, after an abort too.
 
 The stop token of each case is one of greedy decoding's tokens on which transformers' hypotheses
 finish early (the others at max_new_tokens): both ways a hypothesis ends are exercised.
@@ -163,3 +164,23 @@ def test_early_stopping_rules_and_length_penalties(early_stopping, length_penalt
                             early_stopping=early_stopping, stop_token_ids=(stop,), ignore_eos=True)
     rid = eng.add_request(prompt, params)
     assert_same(run(eng)[rid], ref, stop)
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_abort_ends_the_whole_search_and_returns_everything(models, steps):
+    """Aborting one beam's index aborts the search (its k completions end "abort") whether it is
+    waiting, prefilled (beams forked) or several steps in; the request beside it is unaffected,
+    and every page and row comes back."""
+    _, paged = models
+    eng = Engine(paged, max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, max_model_len=256,
+                 compile=False)
+    prompt = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=10, n=K, use_beam_search=True))
+    other = eng.add_request(prompt[:20], SamplingParams(max_new_tokens=5))
+    for _ in range(steps):
+        eng.step()
+    eng.abort(rid, 2)
+    ends = {(o.request_id, o.index): o.finish_reason for o in eng.stream() if o.finished}
+    assert ends == {**{(rid, i): "abort" for i in range(K)}, (other, 0): "length"}
+    eng.reset_prefix_cache()
+    assert eng.pm.num_free_pages == eng.pm.num_pages - 1 and len(eng.scheduler.free_rows) == 8
