@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from fms_paged.engine import beam
 from fms_paged.engine import runner as model_runner
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
@@ -301,6 +302,10 @@ class Engine:
                 f"request too long: prompt of {len(prompt)} tokens + max_new_tokens="
                 f"{params.max_new_tokens} = {total} tokens > {limit}, {which}"
             )
+        if params.use_beam_search:  # k rows, and the k beams' pages
+            beam.check_request(params, len(prompt), self.max_num_seqs, self.pm.page_size,
+                               self.pm.num_pages - 1, self.backend.groups.num_slices,
+                               self.control is not None)
         rid = next(self._ids)
         self.enqueue(rid, prompt, params, cache_salt, arrival_time)
         return rid
@@ -314,6 +319,8 @@ class Engine:
                        for i in range(params.n)]
         req = completions[0]
         req.forks = completions[1:]  # FORKed from req once its prompt is prefilled
+        if params.use_beam_search:  # the completions are the beams of one search
+            beam.BeamGroup(completions, params)
         req.submitted = params
         if arrival_time is not None:
             for r in completions:
@@ -407,7 +414,8 @@ class Engine:
             if ranks is not None:
                 ranks.note_abort(rid, index)
             for req in list(self._live.get(rid, ())):  # (none left: it finished meanwhile)
-                if index is None or req.index == index:
+                # (a beam search ends as a whole)
+                if index is None or req.index == index or req.beam is not None:
                     self.scheduler.finish(req)
                     self._forget(req)
                     lps = None if req.params.logprobs is None else []

@@ -59,7 +59,14 @@ class SamplingParams:
     it scores the prompt and generates nothing (an evaluation harness's log-likelihood).
     `grammar`: the output must match it (`fms_paged.engine.structured.Grammar`: a JSON schema, a
     regex, a choice, an EBNF grammar...); the request ends ("stop") when its grammar is complete.
-    Needs an engine given the model's tokenizer."""
+    Needs an engine given the model's tokenizer.
+    `use_beam_search`: beam search of width `n` (`fms_paged.engine.beam`): greedy (temperature
+    0, no top-k / top-p), each step keeps the `n` best continuations by cumulative
+    log-probability, and the request returns its `n` best finished hypotheses (each output's
+    `cumulative_logprob`), ranked by cumulative log-probability / length ** `length_penalty`.
+    `early_stopping`: True stops once `n` hypotheses have finished; False (Hugging Face's default)
+    or "never" stop when no running beam can beat the worst finished one (HF's heuristics).
+    No log-probabilities or grammar with it."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -72,6 +79,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
@@ -106,9 +116,39 @@ class SamplingParams:
                 raise bad(name, f"an int in [0, {MAX_LOGPROBS}] or None")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise bad("grammar", "a fms_paged.engine.structured.Grammar or None")
+        self._check_beam_search(bad)
         if self.max_new_tokens == 0 and (self.prompt_logprobs is None or self.n != 1):
             raise bad("max_new_tokens", "an int >= 1: 0 generates nothing, which only scoring a prompt "
                       "(prompt_logprobs, n=1) asks for")
+
+    def _check_beam_search(self, bad) -> None:
+        """The beam-search settings: a bool switch, a finite length penalty, an early-stopping rule
+        of Hugging Face's (True, False, "never"); with beam search, no setting it cannot honour."""
+        if not isinstance(self.use_beam_search, bool):
+            raise bad("use_beam_search", "a bool")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise bad("length_penalty", "a finite float")
+        es = self.early_stopping
+        if not (es is True or es is False or es == "never"):
+            raise bad("early_stopping", "True, False or 'never'")
+        if not self.use_beam_search:
+            if lp != 1.0 or self.early_stopping is not False:
+                name = "length_penalty" if lp != 1.0 else "early_stopping"
+                raise bad(name, "its default without use_beam_search=True (it only ranks beams)")
+            return
+        for name, ok, expected in (
+                ("temperature", self.temperature == 0,
+                 "0 with use_beam_search (beams are chosen, not sampled)"),
+                ("top_k", self.top_k is None, "None with use_beam_search"),
+                ("top_p", self.top_p in (None, 1, 1.0), "None or 1.0 with use_beam_search"),
+                ("logprobs", self.logprobs is None,
+                 "None with use_beam_search (outputs carry cumulative_logprob)"),
+                ("prompt_logprobs", self.prompt_logprobs is None, "None with use_beam_search"),
+                ("grammar", self.grammar is None, "None with use_beam_search"),
+                ("max_new_tokens", self.max_new_tokens >= 1, "an int >= 1 with use_beam_search")):
+            if not ok:
+                raise bad(name, expected)
 
     def completion(self, i: int) -> SamplingParams:
         """The settings of completion `i` of an `n > 1` request: n = 1 and, for a seeded request,
@@ -156,6 +196,8 @@ class RequestOutput:
     # with `SamplingParams.prompt_logprobs`, on the request's first output (once): one entry per
     # prompt token, None for the first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # beam search (`SamplingParams.use_beam_search`): the hypothesis' sum of token log-probabilities
+    cumulative_logprob: float | None = None
 
 
 @dataclass(eq=False)
@@ -188,6 +230,7 @@ class Request:
     prompt_lps: list[TokenLogprobs] | None = None
     matcher: Any = None  # with `SamplingParams.grammar`: its xgrammar GrammarMatcher
     submitted: SamplingParams | None = None  # completion 0: the settings as submitted (all n)
+    beam: Any = None  # beam search: the `fms_paged.engine.beam.BeamGroup` it is a beam of
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from fms_paged import native
+from fms_paged.engine import beam
 from fms_paged.engine.model_step import (
     CUDA_GRAPH_MODES,
     GraphedDecode,
@@ -141,7 +142,7 @@ class ModelRunner:
                     return None
                 prompt_lps = self._prompt_logprobs(scored, plan) if scored is not None else None
                 tokens, lps = self._sample(logits, plan, masks)
-                result = StepResult(tokens, lps, prompt_lps)
+                result = StepResult(tokens, lps, prompt_lps, beams=beam.candidates(logits, plan.sampled))
         if self.ranks is not None:
             self.ranks.sampled(result.tokens)
         return result

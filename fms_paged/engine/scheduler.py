@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fms_paged.engine import beam
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, Status, TokenLogprobs
 from fms_paged.kv.page_groups import GroupedPages
@@ -79,6 +80,8 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[list[TokenLogprobs]] | None = None
     steps: list[list[int]] | None = None  # a plan of lookahead steps: each request's tokens in turn
+    # beam search: each sampled group's candidates (`fms_paged.engine.beam.candidates`)
+    beams: dict | None = None
 
 
 class Scheduler:
@@ -121,20 +124,26 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(beam.compute_end(req) - req.num_computed, budget)
             need = self.pm.pages_needed(req.seq_id, req.num_computed + n)
             # (no new page: nothing to check, planned_pages never passes available_pages)
             while need and need > self.available_pages() - planned_pages:
                 victim = self.running.pop()  # the newest running request
-                if victim in planned:  # scheduled already this step: give its share back
-                    n_v, need_v = planned.pop(victim)
-                    budget, planned_pages = budget + n_v, planned_pages - need_v
-                out.preempted.append(self._preempt(victim))
-                if victim is req:
+                # (a beam: its whole group, `beam.preempt`)
+                unit = [self._preempt(victim)] if victim.beam is None else beam.preempt(self, victim.beam)
+                for v in unit:
+                    if v in planned:  # scheduled already this step: give its share back
+                        n_v, need_v = planned.pop(v)
+                        budget, planned_pages = budget + n_v, planned_pages - need_v
+                out.preempted.extend(unit)
+                if req.status is not Status.RUNNING:
                     break
             if req.status is Status.RUNNING:
                 planned[req] = (n, need)
                 budget, planned_pages = budget - n, planned_pages + need
+        if any(r.beam is not None for r in planned):  # a group's beams sample together
+            tokens, pages = beam.hold(self, planned)
+            budget, planned_pages = budget + tokens, planned_pages - pages
         out.scheduled = [(r, n) for r, (n, _) in planned.items()]
         if self.waiting and not out.preempted:
             planned_pages = self._admit(out, budget, planned_pages, now)
@@ -159,7 +168,7 @@ class Scheduler:
         reqs = plan.decodes
         if (plan.prefills or plan.preempted or self.waiting or not reqs  # (forks come with prefills)
                 or any(r.params.temperature != 0 or r.params.logprobs is not None or r.matcher is not None
-                       for r in reqs)):
+                       or r.beam is not None for r in reqs)):
             return plan.steps
         k = min([steps, self.max_num_batched_tokens // len(reqs)]
                 + [r.params.max_new_tokens - len(r.output) for r in reqs])
@@ -203,7 +212,9 @@ class Scheduler:
             for child in forks:
                 if child.status is Status.FINISHED:  # aborted meanwhile
                     continue
-                if not self.free_rows or len(self.running) >= self.max_num_seqs:
+                # (a beam's row was promised at admission; other completions leave those rows)
+                if child.beam is None and (not self.free_rows or len(self.running) + beam.pending_rows(
+                        self.running) >= self.max_num_seqs):
                     self.waiting.appendleft(child)  # prefilled on its own later
                     continue
                 child.seq_id, child.status = self.free_rows.pop(), Status.RUNNING
@@ -211,6 +222,8 @@ class Scheduler:
                 self.running.append(child)
                 out.forks.append((r, child))
                 out.sampled.append((child, row))
+        if out.prefills:
+            beam.attach_followers(self, out, now)
 
     def update(self, plan: SchedulerOutput, result: StepResult) -> tuple[list[RequestOutput], list[Request]]:
         """Book a forward's results (`StepResult`): the prompt log-probabilities it scored, then
@@ -240,7 +253,12 @@ class Scheduler:
             outputs.append(RequestOutput(r.request_id, [], True, "length", r.index, None, r.stats("length"),
                                          self._take_prompt_logprobs(r)))
         rows = result.steps if result.steps is not None else [[t] for t in result.tokens]
+        groups = []
         for i, ((r, _), toks) in enumerate(zip(plan.sampled, rows)):
+            if r.beam is not None:  # booked by its group below
+                if r.beam not in groups:
+                    groups.append(r.beam)
+                continue
             reason = None
             for j, tok in enumerate(toks):
                 if j:  # a later lookahead step computed the token before this one
@@ -267,6 +285,10 @@ class Scheduler:
             prompt_lps = None if r.prompt_lps is None else self._take_prompt_logprobs(r)
             outputs.append(RequestOutput(r.request_id, toks[: j + 1], reason is not None, reason, r.index,
                                          lps, stats, prompt_lps))
+        for g in groups:  # beam search: the group's step (`beam.advance`: next beams, their pages)
+            outs, done = beam.advance(self, g, result.beams[g], now)
+            outputs += outs
+            finished += done
         return outputs, finished
 
     def _cache_filled(self, r: Request) -> None:
@@ -294,14 +316,19 @@ class Scheduler:
         (a prefix cache hit is shared, not computed) -> pages planned now. A request's first
         admission notes its time and cache hit (`Request.first_scheduled`)."""
         P, cache = self.pm.page_size, self.cache
+        promised = beam.pending_rows(self.running)  # rows of beams waiting for their leader's prompt
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            rows = beam.rows_needed(req)  # (a beam search: a row for each beam)
+            if len(self.running) + promised + rows > self.max_num_seqs:
+                break
             # a request scoring its prompt computes it whole: cached pages carry no logits
             scores = req.prompt_lps is not None
-            chain = (cache.match(req.token_slice(0, req.num_tokens), req.cache_salt)
+            end = beam.compute_end(req)  # (a beam leader: the prompt, which its beams then FORK)
+            chain = (cache.match(req.token_slice(0, end), req.cache_salt)
                      if cache and not scores else [])
             cached = len(chain) * P
-            n = min(req.num_tokens - cached, budget)
+            n = min(end - cached, budget)
             need = self.pm.pages_to_admit(cached + n, len(chain))
             # hit pages that were evictable are not available to others once shared
             hit_evictable = cache.evictable_pages(chain) if chain else 0
@@ -319,6 +346,7 @@ class Scheduler:
             out.scheduled.append((req, n))
             planned_pages += need
             budget -= n
+            promised += rows - 1
         return planned_pages
 
     def _preempt(self, req: Request) -> Request:

@@ -62,6 +62,9 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     cache: KVCacheBackend | None = None,
     compile: bool = False,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
 ) -> list[list[int]]:
     """Generate up to `max_new_tokens` new tokens for each prompt; returns only the new tokens.
 
@@ -77,11 +80,22 @@ def generate(
     A model split over tensor-parallel ranks (`fms_paged.parallel.shard`, under torchrun): every
     rank calls `generate` with the same arguments and gets the same tokens; rank 0 runs the
     engine (and `on_token`), the others follow it.
+    `num_beams > 1`: beam search on the engine (`SamplingParams(use_beam_search=True)`, with
+    `length_penalty` and `early_stopping` as Hugging Face's); each prompt's best hypothesis is
+    returned, and `on_token` sees its tokens once the search ends. Paged models only, greedy.
     """
     config = model.config
     # validates max_new_tokens and the sampling values, with the engine's messages
+    beams = num_beams if isinstance(num_beams, int) and not isinstance(num_beams, bool) else None
+    if beams is None or beams < 1:
+        raise ValueError(f"num_beams={num_beams!r}; expected an int >= 1")
+    search = dict(n=beams, use_beam_search=True, length_penalty=length_penalty,
+                  early_stopping=early_stopping) if beams > 1 else {}
     SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   seed=seed)
+                   seed=seed, **search)
+    if search and config.attn_impl != "paged":
+        raise ValueError(f"num_beams={num_beams} runs on the engine: load the model with attn_impl='paged' "
+                         f"(got {config.attn_impl!r})")
     prompts = validate_prompts(prompts, config.src_vocab_size, config.max_expected_seq_len,
                                max_new_tokens)
     if eos_id is _MODEL_EOS:
@@ -90,7 +104,7 @@ def generate(
 
     if config.attn_impl == "paged":
         return _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, compile,
-                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **search)
     return _generate_static(model, prompts, max_new_tokens, eos, on_token, cache, compile,
                             (temperature, top_k, top_p, seed))
 
@@ -105,8 +119,8 @@ def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, co
     request whole (no preemption) and one sequence of max_model_len, in a power-of-two number of
     pages (few pool shapes from call to call): what the call needs, not a share of the device's
     memory, which on a GPU would be most of it on every call."""
-    n = len(prompts)
-    rows = n if cache is None else min(n, cache.max_batch)
+    n, k = len(prompts), sampling.get("n", 1)  # (k beams: a row each)
+    rows = n * k if cache is None else max(k, min(n * k, cache.max_batch))
     budget = max(rows, min(sum(map(len, prompts)), MAX_PREFILL_TOKENS))
     need = max(map(len, prompts)) + max_new_tokens
     max_model_len = min(model.config.max_expected_seq_len, max(1024, 1 << (need - 1).bit_length()))
@@ -119,7 +133,7 @@ def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, co
         # at least what one sequence of max_model_len needs (every page held: no window release
         # counted), rounded up to a power of two
         G = model_groups(model).num_slices
-        need = max(G * sum(pages_for(len(p) + max_new_tokens, P) for p in prompts) + 1,
+        need = max(G * sum(k * pages_for(len(p) + max_new_tokens, P) + (k > 1) for p in prompts) + 1,
                    G * (min_pool_pages(max_model_len, P) - 1) + 1)
         num_pages = 1 << (need - 1).bit_length()
     engine = Engine(model, max_num_seqs=rows, max_num_batched_tokens=budget, compile=compile,
@@ -133,6 +147,8 @@ def _generate_on_engine(model, prompts, max_new_tokens, eos, on_token, cache, co
     index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
     out: list[list[int]] = [[] for _ in range(n)]
     for o in engine.stream():
+        if o.index:  # (beam search: the best hypothesis, index 0)
+            continue
         i = index[o.request_id]
         out[i] += o.new_token_ids
         if on_token is not None:

@@ -65,6 +65,10 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search: n beams, the n best hypotheses returned (greedy: temperature 0 or unset)
+    use_beam_search: bool = False
+    length_penalty: float | int = 1.0
+    early_stopping: bool | str = False
 
 
 class CompletionRequest(_Common):

@@ -100,7 +100,8 @@ def _max_tokens(ctx: ServeContext, name: str, value: int | None, prompt_len: int
 def _sampling(ctx: ServeContext, req, max_tokens_name: str, max_tokens: int | None,
               prompts: list[list[int]], logprobs: int | None, echo: bool = False,
               grammar: Grammar | None = None) -> list[SamplingParams]:
-    t = 1.0 if req.temperature is None else req.temperature
+    # (beam search chooses, it does not sample: its temperature is 0 unless one is given)
+    t = (0.0 if req.use_beam_search else 1.0) if req.temperature is None else req.temperature
     if not math.isfinite(t) or t < 0:
         raise bad("temperature", f"{req.temperature}; expected a number >= 0 (0 is greedy)")
     if req.top_p is not None and not 0 < req.top_p <= 1:
@@ -132,10 +133,16 @@ def _sampling(ctx: ServeContext, req, max_tokens_name: str, max_tokens: int | No
         new = _max_tokens(ctx, max_tokens_name, max_tokens, len(p), echo)
         if new == 0 and req.n != 1:
             raise bad("n", f"{req.n}: max_tokens=0 echoes the prompt once; expected n=1")
-        out.append(SamplingParams(max_new_tokens=new, temperature=float(t), top_k=top_k, top_p=req.top_p,
-                                  seed=req.seed, stop_token_ids=tuple(stop_ids), ignore_eos=req.ignore_eos,
-                                  n=req.n, logprobs=logprobs, grammar=grammar,
-                                  prompt_logprobs=max(scored) if scored else (0 if new == 0 else None)))
+        try:  # (the beam-search fields and what they cannot go with: SamplingParams names the field)
+            out.append(SamplingParams(max_new_tokens=new, temperature=float(t), top_k=top_k, top_p=req.top_p,
+                                      seed=req.seed, stop_token_ids=tuple(stop_ids),
+                                      ignore_eos=req.ignore_eos, n=req.n, logprobs=logprobs, grammar=grammar,
+                                      prompt_logprobs=max(scored) if scored else (0 if new == 0 else None),
+                                      use_beam_search=req.use_beam_search, length_penalty=req.length_penalty,
+                                      early_stopping=req.early_stopping))
+        except ValueError as e:
+            field = str(e).split("=")[0].removeprefix("SamplingParams.")
+            raise bad(field, str(e)) from None
     return out
 
 

@@ -1,0 +1,103 @@
+"""Beam search's cost on the engine (docs/benchmarks.md, "Beam search"), with the default model on
+this device's production kernel:
+
+- memory: the pages 4 beams of a 2,000-token prompt hold at their peak (prefix caching off, so
+  every page counted is one the beams hold), against one sequence's prompt pages plus the beams'
+  own tails (each beam's pages past the prompt's full pages);
+- speed: the time per generated token of 4 beams against one greedy stream, same prompt, same
+  number of tokens (no stop token: every step runs), decode steps only (the prefill step is left
+  out of both), median of `--repeats` interleaved runs, measured in the same process; and 4 greedy
+  streams of that prompt at once (a step of 4 rows without beam search's own work).
+
+    python -m benchmarks.beam_search [--prompt-len 2000] [--new 32] [--beams 4] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from fms_paged import Engine, SamplingParams, get_model
+from fms_paged.kv.geometry import pages_for
+
+
+def run(eng: Engine, prompt: list[int], params: SamplingParams, copies: int = 1
+        ) -> tuple[float, int, int, float]:
+    """One request alone (or `copies` of it) -> (seconds of its steps after the first, those steps,
+    peak pages held, the process's CPU seconds over those steps)."""
+    for _ in range(copies):
+        eng.add_request(prompt, params)
+    eng.step()  # the prefill (and, for beams, the first step's FORKs)
+    total = eng.pm.num_pages - 1
+    peak, steps = total - eng.pm.num_free_pages, 0
+    t0, c0 = time.perf_counter(), time.process_time()
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        peak = max(peak, total - eng.pm.num_free_pages)
+    return time.perf_counter() - t0, steps, peak, time.process_time() - c0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=2000)
+    ap.add_argument("--speed-prompt-len", type=int, default=64)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--beams", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = get_model(attn_impl="paged")  # the default model
+    P, k = model.config.page_size, args.beams
+    eng = Engine(model, max_num_seqs=k, max_num_batched_tokens=512, max_model_len=2048, num_pages=1024,
+                 enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.src_vocab_size
+
+    # memory: the peak pages 4 beams hold, against the prompt's pages and the beams' tails
+    prompt = torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()
+    beam = SamplingParams(max_new_tokens=args.new, n=k, use_beam_search=True, ignore_eos=True)
+    _, _, peak, _ = run(eng, prompt, beam)
+    prompt_pages = pages_for(args.prompt_len, P)
+    tails = k * pages_for(args.prompt_len % P + args.new, P)  # each beam's pages past the full ones
+    bound = 1.1 * prompt_pages + tails
+    _, _, one, _ = run(eng, prompt, SamplingParams(max_new_tokens=args.new, ignore_eos=True))
+
+    # speed: decode steps of k beams against one greedy stream
+    short = torch.randint(3, vocab, (args.speed_prompt_len,), generator=g).tolist()
+    greedy = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
+    beam = SamplingParams(max_new_tokens=args.new, n=k, use_beam_search=True, ignore_eos=True)
+    run(eng, short, greedy), run(eng, short, beam)  # warm
+    # (and k greedy streams of the same prompt: the cost of k rows a step without beam search's work)
+    per = {"greedy": [], "beams": [], "streams": []}
+    cpu = {"greedy": [], "beams": [], "streams": []}
+    for _ in range(args.repeats):  # interleaved: a load change on the machine hits all three
+        for name, params, copies in (("greedy", greedy, 1), ("beams", beam, 1), ("streams", greedy, k)):
+            s, steps, _, c = run(eng, short, params, copies)
+            per[name].append(s / steps)
+            cpu[name].append(c / steps)
+    g_s, b_s, s_s = (statistics.median(per[n]) for n in ("greedy", "beams", "streams"))
+    g_c, b_c, s_c = (statistics.median(cpu[n]) for n in ("greedy", "beams", "streams"))
+    result = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "kernel": type(eng.backend.kernel).__name__,
+        "page_size": P, "prompt_len": args.prompt_len, "new_tokens": args.new, "beams": k,
+        "peak_pages_beams": peak, "peak_pages_one_sequence": one, "prompt_pages": prompt_pages,
+        "beam_tails_pages": tails, "bound_pages": bound, "within_bound": peak <= bound,
+        "greedy_ms_per_token": 1e3 * g_s, "beams_ms_per_token": 1e3 * b_s, "ratio": b_s / g_s,
+        "k_streams_ms_per_step": 1e3 * s_s, "k_streams_ratio": s_s / g_s,
+        "cpu_ms_per_token": {"greedy": 1e3 * g_c, "beams": 1e3 * b_c, "k_streams": 1e3 * s_c},
+        "cpu_ratio": b_c / g_c, "cpu_k_streams_ratio": s_c / g_c,
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
