@@ -20,9 +20,10 @@ How a step runs, piece by piece:
   the request's length rolls back to the tokens whose keys are valid (`PageManager.truncate`):
   pages wholly past it go back to the pool, and the next step overwrites a partial page's tail.
 - Switching itself off: a request whose last n-gram has no earlier match proposes nothing and
-  decodes as usual (no verify overhead); a request whose proposals keep being rejected backs off
-  (it skips speculation for 1, 2, 4, ... up to `MAX_BACKOFF` steps after each fully rejected
-  verify, and starts again at once after an accepted one).
+  decodes as usual (no verify overhead); a request whose proposals keep being rejected backs off:
+  after a verify that kept none it skips speculation for its back-off, which then doubles (1, 2,
+  4, ... up to `MAX_BACKOFF` decode steps); a verify that kept some halves it, so that an
+  occasional lucky proposal in free sampled text does not bring every step's verify back.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from fms_paged.engine.sampling import greedy, probabilities
 
 METHODS = ("ngram",)
 # the most decode steps a request whose proposals were all rejected skips speculation for
-MAX_BACKOFF = 32
+MAX_BACKOFF = 64
 
 
 class SpeculativeConfigError(ValueError):
@@ -116,8 +117,44 @@ def ngram_propose(tokens, k: int, n_max: int, n_min: int) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """`ngram_propose` for a sequence that only grows, in O(1) per step: for each n in
+    [n_min, n_max], the last start of every n-gram that some token follows, updated with the
+    tokens appended since the last call (a per-step scan of the whole sequence costs ~30 us at 300
+    tokens, ~170 us at 3,000 on a 2-vCPU CPU: a fifth of a small model's decode step)."""
+
+    def __init__(self, n_max: int, n_min: int):
+        self.sizes = range(n_max, n_min - 1, -1)
+        self.last: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+        self.upto = 0  # windows ending before this position (each followed by a token) are indexed
+
+    def propose(self, req, k: int) -> list[int]:
+        """Up to k tokens that followed the last earlier occurrence of `req`'s last n-gram
+        (prompt + output), the longest n that matches; [] when none."""
+        L = req.num_tokens
+        if L - 1 > self.upto:  # index the windows that end at upto .. L - 2
+            lo = max(0, self.upto - max(self.sizes) + 1)
+            toks = req.token_slice(lo, L - 1)
+            for e in range(self.upto, L - 1):
+                for n in self.sizes:
+                    if e - n + 1 >= 0:
+                        self.last[n][tuple(toks[e - n + 1 - lo : e + 1 - lo])] = e - n + 1
+            self.upto = L - 1
+        tail = req.token_slice(max(0, L - max(self.sizes)), L)
+        for n in self.sizes:
+            if n >= L:
+                continue
+            i = self.last[n].get(tuple(tail[len(tail) - n:]))
+            if i is not None:
+                return req.token_slice(i + n, min(i + n + k, L))
+        return []
+
+
 @dataclass
-class _Backoff:
+class _State:
+    """A request's speculation state: its n-gram index and its back-off."""
+
+    index: NgramIndex
     skip: int = 0  # decode steps left without speculation
     wait: int = 1  # the next back-off's length
 
@@ -152,13 +189,15 @@ class Speculator:
             if n != 1 or not r.reaches_end(1) or not self.eligible(r):
                 continue
             state = self._state.get(r)
-            if state is not None and state.skip > 0:
+            if state is None:
+                state = self._state[r] = _State(NgramIndex(c.prompt_lookup_max, c.prompt_lookup_min))
+            elif state.skip > 0:
                 state.skip -= 1
                 continue
             k = min(c.num_speculative_tokens, budget, r.params.max_new_tokens - len(r.output) - 1)
             if k <= 0:
                 continue
-            props = ngram_propose(r.prompt + r.output, k, c.prompt_lookup_max, c.prompt_lookup_min)
+            props = state.index.propose(r, k)
             if not props:
                 continue
             base = r.num_computed + 1
@@ -174,13 +213,10 @@ class Speculator:
         self.num_verifies += 1
         self.num_proposed += proposed
         self.num_accepted += accepted
-        state = self._state.get(req)
+        state = self._state[req]
         if accepted:
-            if state is not None:
-                state.skip, state.wait = 0, 1
+            state.skip, state.wait = 0, max(1, state.wait // 2)
             return
-        if state is None:
-            state = self._state[req] = _Backoff()
         state.skip, state.wait = state.wait, min(2 * state.wait, MAX_BACKOFF)
 
     def metrics(self) -> dict:

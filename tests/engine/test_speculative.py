@@ -23,7 +23,8 @@ import torch
 from scipy.stats import chi2
 
 from fms_paged import Engine, SamplingParams, generate, get_model
-from fms_paged.engine.speculative import SpeculativeConfig, SpeculativeConfigError, ngram_propose
+from fms_paged.engine.request import Request
+from fms_paged.engine.speculative import NgramIndex, SpeculativeConfig, SpeculativeConfigError, ngram_propose
 from fms_paged.kv.page_manager import PageManager
 from fms_paged.kv.paged import model_groups
 from tests.conftest import HF_FAMILIES
@@ -120,6 +121,16 @@ def test_ngram_lookup_equals_brute_force():
         assert ngram_propose(toks, k, hi, lo) == want, (toks, k, hi, lo)
         hits += bool(want)
     assert 300 < hits < 2900  # both outcomes were exercised
+    # the engine's incremental index: the same proposals as the sequence grows by 1..3 tokens
+    # between calls (a verify step appends several)
+    for _ in range(200):
+        k, lo = rng.randint(1, 5), rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        req = Request(0, [rng.randrange(3) for _ in range(rng.randint(1, 6))], SamplingParams(), frozenset())
+        index = NgramIndex(hi, lo)
+        while req.num_tokens < 40:
+            assert index.propose(req, k) == brute_force_lookup(req.prompt + req.output, k, hi, lo)
+            req.output += [rng.randrange(3) for _ in range(rng.randint(1, 3))]
     assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3, 3, 1) == [7, 1, 2]  # the last match
 
 
