@@ -90,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", type=Path, default=None, help="default: the embedded default model")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
-    p.add_argument("--prompt-lookup-min", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: CPU seconds that a loaded machine does not inflate; "
+                        "0: torch's default)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
