@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
-    p.add_argument("--prompt-lookup-min", type=int, default=1)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: CPU seconds that a loaded machine does not inflate; "
                         "0: torch's default)")

@@ -21,9 +21,10 @@ How a step runs, piece by piece:
   pages wholly past it go back to the pool, and the next step overwrites a partial page's tail.
 - Switching itself off: a request whose last n-gram has no earlier match proposes nothing and
   decodes as usual (no verify overhead); a request whose proposals keep being rejected backs off:
-  after a verify that kept none it skips speculation for its back-off, which then doubles (1, 2,
-  4, ... up to `MAX_BACKOFF` decode steps); a verify that kept some halves it, so that an
-  occasional lucky proposal in free sampled text does not bring every step's verify back.
+  after a verify that kept fewer than `WORTH` proposals it skips speculation for its back-off,
+  which then doubles (1, 2, 4, ... up to `MAX_BACKOFF` decode steps); a verify that kept more
+  halves it, so that an occasional lucky proposal in free sampled text does not bring every
+  step's verify back.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from fms_paged.engine.sampling import greedy, probabilities
 METHODS = ("ngram",)
 # the most decode steps a request whose proposals were all rejected skips speculation for
 MAX_BACKOFF = 64
+# the proposals a verify must keep to pay for itself: on a 2-vCPU CPU a verify of 8 proposals costs
+# 2-3 decode steps of the default model (`make bench-spec`)
+WORTH = 2
 
 
 class SpeculativeConfigError(ValueError):
@@ -214,7 +218,7 @@ class Speculator:
         self.num_proposed += proposed
         self.num_accepted += accepted
         state = self._state[req]
-        if accepted:
+        if accepted >= WORTH:
             state.skip, state.wait = 0, max(1, state.wait // 2)
             return
         state.skip, state.wait = state.wait, min(2 * state.wait, MAX_BACKOFF)
