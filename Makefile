@@ -42,7 +42,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-families bench-kv bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp bench-native bench-load-memory
+.PHONY: bench-llama bench-llama-paged bench-spec bench-families bench-kv bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp bench-native bench-load-memory
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -54,6 +54,10 @@ bench-llama-paged: install
 
 # per family (random-weight micro presets, 256-token windows on their sliding layers): the KV the paged
 # and dense caches hold against the KV the next token needs, 16 sequences up to 4x the window
+# speculative decoding (prompt lookup) against plain decoding, one stream on the default model (~3 minutes)
+bench-spec: install
+	$(PY) -m fms_paged.bench.speculative --out results/bench-spec $(BENCH_ARGS)
+
 bench-families: install
 	$(PY) -m fms_paged.bench.families --out results/bench-families $(BENCH_ARGS)
 

@@ -34,6 +34,7 @@ from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
 from fms_paged.engine.runner import ModelRunner, check_modes
 from fms_paged.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from fms_paged.engine.speculative import SpeculativeConfig, SpeculativeConfigError, Speculator
 from fms_paged.engine.structured import Grammar, Grammars
 from fms_paged.engine.tensor_parallel import split_for_engine
 from fms_paged.kv.budget import KVBudgetError, kv_cache_budget
@@ -92,6 +93,12 @@ class Engine:
     kv_cache_dtype: what the pages store (`fms_paged.kv.quant.KV_CACHE_DTYPES`): "auto" the
         model's dtype, "int8" / "fp8_e4m3" 8-bit values with their scales; None: the model
         config's (`get_model(..., kv_cache_dtype=...)`). Ignored with a `backend` (its own).
+    speculative: speculative decoding, as vLLM's `speculative_config`: {"method": "ngram",
+        "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (prompt
+        lookup, `fms_paged.engine.speculative`): each decoding request proposes up to k tokens
+        from its own tokens, verified in one forward; greedy outputs do not change, sampled ones
+        keep their distribution (rejection sampling). None (default): off. Not with tensor
+        parallelism.
     """
 
     def __init__(
@@ -112,6 +119,7 @@ class Engine:
         tensor_parallel_size: int = 1,
         decode_steps: int = 1,
         kv_cache_dtype: str | None = None,
+        speculative: dict | SpeculativeConfig | None = None,
     ):
         if type(model).__module__.startswith("fms."):  # an IBM FMS model: through our plugin
             from fms_paged.integrations.fms import paged_model
@@ -141,6 +149,10 @@ class Engine:
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or (
                 tensor_parallel_size < 1):
             raise TensorParallelError(f"tensor_parallel_size={tensor_parallel_size!r}; expected an int >= 1")
+        speculative = SpeculativeConfig.parse(speculative)
+        if speculative is not None and (tensor_parallel_size > 1 or getattr(model, "tp", None) is not None):
+            raise SpeculativeConfigError("speculative decoding with tensor parallelism is not supported "
+                                         f"(tensor_parallel_size={tensor_parallel_size})")
         settings = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         num_pages=num_pages, kv_memory_fraction=kv_memory_fraction, compile=compile,
                         max_model_len=max_model_len, kernel=kernel,
@@ -172,14 +184,14 @@ class Engine:
             self._build(model, backend, num_pages, need, groups, horizon, max_num_seqs,
                         max_num_batched_tokens,
                         max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile,
-                        cuda_graphs, tokenizer, decode_steps, kv_cache_dtype)
+                        cuda_graphs, tokenizer, decode_steps, kv_cache_dtype, speculative)
         except BaseException:
             self.shutdown()  # the ranks spawned or joined for this engine are let go
             raise
 
     def _build(self, model, backend, num_pages, need, groups, horizon, max_num_seqs, max_num_batched_tokens,
                max_model_len, kv_memory_fraction, kernel, enable_prefix_caching, compile, cuda_graphs,
-               tokenizer, decode_steps, kv_cache_dtype) -> None:
+               tokenizer, decode_steps, kv_cache_dtype, speculative=None) -> None:
         c = model.config
         self.model = model
         self.budget = None
@@ -222,8 +234,10 @@ class Engine:
         self.runner.ranks = self._ranks  # rank 0 of tensor-parallel ranks: each run sends the step
         # lookahead decode steps where the runner runs them in one call (never split over ranks)
         ready = self.runner.decodes_in_one_call if self.control is None else None
+        self.speculator = Speculator(speculative) if speculative is not None else None
         self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, cache=self.prefix_cache,
-                                   horizon=horizon, decode_steps=decode_steps, lookahead_ready=ready)
+                                   horizon=horizon, decode_steps=decode_steps, lookahead_ready=ready,
+                                   speculator=self.speculator)
         self.vocab_size = c.src_vocab_size
         eos = c.eos_token_id
         self.eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
@@ -484,6 +498,8 @@ class Engine:
         self._reset_totals()
         self.scheduler.num_output_tokens = self.scheduler.num_prompt_computed = 0
         self.scheduler.num_preemptions = 0
+        if self.speculator is not None:
+            self.speculator.reset_totals()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
             self.prefix_cache.queries = self.prefix_cache.hits = 0
@@ -546,4 +562,5 @@ class Engine:
             "mean_tpot_s": mean("tpot"),
             "mean_e2e_s": mean("e2e"),
             **(self.prefix_cache.metrics() if self.prefix_cache else {}),
+            **(self.speculator.metrics() if self.speculator else {}),
         }

@@ -20,6 +20,7 @@ import torch
 
 from fms_paged import native
 from fms_paged.engine import beam
+from fms_paged.engine import speculative
 from fms_paged.engine.model_step import (
     CUDA_GRAPH_MODES,
     GraphedDecode,
@@ -131,9 +132,10 @@ class ModelRunner:
                 rows = self._decode_steps(plan.decodes, plan.steps)
                 result = StepResult([row[0] for row in rows], steps=rows)
             else:
-                scored = None
-                if plan.prefills:
-                    logits, scored = self._forward_mixed(plan.decodes, plan.prefills, plan.scored)
+                scored = checks = None
+                if plan.prefills or plan.verifies:
+                    logits, scored, checks = self._forward_mixed(plan.decodes, plan.prefills, plan.scored,
+                                                                 plan.verifies)
                 else:  # decode rows alone: the model's decode step (eager or compiled), [n, V]
                     args = (self.model, *self.backend.decode_inputs(*self._decode_rows(plan.decodes)))
                     logits = (self._decode(*args) if self.forward_hook is None  # (timed where hooked)
@@ -141,8 +143,10 @@ class ModelRunner:
                 if not sample:
                     return None
                 prompt_lps = self._prompt_logprobs(scored, plan) if scored is not None else None
-                tokens, lps = self._sample(logits, plan, masks)
-                result = StepResult(tokens, lps, prompt_lps, beams=beam.candidates(logits, plan.sampled))
+                tokens, lps = self._sample(logits, plan, masks) if plan.sampled else ([], None)
+                verified = speculative.verify(checks, plan.verifies) if plan.verifies else None
+                result = StepResult(tokens, lps, prompt_lps, verified=verified,
+                                    beams=beam.candidates(logits, plan.sampled))
         if self.ranks is not None:
             self.ranks.sampled(result.tokens)
         return result
@@ -281,13 +285,20 @@ class ModelRunner:
         return out
 
     def _forward_mixed(self, dec: list[Request], pre: list[tuple[Request, int]],
-                       scored: list[tuple[Request, list[int]]] = ()
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       scored: list[tuple[Request, list[int]]] = (),
+                       verifies: list[tuple[Request, list[int]]] = (),
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """-> (logits of the decode rows, then of the chunks that end their request's tokens and
-        sample; logits at the prompt positions `scored` asks for, or None)."""
+        sample; logits at the prompt positions `scored` asks for, or None; logits at every
+        position of the `verifies` chunks (each request's last token, then its proposals: a
+        chunk after the prefill chunks), or None)."""
         starts = [r.num_computed for r, _ in pre]
         chunks = [r.token_slice(s, s + n) for (r, n), s in zip(pre, starts)]
         ids = [r.seq_id for r, _ in pre]
+        for r, props in verifies:  # (a decoding request: its one token left to compute, then them)
+            starts.append(r.num_computed)
+            chunks.append(r.token_slice(r.num_computed, r.num_computed + 1) + props)
+            ids.append(r.seq_id)
         if dec:
             tokens, positions, step, last = self.backend.mixed_inputs(*self._decode_rows(dec), ids, chunks,
                                                                       starts)
@@ -305,15 +316,20 @@ class ModelRunner:
         K = at.shape[0]
         if scored:  # row index of each prompt position to score: its chunk's first token + offset
             chunk = {id(r): j for j, (r, _) in enumerate(pre)}
-            first = last.cpu() - torch.tensor([n - 1 for _, n in pre])
+            first = last.cpu()[: len(pre)] - torch.tensor([n - 1 for _, n in pre])
             rows = [int(first[chunk[id(r)]]) + p - starts[chunk[id(r)]] for r, ps in scored for p in ps]
+            at = torch.cat([at, torch.tensor(rows, device=at.device)])
+        S = at.shape[0]
+        if verifies:  # every row of each verify chunk
+            ends = last.cpu()[len(pre):].tolist()
+            rows = [e - len(p) + i for e, (_, p) in zip(ends, verifies) for i in range(len(p) + 1)]
             at = torch.cat([at, torch.tensor(rows, device=at.device)])
         kind = "mixed" if dec else "prefill"
         if self._prefill is None or tokens.shape[1] < 2:  # 1 token (flex, gather): run eagerly
             logits = self._timed(kind, self.model, tokens, positions, step, logits_at=at)
         else:
             logits = self._timed(kind, self._prefill_logits, tokens, positions, step, at)
-        return logits[:K], (logits[K:] if scored else None)
+        return logits[:K], (logits[K:S] if scored else None), (logits[S:] if verifies else None)
 
     def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, step, at: torch.Tensor
                         ) -> torch.Tensor:

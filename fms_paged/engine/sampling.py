@@ -28,6 +28,14 @@ def sample(
     """logits: [B, V] -> tokens: [B] int64. `temperature == 0` is greedy (argmax)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
+    probs = probabilities(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """logits: [B, V] -> the fp32 probabilities [B, V] that `sample` draws from (temperature > 0,
+    then top-k, then top-p); speculative decoding's rejection sampling reads the same ones."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -39,7 +47,7 @@ def sample(
         drop = (sorted_p.cumsum(-1) - sorted_p) > top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return probs
 
 
 def sample_each(

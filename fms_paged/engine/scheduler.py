@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from fms_paged.engine import beam
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, Status, TokenLogprobs
+from fms_paged.engine.speculative import Speculator
 from fms_paged.kv.page_groups import GroupedPages
 from fms_paged.kv.page_manager import PageManager, Reservation
 
@@ -68,6 +69,9 @@ class SchedulerOutput:
     # requests whose prompt completes now and that generate nothing (max_new_tokens=0)
     scored_only: list[Request] = field(default_factory=list)
     steps: int = 1  # greedy decode steps of `decodes` in this forward (`Scheduler.lookahead`)
+    # speculative decoding (`fms_paged.engine.speculative`): (request, proposals) verified in this
+    # forward; their rows are not in `decodes` and they sample nothing through `sampled`
+    verifies: list[tuple[Request, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +86,7 @@ class StepResult:
     steps: list[list[int]] | None = None  # a plan of lookahead steps: each request's tokens in turn
     # beam search: each sampled group's candidates (`fms_paged.engine.beam.candidates`)
     beams: dict | None = None
+    verified: list[list[int]] | None = None  # each of `plan.verifies`: the tokens it keeps
 
 
 class Scheduler:
@@ -90,8 +95,10 @@ class Scheduler:
 
     def __init__(self, pm: PageManager | GroupedPages, max_num_seqs: int, max_num_batched_tokens: int,
                  watermark: float = 0.01, cache: PrefixCache | None = None, horizon: int | None = None,
-                 *, decode_steps: int = 1, lookahead_ready: Callable[[], bool] | None = None):
+                 *, decode_steps: int = 1, lookahead_ready: Callable[[], bool] | None = None,
+                 speculator: Speculator | None = None):
         self.pm = pm
+        self.speculator = speculator  # speculative decoding: plans proposals, counts acceptance
         self.decode_steps, self.lookahead_ready = decode_steps, lookahead_ready
         self.horizon = horizon  # every layer windowed: keys this far back are all any layer reads
         # pages are released behind windows: every layer windowed, or sliding layer groups
@@ -147,12 +154,17 @@ class Scheduler:
         out.scheduled = [(r, n) for r, (n, _) in planned.items()]
         if self.waiting and not out.preempted:
             planned_pages = self._admit(out, budget, planned_pages, now)
+        if self.speculator is not None and out.scheduled:  # proposals within what is left
+            left = self.max_num_batched_tokens - sum(n for _, n in out.scheduled)
+            planned_pages += self.speculator.plan(out, self.pm, left, self.available_pages() - planned_pages)
         short = planned_pages - self.pm.num_free_pages
         if short > 0:  # RESERVE takes free pages: evict cached ones to make them
             self.cache.evict(short)
         if out.scheduled:  # what was planned: it cannot fail
+            extra = {id(r): len(p) for r, p in out.verifies}  # the proposals' slots
             out.reservation = self.pm.reserve([r.seq_id for r, _ in out.scheduled],
-                                              [r.num_computed + n for r, n in out.scheduled])
+                                              [r.num_computed + n + extra.get(id(r), 0)
+                                               for r, n in out.scheduled])
         self._plan_rows(out, now)
         if out.scheduled and self.decode_steps > 1 and self.lookahead_ready is not None and (
                 self.lookahead_ready()):
@@ -166,7 +178,7 @@ class Scheduler:
         the pages for them RESERVEd now where the pool has them (else one step). -> the steps
         planned (`plan.steps`). `update` keeps each request's tokens up to its stop."""
         reqs = plan.decodes
-        if (plan.prefills or plan.preempted or self.waiting or not reqs  # (forks come with prefills)
+        if (plan.prefills or plan.preempted or self.waiting or not reqs or plan.verifies  # (forks: prefills)
                 or any(r.params.temperature != 0 or r.params.logprobs is not None or r.matcher is not None
                        or r.beam is not None for r in reqs)):
             return plan.steps
@@ -196,7 +208,10 @@ class Scheduler:
         """Split the plan into decodes and prefill chunks, list the tokens to sample (logits rows),
         and give the waiting completions of a request whose prompt completes now a row each (they
         share the parent's prompt pages, so its prefix-cache hit counts for them too)."""
+        verifying = {id(r) for r, _ in out.verifies}
         for r, n in out.scheduled:
+            if id(r) in verifying:
+                continue
             if r.reaches_end(1):
                 out.decodes.append(r)
             else:
@@ -253,8 +268,11 @@ class Scheduler:
             outputs.append(RequestOutput(r.request_id, [], True, "length", r.index, None, r.stats("length"),
                                          self._take_prompt_logprobs(r)))
         rows = result.steps if result.steps is not None else [[t] for t in result.tokens]
+        entries = list(zip(plan.sampled, rows))
+        if plan.verifies:  # a verified request's tokens: as lookahead steps' (each later one computed)
+            entries += [((r, -1), toks) for (r, _), toks in zip(plan.verifies, result.verified)]
         groups = []
-        for i, ((r, _), toks) in enumerate(zip(plan.sampled, rows)):
+        for i, ((r, _), toks) in enumerate(entries):
             if r.beam is not None:  # booked by its group below
                 if r.beam not in groups:
                     groups.append(r.beam)
@@ -289,7 +307,22 @@ class Scheduler:
             outs, done = beam.advance(self, g, result.beams[g], now)
             outputs += outs
             finished += done
+        if plan.verifies:
+            self._verified(plan, result)
         return outputs, finished
+
+    def _verified(self, plan: SchedulerOutput, result: StepResult) -> None:
+        """After a step's verifies are booked: count what each kept, and roll each running one's
+        length back to its tokens computed (its RESERVE covered every proposal's slot): the pages
+        wholly past it go back to the pool (`PageManager.truncate`)."""
+        back_ids, back_lens = [], []
+        for (r, props), toks in zip(plan.verifies, result.verified):
+            self.speculator.observe(r, len(props), len(toks) - 1)
+            if r.status is Status.RUNNING:
+                back_ids.append(r.seq_id)
+                back_lens.append(r.num_computed)
+        if back_ids:
+            self.pm.truncate(back_ids, back_lens)
 
     def _cache_filled(self, r: Request) -> None:
         """Put the request's pages filled up to its tokens computed into the prefix cache (with a

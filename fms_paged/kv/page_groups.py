@@ -163,6 +163,12 @@ class GroupedPages:
         self._check_seq(seq_ids)
         return self.inner.release_prefix(self._all_rows(seq_ids), list(positions) * self.num_slices)
 
+    def truncate(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> list[int]:
+        """Shorten the sequences in every slice (as `PageManager.truncate`). A sliding slice's
+        released pages lie before the first query's window, never past a length kept."""
+        self._check_seq(seq_ids)
+        return self.inner.truncate(self._all_rows(seq_ids), list(new_lengths) * self.num_slices)
+
     def share(self, seq_id: int, pages: Sequence[Sequence[int]]) -> None:
         """Seq `seq_id` (not live) starts with `pages[g]` as slice g's first pages (a prefix-cache
         hit; the null page where a sliding slice needs no page: behind the hit's window)."""

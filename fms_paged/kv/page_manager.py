@@ -450,6 +450,35 @@ class PageManager(PageSharing, PoolData):
         self._live[ids] = False
         self._drop(rows, cols)
 
+    def truncate(self, seq_ids: Sequence[int], new_lengths: Sequence[int]) -> list[int]:
+        """Shorten live sequences to `new_lengths` (speculative decoding gives back the slots of
+        rejected proposals): the pages wholly past a new length drop their reference (back to the
+        free pool when nobody else holds them); a partly used last page stays, and the tokens that
+        follow overwrite its tail. -> the pages whose reference was dropped. ValueError for a
+        sequence that is not live or a length past its current one; nothing changes then."""
+        ids = self._check_ids(seq_ids)
+        self._check_live(ids)
+        lens = ops.as_int_array(new_lengths, "new_lengths")
+        if ids.size != lens.size:
+            raise ValueError(f"got {ids.size} seq_ids but {lens.size} new_lengths")
+        bad = (lens < 0) | (lens > self._lens[ids])
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"truncate: length {lens[i]} for seq {ids[i]} out of range, expected "
+                             f"0 <= length <= its length {self._lens[ids[i]]}")
+        keep, have = self._num_pages_for(lens), self._num_pages_for(self._lens[ids])
+        self._lens[ids] = lens
+        m = int((have - keep).max()) if ids.size else 0
+        if m <= 0:
+            return []
+        cols = keep[:, None] + np.arange(m)  # [B, m]: logical pages past each new length
+        past = cols < have[:, None]
+        rows = np.broadcast_to(ids[:, None], past.shape)[past]
+        cols = cols[past]
+        pages = [p for p in self._table[rows, cols].tolist() if p != NULL_PAGE]
+        self._drop(rows, cols)
+        return pages
+
     def release_prefix(self, seq_ids: Sequence[int], positions: Sequence[int]) -> list[int]:
         """ERASE the pages of each sequence that lie wholly before `positions[i]` (a sliding
         window: no query of the sequence looks behind that position again). The sequences keep

@@ -75,7 +75,8 @@ def build_engine(spec: dict[str, Any]):
                   tokenizer=load_tokenizer(spec["model_dir"]), kv_memory_fraction=spec["kv_memory_fraction"],
                   max_model_len=spec["max_model_len"], kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
                   enable_prefix_caching=spec["enable_prefix_caching"],
-                  compile=False if spec["enforce_eager"] else "auto", tensor_parallel_size=size)
+                  compile=False if spec["enforce_eager"] else "auto", tensor_parallel_size=size,
+                  speculative=spec.get("speculative"))
 
 
 def _engine_main(conn, spec: dict[str, Any]) -> None:

@@ -54,7 +54,15 @@ class ServerMetrics:
         self.first_chunk_delay = histogram(
             "first_chunk_delay_seconds", "Streams: the engine's first token made to its chunk sent.",
             (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
-        self._engine_seen = {"preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        # speculative decoding (vLLM's names), where the engine speculates
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications run.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self.spec_rate = gauge("spec_decode_acceptance_rate", "Accepted / proposed tokens since start.")
+        self.spec_length = gauge("spec_decode_mean_accepted_length",
+                                 "Mean proposed tokens accepted per verification since start.")
+        self._engine_seen = {"preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                             "spec_verifies": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
 
     def engine_state(self, m: dict) -> None:
         """Gauges and counters from `Engine.metrics()` (engine loop thread)."""
@@ -63,11 +71,17 @@ class ServerMetrics:
         self.kv_usage.set(m["kv_used_pct"] / 100.0)
         for key, counter in (("preemptions", self.preemptions),
                              ("prefix_cache_queries", self.prefix_queries),
-                             ("prefix_cache_hits", self.prefix_hits)):
+                             ("prefix_cache_hits", self.prefix_hits),
+                             ("spec_verifies", self.spec_drafts),
+                             ("spec_proposed_tokens", self.spec_draft_tokens),
+                             ("spec_accepted_tokens", self.spec_accepted)):
             value = m.get(key, 0)
             if value > self._engine_seen[key]:
                 counter.inc(value - self._engine_seen[key])
             self._engine_seen[key] = value
+        if m.get("spec_acceptance_rate") is not None:
+            self.spec_rate.set(m["spec_acceptance_rate"])
+            self.spec_length.set(m["spec_mean_accepted_length"])
 
     def finished(self, stats: dict, first_of_request: bool) -> None:
         """A completion's final statistics (`RequestOutput.stats`); its prompt counts once per

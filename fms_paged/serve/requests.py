@@ -406,11 +406,18 @@ class Run:
                     self.cached_tokens += out.stats.get("cached_tokens") or 0
             if c.finish_reason is not None:  # ended by a stop string: the rest is not its text
                 continue
-            c.token_ids.extend(out.new_token_ids)
+            # token by token: a stop string ends the tokens where it completes (an output carries
+            # several from speculative decoding; those after it are not the completion's)
+            ids, text = list(out.new_token_ids), ""
+            for j in range(len(ids)):
+                text += c.text.add(ids[j : j + 1])
+                if c.text.stopped:
+                    del ids[j + 1 :]
+                    break
+            c.token_ids.extend(ids)
             lps = out.logprobs
             if lps:
                 c.logprobs.extend(lps)
-            text = c.text.add(out.new_token_ids)
             if c.text.stopped:
                 c.finish_reason = "stop"
                 if not out.finished:
@@ -420,7 +427,7 @@ class Run:
                 c.finish_reason = "stop" if out.finish_reason == "stop" else (
                     "length" if out.finish_reason == "length" else "abort")
             if text or lps or c.finish_reason is not None:
-                yield Event(c, text, list(out.new_token_ids), lps, c.finish_reason)
+                yield Event(c, text, ids, lps, c.finish_reason)
 
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prep.prompts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -74,8 +75,28 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    help="ranks to split the model over (heads and MLP; gloo on the CPU, one GPU each on "
                         "CUDA), spawned on this host; under torchrun, the ranks torchrun started "
                         "(rank 0 serves)")
+    g.add_argument("--speculative-config", type=speculative_config, default=None,
+                   help='speculative decoding, as JSON (vLLM\'s flag): {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+                        "(prompt lookup; default: off)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no compiled graphs and no warm-up")
+
+
+def speculative_config(text: str) -> dict:
+    """--speculative-config: a JSON object that `SpeculativeConfig.parse` accepts, checked here
+    so that a bad one stops the command line (argparse names the flag)."""
+    from fms_paged.engine.speculative import SpeculativeConfig
+
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    try:
+        SpeculativeConfig.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
 
 
 def engine_spec(args) -> dict:
@@ -88,7 +109,7 @@ def engine_spec(args) -> dict:
             "quantization": args.quantization, "quantization_group_size": args.quantization_group_size,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "kv_memory_fraction": args.kv_memory_fraction,
-            "kv_cache_dtype": args.kv_cache_dtype,
+            "kv_cache_dtype": args.kv_cache_dtype, "speculative": getattr(args, "speculative_config", None),
             "enable_prefix_caching": args.enable_prefix_caching, "enforce_eager": args.enforce_eager,
             "tensor_parallel_size": args.tensor_parallel_size, "log_level": args.log_level,
             "torchrun": torchrun_rank() is not None}

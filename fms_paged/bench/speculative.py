@@ -1,0 +1,161 @@
+"""`make bench-spec`: speculative decoding by prompt lookup against plain decoding, one stream on
+the engine (the default model unless --model-path), output tokens per second of each workload with
+speculation off and on, measured alternately in the same process (median of --repeats runs each),
+with the acceptance rate and the mean accepted proposals per verify.
+
+Workloads (greedy unless said):
+- "copy": a passage of code twice, then its first line (input-grounded, as quoting or
+  refactoring). The default model is tiny (4 layers of 256) and does not copy: its output reuses
+  the passage's n-grams now and then.
+- "repeat": a seed line, the model's own greedy continuation of it (256 tokens), a blank line
+  and the seed again: the prompt holds the text that the output repeats with edits (a model that
+  copies would give this on "copy").
+- "free greedy" / "free sampled": a short prompt and free generation (greedy; sampled at
+  temperature 0.8, seeded), where prompt lookup finds only what the model itself repeats: what
+  speculation costs there, or gains where the model repeats itself (the default model's greedy
+  text loops).
+Each figure: output tokens per second from the fastest of the runs (the run least disturbed by
+other processes on a shared machine) and from their median; and the speed-up in process CPU
+seconds (with --threads 1, what a loaded machine's time slicing does not inflate).
+Writes <out>/results.json and <out>/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fms_paged import Engine, SamplingParams, generate, get_model, load_tokenizer
+from fms_paged.bench.environment import environment_info
+from fms_paged.bench.report import table
+from fms_paged.models import default_model_path
+
+PASSAGE = '''def parse_header(line):
+    """Split a header line into its name and value."""
+    name, _, value = line.partition(":")
+    return name.strip().lower(), value.strip()
+
+
+def read_headers(lines):
+    """The headers of a message, up to the first blank line."""
+    headers = {}
+    for line in lines:
+        if not line.strip():
+            break
+        name, value = parse_header(line)
+        headers[name] = value
+    return headers
+
+
+def header_value(headers, name, default=None):
+    return headers.get(name.lower(), default)
+'''
+SEED = "class Reader:\n    def __init__(self, path):\n"
+
+
+def workloads(model, tok) -> dict[str, tuple[list[int], float]]:
+    """name -> (prompt ids, temperature)."""
+    seed = tok.encode(SEED)
+    own = generate(model, [seed], 256, eos_id=None)[0]  # the model's greedy continuation
+    return {
+        "copy": (tok.encode(PASSAGE + "\n\n" + PASSAGE + "\n\n" + PASSAGE.splitlines()[0] + "\n"), 0.0),
+        "repeat": (seed + own + tok.encode("\n\n") + seed, 0.0),
+        "free greedy": (tok.encode("import os\n"), 0.0),
+        "free sampled": (tok.encode("import os\n"), 0.8),
+    }
+
+
+def run_once(engine: Engine, prompt: list[int], new_tokens: int,
+             temperature: float) -> tuple[list[int], float, float]:
+    """One request to its end -> (its tokens, wall seconds, process CPU seconds)."""
+    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature,
+                        seed=0 if temperature else None)
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.add_request(prompt, sp)
+    out: list[int] = []
+    for o in engine.stream():
+        out += o.new_token_ids
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench-spec", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/bench-spec")
+    p.add_argument("--model-path", type=Path, default=None, help="default: the embedded default model")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--num-speculative-tokens", type=int, default=8)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: CPU seconds that a loaded machine does not inflate; "
+                        "0: torch's default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = args.model_path or default_model_path()
+    tok = load_tokenizer(path)
+    model = get_model(model_path=path, attn_impl="paged", device="cpu")
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    engines = {False: Engine(model, max_num_seqs=1, max_num_batched_tokens=1024, num_pages=256),
+               True: Engine(model, max_num_seqs=1, max_num_batched_tokens=1024, num_pages=256,
+                            speculative=spec)}
+    rows = []
+    for name, (prompt, temperature) in workloads(model, tok).items():
+        for eng in engines.values():  # warm: a first run of each
+            run_once(eng, prompt, 16, temperature)
+        engines[True].forget_totals()
+        secs: dict[bool, list[float]] = {False: [], True: []}
+        cpu: dict[bool, list[float]] = {False: [], True: []}
+        outs: dict[bool, list[int]] = {}
+        for _ in range(args.repeats):  # alternately, so that the machine's load hits both alike
+            for on, eng in engines.items():
+                outs[on], dt, ct = run_once(eng, prompt, args.new_tokens, temperature)
+                secs[on].append(dt)
+                cpu[on].append(ct)
+        m = engines[True].metrics()
+        off, on = min(secs[False]), min(secs[True])
+        moff, mon = statistics.median(secs[False]), statistics.median(secs[True])
+        rows.append({
+            "workload": name, "prompt_tokens": len(prompt), "temperature": temperature,
+            "off_tok_s": args.new_tokens / off, "on_tok_s": args.new_tokens / on, "speedup": off / on,
+            "median_speedup": moff / mon, "cpu_speedup": min(cpu[False]) / min(cpu[True]),
+            "acceptance_rate": m["spec_acceptance_rate"], "mean_accepted": m["spec_mean_accepted_length"],
+            "verifies_per_token": m["spec_verifies"] / (args.repeats * args.new_tokens),
+            "same_tokens": outs[False] == outs[True] if temperature == 0 else None,
+            "sample": tok.decode(outs[True][:60]),
+        })
+        print(f"{name}: {rows[-1]['off_tok_s']:.0f} -> {rows[-1]['on_tok_s']:.0f} tok/s "
+              f"(x{rows[-1]['speedup']:.2f}), acceptance {m['spec_acceptance_rate']}", flush=True)
+    env = environment_info(torch.device("cpu"))
+    load = os.getloadavg()
+    cols = [("workload", "workload", ""), ("prompt tokens", "prompt_tokens", "d"),
+            ("temperature", "temperature", ".1f"), ("off tok/s", "off_tok_s", ".0f"),
+            ("on tok/s", "on_tok_s", ".0f"), ("speed-up", "speedup", ".2f"),
+            ("speed-up (medians)", "median_speedup", ".2f"), ("speed-up (CPU s)", "cpu_speedup", ".2f"),
+            ("acceptance rate", "acceptance_rate", ".2f"), ("accepted / verify", "mean_accepted", ".2f"),
+            ("verifies / token", "verifies_per_token", ".2f"), ("same tokens", "same_tokens", "")]
+    md = (f"## Speculative decoding (ngram, k={args.num_speculative_tokens}, n={args.prompt_lookup_min}.."
+          f"{args.prompt_lookup_max}), one stream, {args.new_tokens} new tokens, best of {args.repeats}\n\n"
+          f"{env['cpu_model']}, {env['cpu_count']} CPUs, {torch.get_num_threads()} torch threads, "
+          f"torch {env['torch']}; load average "
+          f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) at the end\n\n"
+          + table(rows, cols) + "\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"environment": env, "load_average": load, "spec": spec,
+                                                  "rows": rows}, indent=2))
+    (out / "results.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
