@@ -19,8 +19,7 @@ from collections.abc import Callable
 import torch
 
 from fms_paged import native
-from fms_paged.engine import beam
-from fms_paged.engine import speculative
+from fms_paged.engine import beam, speculative
 from fms_paged.engine.model_step import (
     CUDA_GRAPH_MODES,
     GraphedDecode,

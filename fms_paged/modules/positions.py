@@ -112,7 +112,9 @@ class RotaryEmbedding(nn.Module):
         # positions: [B, S] int64 -> cos, sin: [B, S, 1, D] fp32 (broadcast over heads)
         pos = positions.clamp(min=0)
         if not torch.compiler.is_compiling() and self.cos.shape[0] < self.max_seq_len and pos.numel():
-            self.ensure(int(pos.max()) + 1)
+            # (short tables are CPU tables: the highest position is read from host memory, no
+            # device sync; `tolist`, as the engine reads its sampled tokens, dispatches no op)
+            self.ensure(pos.max().tolist() + 1)
         return self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)
 
 
