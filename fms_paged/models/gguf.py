@@ -309,6 +309,16 @@ def _rope_heads(name: str, config: LLaMAConfig) -> int | None:
     return {"attn_q": config.nheads, "attn_k": config.kvheads, "attn_q_norm": 1, "attn_k_norm": 1}.get(kind)
 
 
+def _our_names(reader: GGUFReader, config: LLaMAConfig) -> Iterator[tuple[str | None, Any]]:
+    """(our name, or None where the file's name is not one of this model's; the reader's tensor)
+    of each tensor in the file, in file order."""
+    arch = _field(reader, "general.architecture")
+    names = GGUF_NAMES + (_GEMMA_NORMS if arch in _GEMMA else _LLAMA_NORMS)
+    for t in reader.tensors:
+        hf_name = _gguf_to_hf(t.name, names)
+        yield (hf_to_ours_name(hf_name, config.family) if hf_name is not None else None), t
+
+
 def tensors(reader: GGUFReader, config: LLaMAConfig) -> Iterator[GGUFTensor]:
     """The file's tensors under our names, in file order; CheckpointError naming a tensor that is
     not part of this model or whose type is not supported (`SUPPORTED_TYPES`)."""
@@ -354,14 +364,8 @@ def _kept_as_blocks(reader: GGUFReader, config: LLaMAConfig) -> dict[str, str]:
     """Our name -> ggml type of each tensor held as its GGUF blocks: Q8_0 / Q4_0 projections, in a
     layer whose q/k/v are all such (one kernel call computes them), gate/up alike; the embedding
     and the head where they are Q8_0 / Q4_0 (a tied head shares the embedding's blocks)."""
-    arch = _field(reader, "general.architecture")
-    names = GGUF_NAMES + (_GEMMA_NORMS if arch in _GEMMA else _LLAMA_NORMS)
-    kinds: dict[str, str] = {}
-    for t in reader.tensors:
-        hf_name = _gguf_to_hf(t.name, names)
-        name = hf_to_ours_name(hf_name, config.family) if hf_name is not None else None
-        if name is not None and t.tensor_type.name in BLOCK_TYPES:
-            kinds[name] = t.tensor_type.name
+    kinds = {name: t.tensor_type.name for name, t in _our_names(reader, config)
+             if name is not None and t.tensor_type.name in BLOCK_TYPES}
     kept = {n: kinds[n] for n in ("embedding.weight", "head.weight") if n in kinds}
     for i in range(config.nlayers):
         for group in (_QKV, ("attn.dense",), _GATE_UP, ("ff_sub_module.w2",)):
@@ -496,14 +500,7 @@ def layer_kernels(model_path: str | os.PathLike, dtype: torch.dtype | None = Non
     config = config_from_hf(hf_config(reader))
     dtype = dtype or _file_dtype(reader)
     kept = _kept_as_blocks(reader, config)
-    arch = _field(reader, "general.architecture")
-    names = GGUF_NAMES + (_GEMMA_NORMS if arch in _GEMMA else _LLAMA_NORMS)
-    types: dict[str, str] = {}
-    for t in reader.tensors:
-        hf_name = _gguf_to_hf(t.name, names)
-        name = hf_to_ours_name(hf_name, config.family) if hf_name is not None else None
-        if name is not None:
-            types[name] = t.tensor_type.name
+    types = {name: t.tensor_type.name for name, t in _our_names(reader, config) if name is not None}
     dt = str(dtype).removeprefix("torch.")
     qgemv = f"fms_paged qgemv (int8 activations per block of 32, {qgemv_isa()})"
 

@@ -69,7 +69,7 @@ struct Segment {
 using X = T;  // x as stored: bf16 pairs
 constexpr int KSTEP = 32;  // bf16 values per vector
 #else
-using X = float;  // x converted once (rows_f32)
+using X = float;  // x converted once (fms_vec::rows_as)
 constexpr int KSTEP = W;
 #endif
 
@@ -167,18 +167,6 @@ void block(int64_t n, const X* x, int64_t x_st, int64_t M, int64_t K, const Segm
   }
 }
 
-// x [M, K] (row stride x_st) as the tiles read it (X): x itself, or converted once into fp32 in
-// buf, x_st then K
-inline const X* rows_as_x(const X* x, int64_t, int64_t, int64_t&, std::vector<float>&) { return x; }
-template <class U>
-const float* rows_as_x(const U* x, int64_t M, int64_t K, int64_t& x_st, std::vector<float>& buf) {
-  buf.resize(M * K);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) buf[m * K + k] = to_f32(x[m * x_st + k]);
-  x_st = K;
-  return buf.data();
-}
-
 }  // namespace
 
 // The kernel's arguments, passed by pointer: the struct of FMS_PAGED_GEMM_FIELDS
@@ -193,7 +181,7 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   const int64_t M = a.M, K = a.K;
   std::vector<float> xf;
   int64_t x_st = a.x_st;
-  const X* x = rows_as_x(a.x, M, K, x_st, xf);
+  const X* x = fms_vec::rows_as<X>(a.x, M, K, x_st, xf);
   // the blocks of NR weight rows, segment by segment: block b is segment i's rows from
   // (b - first[i]) NR on, for first[i] <= b < first[i + 1]
   std::vector<Segment> segs;

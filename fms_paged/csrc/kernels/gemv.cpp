@@ -155,7 +155,7 @@ void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* 
     for (int j = 0; j < nr; ++j) y[i * y_st + s.col + j0 + j] = from_f32<T>(hsum((vf)acc[i][j]));
 }
 #else
-// x's rows as the kernel reads them: fp32 (half-precision rows converted once: rows_f32)
+// x's rows as the kernel reads them: fp32 (half-precision rows converted once: fms_vec::rows_as)
 using X = float;
 template <int mr, int nr>
 void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st,
@@ -216,18 +216,6 @@ void block(int64_t n, const X* x, int64_t x_st, int64_t M, int64_t K, const Segm
   }
 }
 
-// x [M, K] (row stride x_st) as the tiles read it (X): x itself, or converted once into fp32 in buf
-// (M x K values: far fewer than the weights'), x_st then K
-inline const X* rows_f32(const X* x, int64_t, int64_t, int64_t&, std::vector<float>&) { return x; }
-template <class U>
-const float* rows_f32(const U* x, int64_t M, int64_t K, int64_t& x_st, std::vector<float>& buf) {
-  buf.resize(M * K);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) buf[m * K + k] = to_f32(x[m * x_st + k]);
-  x_st = K;
-  return buf.data();
-}
-
 // One thread's share of a call's chunks, [front, end): its owner claims chunks from the front, a
 // thread done with its own share claims them from the end. Both in one word, so that a chunk is
 // claimed once (compare-and-swap); a cache line a share, so that the owners do not contend.
@@ -269,7 +257,7 @@ int fms_paged_gemv(const FmsGemvArgs* args) {
   const int64_t M = a.M, K = a.K;
   std::vector<float> xf;
   int64_t x_st = a.x_st;
-  const X* x = rows_f32(a.x, M, K, x_st, xf);
+  const X* x = fms_vec::rows_as<X>(a.x, M, K, x_st, xf);
   const bool few = M <= FEW;
   const int64_t nr = few ? NR_FEW : NR;
   const int64_t ahead = std::clamp<int64_t>(PREFETCH_BYTES / (nr * K * (int64_t)sizeof(T)), 2, 8);

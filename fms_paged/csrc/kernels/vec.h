@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "args.h"
 
@@ -413,5 +414,22 @@ inline vec<16> vexp_nonpos(vec<16> x) {
   return (vec<16>)_mm512_scalef_ps((__m512)y, n);
 }
 #endif
+
+// x [M, K] (row stride x_st) as the rows a kernel's tiles read (X): x itself where it is stored
+// so, else converted once into fp32 in buf (M x K values: far fewer than the weights'), x_st then K
+// (the GEMV and the GEMM: bf16 rows where they take bf16 dot products, else fp32)
+template <class X, class U>
+const X* rows_as(const U* x, int64_t M, int64_t K, int64_t& x_st, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<X, U>) {
+    return x;
+  } else {
+    static_assert(std::is_same_v<X, float>, "rows are read as stored or as fp32");
+    buf.resize(M * K);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) buf[m * K + k] = to_f32(x[m * x_st + k]);
+    x_st = K;
+    return buf.data();
+  }
+}
 
 }  // namespace fms_vec
