@@ -197,15 +197,20 @@ def test_greedy_equals_dense_under_preemption_chunks_and_prefix_hits(models):
         assert reasons[i] == "length"
 
 
-def test_stops_eos_and_length_inside_a_proposal(models):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_stops_eos_and_length_inside_a_proposal(method, models):
     """A stop token, max_new_tokens and the model's EOS met inside an accepted run of proposals:
     each request ends at the token and with the reason dense generate() gives, the later tokens
-    dropped."""
+    dropped (draft_model: the target as its own draft, every proposal accepted)."""
     dense, paged = models
+
+    def spec(model):
+        return NGRAM if method == "ngram" else draft_spec(model, 4)
+
     rng = random.Random(4)
     prompt = repeating_prompt(rng, 40)
     free = generate(dense, [prompt], 40, eos_id=None)[0]
-    eng = engine(paged, speculative=NGRAM)
+    eng = engine(paged, speculative=spec(paged))
     runs = {}
     for n in range(2, 12):  # every cut of max_new_tokens and every stop token among the first
         rid = eng.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -219,7 +224,7 @@ def test_stops_eos_and_length_inside_a_proposal(models):
         assert got[rid] == toks and reasons[rid] == reason, rid
     model_eos = get_model(variant="micro", device=paged.device, seed=0, attn_impl="paged", page_size=16,
                           eos_token_id=free[7])
-    eng = engine(model_eos, speculative=NGRAM)
+    eng = engine(model_eos, speculative=spec(model_eos))
     rid = eng.add_request(prompt, SamplingParams(max_new_tokens=40))
     got, reasons = step_all(eng, check_pool)
     assert got[rid] == free[: free.index(free[7]) + 1] and reasons[rid] == "stop"
@@ -304,14 +309,16 @@ def exact_pair_distribution(dense, prompt: list[int], temperature: float) -> np.
     return joint.sum(0).numpy()
 
 
-def test_sampled_tokens_follow_the_target_distribution(device):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_target_distribution(method, device):
     """1,200 seeded requests at temperature 0.5 on a micro model with 6 tokens (so that the
     proposals, tokens of the prompt, are often likely and rejection happens too), compared with
     the exact distribution of the (2nd, 3rd) token pair (36 cells; both come through verification:
     accepted proposals, the residual after a rejection, and the target's token after the last):
     Pearson's chi-square stays under its 0.999 quantile (35 degrees of freedom), for speculative
     and, as the control, non-speculative sampling. Seeded: the test is deterministic. (Its power:
-    sampling from p instead of p without the rejected token after a rejection gave 78 > 66.6.)"""
+    sampling from p instead of p without the rejected token after a rejection gave 78 > 66.6.)
+    draft_model: the same bound with a one-layer draft's greedy proposals."""
     V = 6
     dense = get_model(variant="micro", device=device, seed=2, src_vocab_size=V).double()  # the same weights
     paged = get_model(variant="micro", device=device, seed=2, src_vocab_size=V, attn_impl="paged",
@@ -319,11 +326,12 @@ def test_sampled_tokens_follow_the_target_distribution(device):
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 0, 1, 2]
     expected = exact_pair_distribution(dense, prompt, 0.5).reshape(-1) * 1200
     bound = chi2.ppf(0.999, V * V - 1)
-    # a one-layer random draft of the same 6 tokens: its greedy proposals (a point mass q, as
-    # prompt lookup's) are often right and often wrong
-    small = get_model(variant="micro", device=device, seed=3, src_vocab_size=V, attn_impl="paged",
-                      page_size=16, nlayers=1)
-    for spec in (None, NGRAM, draft_spec(small, 2)):
+    specs = (None, NGRAM)
+    if method == "draft_model":  # a one-layer random draft of the same 6 tokens: its greedy
+        # proposals (a point mass q, as prompt lookup's) are often right and often wrong
+        specs = (draft_spec(get_model(variant="micro", device=device, seed=3, src_vocab_size=V,
+                                      attn_impl="paged", page_size=16, nlayers=1), 2),)
+    for spec in specs:
         eng = engine(paged, max_num_seqs=64, max_num_batched_tokens=512, num_pages=160, speculative=spec)
         sp = [SamplingParams(max_new_tokens=3, temperature=0.5, seed=s, ignore_eos=True) for s in range(1200)]
         ids = [eng.add_request(prompt, p) for p in sp]
@@ -338,16 +346,19 @@ def test_sampled_tokens_follow_the_target_distribution(device):
             assert m["spec_verifies"] >= 1200 and 0 < m["spec_accepted_tokens"] < m["spec_proposed_tokens"], m
 
 
-def test_seeded_sampling_is_reproducible(models):
-    """A seeded sampled request gets the same tokens run twice, alone or beside other requests."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_is_reproducible(method, models):
+    """A seeded sampled request gets the same tokens run twice, alone or beside other requests
+    (with a draft: the target itself, whose proposals are often accepted under sampling too)."""
     _, paged = models
+    spec = NGRAM if method == "ngram" else draft_spec(paged)
     rng = random.Random(11)
     prompt = repeating_prompt(rng, 30)
     others = [repeating_prompt(rng, 25) for _ in range(3)]
     sp = SamplingParams(max_new_tokens=30, temperature=0.7, seed=123, ignore_eos=True)
     runs = []
     for company in ([], others, others):
-        eng = engine(paged, speculative=NGRAM)
+        eng = engine(paged, speculative=spec)
         rid = eng.add_request(prompt, sp)
         for p in company:
             eng.add_request(p, SamplingParams(max_new_tokens=20, temperature=0.9, ignore_eos=True))
