@@ -1,7 +1,8 @@
-"""Speculative decoding by prompt lookup (`Engine(speculative={"method": "ngram", ...})`, vLLM's
-config names): a decoding request proposes the k tokens that followed the last earlier occurrence
-of its last n-gram in its own tokens (prompt + output), and the target model verifies them all in
-one forward over the lookahead slots.
+"""Speculative decoding (`Engine(speculative={"method": "ngram", ...})`, vLLM's config names): a
+decoding request proposes k tokens, and the target model verifies them all in one forward over the
+lookahead slots. Prompt lookup ("ngram") proposes the tokens that followed the last earlier
+occurrence of its last n-gram in its own tokens (prompt + output); "draft_model" has a smaller
+model of the same vocabulary propose them greedily on pages of its own (`fms_paged.engine.draft`).
 
 How a step runs, piece by piece:
 - Plan (`Speculator.plan`, called by `Scheduler.schedule` after admission, host only): each
