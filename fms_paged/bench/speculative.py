@@ -17,12 +17,18 @@ Workloads (greedy unless said):
 Each figure: output tokens per second from the fastest of the runs (the run least disturbed by
 other processes on a shared machine) and from their median; and the speed-up in process CPU
 seconds (with --threads 1, what a loaded machine's time slicing does not inflate).
+--draft: the "draft_model" method instead of prompt lookup, with the draft "self" (the target
+proposing for itself: every proposal accepted, what the mechanism costs when the draft costs as
+much as the target), "layers:N" (the target's first N layers with its embedding, final norm and
+head: a layer-skip draft of no training) or a checkpoint path of the same tokenizer.
 Writes <out>/results.json and <out>/results.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -84,6 +90,22 @@ def run_once(engine: Engine, prompt: list[int], new_tokens: int,
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 
+def draft_model(which: str, target: torch.nn.Module) -> torch.nn.Module | str:
+    """--draft: "self" -> the target; "layers:N" -> a copy of the target keeping its first N layers
+    (embedding, final norm and head kept); else a checkpoint path (the engine loads it)."""
+    if which == "self":
+        return target
+    if which.startswith("layers:"):
+        n = int(which.split(":", 1)[1])
+        if not 1 <= n <= target.config.nlayers:
+            raise ValueError(f"--draft {which}; expected layers:N with 1 <= N <= {target.config.nlayers}")
+        draft = copy.deepcopy(target)
+        draft.layers = draft.layers[:n]
+        draft.config = dataclasses.replace(draft.config, nlayers=n)
+        return draft
+    return which
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench-spec", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results/bench-spec")
@@ -93,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--draft", default=None,
+                   help='method draft_model: "self", "layers:N" or a checkpoint path (default: ngram)')
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: CPU seconds that a loaded machine does not inflate; "
                         "0: torch's default)")
@@ -104,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     model = get_model(model_path=path, attn_impl="paged", device="cpu")
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.draft is not None:
+        spec = {"method": "draft_model", "model": draft_model(args.draft, model),
+                "num_speculative_tokens": args.num_speculative_tokens}
     engines = {False: Engine(model, max_num_seqs=1, max_num_batched_tokens=1024, num_pages=256),
                True: Engine(model, max_num_seqs=1, max_num_batched_tokens=1024, num_pages=256,
                             speculative=spec)}
@@ -142,15 +169,18 @@ def main(argv: list[str] | None = None) -> int:
             ("speed-up (medians)", "median_speedup", ".2f"), ("speed-up (CPU s)", "cpu_speedup", ".2f"),
             ("acceptance rate", "acceptance_rate", ".2f"), ("accepted / verify", "mean_accepted", ".2f"),
             ("verifies / token", "verifies_per_token", ".2f"), ("same tokens", "same_tokens", "")]
-    md = (f"## Speculative decoding (ngram, k={args.num_speculative_tokens}, n={args.prompt_lookup_min}.."
-          f"{args.prompt_lookup_max}), one stream, {args.new_tokens} new tokens, best of {args.repeats}\n\n"
+    method = (f"ngram, k={args.num_speculative_tokens}, n={args.prompt_lookup_min}..{args.prompt_lookup_max}"
+              if args.draft is None else f"draft_model {args.draft}, k={args.num_speculative_tokens}")
+    md = (f"## Speculative decoding ({method}), one stream, {args.new_tokens} new tokens, "
+          f"best of {args.repeats}\n\n"
           f"{env['cpu_model']}, {env['cpu_count']} CPUs, {torch.get_num_threads()} torch threads, "
           f"torch {env['torch']}; load average "
           f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) at the end\n\n"
           + table(rows, cols) + "\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"environment": env, "load_average": load, "spec": spec,
+    saved = {**spec, "model": args.draft} if args.draft else spec
+    (out / "results.json").write_text(json.dumps({"environment": env, "load_average": load, "spec": saved,
                                                   "rows": rows}, indent=2))
     (out / "results.md").write_text(md)
     print(md)

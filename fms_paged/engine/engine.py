@@ -30,6 +30,7 @@ import torch
 
 from fms_paged.engine import beam
 from fms_paged.engine import runner as model_runner
+from fms_paged.engine.draft import DraftModel, load_draft
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, SamplingParams, Status, check_prompt
 from fms_paged.engine.runner import ModelRunner, check_modes
@@ -234,7 +235,13 @@ class Engine:
         self.runner.ranks = self._ranks  # rank 0 of tensor-parallel ranks: each run sends the step
         # lookahead decode steps where the runner runs them in one call (never split over ranks)
         ready = self.runner.decodes_in_one_call if self.control is None else None
-        self.speculator = Speculator(speculative) if speculative is not None else None
+        self.speculator = None
+        if speculative is not None:
+            draft = None
+            if speculative.method == "draft_model":
+                draft = DraftModel(load_draft(speculative.model, model), c.src_vocab_size, max_num_seqs,
+                                   self.max_model_len, kernel)
+            self.speculator = Speculator(speculative, draft)
         self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, cache=self.prefix_cache,
                                    horizon=horizon, decode_steps=decode_steps, lookahead_ready=ready,
                                    speculator=self.speculator)

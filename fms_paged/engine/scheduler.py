@@ -411,3 +411,5 @@ class Scheduler:
                 self.cache.release(pages)  # listed pages nobody holds now: evictable
             self.free_rows.append(req.seq_id)
             req.seq_id, req.cache_chain = None, []
+            if self.speculator is not None:  # (a draft model's row of the request: freed with it)
+                self.speculator.release(req)

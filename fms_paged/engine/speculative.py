@@ -1,7 +1,8 @@
-"""Speculative decoding by prompt lookup (`Engine(speculative={"method": "ngram", ...})`, vLLM's
-config names): a decoding request proposes the k tokens that followed the last earlier occurrence
-of its last n-gram in its own tokens (prompt + output), and the target model verifies them all in
-one forward over the lookahead slots.
+"""Speculative decoding (`Engine(speculative={"method": "ngram", ...})`, vLLM's config names): a
+decoding request proposes k tokens, and the target model verifies them all in one forward over the
+lookahead slots. Prompt lookup ("ngram") proposes the tokens that followed the last earlier
+occurrence of its last n-gram in its own tokens (prompt + output); "draft_model" has a smaller
+model of the same vocabulary propose them greedily on pages of its own (`fms_paged.engine.draft`).
 
 How a step runs, piece by piece:
 - Plan (`Speculator.plan`, called by `Scheduler.schedule` after admission, host only): each
@@ -29,6 +30,7 @@ How a step runs, piece by piece:
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -37,7 +39,7 @@ import torch
 
 from fms_paged.engine.sampling import greedy, probabilities
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # the most decode steps a request whose proposals were all rejected skips speculation for
 MAX_BACKOFF = 64
 # the proposals a verify must keep to pay for itself: on a 2-vCPU CPU a verify of 8 proposals costs
@@ -51,15 +53,18 @@ class SpeculativeConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: "ngram" (prompt lookup; "draft_model" is not implemented). num_speculative_tokens:
-    k, the most tokens proposed per step. prompt_lookup_max / prompt_lookup_min: the longest and
-    shortest n-gram looked up (the longest with a match wins); one alone sets both, neither: 5
-    (vLLM's default)."""
+    """method: "ngram" (prompt lookup) or "draft_model" (a smaller model of the same tokenizer,
+    `fms_paged.engine.draft`). num_speculative_tokens: k, the most tokens proposed per step.
+    prompt_lookup_max / prompt_lookup_min (ngram): the longest and shortest n-gram looked up (the
+    longest with a match wins); one alone sets both, neither: 5 (vLLM's default). model
+    (draft_model, required): the draft, a model object (`attn_impl="paged"`) or a checkpoint path
+    that `get_model` loads (paged, on the target's device and dtype)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    model: object = None
 
     @classmethod
     def parse(cls, spec) -> SpeculativeConfig | None:
@@ -70,15 +75,12 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 f"speculative={spec!r}; expected a dict such as {{'method': 'ngram', "
                 "'num_speculative_tokens': 4, 'prompt_lookup_max': 4}} or None")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise SpeculativeConfigError(f"speculative: unknown key(s) {unknown}; "
                                          f"expected some of {sorted(known)}")
         method = spec.get("method")
-        if method == "draft_model":
-            raise SpeculativeConfigError("speculative method 'draft_model' is not implemented; "
-                                         f"expected one of {METHODS}")
         if method not in METHODS:
             raise SpeculativeConfigError(f"speculative method={method!r}; expected one of {METHODS}")
 
@@ -91,6 +93,18 @@ class SpeculativeConfig:
             raise SpeculativeConfigError("speculative: num_speculative_tokens is required (the most "
                                          "tokens proposed per step, an int >= 1)")
         k = count("num_speculative_tokens", spec["num_speculative_tokens"])
+        if method == "draft_model":
+            extra = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(spec))
+            if extra:
+                raise SpeculativeConfigError(f"speculative {extra} apply to method 'ngram', "
+                                             "not 'draft_model'")
+            draft = spec.get("model")
+            if draft is None or not (isinstance(draft, (str, os.PathLike)) or hasattr(draft, "config")):
+                raise SpeculativeConfigError(f"speculative model={draft!r}; expected the draft model (a "
+                                             "model object or a checkpoint path) for method 'draft_model'")
+            return cls(method, k, model=draft)
+        if "model" in spec:
+            raise SpeculativeConfigError("speculative model applies to method 'draft_model', not 'ngram'")
         hi, lo = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
         hi = count("prompt_lookup_max", hi) if hi is not None else None
         lo = count("prompt_lookup_min", lo) if lo is not None else None
@@ -167,8 +181,9 @@ class Speculator:
     """Plans each step's proposals (`plan`) and counts what verification kept (`observe`,
     `metrics`). Per-request back-off state lives in a weak table: it goes with its request."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft=None):
         self.config = config
+        self.draft = draft  # method "draft_model": its `fms_paged.engine.draft.DraftModel`
         self._state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.reset_totals()
 
@@ -186,8 +201,11 @@ class Speculator:
     def plan(self, plan, pm, budget: int, pages: int) -> int:
         """Give the decoding requests of `plan.scheduled` their proposals (`plan.verifies`), within
         `budget` tokens and `pages` free pages left for this step -> the pages they take. The
-        caller's RESERVE covers each one's k + 1 slots."""
+        caller's RESERVE covers each one's k + 1 slots. With a draft model, the requests and their
+        k are chosen first (a greedy draft proposes exactly k), then the draft proposes for all of
+        them in one batch."""
         c, taken = self.config, 0
+        asks = []  # (draft_model) requests and their k
         for r, n in plan.scheduled:
             if budget <= 0:
                 break
@@ -202,6 +220,14 @@ class Speculator:
             k = min(c.num_speculative_tokens, budget, r.params.max_new_tokens - len(r.output) - 1)
             if k <= 0:
                 continue
+            if self.draft is not None:  # (it proposes k: the pages of k slots)
+                base = r.num_computed + 1
+                need = pm.pages_needed(r.seq_id, base + k) - pm.pages_needed(r.seq_id, base)
+                if need > pages:
+                    continue
+                asks.append((r, k))
+                budget, pages, taken = budget - k, pages - need, taken + need
+                continue
             props = state.index.propose(r, k)
             if not props:
                 continue
@@ -211,7 +237,14 @@ class Speculator:
                 continue
             plan.verifies.append((r, props))
             budget, pages, taken = budget - len(props), pages - need, taken + need
+        if asks:
+            plan.verifies += list(zip((r for r, _ in asks), self.draft.propose(asks)))
         return taken
+
+    def release(self, req) -> None:
+        """The request gave its row back (finished, aborted, preempted): so does its draft row."""
+        if self.draft is not None:
+            self.draft.release(req)
 
     def observe(self, req, proposed: int, accepted: int) -> None:
         """A verify of `req` kept `accepted` of its `proposed` tokens: totals and its back-off."""

@@ -78,7 +78,8 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
     g.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='speculative decoding, as JSON (vLLM\'s flag): {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
-                        "(prompt lookup; default: off)")
+                        '(prompt lookup), or {"method": "draft_model", "model": "<checkpoint dir>", '
+                        '"num_speculative_tokens": 4} (a smaller model of the same tokenizer; default: off)')
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no compiled graphs and no warm-up")
 

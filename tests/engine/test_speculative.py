@@ -23,11 +23,12 @@ import torch
 from scipy.stats import chi2
 
 from fms_paged import Engine, SamplingParams, generate, get_model
+from fms_paged.engine.draft import DraftModelError
 from fms_paged.engine.request import Request
 from fms_paged.engine.speculative import NgramIndex, SpeculativeConfig, SpeculativeConfigError, ngram_propose
 from fms_paged.kv.page_manager import PageManager
 from fms_paged.kv.paged import model_groups
-from tests.conftest import HF_FAMILIES
+from tests.conftest import HF_FAMILIES, make_hf_family
 from tests.engine.test_engine import engine
 from tests.engine.test_families import check_pool, kernel_for, poison_free
 
@@ -69,7 +70,12 @@ def accepted_and_rejected(eng: Engine) -> None:
 @pytest.mark.parametrize("spec, match", [
     ("ngram", "expected a dict"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle'"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "not implemented"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model=None"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": 3}, "model=3"),
+    ({"method": "draft_model", "num_speculative_tokens": 0, "model": "x"}, "num_speculative_tokens=0"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x", "prompt_lookup_max": 2},
+     "apply to method 'ngram'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "applies to method 'draft_model'"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True"),
@@ -191,15 +197,20 @@ def test_greedy_equals_dense_under_preemption_chunks_and_prefix_hits(models):
         assert reasons[i] == "length"
 
 
-def test_stops_eos_and_length_inside_a_proposal(models):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_stops_eos_and_length_inside_a_proposal(method, models):
     """A stop token, max_new_tokens and the model's EOS met inside an accepted run of proposals:
     each request ends at the token and with the reason dense generate() gives, the later tokens
-    dropped."""
+    dropped (draft_model: the target as its own draft, every proposal accepted)."""
     dense, paged = models
+
+    def spec(model):
+        return NGRAM if method == "ngram" else draft_spec(model, 4)
+
     rng = random.Random(4)
     prompt = repeating_prompt(rng, 40)
     free = generate(dense, [prompt], 40, eos_id=None)[0]
-    eng = engine(paged, speculative=NGRAM)
+    eng = engine(paged, speculative=spec(paged))
     runs = {}
     for n in range(2, 12):  # every cut of max_new_tokens and every stop token among the first
         rid = eng.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -213,7 +224,7 @@ def test_stops_eos_and_length_inside_a_proposal(models):
         assert got[rid] == toks and reasons[rid] == reason, rid
     model_eos = get_model(variant="micro", device=paged.device, seed=0, attn_impl="paged", page_size=16,
                           eos_token_id=free[7])
-    eng = engine(model_eos, speculative=NGRAM)
+    eng = engine(model_eos, speculative=spec(model_eos))
     rid = eng.add_request(prompt, SamplingParams(max_new_tokens=40))
     got, reasons = step_all(eng, check_pool)
     assert got[rid] == free[: free.index(free[7]) + 1] and reasons[rid] == "stop"
@@ -298,14 +309,16 @@ def exact_pair_distribution(dense, prompt: list[int], temperature: float) -> np.
     return joint.sum(0).numpy()
 
 
-def test_sampled_tokens_follow_the_target_distribution(device):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_target_distribution(method, device):
     """1,200 seeded requests at temperature 0.5 on a micro model with 6 tokens (so that the
     proposals, tokens of the prompt, are often likely and rejection happens too), compared with
     the exact distribution of the (2nd, 3rd) token pair (36 cells; both come through verification:
     accepted proposals, the residual after a rejection, and the target's token after the last):
     Pearson's chi-square stays under its 0.999 quantile (35 degrees of freedom), for speculative
     and, as the control, non-speculative sampling. Seeded: the test is deterministic. (Its power:
-    sampling from p instead of p without the rejected token after a rejection gave 78 > 66.6.)"""
+    sampling from p instead of p without the rejected token after a rejection gave 78 > 66.6.)
+    draft_model: the same bound with a one-layer draft's greedy proposals."""
     V = 6
     dense = get_model(variant="micro", device=device, seed=2, src_vocab_size=V).double()  # the same weights
     paged = get_model(variant="micro", device=device, seed=2, src_vocab_size=V, attn_impl="paged",
@@ -313,7 +326,12 @@ def test_sampled_tokens_follow_the_target_distribution(device):
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 0, 1, 2]
     expected = exact_pair_distribution(dense, prompt, 0.5).reshape(-1) * 1200
     bound = chi2.ppf(0.999, V * V - 1)
-    for spec in (None, NGRAM):
+    specs = (None, NGRAM)
+    if method == "draft_model":  # a one-layer random draft of the same 6 tokens: its greedy
+        # proposals (a point mass q, as prompt lookup's) are often right and often wrong
+        specs = (draft_spec(get_model(variant="micro", device=device, seed=3, src_vocab_size=V,
+                                      attn_impl="paged", page_size=16, nlayers=1), 2),)
+    for spec in specs:
         eng = engine(paged, max_num_seqs=64, max_num_batched_tokens=512, num_pages=160, speculative=spec)
         sp = [SamplingParams(max_new_tokens=3, temperature=0.5, seed=s, ignore_eos=True) for s in range(1200)]
         ids = [eng.add_request(prompt, p) for p in sp]
@@ -328,16 +346,19 @@ def test_sampled_tokens_follow_the_target_distribution(device):
             assert m["spec_verifies"] >= 1200 and 0 < m["spec_accepted_tokens"] < m["spec_proposed_tokens"], m
 
 
-def test_seeded_sampling_is_reproducible(models):
-    """A seeded sampled request gets the same tokens run twice, alone or beside other requests."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_is_reproducible(method, models):
+    """A seeded sampled request gets the same tokens run twice, alone or beside other requests
+    (with a draft: the target itself, whose proposals are often accepted under sampling too)."""
     _, paged = models
+    spec = NGRAM if method == "ngram" else draft_spec(paged)
     rng = random.Random(11)
     prompt = repeating_prompt(rng, 30)
     others = [repeating_prompt(rng, 25) for _ in range(3)]
     sp = SamplingParams(max_new_tokens=30, temperature=0.7, seed=123, ignore_eos=True)
     runs = []
     for company in ([], others, others):
-        eng = engine(paged, speculative=NGRAM)
+        eng = engine(paged, speculative=spec)
         rid = eng.add_request(prompt, sp)
         for p in company:
             eng.add_request(p, SamplingParams(max_new_tokens=20, temperature=0.9, ignore_eos=True))
@@ -360,3 +381,98 @@ def test_metrics_report_acceptance(models):
     assert m["spec_mean_tokens_per_verify"] == pytest.approx(1 + m["spec_mean_accepted_length"], rel=1e-12)
     eng.forget_totals()
     assert eng.metrics()["spec_verifies"] == 0
+
+
+# ------------------------------------------------------------------ method "draft_model"
+def draft_spec(model, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+def check_draft_pool(eng: Engine) -> None:
+    """The draft's own pool: every page free or held once by the draft row of a running request
+    (every page of its length, in every layer slice); rows only for running requests."""
+    d = eng.speculator.draft
+    running = {id(r) for r in eng.scheduler.running}
+    assert all(id(r) in running for r in d._rows.keys())
+    P, slices = d.pm.page_size, d.backend.groups.num_slices
+    held = []
+    for state in d._rows.values():
+        for g in range(slices):
+            pages = d.pm.pages_of(state.row, g) if slices > 1 else d.pm.pages_of(state.row)
+            assert len(pages) == -(-d.pm.length(state.row) // P) and 0 not in pages
+            held += pages
+    assert len(set(held)) == len(held) and len(held) + d.pm.num_free_pages == d.pm.num_pages - 1
+
+
+def all_pools(eng: Engine) -> None:
+    check_pool(eng)
+    check_draft_pool(eng)
+    poison_free(eng)
+
+
+def all_returned(eng: Engine) -> None:
+    d = eng.speculator.draft
+    assert eng.metrics()["kv_pages_used"] == 0
+    assert not d._rows and d.pm.num_free_pages == d.pm.num_pages - 1 and not d.pm.live_seqs
+
+
+def test_draft_config_errors(models):
+    """A draft of another vocabulary, a dense draft, tensor parallelism: typed errors."""
+    _, paged = models
+    other = get_model(variant="micro", device=paged.device, seed=1, attn_impl="paged", page_size=16,
+                      src_vocab_size=128)
+    with pytest.raises(DraftModelError, match="vocabulary size 128 differs from the target's 256"):
+        engine(paged, speculative=draft_spec(other))
+    dense = get_model(variant="micro", device=paged.device, seed=1)
+    with pytest.raises(DraftModelError, match="attn_impl='sdpa'"):
+        engine(paged, speculative=draft_spec(dense))
+    with pytest.raises(SpeculativeConfigError, match="tensor parallelism"):
+        engine(paged, speculative=draft_spec(paged), tensor_parallel_size=2)
+
+
+def test_draft_equal_to_target_accepts_every_proposal(models):
+    """The target as its own draft, under preemption, chunked prefill and prefix hits: every
+    proposal is accepted (acceptance rate exactly 1.0: the draft's pages, rollback and catch-up
+    give it the target's logits at every step), tokens are dense generate()'s, both pools exact
+    after every step and wholly returned at the end."""
+    dense, paged = models
+    rng = random.Random(2)
+    prefix = repeating_prompt(rng, 32)
+    reqs = [((prefix if i % 3 == 0 else []) + repeating_prompt(rng, rng.randint(1, 40)), rng.randint(8, 40))
+            for i in range(12)]
+    eng = engine(paged, max_num_seqs=4, max_num_batched_tokens=48, num_pages=10, max_model_len=128,
+                 speculative=draft_spec(paged))
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in reqs]
+    got, _ = step_all(eng, all_pools)
+    m = eng.metrics()
+    assert m["preemptions"] > 0 and m["prefix_cache_hits"] > 0
+    assert m["spec_proposed_tokens"] > 50 and m["spec_acceptance_rate"] == 1.0, m
+    all_returned(eng)
+    for i, (p, n) in zip(ids, reqs):
+        assert got[i] == generate(dense, [p], n, eos_id=None)[0], i
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_a_smaller_draft_keeps_every_family_greedy(family, hf_family, device, tmp_path):
+    """A one-layer random draft of the family (another seed, the same vocabulary) proposing for
+    the three-layer target, under preemption, chunked prefill and prefix hits: dense generate()'s
+    tokens exactly, proposals rejected, both pools exact after every step and wholly returned."""
+    _, path = hf_family(family)
+    make_hf_family(family, seed=1, num_hidden_layers=1).save_pretrained(tmp_path, safe_serialization=True)
+    dense = get_model(model_path=path, device=device, page_size=16)
+    paged = get_model(model_path=path, device=device, page_size=16, attn_impl="paged")
+    rng = random.Random(7)
+    prefix = repeating_prompt(rng, 32)
+    prompts = [prefix + repeating_prompt(rng, n) for n in (30, 8, 20)] + [repeating_prompt(rng, 50)]
+    alone = [generate(dense, [p], 24, eos_id=None)[0] for p in prompts]
+    per_layers = paged.config.nlayers // model_groups(paged).layers_per_slice
+    eng = Engine(paged, max_num_seqs=3, max_num_batched_tokens=32, num_pages=9 * per_layers,
+                 max_model_len=128, compile=False, kernel=kernel_for(device),
+                 speculative=draft_spec(str(tmp_path)))  # (a path: get_model loads it paged)
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in prompts]
+    got, _ = step_all(eng, all_pools)
+    assert [got[i] for i in ids] == alone
+    m = eng.metrics()
+    assert m["preemptions"] > 0 and m["prefix_cache_hits"] > 0 and m["spec_verifies"] > 0
+    assert m["spec_proposed_tokens"] > m["spec_accepted_tokens"]
+    all_returned(eng)

@@ -5,6 +5,7 @@ tokens up to it, as without speculation), and /metrics counts the proposals and 
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from fms_paged import generate
+from fms_paged.serve.server import speculative_config
 from tests.serve.conftest import metric, scrape, wait_idle
 
 MODEL = "default_model"
@@ -61,3 +63,13 @@ def test_bad_speculative_config_stops_the_command_line():
     p = subprocess.run([sys.executable, "-m", "fms_paged.cli", "serve", "--speculative-config",
                         '{"method": "ngram"}'], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "num_speculative_tokens is required" in p.stderr, p.stderr
+
+
+def test_draft_model_config_parses_from_json():
+    """--speculative-config takes the draft as a checkpoint path (the engine loads it paged) and
+    refuses a draft_model config without one."""
+    spec = speculative_config('{"method": "draft_model", "model": "/ckpt/small", '
+                              '"num_speculative_tokens": 4}')
+    assert spec["model"] == "/ckpt/small"
+    with pytest.raises(argparse.ArgumentTypeError, match="model=None"):
+        speculative_config('{"method": "draft_model", "num_speculative_tokens": 4}')
