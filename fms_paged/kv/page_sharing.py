@@ -1,5 +1,6 @@
 """The sharing side of `PageManager` (fms_paged/kv/page_manager.py): FORK (`fork`: a sequence takes
-another's pages, copy-on-write in a later `reserve`), and a prefix cache's references (`share`:
+another's pages, copy-on-write in a later `reserve`; `repoint`: a batch of sequences drop their
+pages and take others' at once, beam search's step), and a prefix cache's references (`share`:
 a sequence takes cached pages; `hold` / `unhold`: references no sequence holds). A mixin: it
 updates the manager's host mirrors and device tables (`_table`, `_lens`, `_live`, `_refcount`,
 `_held`, `_p2l`) under the same concurrency contract, and keeps no state of its own."""
@@ -29,6 +30,42 @@ class PageSharing:
         length = int(self._lens[p])
         n = self._num_pages_for(length)
         self._adopt(c, self._table[p, :n].astype(np.int64), length)
+
+    def repoint(self, seq_ids: Sequence[int], parents: Sequence[int]) -> None:
+        """REPOINT: each sequence `seq_ids[i]` (live or not) drops its pages and takes the pages
+        and length of the live `parents[i]`, as ERASE of `seq_ids` then FORK of each pair would,
+        in one pass (beam search's step: a beam continued twice takes the row of a beam continued
+        by none). A page both hold keeps its reference; a page only the dropped rows held returns
+        to the free pool. Parents may repeat, and none is among `seq_ids` (an order would matter
+        then). ValueError on bad input; nothing changes then. No KV data moves (copy-on-write of a
+        shared last page happens in a later reserve)."""
+        ids = self._check_ids(seq_ids)
+        par = self._check_ids(parents, "parents", unique=False)
+        if ids.size != par.size:
+            raise ValueError(f"repoint: got {ids.size} seq_ids but {par.size} parents")
+        if ids.size == 0:
+            return
+        self._check_live(par)
+        if np.isin(par, ids).any():
+            bad = par[np.isin(par, ids)][0]
+            raise ValueError(f"repoint: parent {bad} is also among seq_ids {ids.tolist()}")
+        # (a row's entries past its pages are the null page: whole rows copy, host and device)
+        old = self._table[ids]
+        new = self._table[par]
+        np.add.at(self._refcount, new[new != NULL_PAGE], 1)  # take the parents' first ...
+        dropped = old[old != NULL_PAGE].astype(np.int64)
+        np.subtract.at(self._refcount, dropped, 1)  # ... so a page both hold never reaches 0
+        freed = np.unique(dropped[self._refcount[dropped] == 0])
+        self._table[ids] = new
+        self._lens[ids] = self._lens[par]
+        self._live[ids] = True
+        # state of freed pages first, THEN push them on the free pool (concurrency contract)
+        self._p2l[freed] = -1
+        k = ids.size
+        packed = ops.to_device(np.concatenate([ids, par, freed]), self.device)
+        self._page_table_d.index_copy_(0, packed[:k], self._page_table_d.index_select(0, packed[k : 2 * k]))
+        ops.fill_int32(self._p2l_d, packed[2 * k :], -1)
+        self._free.extend(freed.tolist())
 
     def _adopt(self, s: int, pages: np.ndarray, length: int) -> None:
         """Seq `s` (checked: not live) takes `pages` (checked: owned, or the null page where a

@@ -608,3 +608,79 @@ def test_release_behind_window_drops_each_page_once(device):
     pm.reserve([0], [24])
     assert pm.release_behind_window([0], [24], 9) == [pages[3]]
     assert pm.num_free_pages == 19 - len(pm.pages_of(1)) - 2
+
+
+def _shared_state(pm: PageManager) -> tuple:
+    """What REPOINT must leave as ERASE + FORK would: tables, lengths, refcounts, the free set and
+    phys_to_logical, host and device."""
+    return (pm.host_table.tolist(), [pm.length(s) for s in range(pm.max_seqs)], pm.refcounts.tolist(),
+            sorted(pm.free_pages), pm.phys_to_logical.cpu().tolist(), pm.page_table.cpu().tolist())
+
+
+def test_repoint_matches_erase_then_fork(device):
+    """REPOINT of a batch equals ERASE of the rows then FORK of each pair, on a second manager (the
+    reference): beams 0 and 1 share a prefix; 2 (shares it too) takes 0's pages, 3 (private
+    pages only) takes 1's; a page both the row and its parent hold keeps its reference."""
+    made = []
+    for _ in range(2):
+        pm = PageManager(32, 4, 5, device=device)
+        pm.reserve([0], [9])  # 2 full pages + 1 partial
+        pm.fork(0, 1)
+        pm.fork(0, 2)
+        pm.reserve([1, 2], [11, 14])  # copy-on-write of the partial page; 2 opens a page more
+        pm.reserve([3], [6])
+        made.append(pm)
+    pm, ref = made
+    ref.erase([2, 3])
+    ref.fork(0, 2)
+    ref.fork(1, 3)
+    free_before = pm.num_free_pages
+    pm.repoint([2, 3], [0, 1])
+    assert _shared_state(pm) == _shared_state(ref)
+    assert pm.pages_of(2) == pm.pages_of(0) and pm.pages_of(3) == pm.pages_of(1)
+    # 2's two private pages and 3's two pages go back; the shared prefix pages keep 4 references
+    assert pm.num_free_pages == free_before + 4
+    full = pm.pages_of(0)[:2]
+    assert pm.refcounts[full].tolist() == [4, 4]
+    assert visible_pages(pm, 3) == set(pm.pages_of(1))
+
+
+def test_repoint_then_copy_on_write(device):
+    """After REPOINT, growing into the parent's shared partial page copies it (the row's own
+    page), as after FORK; the KV read back is the parent's prefix then the row's new tokens."""
+    pm = PageManager(20, 4, 3, device=device)
+    k_pool, v_pool = make_pools(pm, 1)
+    pm.reserve([0, 1], [6, 3])
+    k = torch.arange(9 * H * D, dtype=torch.float32, device=device).view(1, 9, H, D)
+    pm.assign([0] * 6 + [1] * 3, list(range(6)) + list(range(3)), k, k + 0.5, k_pool, v_pool)
+    pm.repoint([1], [0])
+    full, half = pm.pages_of(0)
+    assert pm.pages_of(1) == [full, half] and pm.length(1) == 6
+    copies = pm.reserve([1], [7])
+    (src, dst), = copies  # fmt: skip
+    assert src == half and pm.pages_of(1) == [full, dst]
+    assert pm.refcounts[[full, half, dst]].tolist() == [2, 1, 1]
+    pm.apply_copies(copies, k_pool, v_pool)
+    kn = torch.full((1, 1, H, D), 100.0, device=device)
+    pm.assign([1], [6], kn, kn, k_pool, v_pool)
+    gk, gv, lens = pm.gather([1], k_pool, v_pool, 0)
+    assert lens.tolist() == [7]
+    assert torch.equal(gk[0, :, :6], k[0, :6].transpose(0, 1)) and (gk[0, :, 6] == 100).all()
+    assert torch.equal(gv[0, :, :6], k[0, :6].transpose(0, 1) + 0.5)
+    pm.erase([0, 1])
+    assert pm.num_free_pages == 19 and not pm.refcounts.any()
+
+
+def test_repoint_rejects_bad_input_and_changes_nothing(device):
+    pm = PageManager(20, 4, 4, device=device)
+    pm.reserve([0, 1], [5, 2])
+    before = _shared_state(pm)
+    for ids, parents, msg in (([1], [2], "not live"), ([1, 2], [0], "2 seq_ids but 1 parents"),
+                              ([1, 1], [0, 0], "duplicate"), ([0, 1], [1, 1], "also among"),
+                              ([9], [0], "out of range")):
+        with pytest.raises(ValueError, match=msg):
+            pm.repoint(ids, parents)
+        assert _shared_state(pm) == before
+    pm.repoint([2, 3], [0, 0])  # rows not live take a live parent's pages (two FORKs)
+    assert pm.pages_of(2) == pm.pages_of(3) == pm.pages_of(0)
+    assert pm.refcounts[pm.pages_of(0)].tolist() == [3, 3]
