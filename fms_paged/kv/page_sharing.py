@@ -46,16 +46,20 @@ class PageSharing:
         if ids.size == 0:
             return
         self._check_live(par)
-        if np.isin(par, ids).any():
-            bad = par[np.isin(par, ids)][0]
-            raise ValueError(f"repoint: parent {bad} is also among seq_ids {ids.tolist()}")
+        both = set(par.tolist()) & set(ids.tolist())  # (sets: a step's few rows, no numpy pass)
+        if both:
+            raise ValueError(f"repoint: parent {min(both)} is also among seq_ids {ids.tolist()}")
         # (a row's entries past its pages are the null page: whole rows copy, host and device)
         old = self._table[ids]
         new = self._table[par]
-        np.add.at(self._refcount, new[new != NULL_PAGE], 1)  # take the parents' first ...
         dropped = old[old != NULL_PAGE].astype(np.int64)
+        shared = bool((self._refcount[dropped] > 1).any())
+        np.add.at(self._refcount, new[new != NULL_PAGE], 1)  # take the parents' first ...
         np.subtract.at(self._refcount, dropped, 1)  # ... so a page both hold never reaches 0
-        freed = np.unique(dropped[self._refcount[dropped] == 0])
+        # the free pool gets the pages in ERASE's order (the same pages handed out next): sorted
+        # when a dropped page was shared, else in table order (then none is the parents')
+        freed = np.array(sorted(set(dropped[self._refcount[dropped] == 0].tolist())), dtype=np.int64) \
+            if shared else dropped
         self._table[ids] = new
         self._lens[ids] = self._lens[par]
         self._live[ids] = True

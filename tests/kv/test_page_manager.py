@@ -684,3 +684,41 @@ def test_repoint_rejects_bad_input_and_changes_nothing(device):
     pm.repoint([2, 3], [0, 0])  # rows not live take a live parent's pages (two FORKs)
     assert pm.pages_of(2) == pm.pages_of(3) == pm.pages_of(0)
     assert pm.refcounts[pm.pages_of(0)].tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_beam_steps_repoint_and_fast_reserve_equal_erase_fork_and_the_general_reserve(P, device, monkeypatch):
+    """Beam-search-like steps: four rows grow by a token together, then random rows REPOINT to
+    random other rows (several to one parent, so a partial page has up to four holders that grow in
+    the same RESERVE). Against a twin that ERASEs and FORKs instead and is forced down the general
+    (numpy) reserve: the same state after every step (host mirror, device views, free pool in
+    order, copy-on-write copies in order, pages handed out)."""
+    rng = np.random.default_rng(10 + P)
+    fast, ref = (PageManager(128, P, max_seqs=4, max_seq_len=40 * P, device=device) for _ in range(2))
+    monkeypatch.setattr(ref, "_reserve_in_place", lambda *a: None)
+    for pm in (fast, ref):
+        pm.reserve([0], [2 * P + 1])
+        for c in (1, 2, 3):
+            pm.fork(0, c)
+    n, copies = 2 * P + 1, 0
+    for _ in range(6 * P + 6):
+        n += 1
+        ids = [int(s) for s in rng.permutation(4)]
+        got, want = fast.reserve(ids, [n] * 4), ref.reserve(ids, [n] * 4)
+        assert got == want and got.opened == want.opened
+        copies += len(want)
+        assert_same(snapshot(fast), snapshot(ref))
+        k = int(rng.integers(0, 4))  # rows that take another row's pages
+        moved = [int(s) for s in rng.permutation(4)[:k]]
+        kept = [s for s in range(4) if s not in moved]
+        if moved:
+            parents = [kept[int(rng.integers(0, len(kept)))] for _ in moved]
+            fast.repoint(moved, parents)
+            ref.erase(moved)
+            for c, p in zip(moved, parents, strict=True):
+                ref.fork(p, c)
+        assert_same(snapshot(fast), snapshot(ref))
+    assert copies > 0 if P > 1 else copies == 0
+    for pm in (fast, ref):
+        pm.erase([0, 1, 2, 3])
+        assert pm.num_free_pages == 127 and not pm.refcounts.any()
