@@ -39,37 +39,51 @@ class PageSharing:
         to the free pool. Parents may repeat, and none is among `seq_ids` (an order would matter
         then). ValueError on bad input; nothing changes then. No KV data moves (copy-on-write of a
         shared last page happens in a later reserve)."""
-        ids = self._check_ids(seq_ids)
-        par = self._check_ids(parents, "parents", unique=False)
-        if ids.size != par.size:
-            raise ValueError(f"repoint: got {ids.size} seq_ids but {par.size} parents")
-        if ids.size == 0:
-            return
-        self._check_live(par)
-        both = set(par.tolist()) & set(ids.tolist())  # (sets: a step's few rows, no numpy pass)
+        ids, par = list(seq_ids), list(parents)  # (plain Python: a step's few rows, no numpy pass)
+        if len(ids) != len(par):
+            raise ValueError(f"repoint: got {len(ids)} seq_ids but {len(par)} parents")
+        for what, rows in (("seq_ids", ids), ("parents", par)):
+            for s in rows:
+                if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < self.max_seqs:
+                    raise ValueError(f"repoint: seq id {s!r} in {what} out of range, expected "
+                                     f"0 <= id < {self.max_seqs}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"repoint: duplicate seq id in seq_ids {ids}")
+        dead = [s for s in par if not self._live[s]]
+        if dead:
+            raise ValueError(f"seq id {dead[0]} is not live (reserve it first)")
+        both = set(par) & set(ids)
         if both:
-            raise ValueError(f"repoint: parent {min(both)} is also among seq_ids {ids.tolist()}")
+            raise ValueError(f"repoint: parent {min(both)} is also among seq_ids {ids}")
+        if not ids:
+            return
         # (a row's entries past its pages are the null page: whole rows copy, host and device)
-        old = self._table[ids]
-        new = self._table[par]
-        dropped = old[old != NULL_PAGE].astype(np.int64)
-        shared = bool((self._refcount[dropped] > 1).any())
-        np.add.at(self._refcount, new[new != NULL_PAGE], 1)  # take the parents' first ...
-        np.subtract.at(self._refcount, dropped, 1)  # ... so a page both hold never reaches 0
-        # the free pool gets the pages in ERASE's order (the same pages handed out next): sorted
-        # when a dropped page was shared, else in table order (then none is the parents')
-        freed = np.array(sorted(set(dropped[self._refcount[dropped] == 0].tolist())), dtype=np.int64) \
-            if shared else dropped
+        old, new = self._table[ids], self._table[par]
+        differ = old != new  # an entry both hold keeps its reference: only the others count
+        dropped, taken = old[differ].tolist(), new[differ].tolist()
+        refs = self._refcount
+        # ERASE frees pages in sorted order when one of them was shared, else in table order
+        shared = len(dropped) - dropped.count(NULL_PAGE) < np.count_nonzero(old) or any(
+            refs[p] > 1 for p in dropped if p != NULL_PAGE)
+        for p in taken:  # the parents' first, so a page both hold never reaches 0
+            if p != NULL_PAGE:
+                refs[p] += 1
+        for p in dropped:
+            if p != NULL_PAGE:
+                refs[p] -= 1
+        freed = [p for p in dropped if p != NULL_PAGE and refs[p] == 0]
+        if shared:
+            freed = sorted(set(freed))
         self._table[ids] = new
         self._lens[ids] = self._lens[par]
         self._live[ids] = True
         # state of freed pages first, THEN push them on the free pool (concurrency contract)
         self._p2l[freed] = -1
-        k = ids.size
-        packed = ops.to_device(np.concatenate([ids, par, freed]), self.device)
+        k = len(ids)
+        packed = ops.to_device(np.asarray(ids + par + freed, dtype=np.int64), self.device)
         self._page_table_d.index_copy_(0, packed[:k], self._page_table_d.index_select(0, packed[k : 2 * k]))
         ops.fill_int32(self._p2l_d, packed[2 * k :], -1)
-        self._free.extend(freed.tolist())
+        self._free.extend(freed)
 
     def _adopt(self, s: int, pages: np.ndarray, length: int) -> None:
         """Seq `s` (checked: not live) takes `pages` (checked: owned, or the null page where a
