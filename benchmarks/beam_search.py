@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    ap.add_argument("--model-path", default=None, help="a Hugging Face checkpoint (default: the default model)")
+    ap.add_argument("--model-path", default=None, help="a Hugging Face checkpoint")
     ap.add_argument("--dtype", default=None, help="the model's dtype (default: the checkpoint's)")
     args = ap.parse_args()
     if args.threads:

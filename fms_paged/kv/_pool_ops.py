@@ -147,7 +147,9 @@ def write_slots(
 
 
 def copy_pages(pools: tuple[torch.Tensor, ...], src: np.ndarray, dst: np.ndarray, P: int) -> None:
-    """Copy whole pages src[i] -> dst[i] in every pool (copy-on-write), one index op per pool.
+    """Copy whole pages src[i] -> dst[i] in every pool (copy-on-write), one index op per pool:
+    a contiguous pool viewed as [L * Hkv, num_pages, P * D] copies whole pages (a page is one
+    run of P * D values per head), else slot by slot.
 
     # pools: each [L, Hkv, num_pages*P, D] (an 8-bit pool's scales [L, Hkv, num_pages*P, G]
     # are pools too: pass them, and FORK copies a page's scales with its values)
@@ -155,17 +157,26 @@ def copy_pages(pools: tuple[torch.Tensor, ...], src: np.ndarray, dst: np.ndarray
     """
     if src.size == 0:
         return
-    src_slots = page_slots(src, P).reshape(-1)  # [K*P]
-    dst_slots = page_slots(dst, P).reshape(-1)  # [K*P]
-    by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    by_page: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    by_slot: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for pool in pools:
         if pool.dim() != 4:
             raise ValueError(f"pool must be [L, Hkv, num_pages*P, D], got {list(pool.shape)}")
-        if pool.device not in by_device:
-            both = to_device(np.concatenate([src_slots, dst_slots]), pool.device)
-            by_device[pool.device] = (both[: src_slots.size], both[src_slots.size :])
-        s, d = by_device[pool.device]
         pool = raw(pool)
+        if pool.is_contiguous():
+            if pool.device not in by_page:
+                both = to_device(np.concatenate([src, dst]).astype(np.int64), pool.device)
+                by_page[pool.device] = (both[: src.size], both[src.size :])
+            s, d = by_page[pool.device]
+            L, H, S, D = pool.shape
+            pages = pool.view(L * H, S // P, P * D)
+            pages.index_copy_(1, d, pages.index_select(1, s))
+            continue
+        if pool.device not in by_slot:
+            src_slots = page_slots(src, P).reshape(-1)  # [K*P]
+            both = to_device(np.concatenate([src_slots, page_slots(dst, P).reshape(-1)]), pool.device)
+            by_slot[pool.device] = (both[: src_slots.size], both[src_slots.size :])
+        s, d = by_slot[pool.device]
         pool.index_copy_(2, d, pool.index_select(2, s))
 
 

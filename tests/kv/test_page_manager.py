@@ -722,3 +722,20 @@ def test_beam_steps_repoint_and_fast_reserve_equal_erase_fork_and_the_general_re
     for pm in (fast, ref):
         pm.erase([0, 1, 2, 3])
         assert pm.num_free_pages == 127 and not pm.refcounts.any()
+
+
+def test_copy_pages_whole_pages_and_slot_by_slot_agree(device):
+    """copy_pages copies a contiguous pool's pages as whole runs and a strided pool's slot by
+    slot: both against a per-slot loop reference, pages copied exactly (a plain copy: no
+    tolerance)."""
+    P, N = 4, 6
+    pool = torch.randn(2, H, N * P, D, device=device)
+    strided = torch.randn(2, N * P, H, D, device=device).transpose(1, 2)  # [2, H, N*P, D], strided
+    src, dst = np.array([1, 3]), np.array([4, 2])
+    for x in (pool, strided):
+        want = x.clone()
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            for j in range(P):
+                want[:, :, d * P + j] = x[:, :, s * P + j]
+        _pool_ops.copy_pages((x,), src, dst, P)
+        assert torch.equal(x, want)
