@@ -724,14 +724,15 @@ def test_beam_steps_repoint_and_fast_reserve_equal_erase_fork_and_the_general_re
         assert pm.num_free_pages == 127 and not pm.refcounts.any()
 
 
-def test_copy_pages_whole_pages_and_slot_by_slot_agree(device):
-    """copy_pages copies a contiguous pool's pages as whole runs and a strided pool's slot by
-    slot: both against a per-slot loop reference, pages copied exactly (a plain copy: no
-    tolerance)."""
-    P, N = 4, 6
+@pytest.mark.parametrize("pairs", [[(1, 4), (3, 2)], [(1, 6), (3, 2), (5, 7), (8, 9), (10, 11), (4, 12)]])
+def test_copy_pages_whole_pages_and_slot_by_slot_agree(pairs, device):
+    """copy_pages copies a contiguous pool's pages as whole runs (a page at a time for a few
+    copies, index ops for more) and a strided pool's slot by slot: each against a per-slot loop
+    reference, pages copied exactly (a plain copy: no tolerance)."""
+    P, N = 4, 13
     pool = torch.randn(2, H, N * P, D, device=device)
     strided = torch.randn(2, N * P, H, D, device=device).transpose(1, 2)  # [2, H, N*P, D], strided
-    src, dst = np.array([1, 3]), np.array([4, 2])
+    src, dst = (np.array(x) for x in zip(*pairs, strict=True))
     for x in (pool, strided):
         want = x.clone()
         for s, d in zip(src.tolist(), dst.tolist(), strict=True):
