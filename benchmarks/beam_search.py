@@ -10,6 +10,7 @@ this device's production kernel:
   streams of that prompt at once (a step of 4 rows without beam search's own work).
 
     python -m benchmarks.beam_search [--prompt-len 2000] [--new 32] [--beams 4] [--repeats 5]
+        [--model-path DIR --dtype bfloat16]   (a pretrained checkpoint instead of the default model)
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ def main() -> None:
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--model-path", default=None, help="a Hugging Face checkpoint")
+    ap.add_argument("--dtype", default=None, help="the model's dtype (default: the checkpoint's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = get_model(attn_impl="paged")  # the default model
+    model = get_model(attn_impl="paged", model_path=args.model_path, dtype=args.dtype)
     P, k = model.config.page_size, args.beams
     eng = Engine(model, max_num_seqs=k, max_num_batched_tokens=512, max_model_len=2048, num_pages=1024,
                  enable_prefix_caching=False)
@@ -87,6 +90,7 @@ def main() -> None:
     g_c, b_c, s_c = (statistics.median(cpu[n]) for n in ("greedy", "beams", "streams"))
     result = {
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "model": args.model_path or "default", "dtype": str(next(model.parameters()).dtype),
         "kernel": type(eng.backend.kernel).__name__,
         "page_size": P, "prompt_len": args.prompt_len, "new_tokens": args.new, "beams": k,
         "peak_pages_beams": peak, "peak_pages_one_sequence": one, "prompt_pages": prompt_pages,

@@ -21,8 +21,9 @@ what the scheduler, the runner and the engine call where a beam differs:
   HF's heuristic says no running beam can beat the worst finished one (`early_stopping` False or
   "never").
 - **Pages follow the beams** (`advance`): a beam that continues its own parent keeps its row
-  and pages; a parent that no new beam continues is ERASEd, and its row goes to a new beam that
-  continues another parent, which FORKs that parent's pages (copy-on-write).
+  and pages; the row of a parent that no new beam continues goes to a new beam that continues
+  another parent, and REPOINTs to that parent's pages (ERASE + FORK in one page-manager call,
+  copy-on-write); the rows left over are ERASEd.
 - **A unit.** The k beams are admitted together (rows for all k: `rows_needed`, `pending_rows`),
   sample in the same step (`hold` defers a beam that would sample alone), and are preempted
   together (`preempt`). A preempted group is recomputed the way it started: the leader prefills
@@ -226,8 +227,9 @@ def candidates(logits: torch.Tensor, sampled: list[tuple[Request, int]]) -> dict
 def advance(sched, g: BeamGroup, cands: tuple[list[float], list[int], list[int]],
             now: float) -> tuple[list[RequestOutput], list[Request]]:
     """Book one beam step of group `g` (`candidates`' lists): finished hypotheses, the next beams
-    and their pages (ERASE the parents no beam continues, FORK a parent continued twice), or the
-    end of the search -> (its outputs, its finished requests: all k beams, or none)."""
+    and their pages (a parent continued twice takes, by REPOINT, the row of a parent continued by
+    none; the rest are ERASEd), or the end of the search -> (its outputs, its finished requests:
+    all k beams, or none)."""
     vals, parents, toks = cands
     k, p = g.width, g.params
     old = g.beams
@@ -256,34 +258,40 @@ def advance(sched, g: BeamGroup, cands: tuple[list[float], list[int], list[int]]
 
 def _move(sched, g: BeamGroup, chosen: list[tuple[int, int, float]], now: float) -> None:
     """The next beams (parent, token, score), best first: each parent's first continuation keeps
-    its row and pages; parents nobody continues are ERASEd; a further continuation of a parent
-    takes a freed row and FORKs the parent's pages (copy-on-write of its last, partly filled page
-    at the next RESERVE)."""
+    its row and pages; a further continuation of a parent takes the row of a parent nobody
+    continues, which REPOINTs to the parent's pages (ERASE + FORK in one pass: copy-on-write of
+    its last, partly filled page at the next RESERVE); the parents left over are ERASEd."""
     old = g.beams
     outputs = [list(b.output) for b in old]
     times = [list(b.token_times) for b in old]
     used = {q for q, _, _ in chosen}
     spare = [b for j, b in enumerate(old) if j not in used]
-    if spare:  # ERASE them at once: their pages go back (or stay with the prefix cache); rows kept
+    claimed: set[int] = set()
+    picked = []  # (the beam of each choice, its parent)
+    for q, _, _ in chosen:
+        parent = old[q]
+        if q in claimed:
+            picked.append((spare.pop(), parent))  # its row takes the parent's pages
+        else:
+            claimed.add(q)
+            picked.append((parent, parent))
+    moved = [(b, parent) for b, parent in picked if b is not parent]
+    gone = [b for b, _ in moved] + spare  # rows whose pages go back (or stay with the prefix cache)
+    if gone:  # one REPOINT of the moved rows and one ERASE of the rest; rows kept
         pm, cache = sched.pm, sched.cache
-        ids = [b.seq_id for b in spare]
-        pages = [pm.pages_of(s) for s in ids] if cache else []
-        pm.erase(ids)
+        pages = [pm.pages_of(b.seq_id) for b in gone] if cache else []
+        if moved:
+            pm.repoint([b.seq_id for b, _ in moved], [parent.seq_id for _, parent in moved])
+        if spare:
+            pm.erase([b.seq_id for b in spare])
         for held in pages:
             cache.release(held)  # listed pages nobody holds now: evictable
         for b in spare:
             b.cache_chain = []
-    claimed: set[int] = set()
-    beams = []
-    for q, tok, _ in chosen:
-        parent = old[q]
-        if q in claimed:
-            b = spare.pop()  # its row takes the parent's pages
-            sched.pm.fork(parent.seq_id, b.seq_id)
+        for b, parent in moved:
             b.num_computed, b.cache_chain = parent.num_computed, list(parent.cache_chain)
-        else:
-            claimed.add(q)
-            b = parent
+    beams = []
+    for (b, _), (q, tok, _) in zip(picked, chosen, strict=True):
         b.output, b.token_times = outputs[q] + [tok], times[q] + [now]
         beams.append(b)
     g.beams = beams

@@ -146,8 +146,14 @@ def write_slots(
         raw(pool).index_copy_(2, slots, raw(x4))
 
 
+_FEW_COPIES = 4  # copy_pages: up to this many pages, a slice copy each (see there)
+
+
 def copy_pages(pools: tuple[torch.Tensor, ...], src: np.ndarray, dst: np.ndarray, P: int) -> None:
-    """Copy whole pages src[i] -> dst[i] in every pool (copy-on-write), one index op per pool.
+    """Copy whole pages src[i] -> dst[i] in every pool (copy-on-write). A contiguous pool viewed
+    as [L * Hkv, num_pages, P * D] copies whole pages (a page is one run of P * D values per
+    head): a few pages (beam search's step) one `copy_` of a page each, cheaper than an index op
+    pair; more, one index op per pool. Any other pool: slot by slot, one index op per pool.
 
     # pools: each [L, Hkv, num_pages*P, D] (an 8-bit pool's scales [L, Hkv, num_pages*P, G]
     # are pools too: pass them, and FORK copies a page's scales with its values)
@@ -155,17 +161,31 @@ def copy_pages(pools: tuple[torch.Tensor, ...], src: np.ndarray, dst: np.ndarray
     """
     if src.size == 0:
         return
-    src_slots = page_slots(src, P).reshape(-1)  # [K*P]
-    dst_slots = page_slots(dst, P).reshape(-1)  # [K*P]
-    by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    few = list(zip(src.tolist(), dst.tolist())) if src.size <= _FEW_COPIES else None
+    by_page: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    by_slot: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for pool in pools:
         if pool.dim() != 4:
             raise ValueError(f"pool must be [L, Hkv, num_pages*P, D], got {list(pool.shape)}")
-        if pool.device not in by_device:
-            both = to_device(np.concatenate([src_slots, dst_slots]), pool.device)
-            by_device[pool.device] = (both[: src_slots.size], both[src_slots.size :])
-        s, d = by_device[pool.device]
         pool = raw(pool)
+        if pool.is_contiguous():
+            L, H, S, D = pool.shape
+            pages = pool.view(L * H, S // P, P * D)
+            if few is not None:
+                for s, d in few:
+                    pages[:, d].copy_(pages[:, s])
+                continue
+            if pool.device not in by_page:
+                both = to_device(np.concatenate([src, dst]).astype(np.int64), pool.device)
+                by_page[pool.device] = (both[: src.size], both[src.size :])
+            s, d = by_page[pool.device]
+            pages.index_copy_(1, d, pages.index_select(1, s))
+            continue
+        if pool.device not in by_slot:
+            src_slots = page_slots(src, P).reshape(-1)  # [K*P]
+            both = to_device(np.concatenate([src_slots, page_slots(dst, P).reshape(-1)]), pool.device)
+            by_slot[pool.device] = (both[: src_slots.size], both[src_slots.size :])
+        s, d = by_slot[pool.device]
         pool.index_copy_(2, d, pool.index_select(2, s))
 
 

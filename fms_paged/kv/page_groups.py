@@ -146,6 +146,13 @@ class GroupedPages:
             base = g * self.max_seqs
             self.inner.fork(base + parent, base + child)
 
+    def repoint(self, seq_ids: Sequence[int], parents: Sequence[int]) -> None:
+        """REPOINT in every slice at once (one call on the sequences' rows; see
+        `PageManager.repoint`)."""
+        self._check_seq(seq_ids)
+        self._check_seq(parents)
+        self.inner.repoint(self._all_rows(seq_ids), self._all_rows(parents))
+
     def release_behind_window(self, seq_ids: Sequence[int], next_positions: Sequence[int],
                               horizon: int | None = None) -> list[int]:
         """Each sliding slice releases the pages of each sequence wholly before the first key its

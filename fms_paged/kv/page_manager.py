@@ -321,7 +321,7 @@ class PageManager(PageSharing, PoolData):
         almost always), and the pages handed out (`opened`). Raises ValueError on bad input and
         OutOfPages when the pool is short; nothing changes then.
 
-        A short batch (a step's rows, none growing into a shared page) is a plain Python pass
+        A short batch (a step's rows, copy-on-write included) is a plain Python pass
         (`_reserve_in_place`): numpy calls cost more than the bookkeeping of a handful of rows.
         """
         fast = self._reserve_in_place(seq_ids, new_lengths)
@@ -352,35 +352,45 @@ class PageManager(PageSharing, PoolData):
     def _reserve_in_place(self, seq_ids, new_lengths) -> Reservation | None:
         """`reserve` of a short batch in plain Python (a step's handful of rows: numpy calls cost
         more than their bookkeeping): each sequence grows within its own last page, or opens fresh
-        pages; none grows into a shared page (copy-on-write) or asks past the limits. Takes the
-        pages as the general path does (in batch order, one pop each), so both hand out the same
-        pages. -> the Reservation, or None where the general path must run (which also validates
-        and raises), with nothing changed."""
+        pages, or copies a shared last page it grows into (copy-on-write: beam search's every
+        step), planned as `_plan_cow` plans it; none asks past the limits. Takes the pages as the
+        general path does (in batch order, one pop each), so both hand out the same pages and
+        copies. -> the Reservation, or None where the general path must run (which also
+        validates and raises), with nothing changed."""
         if len(seq_ids) > 32 or len(seq_ids) != len(new_lengths):
             return None
         P, lens, live, table, refs = self.page_size, self._lens, self._live, self._table, self._refcount
-        opens = []  # (seq, its first new logical page, pages it opens)
+        opens = []  # (seq, its first new logical page, pages it takes, the page it copies or 0)
+        left: dict[int, int] = {}  # shared partial page -> references not yet copied away
         try:
             for s, n in zip(seq_ids, new_lengths):
                 if type(s) is not int or type(n) is not int or not 0 <= s < self.max_seqs:
                     return None
                 cur = int(lens[s])
-                if n < cur or n > self.max_seq_len or (not live[s] and cur) or (
-                        cur and n > cur and refs[table[s, (cur - 1) // P]] > 1):
-                    return None  # grows into (or past) a shared page, or a case to validate
-                k = pages_grown(cur, n, P)  # (no shared partial page: that is the general path's)
+                if n < cur or n > self.max_seq_len or (not live[s] and cur):
+                    return None  # a case to validate
+                have, src = pages_for(cur, P), 0
+                if cur % P and n > cur:  # grows into its partly filled last page: shared?
+                    page = int(table[s, have - 1])
+                    r = left.get(page, int(refs[page]))
+                    if r > 1:  # copy it while another holder is left (the last one keeps it)
+                        src, left[page], have = page, r - 1, have - 1
+                k = pages_grown(cur, n, P) + (src != 0)
                 if k:
-                    opens.append((s, pages_for(cur, P), k))
+                    opens.append((s, have, k, src))
         except TypeError:
             return None
         if len(set(seq_ids)) != len(seq_ids):
             return None
-        total = sum(k for _, _, k in opens)
+        total = sum(k for _, _, k, _ in opens)
         if total > len(self._free):
             return None  # the general path raises OutOfPages
-        pages = self._take(total, np.asarray([s for s, _, _ in opens], dtype=np.int64)) if total else []
-        flat, cols, i, C = [], [], 0, self.max_pages_per_seq
-        for s, have, k in opens:
+        pages = self._take(total, np.asarray([s for s, _, _, _ in opens], dtype=np.int64)) if total else []
+        flat, cols, copies, i, C = [], [], [], 0, self.max_pages_per_seq
+        for s, have, k, src in opens:
+            if src:  # its first page is the private copy (src stays >= 1: see above)
+                copies.append((src, pages[i]))
+                refs[src] -= 1
             for c in range(have, have + k):
                 table[s, c] = pages[i]
                 refs[pages[i]] = 1
@@ -395,7 +405,7 @@ class PageManager(PageSharing, PoolData):
             packed = ops.to_device(np.asarray(flat + pages + cols, dtype=np.int64), self.device)
             ops.scatter_int32(self._page_table_d, packed[:total], packed[total : 2 * total])
             ops.scatter_int32(self._p2l_d, packed[total : 2 * total], packed[2 * total :])
-        return Reservation([], pages)
+        return Reservation(copies, pages)
 
     def _plan_cow(self, ids: np.ndarray, have: np.ndarray, grows: np.ndarray) -> np.ndarray:
         """Which seqs need a private copy of their last page (loop over candidates only).

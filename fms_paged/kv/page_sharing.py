@@ -1,5 +1,6 @@
 """The sharing side of `PageManager` (fms_paged/kv/page_manager.py): FORK (`fork`: a sequence takes
-another's pages, copy-on-write in a later `reserve`), and a prefix cache's references (`share`:
+another's pages, copy-on-write in a later `reserve`; `repoint`: a batch of sequences drop their
+pages and take others' at once, beam search's step), and a prefix cache's references (`share`:
 a sequence takes cached pages; `hold` / `unhold`: references no sequence holds). A mixin: it
 updates the manager's host mirrors and device tables (`_table`, `_lens`, `_live`, `_refcount`,
 `_held`, `_p2l`) under the same concurrency contract, and keeps no state of its own."""
@@ -29,6 +30,60 @@ class PageSharing:
         length = int(self._lens[p])
         n = self._num_pages_for(length)
         self._adopt(c, self._table[p, :n].astype(np.int64), length)
+
+    def repoint(self, seq_ids: Sequence[int], parents: Sequence[int]) -> None:
+        """REPOINT: each sequence `seq_ids[i]` (live or not) drops its pages and takes the pages
+        and length of the live `parents[i]`, as ERASE of `seq_ids` then FORK of each pair would,
+        in one pass (beam search's step: a beam continued twice takes the row of a beam continued
+        by none). A page both hold keeps its reference; a page only the dropped rows held returns
+        to the free pool. Parents may repeat, and none is among `seq_ids` (an order would matter
+        then). ValueError on bad input; nothing changes then. No KV data moves (copy-on-write of a
+        shared last page happens in a later reserve)."""
+        ids, par = list(seq_ids), list(parents)  # (plain Python: a step's few rows, no numpy pass)
+        if len(ids) != len(par):
+            raise ValueError(f"repoint: got {len(ids)} seq_ids but {len(par)} parents")
+        for what, rows in (("seq_ids", ids), ("parents", par)):
+            for s in rows:
+                if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < self.max_seqs:
+                    raise ValueError(f"repoint: seq id {s!r} in {what} out of range, expected "
+                                     f"0 <= id < {self.max_seqs}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"repoint: duplicate seq id in seq_ids {ids}")
+        dead = [s for s in par if not self._live[s]]
+        if dead:
+            raise ValueError(f"seq id {dead[0]} is not live (reserve it first)")
+        both = set(par) & set(ids)
+        if both:
+            raise ValueError(f"repoint: parent {min(both)} is also among seq_ids {ids}")
+        if not ids:
+            return
+        # (a row's entries past its pages are the null page: whole rows copy, host and device)
+        old, new = self._table[ids], self._table[par]
+        differ = old != new  # an entry both hold keeps its reference: only the others count
+        dropped, taken = old[differ].tolist(), new[differ].tolist()
+        refs = self._refcount
+        # ERASE frees pages in sorted order when one of them was shared, else in table order
+        shared = len(dropped) - dropped.count(NULL_PAGE) < np.count_nonzero(old) or any(
+            refs[p] > 1 for p in dropped if p != NULL_PAGE)
+        for p in taken:  # the parents' first, so a page both hold never reaches 0
+            if p != NULL_PAGE:
+                refs[p] += 1
+        for p in dropped:
+            if p != NULL_PAGE:
+                refs[p] -= 1
+        freed = [p for p in dropped if p != NULL_PAGE and refs[p] == 0]
+        if shared:
+            freed = sorted(set(freed))
+        self._table[ids] = new
+        self._lens[ids] = self._lens[par]
+        self._live[ids] = True
+        # state of freed pages first, THEN push them on the free pool (concurrency contract)
+        self._p2l[freed] = -1
+        k = len(ids)
+        packed = ops.to_device(np.asarray(ids + par + freed, dtype=np.int64), self.device)
+        self._page_table_d.index_copy_(0, packed[:k], self._page_table_d.index_select(0, packed[k : 2 * k]))
+        ops.fill_int32(self._p2l_d, packed[2 * k :], -1)
+        self._free.extend(freed)
 
     def _adopt(self, s: int, pages: np.ndarray, length: int) -> None:
         """Seq `s` (checked: not live) takes `pages` (checked: owned, or the null page where a

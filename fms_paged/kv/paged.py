@@ -164,14 +164,19 @@ class PagedBackend:
 
     def prepare_pages(self, reservation: Reservation) -> None:
         """Make the pages a RESERVE handed out ready: zero them (for a kernel that reads whole
-        pages), then run its copy-on-write copies (a copy's destination is one of them: it is
-        overwritten whole). Both cover an 8-bit pool's scales with its values.
+        pages), then run its copy-on-write copies (a copy's destination is one of them: the copy
+        overwrites it whole, so it is not zeroed first). Both cover an 8-bit pool's scales with
+        its values.
 
         Zeroing matters there: attention multiplies masked-out weights (exactly 0) by the values
         of the whole page, and 0 * NaN = NaN, so stale NaN/inf left by a page's previous owner in
         slots not yet written would leak into the output."""
-        if reservation.opened and self.kernel.zero_new_pages:
-            idx = to_device(page_slots(np.asarray(reservation.opened), self.P).reshape(-1), self.device)
+        opened = reservation.opened
+        if opened and reservation:  # (beam search's every step)
+            copied = {dst for _, dst in reservation}
+            opened = [p for p in opened if p not in copied]
+        if opened and self.kernel.zero_new_pages:
+            idx = to_device(page_slots(np.asarray(opened), self.P).reshape(-1), self.device)
             for pool in self._storage():
                 raw(pool).index_fill_(2, idx, 0)  # (fp8: its bytes; 0x00 is +0.0)
         if reservation:  # copy-on-write copies of pages shared by fork

@@ -138,3 +138,26 @@ def test_share_with_released_pages_of_a_sliding_slice():
     check_accounting(pm)
     with pytest.raises(ValueError, match="2 page lists for 3 slices"):
         pm.share(2, hit[:2])
+
+
+def test_repoint_acts_on_every_slice():
+    """REPOINT equals ERASE + FORK in every slice (a second manager as the reference)."""
+    made = []
+    for _ in range(2):
+        pm = manager(num_pages=60)
+        pm.reserve([0, 1], [40, 20])
+        made.append(pm)
+    pm, ref = made
+    pm.repoint([1], [0])
+    ref.erase([1])
+    ref.fork(0, 1)
+    for g in range(3):
+        assert pm.pages_of(1, g) == pm.pages_of(0, g) == ref.pages_of(1, g)
+    assert pm.refcounts.tolist() == ref.refcounts.tolist()
+    assert sorted(pm.free_pages) == sorted(ref.free_pages)
+    check_accounting(pm)
+    copies = pm.reserve([1], [41])  # copy-on-write of the shared partial page, per slice
+    assert len(copies) == 3
+    check_accounting(pm)
+    pm.erase([0, 1])
+    assert pm.num_free_pages == pm.num_pages - 1

@@ -608,3 +608,135 @@ def test_release_behind_window_drops_each_page_once(device):
     pm.reserve([0], [24])
     assert pm.release_behind_window([0], [24], 9) == [pages[3]]
     assert pm.num_free_pages == 19 - len(pm.pages_of(1)) - 2
+
+
+def _shared_state(pm: PageManager) -> tuple:
+    """What REPOINT must leave as ERASE + FORK would: tables, lengths, refcounts, the free set and
+    phys_to_logical, host and device."""
+    return (pm.host_table.tolist(), [pm.length(s) for s in range(pm.max_seqs)], pm.refcounts.tolist(),
+            sorted(pm.free_pages), pm.phys_to_logical.cpu().tolist(), pm.page_table.cpu().tolist())
+
+
+def test_repoint_matches_erase_then_fork(device):
+    """REPOINT of a batch equals ERASE of the rows then FORK of each pair, on a second manager (the
+    reference): beams 0 and 1 share a prefix; 2 (shares it too) takes 0's pages, 3 (private
+    pages only) takes 1's; a page both the row and its parent hold keeps its reference."""
+    made = []
+    for _ in range(2):
+        pm = PageManager(32, 4, 5, device=device)
+        pm.reserve([0], [9])  # 2 full pages + 1 partial
+        pm.fork(0, 1)
+        pm.fork(0, 2)
+        pm.reserve([1, 2], [11, 14])  # copy-on-write of the partial page; 2 opens a page more
+        pm.reserve([3], [6])
+        made.append(pm)
+    pm, ref = made
+    ref.erase([2, 3])
+    ref.fork(0, 2)
+    ref.fork(1, 3)
+    free_before = pm.num_free_pages
+    pm.repoint([2, 3], [0, 1])
+    assert _shared_state(pm) == _shared_state(ref)
+    assert pm.pages_of(2) == pm.pages_of(0) and pm.pages_of(3) == pm.pages_of(1)
+    # 2's two private pages and 3's two pages go back; the shared prefix pages keep 4 references
+    assert pm.num_free_pages == free_before + 4
+    full = pm.pages_of(0)[:2]
+    assert pm.refcounts[full].tolist() == [4, 4]
+    assert visible_pages(pm, 3) == set(pm.pages_of(1))
+
+
+def test_repoint_then_copy_on_write(device):
+    """After REPOINT, growing into the parent's shared partial page copies it (the row's own
+    page), as after FORK; the KV read back is the parent's prefix then the row's new tokens."""
+    pm = PageManager(20, 4, 3, device=device)
+    k_pool, v_pool = make_pools(pm, 1)
+    pm.reserve([0, 1], [6, 3])
+    k = torch.arange(9 * H * D, dtype=torch.float32, device=device).view(1, 9, H, D)
+    pm.assign([0] * 6 + [1] * 3, list(range(6)) + list(range(3)), k, k + 0.5, k_pool, v_pool)
+    pm.repoint([1], [0])
+    full, half = pm.pages_of(0)
+    assert pm.pages_of(1) == [full, half] and pm.length(1) == 6
+    copies = pm.reserve([1], [7])
+    (src, dst), = copies  # fmt: skip
+    assert src == half and pm.pages_of(1) == [full, dst]
+    assert pm.refcounts[[full, half, dst]].tolist() == [2, 1, 1]
+    pm.apply_copies(copies, k_pool, v_pool)
+    kn = torch.full((1, 1, H, D), 100.0, device=device)
+    pm.assign([1], [6], kn, kn, k_pool, v_pool)
+    gk, gv, lens = pm.gather([1], k_pool, v_pool, 0)
+    assert lens.tolist() == [7]
+    assert torch.equal(gk[0, :, :6], k[0, :6].transpose(0, 1)) and (gk[0, :, 6] == 100).all()
+    assert torch.equal(gv[0, :, :6], k[0, :6].transpose(0, 1) + 0.5)
+    pm.erase([0, 1])
+    assert pm.num_free_pages == 19 and not pm.refcounts.any()
+
+
+def test_repoint_rejects_bad_input_and_changes_nothing(device):
+    pm = PageManager(20, 4, 4, device=device)
+    pm.reserve([0, 1], [5, 2])
+    before = _shared_state(pm)
+    for ids, parents, msg in (([1], [2], "not live"), ([1, 2], [0], "2 seq_ids but 1 parents"),
+                              ([1, 1], [0, 0], "duplicate"), ([0, 1], [1, 1], "also among"),
+                              ([9], [0], "out of range")):
+        with pytest.raises(ValueError, match=msg):
+            pm.repoint(ids, parents)
+        assert _shared_state(pm) == before
+    pm.repoint([2, 3], [0, 0])  # rows not live take a live parent's pages (two FORKs)
+    assert pm.pages_of(2) == pm.pages_of(3) == pm.pages_of(0)
+    assert pm.refcounts[pm.pages_of(0)].tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_beam_steps_repoint_and_fast_reserve_equal_erase_fork_and_the_general_reserve(P, device, monkeypatch):
+    """Beam-search-like steps: four rows grow by a token together, then random rows REPOINT to
+    random other rows (several to one parent, so a partial page has up to four holders that grow in
+    the same RESERVE). Against a twin that ERASEs and FORKs instead and is forced down the general
+    (numpy) reserve: the same state after every step (host mirror, device views, free pool in
+    order, copy-on-write copies in order, pages handed out)."""
+    rng = np.random.default_rng(10 + P)
+    fast, ref = (PageManager(128, P, max_seqs=4, max_seq_len=40 * P, device=device) for _ in range(2))
+    monkeypatch.setattr(ref, "_reserve_in_place", lambda *a: None)
+    for pm in (fast, ref):
+        pm.reserve([0], [2 * P + 1])
+        for c in (1, 2, 3):
+            pm.fork(0, c)
+    n, copies = 2 * P + 1, 0
+    for _ in range(6 * P + 6):
+        n += 1
+        ids = [int(s) for s in rng.permutation(4)]
+        got, want = fast.reserve(ids, [n] * 4), ref.reserve(ids, [n] * 4)
+        assert got == want and got.opened == want.opened
+        copies += len(want)
+        assert_same(snapshot(fast), snapshot(ref))
+        k = int(rng.integers(0, 4))  # rows that take another row's pages
+        moved = [int(s) for s in rng.permutation(4)[:k]]
+        kept = [s for s in range(4) if s not in moved]
+        if moved:
+            parents = [kept[int(rng.integers(0, len(kept)))] for _ in moved]
+            fast.repoint(moved, parents)
+            ref.erase(moved)
+            for c, p in zip(moved, parents, strict=True):
+                ref.fork(p, c)
+        assert_same(snapshot(fast), snapshot(ref))
+    assert copies > 0 if P > 1 else copies == 0
+    for pm in (fast, ref):
+        pm.erase([0, 1, 2, 3])
+        assert pm.num_free_pages == 127 and not pm.refcounts.any()
+
+
+@pytest.mark.parametrize("pairs", [[(1, 4), (3, 2)], [(1, 6), (3, 2), (5, 7), (8, 9), (10, 11), (4, 12)]])
+def test_copy_pages_whole_pages_and_slot_by_slot_agree(pairs, device):
+    """copy_pages copies a contiguous pool's pages as whole runs (a page at a time for a few
+    copies, index ops for more) and a strided pool's slot by slot: each against a per-slot loop
+    reference, pages copied exactly (a plain copy: no tolerance)."""
+    P, N = 4, 13
+    pool = torch.randn(2, H, N * P, D, device=device)
+    strided = torch.randn(2, N * P, H, D, device=device).transpose(1, 2)  # [2, H, N*P, D], strided
+    src, dst = (np.array(x) for x in zip(*pairs, strict=True))
+    for x in (pool, strided):
+        want = x.clone()
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            for j in range(P):
+                want[:, :, d * P + j] = x[:, :, s * P + j]
+        _pool_ops.copy_pages((x,), src, dst, P)
+        assert torch.equal(x, want)
