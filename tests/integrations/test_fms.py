@@ -356,6 +356,9 @@ def test_engine_serves_fms_model_on_int8_pages(hf_dir, device):
     for kv in ("auto", "int8"):
         engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128,
                         compile=False, kv_cache_dtype=kv)
+        for scales in engine.backend.k_scales:  # (8-bit pools are allocated untouched: any values)
+            if scales is not None:
+                scales.zero_()
         ids = [engine.add_request(p.tolist(), SamplingParams(max_new_tokens=12, ignore_eos=True))
                for p in prompts]
         got = {i: [] for i in ids}
