@@ -86,7 +86,7 @@ def _engine_cmd() -> list[str]:
 
 
 def vs_native(out: Path, repeats: int = 3, rounds: int = 2, log=print,
-              decode_steps: int = DECODE_STEPS) -> dict[str, Any]:
+              decode_steps: int | str = DECODE_STEPS) -> dict[str, Any]:
     """Every `VS_VLLM` workload through the engine (with `decode_steps` lookahead steps) and each
     peer of `PEERS`, at each of their dtypes, in `rounds` processes each (`pool_processes`); the
     engine's cold start; the read roofline of the one-request decode; the targets."""
@@ -181,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("results/bench-native"))
     p.add_argument("--repeats", type=int, default=3, help="timed runs per process")
     p.add_argument("--rounds", type=int, default=2, help="processes per system and dtype, one a round")
-    p.add_argument("--decode-steps", type=int, default=DECODE_STEPS,
-                   help="the engine's lookahead decode steps (Engine(decode_steps=...); 1: none)")
+    p.add_argument("--decode-steps", type=lambda v: v if v == "auto" else int(v), default=DECODE_STEPS,
+                   help='the engine\'s lookahead decode steps (Engine(decode_steps=...): "auto", its '
+                        'default, '
+                        "or an int; 1: none)")
     args = p.parse_args(argv)
     res = vs_native(args.out, args.repeats, args.rounds, decode_steps=args.decode_steps)
     paths = write_report(args.out, res, markdown=markdown(res), rows={}, figures=figures(res))

@@ -27,8 +27,8 @@ ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 # the targets (issue: ahead of the native CPU engines): output tok/s against the best peer at its
 # best dtype on each workload; one request's decode against the read roofline; start-up seconds
 PEER_RATIO, ROOFLINE_SHARE, COLD_START_S, WARM_START_S = 1.0, 0.8, 10.0, 3.0
-# the engine's lookahead decode steps in these runs (`Engine(decode_steps=...)`): up to this many
-# greedy steps in one operator call once nothing waits, as a user sets it for throughput (1: a
-# token per engine step, `--decode-steps 1`)
-DECODE_STEPS = 8
+# the engine's lookahead decode steps in these runs (`Engine(decode_steps=...)`): its default,
+# "auto" (up to 8 greedy steps in one call, as many as fit in 50 ms of decoding); an int (--decode-steps
+# 8, or 1: a token per engine step) fixes them
+DECODE_STEPS = "auto"
 ONE_REQUEST = "SmolLM2-135M shape, 1 prompt of 64, 64 new"

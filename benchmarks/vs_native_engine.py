@@ -46,7 +46,7 @@ def engine_job(job: dict[str, Any]) -> dict[str, Any]:
         compile=job.get("compile", "auto"),
         enable_prefix_caching=False,
         max_model_len=max(len(r["prompt"]) + r["max_new_tokens"] for r in reqs),
-        decode_steps=job.get("decode_steps", 1),
+        decode_steps=job.get("decode_steps", "auto"),
     )
 
     def run() -> tuple[float, list[float], list[list[int]], float]:

@@ -1,7 +1,8 @@
 """`make bench-spec`: speculative decoding by prompt lookup against plain decoding, one stream on
 the engine (the default model unless --model-path), output tokens per second of each workload with
-speculation off and on, measured alternately in the same process (median of --repeats runs each),
-with the acceptance rate and the mean accepted proposals per verify.
+speculation off (the engine's defaults, whose greedy requests take lookahead decode steps; and a
+token a step, decode_steps=1) and on, measured alternately in the same process (median of
+--repeats runs each), with the acceptance rate and the mean accepted proposals per verify.
 
 Workloads (greedy unless said):
 - "copy": a passage of code twice, then its first line (input-grounded, as quoting or
@@ -131,17 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft is not None:
         spec = {"method": "draft_model", "model": draft_model(args.draft, model),
                 "num_speculative_tokens": args.num_speculative_tokens}
-    engines = {False: Engine(model, max_num_seqs=1, max_num_batched_tokens=1024, num_pages=256),
-               True: Engine(model, max_num_seqs=1, max_num_batched_tokens=1024, num_pages=256,
-                            speculative=spec)}
+    # off: the engine's defaults (greedy requests take lookahead decode steps, `decode_steps="auto"`);
+    # "one": a token a step (decode_steps=1); on: speculation, with the same defaults otherwise
+    opts = dict(max_num_seqs=1, max_num_batched_tokens=1024, num_pages=256)
+    engines = {False: Engine(model, **opts), "one": Engine(model, decode_steps=1, **opts),
+               True: Engine(model, speculative=spec, **opts)}
     rows = []
     for name, (prompt, temperature) in workloads(model, tok).items():
         for eng in engines.values():  # warm: a first run of each
             run_once(eng, prompt, 16, temperature)
         engines[True].forget_totals()
-        secs: dict[bool, list[float]] = {False: [], True: []}
-        cpu: dict[bool, list[float]] = {False: [], True: []}
-        outs: dict[bool, list[int]] = {}
+        secs: dict = {on: [] for on in engines}
+        cpu: dict = {on: [] for on in engines}
+        outs: dict = {}
         for _ in range(args.repeats):  # alternately, so that the machine's load hits both alike
             for on, eng in engines.items():
                 outs[on], dt, ct = run_once(eng, prompt, args.new_tokens, temperature)
@@ -154,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             "workload": name, "prompt_tokens": len(prompt), "temperature": temperature,
             "off_tok_s": args.new_tokens / off, "on_tok_s": args.new_tokens / on, "speedup": off / on,
             "median_speedup": moff / mon, "cpu_speedup": min(cpu[False]) / min(cpu[True]),
+            "one_tok_s": args.new_tokens / min(secs["one"]), "speedup_vs_one": min(secs["one"]) / on,
             "acceptance_rate": m["spec_acceptance_rate"], "mean_accepted": m["spec_mean_accepted_length"],
+            "mean_proposed": m["spec_proposed_tokens"] / m["spec_verifies"] if m["spec_verifies"] else None,
             "verifies_per_token": m["spec_verifies"] / (args.repeats * args.new_tokens),
-            "same_tokens": outs[False] == outs[True] if temperature == 0 else None,
+            "same_tokens": outs[False] == outs[True] == outs["one"] if temperature == 0 else None,
             "sample": tok.decode(outs[True][:60]),
         })
         print(f"{name}: {rows[-1]['off_tok_s']:.0f} -> {rows[-1]['on_tok_s']:.0f} tok/s "
@@ -166,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     cols = [("workload", "workload", ""), ("prompt tokens", "prompt_tokens", "d"),
             ("temperature", "temperature", ".1f"), ("off tok/s", "off_tok_s", ".0f"),
             ("on tok/s", "on_tok_s", ".0f"), ("speed-up", "speedup", ".2f"),
+            ("one-token tok/s", "one_tok_s", ".0f"), ("speed-up vs one-token", "speedup_vs_one", ".2f"),
             ("speed-up (medians)", "median_speedup", ".2f"), ("speed-up (CPU s)", "cpu_speedup", ".2f"),
-            ("acceptance rate", "acceptance_rate", ".2f"), ("accepted / verify", "mean_accepted", ".2f"),
+            ("acceptance rate", "acceptance_rate", ".2f"), ("proposed / verify", "mean_proposed", ".2f"),
+            ("accepted / verify", "mean_accepted", ".2f"),
             ("verifies / token", "verifies_per_token", ".2f"), ("same tokens", "same_tokens", "")]
     method = (f"ngram, k={args.num_speculative_tokens}, n={args.prompt_lookup_min}..{args.prompt_lookup_max}"
               if args.draft is None else f"draft_model {args.draft}, k={args.num_speculative_tokens}")

@@ -57,6 +57,20 @@ def check_pages(num_pages: int, need: int, max_model_len: int, page_size: int, f
         )
 
 
+
+# decode_steps="auto": lookahead decode steps where they pay and cannot hurt: at most this many in
+# one call, and as many as the engine's timed decode steps fit in this many seconds (what a call
+# holds a stream's tokens back, and delays a request arriving meanwhile, by at most: about one
+# step of a 1B model in bf16 on a 2-core CPU, which then decodes a token a step)
+AUTO_DECODE_STEPS, LOOKAHEAD_BUDGET_S = 8, 0.05
+
+
+def check_decode_steps(steps) -> None:
+    """`decode_steps`: an int >= 1 or "auto" (ValueError naming the value otherwise)."""
+    if steps != "auto" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"decode_steps={steps!r}; expected an int >= 1 or 'auto'")
+
+
 class Engine:
     """Continuous batching over a paged model (`attn_impl="paged"`, or an IBM FMS model through
     `fms_paged.integrations.fms.paged_model`, applied here to a model from the `fms` package).
@@ -90,7 +104,10 @@ class Engine:
         decodes greedily (no log-probabilities, no grammar) and none waits (vLLM's multi-step
         scheduling): on the cpp kernel, one operator call with no host work between the steps
         (`fms_paged::decode_greedy`); a request's tokens of such a step arrive together, and those
-        after its stop are dropped. 1 (default): a token per step.
+        after its stop are dropped. 1: a token per step. "auto" (default): as many (up to
+        `AUTO_DECODE_STEPS`) as fit in `LOOKAHEAD_BUDGET_S` by the engine's timed decode steps, so
+        that a call holds a stream's tokens back, and delays a request arriving meanwhile, by at
+        most about that long; a model whose decode step takes longer gets one (docs/design.md).
     kv_cache_dtype: what the pages store (`fms_paged.kv.quant.KV_CACHE_DTYPES`): "auto" the
         model's dtype, "int8" / "fp8_e4m3" 8-bit values with their scales; None: the model
         config's (`get_model(..., kv_cache_dtype=...)`). Ignored with a `backend` (its own).
@@ -118,7 +135,7 @@ class Engine:
         cuda_graphs: bool | str = "auto",
         tokenizer=None,
         tensor_parallel_size: int = 1,
-        decode_steps: int = 1,
+        decode_steps: int | str = "auto",
         kv_cache_dtype: str | None = None,
         speculative: dict | SpeculativeConfig | None = None,
     ):
@@ -145,8 +162,7 @@ class Engine:
         check_modes(compile, cuda_graphs)
         if kv_cache_dtype is not None:
             check_kv_cache_dtype(kv_cache_dtype)
-        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
-            raise ValueError(f"decode_steps={decode_steps!r}; expected an int >= 1")
+        check_decode_steps(decode_steps)
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or (
                 tensor_parallel_size < 1):
             raise TensorParallelError(f"tensor_parallel_size={tensor_parallel_size!r}; expected an int >= 1")
@@ -242,9 +258,11 @@ class Engine:
                 draft = DraftModel(load_draft(speculative.model, model), c.src_vocab_size, max_num_seqs,
                                    self.max_model_len, kernel)
             self.speculator = Speculator(speculative, draft)
+        self._decode_steps, self._token_s = decode_steps, None  # (auto: a decode token step's seconds)
         self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, cache=self.prefix_cache,
-                                   horizon=horizon, decode_steps=decode_steps, lookahead_ready=ready,
-                                   speculator=self.speculator)
+                                   horizon=horizon,
+                                   decode_steps=1 if decode_steps == "auto" else decode_steps,
+                                   lookahead_ready=ready, speculator=self.speculator)
         self.vocab_size = c.src_vocab_size
         eos = c.eos_token_id
         self.eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
@@ -259,15 +277,24 @@ class Engine:
 
 
     @property
-    def decode_steps(self) -> int:
-        """Greedy decode steps one forward may take (`Scheduler.lookahead`); settable."""
-        return self.scheduler.decode_steps
+    def decode_steps(self) -> int | str:
+        """Greedy decode steps one forward may take (`Scheduler.lookahead`), or "auto"; settable."""
+        return self._decode_steps
 
     @decode_steps.setter
-    def decode_steps(self, steps: int) -> None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"decode_steps={steps!r}; expected an int >= 1")
-        self.scheduler.decode_steps = steps
+    def decode_steps(self, steps: int | str) -> None:
+        check_decode_steps(steps)
+        self._decode_steps = steps
+        self.scheduler.decode_steps = 1 if steps == "auto" else steps
+        if steps == "auto" and self._token_s is not None:
+            self._auto_steps(self._token_s)
+
+    def _auto_steps(self, token_s: float) -> None:
+        """decode_steps="auto": a decode step took `token_s` seconds a token -> its recent mean,
+        and the lookahead steps that fit in `LOOKAHEAD_BUDGET_S` by it."""
+        m = token_s if self._token_s is None else self._token_s + 0.2 * (token_s - self._token_s)
+        self._token_s = m
+        self.scheduler.decode_steps = max(1, min(AUTO_DECODE_STEPS, int(LOOKAHEAD_BUDGET_S / m)))
 
     @property
     def tp_ranks(self):
@@ -395,9 +422,16 @@ class Engine:
         """One engine step -> the outputs of the requests that produced a token or finished in it."""
         # new requests queued, aborts applied
         outputs = self.take_submissions() if self._submitted or self._aborted else []
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()  # host only: who runs, how many tokens, their pages
         result = self.runner.run(plan)  # the device: one forward, sampling
-        return outputs + self.book(plan, result)  # tokens appended, stops, finished requests dropped
+        outputs += self.book(plan, result)  # tokens appended, stops, finished requests dropped
+        seconds = time.perf_counter() - t0
+        if self.speculator is not None:  # (its proposal lengths weigh a row's cost)
+            self.speculator.timed(plan, seconds)
+        if self._decode_steps == "auto" and plan.decodes and not (plan.prefills or plan.verifies):
+            self._auto_steps(seconds / plan.steps)
+        return outputs
 
     def book(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """Book a step's results (`Scheduler.update`): finished completions leave the live table,

@@ -298,36 +298,44 @@ class ModelRunner:
             starts.append(r.num_computed)
             chunks.append(r.token_slice(r.num_computed, r.num_computed + 1) + props)
             ids.append(r.seq_id)
+        padded = 0  # the decode rows, padded to their bucket: the chunks' rows come after them
         if dec:
-            tokens, positions, step, last = self.backend.mixed_inputs(*self._decode_rows(dec), ids, chunks,
-                                                                      starts)
+            dec_rows = self._decode_rows(dec)
+            padded = len(dec_rows[0])
+            tokens, positions, step, _ = self.backend.mixed_inputs(*dec_rows, ids, chunks, starts)
         else:
             # a one-token step padded to `min_prefill_tokens` (cpp: two): the compiled prefill graph
             # computes every step (eager ops would round each output to a half-precision model's
             # dtype where the graph keeps fp32, so the same token would get other numbers than in
             # a longer step)
-            tokens, positions, step, last = self.backend.prefill_inputs(ids, chunks, starts,
+            tokens, positions, step, _ = self.backend.prefill_inputs(ids, chunks, starts,
                                                                         self.min_prefill_tokens)
-        # the plan's sampled chunks (those that end their request's tokens and generate)
+        # the rows whose logits are wanted, in order: the decode rows, the plan's sampled chunks'
+        # last tokens (those that end their request's tokens and generate), the prompt positions to
+        # score, every row of each verify chunk; all of them, in order, from a step of verifies
+        # alone (-> no index)
+        # (each chunk's first row, as `last` places its last one: after the padded decode rows)
+        first = list(itertools.accumulate((len(c) for c in chunks[:-1]), initial=padded))
+        ends = [f + len(c) - 1 for f, c in zip(first, chunks)]
         done = [i for i, (r, n) in enumerate(pre) if r.reaches_end(n) and r.params.max_new_tokens > 0]
-        at = torch.cat([torch.arange(len(dec)), torch.tensor(done, dtype=torch.long)]).to(last.device)
-        at[len(dec):] = last.index_select(0, at[len(dec):])
-        K = at.shape[0]
-        if scored:  # row index of each prompt position to score: its chunk's first token + offset
+        rows = list(range(len(dec))) + [ends[i] for i in done]
+        K = len(rows)
+        if scored:  # row index of each prompt position to score: its chunk's first row + offset
             chunk = {id(r): j for j, (r, _) in enumerate(pre)}
-            first = last.cpu()[: len(pre)] - torch.tensor([n - 1 for _, n in pre])
-            rows = [int(first[chunk[id(r)]]) + p - starts[chunk[id(r)]] for r, ps in scored for p in ps]
-            at = torch.cat([at, torch.tensor(rows, device=at.device)])
-        S = at.shape[0]
+            rows += [first[chunk[id(r)]] + p - starts[chunk[id(r)]] for r, ps in scored for p in ps]
+        S = len(rows)
         if verifies:  # every row of each verify chunk
-            ends = last.cpu()[len(pre):].tolist()
-            rows = [e - len(p) + i for e, (_, p) in zip(ends, verifies) for i in range(len(p) + 1)]
-            at = torch.cat([at, torch.tensor(rows, device=at.device)])
+            rows += [e - len(p) + i for e, (_, p) in zip(ends[len(pre):], verifies)
+                     for i in range(len(p) + 1)]
+        at = (None if rows == list(range(tokens.shape[1]))
+              else torch.tensor(rows, dtype=torch.long, device=tokens.device))
         kind = "mixed" if dec else "prefill"
         if self._prefill is None or tokens.shape[1] < 2:  # 1 token (flex, gather): run eagerly
             logits = self._timed(kind, self.model, tokens, positions, step, logits_at=at)
         else:
             logits = self._timed(kind, self._prefill_logits, tokens, positions, step, at)
+        if at is None:  # [1, T, V]
+            logits = logits[0]
         return logits[:K], (logits[K:S] if scored else None), (logits[S:] if verifies else None)
 
     def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, step, at: torch.Tensor

@@ -20,16 +20,22 @@ How a step runs, piece by piece:
   (EOS, stop tokens, max_new_tokens truncate mid-proposal as they would without speculation), then
   the request's length rolls back to the tokens whose keys are valid (`PageManager.truncate`):
   pages wholly past it go back to the pool, and the next step overwrites a partial page's tail.
-- Switching itself off: a request whose last n-gram has no earlier match proposes nothing and
-  decodes as usual (no verify overhead); a request whose proposals keep being rejected backs off:
-  after a verify that kept fewer than `WORTH` proposals it skips speculation for its back-off,
-  which then doubles (1, 2, 4, ... up to `MAX_BACKOFF` decode steps); a verify that kept more
-  halves it, so that an occasional lucky proposal in free sampled text does not bring every
-  step's verify back.
+- How many to propose (`Speculator.plan`, `proposal_length`): each request proposes the k that
+  maximizes its expected tokens per step second. A verify of k proposals gives 1 + a + a^2 + ...
+  + a^k tokens for a per-proposal acceptance a (the request's recent verifies' kept / (kept +
+  rejections), decayed, from a prior of 1/2), and costs (fixed + per_row * k) plain decode steps
+  (`StepCost`: the engine's recent decode and verify steps, timed; on the default fp32 model a
+  verify costs ~1.5 decode steps plus ~1/8 of one per proposal, on a 135M bf16 model ~1 and
+  ~1/50). Where no k pays (k = 0), the request decodes plainly for a back-off (1, 2, 4, ... up to
+  `MAX_BACKOFF` decode steps) and then probes with one proposal; a request whose last n-gram has
+  no earlier match proposes nothing and decodes as usual. A seeded request weighs k by the prior
+  costs (`PRIOR_VERIFY_COST`), not the timed ones: its proposals, and so its tokens, do not depend
+  on the machine's timing.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from dataclasses import dataclass
@@ -40,11 +46,81 @@ import torch
 from fms_paged.engine.sampling import greedy, probabilities
 
 METHODS = ("ngram", "draft_model")
-# the most decode steps a request whose proposals were all rejected skips speculation for
+# the most decode steps a request that finds no proposal length worth its rows waits before probing
 MAX_BACKOFF = 64
-# the proposals a verify must keep to pay for itself: on a 2-vCPU CPU a verify of 8 proposals costs
-# 2-3 decode steps of the default model (`make bench-spec`)
-WORTH = 2
+# a verify's per-proposal acceptance before any is measured, and the weight of its prior (pseudo
+# counts of kept and rejected proposals); a request's counts decay by DECAY per verify, so that its
+# acceptance follows the text it is in now
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DECAY = 0.5, 2.0, 0.7
+# a verify step's seconds against a plain decode step's of the same rows before the engine has
+# timed both, and always for seeded requests (deterministic proposals): (fixed, per proposal)
+PRIOR_VERIFY_COST = (1.3, 0.1)
+
+
+def proposal_length(acceptance: float, cost: tuple[float, float], k_max: int) -> int:
+    """The number of proposals k in 0 .. k_max that maximizes the expected tokens per step second
+    E(k) / (fixed + per_row * k): E(k) = 1 + a + ... + a^k, the tokens a verify of k proposals
+    gives when each is kept with probability a (acceptance) once those before it were (a geometric
+    run, as in the speculative decoding papers' analysis); cost = (fixed, per_row), a verify
+    step's seconds against a plain decode step's (`StepCost.verify_cost`). 0: no k pays for its
+    cost (a plain decode step: 1 token for 1)."""
+    fixed, per_row = cost
+    best, best_gain, tokens, term = 0, 1.0, 1.0, 1.0
+    for k in range(1, k_max + 1):
+        term *= acceptance
+        tokens += term
+        gain = tokens / (fixed + per_row * k)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
+
+
+class StepCost:
+    """Seconds of the engine's steps that run no prefill, by kind (plain decode, a lookahead call's
+    seconds per step, or with verifies)
+    and rows (decode rows plus every verified row): each row count's seconds averaged over recent
+    steps (the lower of its first two, then exponentially with an outlier clipped at 4x: a first
+    step of a shape may pay a one-time cost), and a verify step's seconds as a line in its rows
+    (least squares over the row counts seen, refitted every `REFIT` verify steps and when a row
+    count's first two timings come in)."""
+
+    SMOOTHING, REFIT = 0.2, 8
+
+    def __init__(self):
+        self._mean: dict[bool, dict[int, float]] = {False: {}, True: {}}
+        self._seen: dict[tuple[bool, int], int] = {}
+        self._line: tuple[float, float] | None = None  # verify seconds = a + b * rows
+        self._since = 0
+
+    def observe(self, verifying: bool, rows: int, seconds: float) -> None:
+        means, key = self._mean[verifying], (verifying, rows)
+        n = self._seen[key] = self._seen.get(key, 0) + 1
+        m = means.get(rows)
+        means[rows] = seconds if m is None else min(m, seconds) if n == 2 else m + self.SMOOTHING * (
+            min(seconds, 4 * m) - m)
+        self._since += verifying
+        if verifying and (n <= 2 or self._since >= self.REFIT):  # (a new or corrected row count: now)
+            self._line, self._since = self._fit(), 0
+
+    def _fit(self) -> tuple[float, float] | None:
+        pts = self._mean[True]
+        if len(pts) < 2:
+            return None
+        n = len(pts)
+        mx, my = sum(pts) / n, sum(pts.values()) / n
+        sxx = sum((x - mx) ** 2 for x in pts)
+        b = max(0.0, sum((x - mx) * (y - my) for x, y in pts.items()) / sxx)
+        return my - b * mx, b
+
+    def verify_cost(self, rows: int) -> tuple[float, float] | None:
+        """A step of `rows` plain decode rows plus k verified rows costs about (fixed + per_row *
+        k) plain decode steps of `rows` rows -> (fixed, per_row), or None until a plain step of that
+        many rows and verify steps of two row counts were timed."""
+        plain = self._mean[False].get(rows)
+        if self._line is None or not plain:
+            return None
+        a, b = self._line
+        return max(1.0, (a + b * rows) / plain), b / plain
 
 
 class SpeculativeConfigError(ValueError):
@@ -170,11 +246,19 @@ class NgramIndex:
 
 @dataclass
 class _State:
-    """A request's speculation state: its n-gram index and its back-off."""
+    """A request's speculation state: its n-gram index, its decayed counts of kept and rejected
+    proposals, and its back-off."""
 
     index: NgramIndex
+    kept: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+    rejected: float = (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
     skip: int = 0  # decode steps left without speculation
     wait: int = 1  # the next back-off's length
+    probe: bool = False  # a back-off ended: the next step proposes one token even so
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / (self.kept + self.rejected)
 
 
 class Speculator:
@@ -185,6 +269,7 @@ class Speculator:
         self.config = config
         self.draft = draft  # method "draft_model": its `fms_paged.engine.draft.DraftModel`
         self._state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.cost = StepCost()
         self.reset_totals()
 
     def reset_totals(self) -> None:
@@ -206,6 +291,7 @@ class Speculator:
         them in one batch."""
         c, taken = self.config, 0
         asks = []  # (draft_model) requests and their k
+        timed = self.cost.verify_cost(sum(n for _, n in plan.scheduled)) or PRIOR_VERIFY_COST
         for r, n in plan.scheduled:
             if budget <= 0:
                 break
@@ -217,9 +303,15 @@ class Speculator:
             elif state.skip > 0:
                 state.skip -= 1
                 continue
-            k = min(c.num_speculative_tokens, budget, r.params.max_new_tokens - len(r.output) - 1)
-            if k <= 0:
+            k_max = min(c.num_speculative_tokens, budget, r.params.max_new_tokens - len(r.output) - 1)
+            if k_max <= 0:
                 continue
+            k = proposal_length(state.acceptance, timed if r.generator is None else PRIOR_VERIFY_COST, k_max)
+            if k == 0 and not state.probe:  # back off, then probe with one proposal
+                state.skip, state.wait, state.probe = state.wait, min(2 * state.wait, MAX_BACKOFF), True
+                continue
+            state.probe = False
+            k = max(k, 1)
             if self.draft is not None:  # (it proposes k: the pages of k slots)
                 base = r.num_computed + 1
                 need = pm.pages_needed(r.seq_id, base + k) - pm.pages_needed(r.seq_id, base)
@@ -247,15 +339,25 @@ class Speculator:
             self.draft.release(req)
 
     def observe(self, req, proposed: int, accepted: int) -> None:
-        """A verify of `req` kept `accepted` of its `proposed` tokens: totals and its back-off."""
+        """A verify of `req` kept `accepted` of its `proposed` tokens: totals, its acceptance (each
+        kept proposal a success; the first rejected one, if any, a failure) and its back-off."""
         self.num_verifies += 1
         self.num_proposed += proposed
         self.num_accepted += accepted
         state = self._state[req]
-        if accepted >= WORTH:
-            state.skip, state.wait = 0, max(1, state.wait // 2)
-            return
-        state.skip, state.wait = state.wait, min(2 * state.wait, MAX_BACKOFF)
+        state.kept = DECAY * state.kept + accepted
+        state.rejected = DECAY * state.rejected + (accepted < proposed)
+        if accepted:
+            state.wait = max(1, state.wait // 2)
+
+    def timed(self, plan, seconds: float) -> None:
+        """An engine step of `plan` took `seconds` (its schedule, forward and booking): a decode
+        or verify step (no prefill) joins the step costs. Lookahead decode steps count per step:
+        where they run (`Engine(decode_steps=)`), a verify competes with them, not with one-token
+        steps."""
+        if plan.scheduled and not plan.prefills:
+            rows = len(plan.decodes) + sum(len(p) + 1 for _, p in plan.verifies)
+            self.cost.observe(bool(plan.verifies), rows, seconds / plan.steps)
 
     def metrics(self) -> dict:
         """Acceptance rate (accepted / proposed tokens) and the mean accepted proposals per verify
@@ -287,16 +389,13 @@ def verify(logits: torch.Tensor, verifies) -> list[list[int]]:
     k uniforms, then one token, from its own generator: the same proposals give the same tokens.
     One host sync for the greedy rows and one per sampled request."""
     out: list[list[int]] = [[] for _ in verifies]
-    offsets = np.cumsum([0] + [len(p) + 1 for _, p in verifies]).tolist()
-    greedy_rows = [i for i, (r, _) in enumerate(verifies) if r.params.temperature == 0]
-    if greedy_rows:
-        idx = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in greedy_rows]).to(logits.device)
-        best = greedy(logits.index_select(0, idx)).tolist()
-        at = 0
-        for i in greedy_rows:
-            props = verifies[i][1]
-            target = best[at : at + len(props) + 1]
-            at += len(props) + 1
+    offsets = list(itertools.accumulate((len(p) + 1 for _, p in verifies), initial=0))
+    if any(r.params.temperature == 0 for r, _ in verifies):
+        best = greedy(logits).tolist()  # (every row: fewer calls than picking the greedy ones)
+        for i, (r, props) in enumerate(verifies):
+            if r.params.temperature != 0:
+                continue
+            target = best[offsets[i] : offsets[i + 1]]
             a = 0
             while a < len(props) and props[a] == target[a]:
                 a += 1

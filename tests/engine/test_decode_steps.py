@@ -6,6 +6,7 @@ back in the pool at the end."""
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -53,6 +54,31 @@ def test_lookahead_steps_equal_dense_alone_under_page_pressure(models):
     assert eight == one and eight_reasons == one_reasons == ["length"] * len(eight)
     for toks, (prompt, n) in zip(eight[len(special):], reqs):
         assert toks == generate(dense, [prompt], n, eos_id=None)[0]
+
+
+def test_auto_steps_fit_the_lookahead_budget(models, monkeypatch):
+    """decode_steps="auto" (the default): a micro model's decode step takes ~1 ms, so lookahead
+    steps run (outputs of several tokens) and give dense generate()'s tokens; with the budget below
+    any step's time, every output carries one token. The steps chosen are the budget over the
+    engine's mean decode token step, 1 to AUTO_DECODE_STEPS."""
+    import fms_paged.engine.engine as engine_module
+
+    dense, paged = models
+    cpu_only(paged, "the cpp kernel's one-call steps")
+    rng = random.Random(4)
+    reqs = [(random_prompt(rng, rng.randint(1, 30)), 40) for _ in range(3)]
+    want = [generate(dense, [p], n, eos_id=None)[0] for p, n in reqs]
+    for budget, lookahead in ((engine_module.LOOKAHEAD_BUDGET_S, True), (1e-7, False)):
+        monkeypatch.setattr(engine_module, "LOOKAHEAD_BUDGET_S", budget)
+        eng = engine(paged, max_num_seqs=4, decode_steps="auto")  # (the default; the helper sets 1)
+        assert inspect.signature(Engine).parameters["decode_steps"].default == eng.decode_steps == "auto"
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in reqs]
+        got, _, multi = lookahead_outputs(eng)
+        assert [got[i] for i in ids] == want
+        assert (multi > 0) == lookahead, (budget, multi)
+        steps = eng.scheduler.decode_steps
+        assert steps == max(1, min(engine_module.AUTO_DECODE_STEPS, int(budget / eng._token_s)))
+        assert (steps > 1) == lookahead
 
 
 def test_lookahead_steps_stop_where_one_token_steps_stop(models):

@@ -30,8 +30,11 @@ def cpu_only(model, why: str) -> None:
 
 
 def engine(paged, **kw) -> Engine:
+    """An engine for the tests: one-token steps (decode_steps=1) unless asked, since the tests count
+    steps and per-token latencies; lookahead steps, and the default "auto", are tested by
+    tests/engine/test_decode_steps.py and test_families.py."""
     opts = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=24, compile=False,
-                max_model_len=MAX_LEN, kernel=kernel_for(paged))
+                max_model_len=MAX_LEN, kernel=kernel_for(paged), decode_steps=1)
     opts.update(kw)
     return Engine(paged, **opts)
 

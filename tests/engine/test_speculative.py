@@ -25,7 +25,15 @@ from scipy.stats import chi2
 from fms_paged import Engine, SamplingParams, generate, get_model
 from fms_paged.engine.draft import DraftModelError
 from fms_paged.engine.request import Request
-from fms_paged.engine.speculative import NgramIndex, SpeculativeConfig, SpeculativeConfigError, ngram_propose
+from fms_paged.engine.speculative import (
+    PRIOR_VERIFY_COST,
+    NgramIndex,
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    StepCost,
+    ngram_propose,
+    proposal_length,
+)
 from fms_paged.kv.page_manager import PageManager
 from fms_paged.kv.paged import model_groups
 from tests.conftest import HF_FAMILIES, make_hf_family
@@ -138,6 +146,55 @@ def test_ngram_lookup_equals_brute_force():
             assert index.propose(req, k) == brute_force_lookup(req.prompt + req.output, k, hi, lo)
             req.output += [rng.randrange(3) for _ in range(rng.randint(1, 3))]
     assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3, 3, 1) == [7, 1, 2]  # the last match
+
+
+# ------------------------------------------------------------------ how many to propose
+def test_proposal_length_maximizes_tokens_per_cost():
+    """Hand-computed cases of E(k) / (fixed + per_row * k), E(k) = 1 + a + ... + a^k: a = 0.75 at
+    (1, 0.25): k = 1..4 give 1.400, 1.542, 1.563, 1.525 -> 3; a = 0.9 at (1, 0.01): rising up to
+    k_max; a verify as dear as two decode steps never pays at a = 0.5 (E < 2); nothing is kept
+    at a = 0; k never passes k_max."""
+    assert proposal_length(0.75, (1.0, 0.25), 8) == 3
+    assert proposal_length(0.9, (1.0, 0.01), 8) == 8
+    assert proposal_length(0.9, (1.0, 0.01), 5) == 5
+    assert proposal_length(0.5, (2.0, 0.0), 8) == 0
+    assert proposal_length(0.0, (1.0, 0.0), 8) == 0
+    assert proposal_length(0.2, PRIOR_VERIFY_COST, 8) == 0  # (1.2 / 1.4 < 1)
+
+
+def test_step_cost_fits_verify_steps_against_plain_ones():
+    """Plain decode steps of 1 row at 1.0 s, verify steps on the line 1.0 + 0.25 * rows: a verify
+    of k proposals beside 1 decode row costs 1.25 + 0.25 k decode steps. A row count's first
+    timing is replaced by a lower second one (a first step's one-time cost), later ones are
+    averaged."""
+    cost = StepCost()
+    assert cost.verify_cost(1) is None
+    for _ in range(2):
+        cost.observe(False, 1, 1.0)
+        cost.observe(True, 2, 1.5)
+    assert cost.verify_cost(1) is None  # one verify row count: no line yet
+    cost.observe(True, 6, 10.0)  # a first step of 6 rows paying a one-time cost ...
+    cost.observe(True, 6, 2.5)  # ... and its next
+    cost.observe(True, 4, 2.0)
+    fixed, per_row = cost.verify_cost(1)
+    assert fixed == pytest.approx(1.25) and per_row == pytest.approx(0.25)
+    assert cost.verify_cost(3) is None  # no plain step of 3 rows timed
+
+
+def test_rejected_proposals_switch_speculation_off(models):
+    """Sampled text (temperature 1.5, seeded) after a repeating prompt, with 1-grams looked up:
+    nearly every step finds a proposal, and nearly every proposal is rejected (its chance is the
+    target's probability of that token). A request whose proposals do not pay backs off, probing
+    with one proposal after 1, 2, 4, ... 64 plain steps: fewer than 1 verify per 5 tokens over 200
+    tokens (each step would verify without it), and the pool is whole at the end."""
+    _, paged = models
+    eng = engine(paged, speculative=NGRAM)
+    rid = eng.add_request([5, 6, 7, 8] * 8, SamplingParams(max_new_tokens=200, temperature=1.5, seed=3,
+                                                           ignore_eos=True))
+    got, _ = step_all(eng, check_pool)
+    m = eng.metrics()
+    assert len(got[rid]) == 200 and m["kv_pages_used"] == 0
+    assert 0 < m["spec_verifies"] < 40 and m["spec_acceptance_rate"] < 0.3, m
 
 
 # ------------------------------------------------------------------ the page manager's rollback
