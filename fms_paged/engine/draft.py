@@ -26,6 +26,7 @@ proposals are kept.
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -77,6 +78,10 @@ class DraftModel:
         self.pm = self.backend.pm
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # over the draft's life: `propose` calls, the requests they proposed for, and their host
+        # wall seconds (what the draft costs a step: `fms_paged.bench.speculative` reports it)
+        self.calls = self.asked = 0
+        self.seconds = 0.0
 
     def release(self, req) -> None:
         """The request left the target's rows (finished, aborted, preempted): its draft row and
@@ -128,12 +133,19 @@ class DraftModel:
                 out[i] = toks
         return out
 
-    @torch.inference_mode()
     def propose(self, asks: list[tuple[object, int]]) -> list[list[int]]:
         """asks: (request, k) pairs, each request decoding (its last token not yet computed by the
         target) -> k greedy proposals of the draft for each."""
         if not asks:
             return []
+        t0 = time.perf_counter()
+        out = self._propose(asks)
+        self.calls, self.asked = self.calls + 1, self.asked + len(asks)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    @torch.inference_mode()
+    def _propose(self, asks: list[tuple[object, int]]) -> list[list[int]]:
         ids, chunks, starts, cut_ids, cut_lens = [], [], [], [], []
         for req, _ in asks:
             state = self._rows.get(req)
