@@ -15,10 +15,13 @@ back), and catches up on the tokens it has not seen (the target's bonus token, t
 steps it did not speculate). Where the draft's kernel runs greedy decode steps in one call
 (`Kernel.decodes_in_one_call`: the cpp kernel, our models), the tokens before the request's last
 go in one chunk (none, most steps: the bonus token is the last) and one `Kernel.decode_greedy`
-call of k steps from the last token gives the k proposals, with no return to Python between
-them. Elsewhere (the fallback) the whole catch-up goes in one chunk, whose last logits give the
-first proposal, and k - 1 one-token forwards give the others. Either way the row then holds the
-request's tokens and the first k - 1 proposals. Greedy outputs stay exactly non-speculative
+call of k + 1 steps from the last token gives the k proposals, with no return to Python between
+them; the step past them computes the last proposal's keys and values, so that a verify that
+keeps every proposal leaves the row nothing but the bonus token to catch up on (one draft
+decode step, cheaper than the one-token forward it saves). The row then holds the request's
+tokens and the k proposals. Elsewhere (the fallback) the whole catch-up goes in one chunk, whose
+last logits give the first proposal, and k - 1 one-token forwards give the others: the row holds
+the request's tokens and the first k - 1 proposals. Greedy outputs stay exactly non-speculative
 greedy's whatever the draft proposes (`speculative.verify`); the draft only decides how many
 proposals are kept.
 """
@@ -110,27 +113,29 @@ class DraftModel:
 
     def _propose_in_one_call(self, ids: list[int], chunks: list[list[int]], starts: list[int],
                              ks: list[int]) -> list[list[int]]:
-        """The tokens before each chunk's last in one forward (rows with any), then `ks[i]` greedy
-        decode steps of row `ids[i]` from its chunk's last token in one `decode_greedy` call per
-        distinct k -> each row's proposals. Called where `one_call()`."""
+        """The tokens before each chunk's last in one forward (rows with any), then `ks[i]` + 1
+        greedy decode steps of row `ids[i]` from its chunk's last token in one `decode_greedy`
+        call per distinct k -> each row's k proposals (the row computed them all). Called where
+        `one_call()`."""
         kernel, view = self.backend.kernel, self.backend.view
         behind = [i for i, c in enumerate(chunks) if len(c) > 1]
         if behind:
             self._forward([ids[i] for i in behind], [chunks[i][:-1] for i in behind],
                           [starts[i] for i in behind])
         ends = [s + len(c) for s, c in zip(starts, chunks)]  # each request's length L
-        self._reserve(ids, [L - 1 + k for L, k in zip(ends, ks)])  # (slots of positions L - 1 .. L + k - 2)
+        self._reserve(ids, [L + k for L, k in zip(ends, ks)])  # (slots of positions L - 1 .. L + k - 1)
         out: list[list[int]] = [[] for _ in ids]
         for k in sorted(set(ks)):
             rows = [i for i, ki in enumerate(ks) if ki == k]
             last = torch.tensor([chunks[i][-1] for i in rows])  # [B]: each row's last token
             at = torch.tensor([ends[i] - 1 for i in rows])  # [B]: its position
-            got = kernel.decode_greedy(self.model, last, at, torch.tensor([ids[i] for i in rows]), view, k)
+            seqs = torch.tensor([ids[i] for i in rows])
+            got = kernel.decode_greedy(self.model, last, at, seqs, view, k + 1)  # [B, k + 1]
             if got is None:
                 raise RuntimeError("the draft's proposals were asked of one decode_greedy call where its "
                                    "kernel cannot make it (DraftModel.one_call)")
             for i, toks in zip(rows, got.tolist()):
-                out[i] = toks
+                out[i] = toks[:k]
         return out
 
     def propose(self, asks: list[tuple[object, int]]) -> list[list[int]]:
@@ -171,7 +176,7 @@ class DraftModel:
         if self.one_call():
             out = self._propose_in_one_call(ids, chunks, starts, [k for _, k in asks])
             for (req, _), props in zip(asks, out):
-                self._rows[req].fed = props[:-1]
+                self._rows[req].fed = props
             return out
         out = [[t] for t in self._forward(ids, chunks, starts)]
         for step in range(1, max(k for _, k in asks)):
