@@ -59,12 +59,12 @@ bench-spec: install
 	$(PY) -m fms_paged.bench.speculative --out results/bench-spec $(BENCH_ARGS)
 
 # the same with a trained draft for the default model: `scripts/make_default_model.py --draft` trains
-# it (offline, ~5-8 minutes on 2 cores) into DRAFT_MODEL when it is not there yet
+# it (offline; one thread, ~10 minutes on a loaded 2-core machine) into DRAFT_MODEL when it is not there
 DRAFT_MODEL ?= results/draft-model
 bench-spec-draft: install
-	test -f $(DRAFT_MODEL)/card.json || $(PY) scripts/make_default_model.py --draft --out $(DRAFT_MODEL)
-	$(PY) -m fms_paged.bench.speculative --draft $(DRAFT_MODEL) --num-speculative-tokens 4 \
-		--out results/bench-spec-draft $(BENCH_ARGS)
+	test -f $(DRAFT_MODEL)/card.json || $(PY) scripts/make_default_model.py --draft --threads 1 --out $(DRAFT_MODEL)
+	$(PY) -m fms_paged.bench.speculative --draft $(DRAFT_MODEL) --num-speculative-tokens 3 \
+		--new-tokens 128 --repeats 5 --out results/bench-spec-draft $(BENCH_ARGS)
 
 bench-families: install
 	$(PY) -m fms_paged.bench.families --out results/bench-families $(BENCH_ARGS)

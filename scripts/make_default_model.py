@@ -60,8 +60,9 @@ FULL = dict(
 )
 # --draft: a draft for the committed model (speculative decoding), its tokenizer copied; one decode step
 # reads ~1/4 of the committed model's weights (0.82M of its 3.28M parameters past the embedding: 2
-# layers of 128 and a 4096 x 128 head). Measured on the 2-core machine: ~3.5 steps/s with one thread
-# beside other jobs, so 1500 steps + evaluation take ~8 minutes.
+# layers of 128 and a 4096 x 128 head: 0.11 ms a decode step against its 0.31-0.36 on one thread).
+# Measured with --threads 1 on the 2-core machine beside other jobs (load average ~4): 2.4 steps/s,
+# 1500 steps + evaluation in 10.5 minutes; 2 threads on that loaded machine ran 3.5x slower.
 DRAFT = dict(
     model=dict(emb_dim=128, nheads=4, kvheads=2, nlayers=2, hidden_grow_factor=2.0, multiple_of=32,
                max_expected_seq_len=2048),
