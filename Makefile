@@ -42,7 +42,7 @@ clean:
 # them). The default scale is automatic: 1.0 on CUDA, smaller on CPU/MPS; on a 2-core CPU
 # bench-llama-paged takes 1-3 minutes and bench-serve under 10.
 BENCH_ARGS ?=
-.PHONY: bench-llama bench-llama-paged bench-spec bench-families bench-kv bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp bench-native bench-load-memory
+.PHONY: bench-llama bench-llama-paged bench-spec bench-spec-draft bench-families bench-kv bench-ppl bench-fidelity bench-serve bench-http bench-structured bench-tp bench-native bench-load-memory
 
 # latency, peak memory and perplexity against the sequence length: the dense LLaMA with and without its cache
 bench-llama: install
@@ -57,6 +57,14 @@ bench-llama-paged: install
 # speculative decoding (prompt lookup) against plain decoding, one stream on the default model (~3 minutes)
 bench-spec: install
 	$(PY) -m fms_paged.bench.speculative --out results/bench-spec $(BENCH_ARGS)
+
+# the same with a trained draft for the default model: `scripts/make_default_model.py --draft` trains
+# it (offline; one thread, ~10 minutes on a loaded 2-core machine) into DRAFT_MODEL when it is not there
+DRAFT_MODEL ?= results/draft-model
+bench-spec-draft: install
+	test -f $(DRAFT_MODEL)/card.json || $(PY) scripts/make_default_model.py --draft --threads 1 --out $(DRAFT_MODEL)
+	$(PY) -m fms_paged.bench.speculative --draft $(DRAFT_MODEL) --num-speculative-tokens 3 \
+		--new-tokens 128 --repeats 5 --out results/bench-spec-draft $(BENCH_ARGS)
 
 bench-families: install
 	$(PY) -m fms_paged.bench.families --out results/bench-families $(BENCH_ARGS)

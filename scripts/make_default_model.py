@@ -4,6 +4,11 @@ running interpreter's own standard library source (offline on any machine with P
 
     python scripts/make_default_model.py                 # the committed model (~12 min, 2 CPU cores)
     python scripts/make_default_model.py --tiny --steps 3 --out /tmp/m   # a seconds-long smoke run
+    python scripts/make_default_model.py --draft --out results/draft-model  # a draft for it (~5 min)
+
+--draft trains a smaller model (2 layers of 128) the same way on the same data, with the committed
+model's tokenizer copied, not retrained (--tokenizer-from): the same token ids, so that it can propose
+tokens for that model in speculative decoding (`Engine(speculative={"method": "draft_model", ...})`).
 
 Deterministic given --seed and --steps (fixed data order, fixed init, fixed step count; the optional
 --minutes is a safety stop that breaks that promise if it triggers). Writes, in Hugging Face LLaMA
@@ -53,6 +58,17 @@ FULL = dict(
     seq_len=256, batch_size=8, train_chars=None, tokenizer_chars=4_000_000, eval_chars=200_000,
     eval_every=20, sample_tokens=64,
 )
+# --draft: a draft for the committed model (speculative decoding), its tokenizer copied; one decode step
+# reads ~1/4 of the committed model's weights (0.82M of its 3.28M parameters past the embedding: 2
+# layers of 128 and a 4096 x 128 head: 0.11 ms a decode step against its 0.31-0.36 on one thread).
+# Measured with --threads 1 on the 2-core machine beside other jobs (load average ~4): 2.4 steps/s,
+# 1500 steps + evaluation in 10.5 minutes; 2 threads on that loaded machine ran 3.5x slower.
+DRAFT = dict(
+    model=dict(emb_dim=128, nheads=4, kvheads=2, nlayers=2, hidden_grow_factor=2.0, multiple_of=32,
+               max_expected_seq_len=2048),
+    seq_len=256, batch_size=8, train_chars=None, tokenizer_chars=None, eval_chars=50_000,
+    eval_every=20, sample_tokens=64, steps=1500,
+)
 # --tiny: a few seconds end to end, for the determinism test.
 TINY = dict(
     model=dict(emb_dim=32, nheads=2, kvheads=1, nlayers=1, hidden_grow_factor=2.0, multiple_of=16,
@@ -64,7 +80,9 @@ TINY = dict(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR, help="output directory")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output directory (default: the embedded default model's; --draft: "
+                        "results/draft-model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None,
                    help=f"optimizer steps (default {DEFAULT_STEPS}; --tiny: 3)")
@@ -80,8 +98,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch / sentencepiece threads")
     p.add_argument("--eval-chars", type=int, default=None, help="held-out chars for the card's ppl")
     p.add_argument("--tiny", action="store_true", help="tiny model on a small slice (smoke/determinism)")
+    p.add_argument("--draft", action="store_true",
+                   help="a draft model for speculative decoding: smaller, the tokenizer of --tokenizer-from "
+                        f"copied (default {DRAFT['steps']} steps)")
+    p.add_argument("--tokenizer-from", type=Path, default=None,
+                   help="copy tokenizer.model and tokenizer_config.json from this model directory instead of "
+                        "training a tokenizer (default with --draft: the embedded default model)")
     p.add_argument("--no-plot", action="store_true", help="skip loss_curve.png")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.draft and args.tiny:
+        p.error("--draft and --tiny are two presets; pass one")
+    if args.draft and args.tokenizer_from is None:
+        args.tokenizer_from = DEFAULT_MODEL_DIR
+    if args.out is None:
+        args.out = Path("results/draft-model") if args.draft else DEFAULT_MODEL_DIR
+    return args
 
 
 # ---------------------------------------------------------------- data + tokenizer
@@ -124,6 +155,18 @@ def train_tokenizer(files: list[Path], root: Path, out_dir: Path, vocab_size: in
     # flag; without it a sentencepiece-only checkpoint gets none)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
     return model_file
+
+
+def copy_tokenizer(src: Path, out_dir: Path) -> Path:
+    """The tokenizer of the model in `src` (tokenizer.model, tokenizer_config.json) copied into
+    `out_dir`, byte for byte: a model trained on it shares `src`'s token ids (a draft for it)."""
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        if not (src / name).is_file():
+            raise FileNotFoundError(f"--tokenizer-from {src}: no {name} there; expected a model directory "
+                                    "with a sentencepiece tokenizer (as this script writes)")
+        if (src / name).resolve() != (out_dir / name).resolve():
+            (out_dir / name).write_bytes((src / name).read_bytes())
+    return out_dir / "tokenizer.model"
 
 
 def encode_files(tok: Any, files: list[Path], max_chars: int | None) -> tuple[np.ndarray, int]:
@@ -251,8 +294,10 @@ def write_card(out: Path, card: dict) -> None:
                          f"{m['kvheads']} KV heads (GQA), SwiGLU {m['hidden_dim']}, RoPE, untied head"),
         ("parameters", f"{m['params']:,} ({m['file_mb']:.1f} MB safetensors, {m['dtype']})"),
         ("tokenizer", f"SentencePiece BPE, vocab {m['vocab_size']}, byte fallback, identity "
-                      f"normalization, whitespace kept; trained on {card['tokenizer']['sample_chars']:,} "
-                      "chars of the train split"),
+                      "normalization, whitespace kept; " + (
+                          f"copied from {card['tokenizer']['copied_from']}"
+                          if card["tokenizer"]["copied_from"]
+                          else f"trained on {card['tokenizer']['sample_chars']:,} chars of the train split")),
         ("training", f"{tr['steps']} AdamW steps x {tr['batch_size']} x {tr['seq_len']} tokens "
                      f"({tr['tokens_seen'] / 1e6:.2f}M tokens), lr {tr['lr']} cosine to "
                      f"{tr['lr'] * tr['min_lr_ratio']:g}, warmup {tr['warmup']}, seed {tr['seed']}"),
@@ -260,13 +305,22 @@ def write_card(out: Path, card: dict) -> None:
         ("final train loss", f"{tr['final_train_loss']:.3f} nats/token (mean of the last 50 steps)"),
     ]
     table = "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
-    readme = f"""# fms_paged default model
+    draft = card["preset"] == "draft"
+    intro = (f"""# fms_paged draft model
+
+A smaller LLaMA ({m['params'] / 1e6:.2f}M parameters) trained from scratch by
+`scripts/make_default_model.py --draft` as the default model was, on the same data, with the default
+model's tokenizer ({card['tokenizer']['copied_from']}) copied: the same token ids, so that it drafts for
+that model in speculative decoding (`Engine(speculative={{"method": "draft_model", "model": <this
+directory>, "num_speculative_tokens": 4}})`).""" if draft else f"""# fms_paged default model
 
 A small LLaMA ({m['params'] / 1e6:.2f}M parameters) and a SentencePiece tokenizer, trained from scratch
 by `scripts/make_default_model.py` so that perplexity, generation and benchmarks give meaningful numbers
-offline. It is stored in Hugging Face LLaMA format (`config.json`, `model.safetensors` in
-{m['dtype']}, `tokenizer.model`) and loads with `fms_paged.get_model()` (the default when no model is
-named) or `transformers.LlamaForCausalLM.from_pretrained` on this directory. It is a toy: it knows
+offline.""")
+    readme = f"""{intro} It is stored in Hugging Face LLaMA format (`config.json`, `model.safetensors` in
+{m['dtype']}, `tokenizer.model`) and loads with {"`fms_paged.get_model(model_path=...)`" if draft else
+"`fms_paged.get_model()` (the default when no model is named)"} or
+`transformers.LlamaForCausalLM.from_pretrained` on this directory. It is a toy: it knows
 Python-stdlib-flavoured code and nothing else.
 
 ## Corpus
@@ -309,7 +363,8 @@ from fms_paged import generate, get_model, load_tokenizer
 from fms_paged.models.registry import DEFAULT_MODEL_DIR
 model, tok = get_model(), load_tokenizer(DEFAULT_MODEL_DIR)
 ```
-Rebuild with `python scripts/make_default_model.py --seed {tr['seed']} --steps {tr['steps']}` (the defaults).
+Rebuild with `python scripts/make_default_model.py{' --draft' if draft else ''} --seed {tr['seed']}
+--steps {tr['steps']} --threads {tr['threads']}`.
 Deterministic given seed and steps on the same torch build and thread count ({tr['threads']}); other CPUs
 may differ in float round-off. The numbers above are in `card.json`; the tests
 (`tests/models/test_default_model.py`) recompute the held-out perplexity of the test slice, compare with
@@ -323,9 +378,9 @@ may differ in float round-off. The numbers above are in `card.json`; the tests
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    preset = TINY if args.tiny else FULL
-    args.steps = args.steps if args.steps is not None else (3 if args.tiny else DEFAULT_STEPS)
-    args.vocab_size = args.vocab_size or (400 if args.tiny else 4096)
+    preset = TINY if args.tiny else DRAFT if args.draft else FULL
+    if args.steps is None:
+        args.steps = 3 if args.tiny else preset.get("steps", DEFAULT_STEPS)
     args.batch_size = args.batch_size or preset["batch_size"]
     args.seq_len = args.seq_len or preset["seq_len"]
     eval_chars = args.eval_chars or preset["eval_chars"]
@@ -339,9 +394,17 @@ def main(argv: list[str] | None = None) -> dict:
     train_files, heldout_files = stdlib_files("train"), stdlib_files("heldout")
     print(f"corpus: {root} ({len(train_files)} train / {len(heldout_files)} held-out files)")
     tok_chars = preset["tokenizer_chars"]
-    model_file = train_tokenizer(train_files, root, out, args.vocab_size, tok_chars, args.threads)
-    tok = load_tokenizer(model_file)
-    assert tok.vocab_size == args.vocab_size, (tok.vocab_size, args.vocab_size)
+    if args.tokenizer_from is not None:  # the same token ids as that model's
+        tok = load_tokenizer(copy_tokenizer(args.tokenizer_from, out))
+        if args.vocab_size not in (None, tok.vocab_size):
+            raise ValueError(f"--vocab-size {args.vocab_size}; the tokenizer of --tokenizer-from "
+                             f"{args.tokenizer_from} has {tok.vocab_size}")
+        args.vocab_size = tok.vocab_size
+    else:
+        args.vocab_size = args.vocab_size or (400 if args.tiny else 4096)
+        model_file = train_tokenizer(train_files, root, out, args.vocab_size, tok_chars, args.threads)
+        tok = load_tokenizer(model_file)
+        assert tok.vocab_size == args.vocab_size, (tok.vocab_size, args.vocab_size)
     data_np, files_used = encode_files(tok, train_files, preset["train_chars"])
     heldout_np, _ = encode_files(tok, heldout_files, 200_000)
     data, heldout = torch.from_numpy(data_np), torch.from_numpy(heldout_np)
@@ -378,8 +441,10 @@ def main(argv: list[str] | None = None) -> dict:
                    "split_rule": f"sha1(relpath) % {HELDOUT_MODULUS} == 0 -> heldout",
                    "train_files": len(train_files), "heldout_files": len(heldout_files),
                    "train_files_used": files_used, "train_tokens": int(len(data))},
+        "preset": "tiny" if args.tiny else "draft" if args.draft else "default",
         "tokenizer": {"type": "sentencepiece-bpe", "vocab_size": args.vocab_size,
-                      "sample_chars": tok_chars},
+                      "sample_chars": None if args.tokenizer_from else tok_chars,
+                      "copied_from": str(args.tokenizer_from) if args.tokenizer_from else None},
         "model": {"params": params, "vocab_size": args.vocab_size, "emb_dim": config.emb_dim,
                   "nheads": config.nheads, "kvheads": config.kvheads, "nlayers": config.nlayers,
                   "hidden_dim": config.hidden_dim, "dtype": "float32",
@@ -405,7 +470,8 @@ def main(argv: list[str] | None = None) -> dict:
     write_card(out, card)
     if not args.no_plot:
         plot_curve(history, out / "loss_curve.png",
-                   f"default model: {params / 1e6:.2f}M params, {history['steps_done']} steps")
+                   f"{'draft' if args.draft else 'default'} model: {params / 1e6:.2f}M params, "
+                   f"{history['steps_done']} steps")
     print(f"wrote {out} in {(time.perf_counter() - t_start) / 60:.1f} min")
     return card
 

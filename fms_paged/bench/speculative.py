@@ -21,7 +21,10 @@ seconds (with --threads 1, what a loaded machine's time slicing does not inflate
 --draft: the "draft_model" method instead of prompt lookup, with the draft "self" (the target
 proposing for itself: every proposal accepted, what the mechanism costs when the draft costs as
 much as the target), "layers:N" (the target's first N layers with its embedding, final norm and
-head: a layer-skip draft of no training) or a checkpoint path of the same tokenizer.
+head: a layer-skip draft of no training) or a checkpoint path of the same tokenizer (`make
+bench-spec-draft`: the draft `scripts/make_default_model.py --draft` trains for the default model);
+each row then also gives what one proposal of k tokens cost the draft (`DraftModel.seconds` per
+request proposed for) against the target's time per token without speculation.
 Writes <out>/results.json and <out>/results.md.
 """
 
@@ -142,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         for eng in engines.values():  # warm: a first run of each
             run_once(eng, prompt, 16, temperature)
         engines[True].forget_totals()
+        draft = engines[True].speculator.draft
+        d0 = (draft.seconds, draft.asked) if draft is not None else None
         secs: dict = {on: [] for on in engines}
         cpu: dict = {on: [] for on in engines}
         outs: dict = {}
@@ -164,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             "same_tokens": outs[False] == outs[True] == outs["one"] if temperature == 0 else None,
             "sample": tok.decode(outs[True][:60]),
         })
+        if draft is not None:  # (host ms: one proposal of k tokens; the target's decode, per token)
+            rows[-1]["draft_ms"] = 1e3 * (draft.seconds - d0[0]) / max(1, draft.asked - d0[1])
+            rows[-1]["target_ms"] = 1e3 * moff / args.new_tokens
         print(f"{name}: {rows[-1]['off_tok_s']:.0f} -> {rows[-1]['on_tok_s']:.0f} tok/s "
               f"(x{rows[-1]['speedup']:.2f}), acceptance {m['spec_acceptance_rate']}", flush=True)
     env = environment_info(torch.device("cpu"))
@@ -176,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             ("acceptance rate", "acceptance_rate", ".2f"), ("proposed / verify", "mean_proposed", ".2f"),
             ("accepted / verify", "mean_accepted", ".2f"),
             ("verifies / token", "verifies_per_token", ".2f"), ("same tokens", "same_tokens", "")]
+    if args.draft is not None:
+        cols[-1:-1] = [("draft ms / proposal", "draft_ms", ".2f"),
+                       ("target ms / token (off)", "target_ms", ".2f")]
     method = (f"ngram, k={args.num_speculative_tokens}, n={args.prompt_lookup_min}..{args.prompt_lookup_max}"
               if args.draft is None else f"draft_model {args.draft}, k={args.num_speculative_tokens}")
     md = (f"## Speculative decoding ({method}), one stream, {args.new_tokens} new tokens, "

@@ -12,14 +12,24 @@ then `fed`, the proposals the draft computed after them (all but the last of its
 proposal the row keeps the longest prefix that still equals the request's tokens (the accepted
 proposals among `fed`), is truncated to it (`PageManager.truncate`: rejected proposals' pages go
 back), and catches up on the tokens it has not seen (the target's bonus token, the tokens of the
-steps it did not speculate) in one chunk, whose last logits give the first proposal; k - 1
-one-token steps give the others. Greedy outputs stay exactly non-speculative greedy's whatever
-the draft proposes (`speculative.verify`); the draft only decides how many proposals are kept.
+steps it did not speculate). Where the draft's kernel runs greedy decode steps in one call
+(`Kernel.decodes_in_one_call`: the cpp kernel, our models), the tokens before the request's last
+go in one chunk (none, most steps: the bonus token is the last) and one `Kernel.decode_greedy`
+call of k + 1 steps from the last token gives the k proposals, with no return to Python between
+them; the step past them computes the last proposal's keys and values, so that a verify that
+keeps every proposal leaves the row nothing but the bonus token to catch up on (one draft
+decode step, cheaper than the one-token forward it saves). The row then holds the request's
+tokens and the k proposals. Elsewhere (the fallback) the whole catch-up goes in one chunk, whose
+last logits give the first proposal, and k - 1 one-token forwards give the others: the row holds
+the request's tokens and the first k - 1 proposals. Greedy outputs stay exactly non-speculative
+greedy's whatever the draft proposes (`speculative.verify`); the draft only decides how many
+proposals are kept.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -71,6 +81,10 @@ class DraftModel:
         self.pm = self.backend.pm
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # over the draft's life: `propose` calls, the requests they proposed for, and their host
+        # wall seconds (what the draft costs a step: `fms_paged.bench.speculative` reports it)
+        self.calls = self.asked = 0
+        self.seconds = 0.0
 
     def release(self, req) -> None:
         """The request left the target's rows (finished, aborted, preempted): its draft row and
@@ -80,21 +94,63 @@ class DraftModel:
             self.pm.erase([state.row])
             self.free_rows.append(state.row)
 
+    def _reserve(self, ids: list[int], lengths: list[int]) -> None:
+        """Rows `ids` hold lengths[i] slots (their pages made ready)."""
+        self.backend.prepare_pages(self.pm.reserve(ids, lengths))
+
     def _forward(self, ids: list[int], chunks: list[list[int]], starts: list[int]) -> list[int]:
         """Append `chunks[i]` to row `ids[i]` from position `starts[i]` -> the draft's greedy next
         token after each chunk."""
-        res = self.pm.reserve(ids, [s + len(c) for s, c in zip(starts, chunks)])
-        self.backend.prepare_pages(res)
+        self._reserve(ids, [s + len(c) for s, c in zip(starts, chunks)])
         tokens, positions, step, last = self.backend.prefill_inputs(ids, chunks, starts, 2)
         logits = self.model(tokens, positions, step, logits_at=last)
         return logits.float().argmax(-1).tolist()
 
-    @torch.inference_mode()
+    def one_call(self) -> bool:
+        """Whether the proposals come from one `decode_greedy` call now (`Kernel.decodes_in_one_call`:
+        not while a first start's builds compile, nor on a kernel or model without it)."""
+        return self.backend.kernel.decodes_in_one_call(self.model, self.backend.view)
+
+    def _propose_in_one_call(self, ids: list[int], chunks: list[list[int]], starts: list[int],
+                             ks: list[int]) -> list[list[int]]:
+        """The tokens before each chunk's last in one forward (rows with any), then `ks[i]` + 1
+        greedy decode steps of row `ids[i]` from its chunk's last token in one `decode_greedy`
+        call per distinct k -> each row's k proposals (the row computed them all). Called where
+        `one_call()`."""
+        kernel, view = self.backend.kernel, self.backend.view
+        behind = [i for i, c in enumerate(chunks) if len(c) > 1]
+        if behind:
+            self._forward([ids[i] for i in behind], [chunks[i][:-1] for i in behind],
+                          [starts[i] for i in behind])
+        ends = [s + len(c) for s, c in zip(starts, chunks)]  # each request's length L
+        self._reserve(ids, [L + k for L, k in zip(ends, ks)])  # (slots of positions L - 1 .. L + k - 1)
+        out: list[list[int]] = [[] for _ in ids]
+        for k in sorted(set(ks)):
+            rows = [i for i, ki in enumerate(ks) if ki == k]
+            last = torch.tensor([chunks[i][-1] for i in rows])  # [B]: each row's last token
+            at = torch.tensor([ends[i] - 1 for i in rows])  # [B]: its position
+            seqs = torch.tensor([ids[i] for i in rows])
+            got = kernel.decode_greedy(self.model, last, at, seqs, view, k + 1)  # [B, k + 1]
+            if got is None:
+                raise RuntimeError("the draft's proposals were asked of one decode_greedy call where its "
+                                   "kernel cannot make it (DraftModel.one_call)")
+            for i, toks in zip(rows, got.tolist()):
+                out[i] = toks[:k]
+        return out
+
     def propose(self, asks: list[tuple[object, int]]) -> list[list[int]]:
         """asks: (request, k) pairs, each request decoding (its last token not yet computed by the
         target) -> k greedy proposals of the draft for each."""
         if not asks:
             return []
+        t0 = time.perf_counter()
+        out = self._propose(asks)
+        self.calls, self.asked = self.calls + 1, self.asked + len(asks)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    @torch.inference_mode()
+    def _propose(self, asks: list[tuple[object, int]]) -> list[list[int]]:
         ids, chunks, starts, cut_ids, cut_lens = [], [], [], [], []
         for req, _ in asks:
             state = self._rows.get(req)
@@ -117,6 +173,11 @@ class DraftModel:
             state.valid, state.fed = L, []
         if cut_ids:
             self.pm.truncate(cut_ids, cut_lens)
+        if self.one_call():
+            out = self._propose_in_one_call(ids, chunks, starts, [k for _, k in asks])
+            for (req, _), props in zip(asks, out):
+                self._rows[req].fed = props
+            return out
         out = [[t] for t in self._forward(ids, chunks, starts)]
         for step in range(1, max(k for _, k in asks)):
             live = [i for i, (_, k) in enumerate(asks) if k > step]

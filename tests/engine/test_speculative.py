@@ -487,18 +487,23 @@ def test_draft_config_errors(models):
         engine(paged, speculative=draft_spec(paged), tensor_parallel_size=2)
 
 
-def test_draft_equal_to_target_accepts_every_proposal(models):
+@pytest.mark.parametrize("kernel", ["default", "gather"])
+def test_draft_equal_to_target_accepts_every_proposal(kernel, models):
     """The target as its own draft, under preemption, chunked prefill and prefix hits: every
     proposal is accepted (acceptance rate exactly 1.0: the draft's pages, rollback and catch-up
     give it the target's logits at every step), tokens are dense generate()'s, both pools exact
-    after every step and wholly returned at the end."""
+    after every step and wholly returned at the end. Both ways the draft proposes: one
+    `decode_greedy` call of k steps (the cpp kernel, on the CPU) and one forward per proposal
+    (the fallback: the gather kernel)."""
     dense, paged = models
     rng = random.Random(2)
     prefix = repeating_prompt(rng, 32)
     reqs = [((prefix if i % 3 == 0 else []) + repeating_prompt(rng, rng.randint(1, 40)), rng.randint(8, 40))
             for i in range(12)]
     eng = engine(paged, max_num_seqs=4, max_num_batched_tokens=48, num_pages=10, max_model_len=128,
-                 speculative=draft_spec(paged))
+                 speculative=draft_spec(paged), **({} if kernel == "default" else {"kernel": kernel}))
+    if paged.device.type == "cpu":
+        assert eng.speculator.draft.one_call() == (kernel == "default")
     ids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in reqs]
     got, _ = step_all(eng, all_pools)
     m = eng.metrics()

@@ -141,3 +141,30 @@ def test_training_script_is_deterministic(tmp_path: Path) -> None:
     assert card["training"]["steps"] == 3 and card["sample"]["text"].startswith(card["sample"]["prompt"])
     model = get_model(model_path=a, device="cpu")  # the same loader as any user checkpoint (the CPU's run)
     assert model.config.src_vocab_size == 400
+
+
+def test_a_draft_shares_the_default_models_tokenizer(tmp_path: Path) -> None:
+    """`--tokenizer-from` (what --draft does) copies the default model's tokenizer byte for byte
+    instead of training one, so the model trained on it drafts for the default model: a tiny one
+    (2 steps) proposing in the engine leaves greedy tokens exactly dense generate()'s."""
+    from fms_paged import Engine, SamplingParams
+
+    script = _load_script()
+    threads = torch.get_num_threads()
+    try:
+        script.main(["--tiny", "--steps", "2", "--tokenizer-from", str(DEFAULT_MODEL_DIR), "--out",
+                     str(tmp_path), "--no-plot"])
+    finally:
+        torch.set_num_threads(threads)
+    for f in ("tokenizer.model", "tokenizer_config.json"):
+        assert (tmp_path / f).read_bytes() == (DEFAULT_MODEL_DIR / f).read_bytes(), f
+    card = json.loads((tmp_path / "card.json").read_text())
+    assert card["tokenizer"]["copied_from"] == str(DEFAULT_MODEL_DIR) and card["model"]["vocab_size"] == 4096
+    target = get_model(device="cpu", attn_impl="paged")
+    prompt = load_tokenizer(DEFAULT_MODEL_DIR).encode("def parse(line):\n")
+    eng = Engine(target, max_num_seqs=1, max_num_batched_tokens=64, num_pages=16, max_model_len=128,
+                 speculative={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3})
+    eng.add_request(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    got = [t for out in eng.stream() for t in out.new_token_ids]
+    assert got == generate(get_model(device="cpu"), [prompt], 24, eos_id=None)[0]
+    assert eng.metrics()["spec_verifies"] > 0
