@@ -233,8 +233,35 @@ void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
 // w = a u + b). Then per row of x: vpdpbusd of u (unsigned) by x's quants (signed), exact in int32,
 // times A dx, plus B times dx sum x's quants (xs): sum_lanes (a dx sum u qx + b dx sum qx).
 // A row's odd last Q5_0 block is a pair whose second block is zeros (A = B = 0; x's padding zeros).
+// The K-quants' scales are decoded once a super-block (sb_scales: S), each pair's lanes then picked
+// from S (vpermps).
+constexpr bool k_type(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+
+// Super-block sb of a row: Q4_K / Q5_K: d sc_j in lanes j < 8, -dmin m_j in lanes 8 + j (the 12
+// scale bytes unpacked as 32-bit words: qgemv_blocks.h's k_scale, four sub-blocks at a time);
+// Q6_K: d sc_g of each 16 values g in lane g
 template <int type>
-inline __m512i decode_pair(const uint8_t* row, int64_t p, bool two, __m512& A, __m512& B) {
+inline __m512 sb_scales(const uint8_t* row, int64_t sb) {
+  if constexpr (type == kQ6_K) {
+    const uint8_t* blk = row + sb * 210;
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
+    return _mm512_mul_ps(sc, _mm512_set1_ps(half(blk + 208)));
+  } else if constexpr (type == kQ4_K || type == kQ5_K) {
+    const uint8_t* blk = row + sb * (type == kQ5_K ? 176 : 144);
+    uint32_t s[3];
+    std::memcpy(s, blk + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    const __m128i v = _mm_setr_epi32(int(s[0] & low6), int((s[2] & low4) | ((s[0] >> 6) & low2) << 4),  // sc 0-3, 4-7
+                                     int(s[1] & low6), int(((s[2] >> 4) & low4) | ((s[1] >> 6) & low2) << 4));  // m
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+    return _mm512_mul_ps(f, _mm512_insertf32x8(_mm512_set1_ps(half(blk)), _mm256_set1_ps(-half(blk + 2)), 1));
+  } else {
+    return _mm512_setzero_ps();
+  }
+}
+
+template <int type>
+inline __m512i decode_pair(const uint8_t* row, int64_t p, bool two, const __m512& S, __m512& A, __m512& B) {
   const __m256i m4 = _mm256_set1_epi8(0x0f);
   if constexpr (type == kQ5_0) {
     const uint8_t* blk = row + 2 * p * 22;
@@ -259,10 +286,10 @@ inline __m512i decode_pair(const uint8_t* row, int64_t p, bool two, __m512& A, _
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
     const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
     const __m512i hi = _mm512_and_si512(_mm512_srl_epi16(qh2, _mm_cvtsi32_si128(4 * odd)), _mm512_set1_epi8(3));
-    int32_t s4;
-    std::memcpy(&s4, blk + 192 + 4 * pp, 4);  // the four scales of 16 values: lanes 4 g .. 4 g + 3
-    const __m128i sc = _mm_shuffle_epi8(_mm_cvtsi32_si128(s4), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-    A = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(half(blk + 208)));
+    // the pair's four scales of 16 values 4 pp .. 4 pp + 3, each over 4 lanes
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(4 * pp),
+                                        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+    A = _mm512_permutexvar_ps(at, S);
     B = _mm512_mul_ps(A, _mm512_set1_ps(-32.0f));
     return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
   } else {  // Q4_K, Q5_K: sub-blocks 2 pp (low nibbles), 2 pp + 1 (high) of bytes 32 pp ..
@@ -277,12 +304,11 @@ inline __m512i decode_pair(const uint8_t* row, int64_t p, bool two, __m512& A, _
       lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * pp)))), sixteen));
       hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * pp)))), sixteen));
     }
-    int sc0, m0, sc1, m1;
-    fms_gguf::k_scale(blk + 4, 2 * pp, sc0, m0);
-    fms_gguf::k_scale(blk + 4, 2 * pp + 1, sc1, m1);
-    const float d = half(blk), dmin = half(blk + 2);
-    A = _mm512_insertf32x8(_mm512_set1_ps(d * float(sc0)), _mm256_set1_ps(d * float(sc1)), 1);
-    B = _mm512_insertf32x8(_mm512_set1_ps(-dmin * float(m0)), _mm256_set1_ps(-dmin * float(m1)), 1);
+    // sub-blocks 2 pp (lanes 0-7) and 2 pp + 1 (8-15): S's lanes 2 pp, 2 pp + 1 and, for B, 8 on
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(2 * pp),
+                                        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    A = _mm512_permutexvar_ps(at, S);
+    B = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(8)), S);
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   }
 }
@@ -293,11 +319,15 @@ void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t K = xq.K, nb2 = xq.nb2;
-  for (int64_t b = 0; b < xq.nb; b += 2) {
+  constexpr int64_t step = k_type(type) ? 8 : 2;  // a super-block of the K-quants, else a pair
+  for (int64_t b0 = 0; b0 < xq.nb; b0 += step) {
+  __m512 S[nr];  // the K-quants' super-block scales (sb_scales)
+  for (int j = 0; j < nr; ++j) S[j] = sb_scales<type>(w[j], b0 / 8);
+  for (int64_t b = b0; b < b0 + step; b += 2) {
     const bool two = b + 1 < xq.nb;
     __m512i u[nr];
     __m512 A[nr], B[nr];
-    for (int j = 0; j < nr; ++j) u[j] = decode_pair<type>(w[j], b / 2, two, A[j], B[j]);
+    for (int j = 0; j < nr; ++j) u[j] = decode_pair<type>(w[j], b / 2, two, S[j], A[j], B[j]);
     for (int i = 0; i < mr; ++i) {
       const int64_t r = m0 + i;
       const __m512 dx = _mm512_loadu_ps(xq.dv.data() + (r * nb2 + b) * 8);
@@ -309,6 +339,7 @@ void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR
         acc[i][j] = _mm512_fmadd_ps(B[j], xs, acc[i][j]);
       }
     }
+  }
   }
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) out[i][j] = hsum512(acc[i][j]);
@@ -518,10 +549,12 @@ void dequant_row_bf16(const uint8_t* w, int64_t nb, uint16_t* out) {
   if constexpr (sub_type(type)) {
     // the other types: w = a u + b in fp32 (one rounding of the exact value, FMA), then bf16
 #ifdef FMS_Q512
+    __m512 S = _mm512_setzero_ps();
     for (int64_t p = 0; p < (nb + 1) / 2; ++p) {
       const bool two = 2 * p + 1 < nb;
+      if (k_type(type) && p % 4 == 0) S = sb_scales<type>(w, p / 4);
       __m512 A, B;
-      const __m512i u = decode_pair<type>(w, p, two, A, B);
+      const __m512i u = decode_pair<type>(w, p, two, S, A, B);
       __m512 v[4];  // values 16 q .. 16 q + 15 of the pair: lanes 4 q .. 4 q + 3 of A and B
       v[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 0)));
       v[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 1)));
@@ -639,7 +672,10 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   // (p - first[i]) nr on. A decode of one or two rows reads one weight row at a time: a thread's
   // share is then one sequential stream, which the hardware prefetcher follows (gemv.cpp's
   // finding for its own decode; not measured apart here: this machine's memory was shared)
-  const int64_t nr = M <= 2 ? 1 : NR;
+  // (three rows too where the call holds another type: Q4_K / Q5_K took 1.4x as long at three rows
+  // a weight row pair, single thread, in cache; Q6_K / Q5_0 ~5% less; results alike bit for bit:
+  // each output's sums are the same whatever the tile)
+  const int64_t nr = M <= (sums ? 3 : 2) ? 1 : NR;
   std::vector<int64_t> first{0}, col{0};
   for (int64_t i = 0; i < a.n_weights; ++i) {
     first.push_back(first.back() + (a.rows[i] + nr - 1) / nr);
