@@ -35,6 +35,7 @@ from fms_paged.modules.quantized import (  # noqa: E402
     BLOCK_VALUES,
     BlockEmbedding,
     BlockLinear,
+    QuantizationError,
     dequantize_blocks,
     layer_formats,
 )
@@ -166,6 +167,22 @@ def test_a_prefill_of_many_rows_and_the_bias():
     want = x.double() @ w64.T + bias.double()
     assert ((got.double() - want).abs() <= kernel_bound(x.double(), w64) + 1e-5 * (
         x.double().abs() @ w64.abs().T + bias.double().abs())).all()
+
+
+def test_refusals_name_the_blocks_expected():
+    """Blocks that do not fit x's width are refused naming the shapes each type takes; blocks of
+    another size, or a type the kernel does not read (Q4_1: llama.cpp's fallback for rows not a
+    multiple of 256 wide in some files, dequantized at load: test_mixed_groups_...), cannot make a
+    BlockLinear. (A K-quant row is whole super-blocks by the file's layout: a width not a multiple
+    of 256 never comes as Q4_K; llama.cpp writes such rows as Q5_0 / Q8_0, held as blocks too.)"""
+    w = weight_blocks("Q4_K", 8, 512, np.random.default_rng(3))
+    assert native.load_qgemv(torch.float32) is None
+    with pytest.raises(ValueError, match=r"must be GGUF blocks of x's width 288.*144 / 176 / 210\] \(Q4_K"):
+        torch.ops.fms_paged.qlinear(torch.randn(2, 288), [w], None)
+    with pytest.raises(QuantizationError, match=r"Q4_K blocks as uint8 \[N, K / 256, 144\]"):
+        BlockLinear(w[..., :140].contiguous(), "Q4_K")
+    with pytest.raises(QuantizationError, match="types read: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K"):
+        BlockLinear(torch.zeros(8, 16, 20, dtype=torch.uint8), "Q4_1")
 
 
 # the model's logits against the dequantized model's (same file, `gguf_blocks=False`: fp32 sums
