@@ -241,7 +241,7 @@ constexpr bool k_type(int type) { return type == kQ4_K || type == kQ5_K || type 
 // scale bytes unpacked as 32-bit words: qgemv_blocks.h's k_scale, four sub-blocks at a time);
 // Q6_K: d sc_g of each 16 values g in lane g
 template <int type>
-inline __m512 sb_scales(const uint8_t* row, int64_t sb) {
+__attribute__((always_inline)) inline __m512 sb_scales(const uint8_t* row, int64_t sb) {
   if constexpr (type == kQ6_K) {
     const uint8_t* blk = row + sb * 210;
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
@@ -261,7 +261,8 @@ inline __m512 sb_scales(const uint8_t* row, int64_t sb) {
 }
 
 template <int type>
-inline __m512i decode_pair(const uint8_t* row, int64_t p, bool two, const __m512& S, __m512& A, __m512& B) {
+__attribute__((always_inline)) inline __m512i decode_pair(const uint8_t* row, int64_t p, bool two, const __m512& S, __m512& A,
+                                                        __m512& B) {
   const __m256i m4 = _mm256_set1_epi8(0x0f);
   if constexpr (type == kQ5_0) {
     const uint8_t* blk = row + 2 * p * 22;
@@ -541,8 +542,12 @@ void block(int64_t n, const XQ& xq, int64_t M, const uint8_t* w, int64_t row_byt
 // model, else rounded once: 2^-9 of each value), fp32 sums: one instruction per 32 products of a row
 // pair, no activation quantization. The blocks stay the only copy of the weights: a tile of two
 // rows (a few KB) is all that is ever dequantized.
+// A call holding the other types (sub_type) takes the tiles from TILE_ROWS_SUB rows: their
+// dequantization costs more (w = a u + b, a scale per 16 or 32), and the int8 path was the faster
+// to 6 rows (3072 x 768, single thread, in cache: four rows 0.28-0.33 ms against the tiles'
+// 0.34-0.39 over Q4_K, Q5_K, Q6_K, Q5_0; eight rows 0.51-0.56 against 0.46-0.51).
 #define FMS_QTILES 1
-constexpr int64_t TILE_ROWS = 4;
+constexpr int64_t TILE_ROWS = 4, TILE_ROWS_SUB = 8;
 
 template <int type>
 void dequant_row_bf16(const uint8_t* w, int64_t nb, uint16_t* out) {
@@ -556,13 +561,22 @@ void dequant_row_bf16(const uint8_t* w, int64_t nb, uint16_t* out) {
       __m512 A, B;
       const __m512i u = decode_pair<type>(w, p, two, S, A, B);
       __m512 v[4];  // values 16 q .. 16 q + 15 of the pair: lanes 4 q .. 4 q + 3 of A and B
-      v[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 0)));
-      v[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 1)));
-      v[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 2)));
-      v[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, 3)));
-      for (int q = 0; q < 4; ++q) {
-        const __m512i at = _mm512_set1_epi32(4 * q);
-        v[q] = _mm512_fmadd_ps(v[q], _mm512_permutexvar_ps(at, A), _mm512_permutexvar_ps(at, B));
+      const __m256i u0 = _mm512_castsi512_si256(u), u1 = _mm512_extracti64x4_epi64(u, 1);
+      v[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u0)));
+      v[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u0, 1)));
+      v[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u1)));
+      v[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u1, 1)));
+      if constexpr (type == kQ6_K) {  // a scale per 16 values: each quarter its own
+        for (int q = 0; q < 4; ++q) {
+          const __m512i at = _mm512_set1_epi32(4 * q);
+          v[q] = _mm512_fmadd_ps(v[q], _mm512_permutexvar_ps(at, A), _mm512_permutexvar_ps(at, B));
+        }
+      } else {  // one per 32 (lanes 0-7, 8-15): two quarters each
+        const __m512i hi = _mm512_set1_epi32(8);
+        const __m512 a0 = _mm512_broadcastss_ps(_mm512_castps512_ps128(A)), a1 = _mm512_permutexvar_ps(hi, A);
+        const __m512 b0 = _mm512_broadcastss_ps(_mm512_castps512_ps128(B)), b1 = _mm512_permutexvar_ps(hi, B);
+        v[0] = _mm512_fmadd_ps(v[0], a0, b0), v[1] = _mm512_fmadd_ps(v[1], a0, b0);
+        v[2] = _mm512_fmadd_ps(v[2], a1, b1), v[3] = _mm512_fmadd_ps(v[3], a1, b1);
       }
       _mm512_storeu_si512(out + p * 64, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
       if (two) _mm512_storeu_si512(out + p * 64 + 32, (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]));
@@ -661,7 +675,7 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   static thread_local XQ kept;  // kept from call to call: a prefill's rows are megabytes
   XQ& xq = kept;  // (the caller's: a thread_local named inside the parallel region is each thread's own)
 #ifdef FMS_QTILES
-  const bool tiles = M >= TILE_ROWS && K % 32 == 0;
+  const bool tiles = M >= (sums ? TILE_ROWS_SUB : TILE_ROWS) && K % 32 == 0;
   static thread_local std::vector<uint16_t> xb_kept;
   std::vector<uint16_t>& xb = xb_kept;
   if (tiles) rows_to_bf16(a.x, M, K, a.x_st, xb);
@@ -672,10 +686,10 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   // (p - first[i]) nr on. A decode of one or two rows reads one weight row at a time: a thread's
   // share is then one sequential stream, which the hardware prefetcher follows (gemv.cpp's
   // finding for its own decode; not measured apart here: this machine's memory was shared)
-  // (three rows too where the call holds another type: Q4_K / Q5_K took 1.4x as long at three rows
-  // a weight row pair, single thread, in cache; Q6_K / Q5_0 ~5% less; results alike bit for bit:
-  // each output's sums are the same whatever the tile)
-  const int64_t nr = M <= (sums ? 3 : 2) ? 1 : NR;
+  // (any number of rows where the call holds another type (sub_type): Q4_K / Q5_K took 1.4x as long
+  // at three rows a weight row pair, single thread, in cache, Q6_K / Q5_0 ~5% less; results alike
+  // bit for bit: each output's sums are the same whatever the tile)
+  const int64_t nr = sums || M <= 2 ? 1 : NR;
   std::vector<int64_t> first{0}, col{0};
   for (int64_t i = 0; i < a.n_weights; ++i) {
     first.push_back(first.back() + (a.rows[i] + nr - 1) / nr);
