@@ -13,9 +13,9 @@ there is 1e-5 of sum |x| (|w| + 2 |b|) (`offsets`: b of each weight). 1e-5 is ~1
 sums' and products' rounding over K <= 768 stays far below it.
 
 Prefill calls (at least TILE_ROWS rows; TILE_ROWS_SUB for the new types) on a CPU with AVX512_BF16
-(the native build here) take another path: each weight row pair dequantized into bf16 (2^-9 of each weight) and dotted with x
-rounded to bf16 (2^-9 of each value), fp32 sums: |y - x W^T| <= 2^-8 sum |x| |w| (+ the same
-fp32 and output rounding).
+(the native build here) take another path: each weight row pair dequantized into bf16 (2^-9 of
+each weight) and dotted with x rounded to bf16 (2^-9 of each value), fp32 sums:
+|y - x W^T| <= 2^-8 sum |x| |w| (+ the same fp32 and output rounding).
 """
 
 from __future__ import annotations
