@@ -12,8 +12,8 @@ sub-block: their rounding is relative to |a u| + |b| <= |w| + 2 |b|, not to |w|,
 there is 1e-5 of sum |x| (|w| + 2 |b|) (`offsets`: b of each weight). 1e-5 is ~170 ulps of fp32: the
 sums' and products' rounding over K <= 768 stays far below it.
 
-Prefill calls (at least TILE_ROWS rows; TILE_ROWS_SUB for the new types) on a CPU with AVX512_BF16
-(the native build here) take another path: each weight row pair dequantized into bf16 (2^-9 of
+Prefill calls (at least TILE_ROWS rows) on a CPU with AVX512_BF16 (the native build here) take
+another path: each weight row pair dequantized into bf16 (2^-9 of
 each weight) and dotted with x rounded to bf16 (2^-9 of each value), fp32 sums:
 |y - x W^T| <= 2^-8 sum |x| |w| (+ the same fp32 and output rounding).
 """
@@ -46,13 +46,11 @@ TYPES = ("Q8_0", "Q4_0")  # the types held as blocks first
 NEW_TYPES = ("Q5_0", "Q4_K", "Q5_K", "Q6_K")  # computed as w = a u + b (module docstring)
 ALL_TYPES = TYPES + NEW_TYPES
 TILE_ROWS = 4  # (qgemv.cpp) rows from which an AVX512_BF16 build dequantizes bf16 tiles
-TILE_ROWS_SUB = 8  # the same for a call holding NEW_TYPES
 
 
-def tiles(isa: str, rows: int, kind: str = "Q8_0") -> bool:
-    """Whether a call of `rows` rows of `kind` takes the bf16 tiles (else int8 activations)."""
-    return isa == "native" and "avx512_bf16" in native.cpu_flags() and rows >= (
-        TILE_ROWS_SUB if kind in NEW_TYPES else TILE_ROWS)
+def tiles(isa: str, rows: int) -> bool:
+    """Whether a call of `rows` rows takes the bf16 tiles (else int8 activations)."""
+    return isa == "native" and "avx512_bf16" in native.cpu_flags() and rows >= TILE_ROWS
 
 
 def isas() -> list[str]:
@@ -108,11 +106,11 @@ def offsets(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     return dequantize_blocks(zeroed, kind)
 
 
-def kernel_bound(x: torch.Tensor, w: torch.Tensor, isa: str = "native", kind: str = "Q8_0") -> torch.Tensor:
+def kernel_bound(x: torch.Tensor, w: torch.Tensor, isa: str = "native") -> torch.Tensor:
     """The path's bound for x [M, K], w [N, K] (float64) -> [M, N]: sum_b (max|x_b| / 254) sum_{i in
     b} |w_i| (int8 activations), or 2^-8 sum |x| |w| (bf16 tiles)."""
     M, K = x.shape
-    if tiles(isa, M, kind):
+    if tiles(isa, M):
         return 2.0**-8 * (x.abs() @ w.abs().T)
     amax = x.abs().reshape(M, K // 32, 32).amax(-1)  # [M, nb]
     wsum = w.abs().reshape(w.shape[0], K // 32, 32).sum(-1)  # [N, nb]
@@ -124,8 +122,7 @@ def kernel_bound(x: torch.Tensor, w: torch.Tensor, isa: str = "native", kind: st
 @pytest.mark.parametrize("kind", ALL_TYPES)
 def test_kernel_within_the_int8_kernel_bound(kind, dtype, isa, monkeypatch):
     """x [M, K] @ blocks^T on each build, for 1, 3, 6 and 20 rows (tiles of 4 and 8 and the rows
-    after them; 6: the bf16 tiles for Q8_0 / Q4_0, int8 for the others; 20: a prefill's path) and
-    weight stacks of odd widths (the last row pair half full),
+    after them; 20: a prefill's path) and weight stacks of odd widths (the last row pair half full),
     K of 10 blocks (AVX-512 takes two a register: 5 pairs) and 11 (a pair half full; the K-quants:
     2 and 3 super-blocks), against float64 of the dequantized weights, within the path's stated
     bound; and gguf's own dequantizer agrees with ours (bit for bit in float64, or, Q4_K / Q5_K,
@@ -153,7 +150,7 @@ def test_kernel_within_the_int8_kernel_bound(kind, dtype, isa, monkeypatch):
                 out_round = 2.0**-8 if dtype == torch.bfloat16 else 0.0  # y stored in bf16
                 rounding = 1e-5 * (x64.abs() @ (w64.abs() + 2 * b64.abs()).T) + out_round * want.abs()
                 err = (got.double() - want).abs()
-                assert (err <= kernel_bound(x64, w64, isa, kind) + rounding).all()
+                assert (err <= kernel_bound(x64, w64, isa) + rounding).all()
                 # the bound is not vacuous: the error is far below |y|
                 assert float(err.max()) <= 0.02 * float(want.abs().max())
 

@@ -542,12 +542,13 @@ void block(int64_t n, const XQ& xq, int64_t M, const uint8_t* w, int64_t row_byt
 // model, else rounded once: 2^-9 of each value), fp32 sums: one instruction per 32 products of a row
 // pair, no activation quantization. The blocks stay the only copy of the weights: a tile of two
 // rows (a few KB) is all that is ever dequantized.
-// A call holding the other types (sub_type) takes the tiles from TILE_ROWS_SUB rows: their
-// dequantization costs more (w = a u + b, a scale per 16 or 32), and the int8 path was the faster
-// to 6 rows (3072 x 768, single thread, in cache: four rows 0.28-0.33 ms against the tiles'
-// 0.34-0.39 over Q4_K, Q5_K, Q6_K, Q5_0; eight rows 0.51-0.56 against 0.46-0.51).
+// The other types (sub_type) alike: their dequantization costs more (w = a u + b, a scale per 16 or
+// 32), so that in cache the int8 path was the faster at four rows (3072 x 768, single thread: 0.28-
+// 0.33 ms against the tiles' 0.34-0.39 over Q4_K, Q5_K, Q6_K, Q5_0); but in a model, whose weights
+// come from memory, the tiles were (a 124M-parameter Q4_K / Q6_K model, four streams, one thread:
+// 20.1 against 22.8 ms a step), and they round x to bf16, not int8.
 #define FMS_QTILES 1
-constexpr int64_t TILE_ROWS = 4, TILE_ROWS_SUB = 8;
+constexpr int64_t TILE_ROWS = 4;
 
 template <int type>
 void dequant_row_bf16(const uint8_t* w, int64_t nb, uint16_t* out) {
@@ -675,7 +676,7 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   static thread_local XQ kept;  // kept from call to call: a prefill's rows are megabytes
   XQ& xq = kept;  // (the caller's: a thread_local named inside the parallel region is each thread's own)
 #ifdef FMS_QTILES
-  const bool tiles = M >= (sums ? TILE_ROWS_SUB : TILE_ROWS) && K % 32 == 0;
+  const bool tiles = M >= TILE_ROWS && K % 32 == 0;
   static thread_local std::vector<uint16_t> xb_kept;
   std::vector<uint16_t>& xb = xb_kept;
   if (tiles) rows_to_bf16(a.x, M, K, a.x_st, xb);
