@@ -733,10 +733,14 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   // (p - first[i]) nr on. A decode of one or two rows reads one weight row at a time: a thread's
   // share is then one sequential stream, which the hardware prefetcher follows (gemv.cpp's
   // finding for its own decode; not measured apart here: this machine's memory was shared)
-  // (any number of rows where the call holds another type (sub_type): Q4_K / Q5_K took 1.4x as long
-  // at three rows a weight row pair, single thread, in cache, Q6_K / Q5_0 ~5% less; results alike
-  // bit for bit: each output's sums are the same whatever the tile)
-  const int64_t nr = sums || M <= 2 ? 1 : NR;
+  // (and the int8 path of a call holding another type (sub_type), whatever its rows: Q4_K / Q5_K
+  // took 1.4x as long at three rows a weight row pair, single thread, in cache, Q6_K / Q5_0 ~5%
+  // less; results alike bit for bit: each output's sums are the same whatever the tile)
+  bool one_row = M <= 2 || sums;
+#ifdef FMS_QTILES
+  one_row = one_row && !tiles;  // (the tiles: a row pair, every type)
+#endif
+  const int64_t nr = one_row ? 1 : NR;
   std::vector<int64_t> first{0}, col{0};
   for (int64_t i = 0; i < a.n_weights; ++i) {
     first.push_back(first.back() + (a.rows[i] + nr - 1) / nr);
