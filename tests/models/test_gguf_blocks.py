@@ -238,6 +238,12 @@ def test_model_logits_and_engine_against_the_dequantized_model(kind, tmp_path):
     else:
         for k in ("Q4_K", "Q5_K", "Q6_K"):
             assert f"GGUF {k} blocks, fms_paged qgemv" in formats["layer 0"], formats
+        # `fms-paged info x.gguf`'s per-layer kernels, from the file's table alone
+        run = f"fms_paged qgemv (int8 activations per block of 32, {native_isa()})"
+        assert layer_kernels(file)["layer 0"].split("; ") == [
+            f"query, key, dense, w1: GGUF Q4_K blocks, {run}", f"value, w2: GGUF Q6_K blocks, {run}",
+            f"wg: GGUF Q5_K blocks, {run}"]
+        assert layer_kernels(file)["head"] == f"GGUF Q6_K blocks, {run}"
 
 
 def test_mixed_groups_stay_dequantized_and_info_names_the_kernel(tmp_path):
