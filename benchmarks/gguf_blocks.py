@@ -16,7 +16,8 @@ speed drifts over minutes. `--cores 0` pins both systems to those cores (taskset
 as many threads as its affinity mask has cores, the engine OMP_NUM_THREADS of them): on a machine
 that other jobs oversubscribe, two threads that meet at a barrier per operation wait for each
 other's time slices, and both systems then measure the scheduler more than their kernels.
-Writes OUT/gguf_blocks.json and .md.
+`--dequantized` adds a third system: ours on the same file with `gguf_blocks=False` (every tensor
+dequantized at load into `--dtype`, the dense kernels). Writes OUT/gguf_blocks.json and .md.
 """
 
 from __future__ import annotations
@@ -94,10 +95,13 @@ def main() -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--cores", default=None, help="pin both systems to these cores (taskset -c), e.g. 0")
     ap.add_argument("--out", type=Path, default=Path("results/gguf-blocks"))
+    ap.add_argument("--dequantized", action="store_true", help="also ours with gguf_blocks=False")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     systems = {"fms_paged": [sys.executable, "-m", "benchmarks.vs_native_engine"],
                "llama.cpp": [str(LLAMACPP_PY), str(REPO_ROOT / "scripts" / "peer_llamacpp.py")]}
+    if args.dequantized:
+        systems["fms_paged dequantized"] = systems["fms_paged"]
     results: dict[str, dict] = {}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,10 +113,12 @@ def main() -> int:
                 for r in range(args.rounds):
                     order = list(systems) if r % 2 == 0 else list(systems)[::-1]
                     for name in order:
-                        dtype = args.dtype if name == "fms_paged" else "float16"
+                        ours = name.startswith("fms_paged")
+                        dtype = args.dtype if ours else "float16"
+                        extra = {"gguf_blocks": False} if name == "fms_paged dequantized" else {}
                         loads.append(os.getloadavg()[0])
-                        res = run_job(systems[name], {**job, "dtype": dtype}, Path(tmp), f"{name}-{r}",
-                                      args.cores)
+                        res = run_job(systems[name], {**job, "dtype": dtype, **extra}, Path(tmp),
+                                      f"{name.replace(' ', '-')}-{r}", args.cores)
                         key = f"{f.name} | {w} | {name}"
                         results.setdefault(key, {"runs": []})["runs"].append(res)
                         rate = res.get("output_tok_s")
@@ -131,8 +137,10 @@ def main() -> int:
                  rss_mb=statistics.median(rss) if rss else None)
         rows.append((f, w, name, v["median"], v["rss_mb"]))
     (args.out / "gguf_blocks.json").write_text(json.dumps({"results": results, "load_avg": loads}, indent=1))
-    lines = ["| file | workload | fms_paged tok/s | llama.cpp tok/s | ratio | RSS fms_paged / llama.cpp MB |",
-             "|---|---|---|---|---|---|"]
+    deq = " | dequantized tok/s | blocks / dequantized" if args.dequantized else ""
+    lines = ["| file | workload | fms_paged tok/s | llama.cpp tok/s | ratio | RSS fms_paged / llama.cpp MB"
+             f"{deq} |",
+             "|---|---|---|---|---|---|" + ("---|---|" if deq else "")]
     for f in args.files:
         for w in args.workloads.split(","):
             a = results.get(f"{f.name} | {w} | fms_paged", {})
@@ -140,8 +148,12 @@ def main() -> int:
             ra, rb = a.get("median"), b.get("median")
             ratio = f"{ra / rb:.2f}x" if ra and rb else "-"
             rss_a, rss_b = a.get("rss_mb"), b.get("rss_mb")
-            lines.append(f"| {f.name} | {w} | {ra and round(ra, 1)} | {rb and round(rb, 1)} | {ratio} | "
-                         f"{rss_a and round(rss_a)} / {rss_b and round(rss_b)} |")
+            row = (f"| {f.name} | {w} | {ra and round(ra, 1)} | {rb and round(rb, 1)} | {ratio} | "
+                   f"{rss_a and round(rss_a)} / {rss_b and round(rss_b)} |")
+            if deq:
+                rd = results.get(f"{f.name} | {w} | fms_paged dequantized", {}).get("median")
+                row += f" {rd and round(rd, 1)} | {f'{ra / rd:.2f}x' if ra and rd else '-'} |"
+            lines.append(row)
     lines.append(f"\nload average (1 min) at each process's start: {min(loads):.1f} .. {max(loads):.1f}")
     (args.out / "gguf_blocks.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

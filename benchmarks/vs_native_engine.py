@@ -36,7 +36,10 @@ def engine_job(job: dict[str, Any]) -> dict[str, Any]:
     figures: a first run (its first token gives the start: from this process's start, and from
     `Engine(...)`), then `repeats` timed runs."""
     t_load = time.perf_counter()
-    model = get_model(model_path=job["model_path"], attn_impl="paged", dtype=getattr(torch, job["dtype"]))
+    # (a GGUF file's `gguf_blocks`: False dequantizes it)
+    extra = {"gguf_blocks": job["gguf_blocks"]} if "gguf_blocks" in job else {}
+    model = get_model(model_path=job["model_path"], attn_impl="paged", dtype=getattr(torch, job["dtype"]),
+                      **extra)
     reqs = job["requests"]
     t_engine = time.perf_counter()
     eng = Engine(

@@ -91,16 +91,36 @@ def llamacpp_unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K: eight 6-bit scales and mins [..., 8] -> the 12 bytes that hold them (sub-blocks 0-3
+    in the low six bits of bytes j and j + 4, 4-7 in the nibbles of bytes 8-11 and the top two bits
+    of bytes 0-7)."""
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    out = np.zeros((*sc.shape[:-1], 12), dtype=np.uint8)
+    out[..., 0:4] = sc[..., :4] | (sc[..., 4:] >> 4) << 6
+    out[..., 4:8] = m[..., :4] | (m[..., 4:] >> 4) << 6
+    out[..., 8:12] = (sc[..., 4:] & 0x0F) | (m[..., 4:] & 0x0F) << 4
+    return out
+
+
 def random_blocks(qtype, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks [rows, bytes per row] with scales that keep values ~0.05 (Q4_K, Q5_K,
-    Q6_K; another type's blocks are random bytes, for refusals)."""
+    """Random K-quant blocks [rows, bytes per row] of values ~N-like(0, 0.05), centred (Q4_K, Q5_K,
+    Q6_K; another type's blocks are random bytes, for refusals): Q4_K / Q5_K with d = dmin, scales
+    sc in [1, 8] ([1, 4]) and mins m = sc times the quants' middle (7.5, 15.5), so that d sc q - dmin m
+    spreads around 0; Q6_K with random int8 scales (its q - 32 is centred). Centred values keep the
+    test models' activations and attention scores of a real model's size: offsets as large as the
+    values would make the logits hinge on near ties no kernel's rounding can keep."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = shape
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     if qtype not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         return raw.reshape(rows, -1)
-    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin (fp16) first
-        raw[..., 0:4] = rng.uniform(2e-4, 6e-4, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin (fp16) first, then the scales
+        top, mid = (8, 7.5) if qtype == Q.Q4_K else (4, 15.5)
+        d = rng.uniform(1.5e-3, 3e-3, (rows, cols // block, 1)).astype(np.float16)
+        raw[..., 0:4] = np.concatenate([d, d], axis=-1).view(np.uint8)
+        sc = rng.integers(1, top + 1, (rows, cols // block, 8))
+        raw[..., 4:16] = k_scale_bytes(sc, np.round(sc * mid))
     else:  # Q6_K: d (fp16) last
         d = rng.uniform(1e-5, 3e-5, (rows, cols // block, 1)).astype(np.float16)
         raw[..., 208:210] = d.view(np.uint8)

@@ -24,12 +24,14 @@ What llama.cpp's converter changed, undone here:
 
 Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (`SUPPORTED_TYPES`: what
 Q4_K_M / Q5_K_M / Q8_0 / Q4_0 files hold); others (Q2_K, Q3_K, the IQ and ternary types) are refused.
-On the CPU, the decoder's projections stored as Q8_0 or Q4_0 are held as the file's blocks
-(`fms_paged.modules.quantized.BlockLinear`, run by the qgemv kernel on the blocks, inside the
-one-call forward), where q/k/v of a layer are all such and gate/up alike (`_kept_as_blocks`);
-every other tensor (the embedding and a tied head among them, other block types) is dequantized
-into the model's dtype. `gguf_blocks=False` dequantizes everything (the reference the tests
-compare the kernel with).
+On the CPU, the decoder's projections stored as Q8_0, Q4_0, Q5_0, Q4_K, Q5_K or Q6_K (`BLOCK_TYPES`:
+every tensor of a Q4_K_M / Q5_K_M file but the norms; Q5_0 is what such files hold for rows not a
+multiple of 256 wide) are held as the file's blocks (`fms_paged.modules.quantized.BlockLinear`,
+run by the qgemv kernel on the blocks, inside the one-call forward), where q/k/v of a layer are
+all such (of one type or several: one kernel call computes them) and gate/up alike
+(`_kept_as_blocks`); the embedding and the head too. Every other tensor (Q4_1 / Q5_1 ones among
+them) is dequantized into the model's dtype. `gguf_blocks=False` dequantizes everything (the
+reference the tests compare the kernel with).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from fms_paged.models.families import CheckpointError
 from fms_paged.models.hf import config_from_hf, hf_to_ours_name, unpermute_rope
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules.positions import rope_inv_freq
-from fms_paged.modules.quantized import BLOCK_TYPES, QK, BlockEmbedding, BlockLinear, qgemv_isa
+from fms_paged.modules.quantized import BLOCK_TYPES, BLOCK_VALUES, BlockEmbedding, BlockLinear, qgemv_isa
 
 try:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
@@ -361,9 +363,10 @@ _PROJECTIONS = (*_QKV, "attn.dense", *_GATE_UP, "ff_sub_module.w2")
 
 
 def _kept_as_blocks(reader: GGUFReader, config: LLaMAConfig) -> dict[str, str]:
-    """Our name -> ggml type of each tensor held as its GGUF blocks: Q8_0 / Q4_0 projections, in a
-    layer whose q/k/v are all such (one kernel call computes them), gate/up alike; the embedding
-    and the head where they are Q8_0 / Q4_0 (a tied head shares the embedding's blocks)."""
+    """Our name -> ggml type of each tensor held as its GGUF blocks: projections of a type the qgemv
+    kernel reads (`BLOCK_TYPES`), in a layer whose q/k/v are all such (one kernel call computes
+    them), gate/up alike; the embedding and the head where they are such (a tied head shares the
+    embedding's blocks)."""
     kinds = {name: t.tensor_type.name for name, t in _our_names(reader, config)
              if name is not None and t.tensor_type.name in BLOCK_TYPES}
     kept = {n: kinds[n] for n in ("embedding.weight", "head.weight") if n in kinds}
@@ -393,7 +396,7 @@ def load_gguf(
 ) -> LLaMA:
     """A GGUF file (or a directory holding one) as our model, each tensor dequantized into its
     parameter in `dtype` (None: `_file_dtype`) as it is read, except on the CPU (with
-    `gguf_blocks`) the projections held as their Q8_0 / Q4_0 blocks (`_kept_as_blocks`). Raises
+    `gguf_blocks`) the projections held as their blocks (`_kept_as_blocks`). Raises
     before returning anything when a tensor is missing, unexpected, of the wrong shape, of an
     unsupported type or cut short."""
     reader = open_gguf(model_path)
@@ -410,7 +413,8 @@ def load_gguf(
     if "embedding.weight" in kept:  # a BlockEmbedding (a tied head: a BlockLinear on its blocks, below)
         kind = kept["embedding.weight"]
         with torch.device("meta"):
-            blocks = torch.empty(config.src_vocab_size, config.emb_dim // QK, BLOCK_TYPES[kind],
+            blocks = torch.empty(config.src_vocab_size, config.emb_dim // BLOCK_VALUES[kind],
+                                 BLOCK_TYPES[kind],
                                  dtype=torch.uint8)
         model.embedding = BlockEmbedding(blocks, kind, dtype)
     for name, kind in kept.items():  # each such projection a BlockLinear (on meta, filled below)
@@ -421,7 +425,7 @@ def load_gguf(
         old = getattr(parent, attr)
         n, k = old.weight.shape
         with torch.device("meta"):
-            blocks = torch.empty(n, k // QK, BLOCK_TYPES[kind], dtype=torch.uint8)
+            blocks = torch.empty(n, k // BLOCK_VALUES[kind], BLOCK_TYPES[kind], dtype=torch.uint8)
             bias = None if old.bias is None else torch.empty(n, dtype=old.bias.dtype)
         setattr(parent, attr, BlockLinear(blocks, kind, bias))
     state: dict[str, torch.Tensor] = {}
@@ -439,7 +443,7 @@ def load_gguf(
         if t.name in kept:  # the file's blocks themselves, one copy out of the map
             n, k = t.shape
             blocks = torch.from_numpy(np.array(t.raw, dtype=np.uint8))
-            blocks = blocks.reshape(n, k // QK, BLOCK_TYPES[t.ggml_type])
+            blocks = blocks.reshape(n, k // BLOCK_VALUES[t.ggml_type], BLOCK_TYPES[t.ggml_type])
             state[t.name.removesuffix("weight") + "blocks"] = blocks
             continue
         try:
@@ -480,7 +484,9 @@ def file_summary(model_path: str | os.PathLike) -> dict[str, str]:
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
     out = {"file": str(find_gguf(model_path)), "architecture": str(_field(reader, "general.architecture")),
            "tensor types": ", ".join(kinds),
-           "kernel": "on the CPU, Q8_0 / Q4_0 projections, embedding and head held as the file's blocks and "
+           "kernel": "on the CPU, Q8_0 / Q4_0 / Q5_0 / Q4_K / Q5_K / Q6_K projections, embedding and head "
+                     "held "
+                     "as the file's blocks and "
                      "run by the fms_paged qgemv kernel (int8 activations per block of 32, integer dot "
                      "products), inside the one-call forward (`layers`: each layer's); every other "
                      "tensor dequantized at load into the model's dtype (fp32 for block types unless "

@@ -23,12 +23,13 @@ share of the weight bytes of the models we run, and its error lands on every log
 A model so quantized has no one-call C++ forward (`LLaMABlock.fused_weights` is None for it):
 its layers run module by module.
 
-`BlockLinear` holds a GGUF file's Q8_0 or Q4_0 weight as the file's own blocks (`gguf_blocks`:
-uint8 [N, K / 32, 34 or 18], ggml's block_q8_0 / block_q4_0 bytes, no repacking and no
-full-precision copy), computed by the project's kernel on those blocks
-(`csrc/kernels/qgemv.cpp`, `torch.ops.fms_paged.qlinear`): each row of x quantized to int8 per
-block of 32 and integer dot products, llama.cpp's scheme. Unlike `QuantizedLinear` it runs inside
-the one-call C++ forward (`fms_paged::DecoderStack` takes the blocks as a projection's weight).
+`BlockLinear` holds a GGUF file's Q8_0, Q4_0, Q5_0, Q4_K, Q5_K or Q6_K weight as the file's own
+blocks (uint8 [N, K / block values, bytes per block]: `BLOCK_TYPES`, ggml's block bytes, no
+repacking and no full-precision copy; layouts in csrc/kernels/qgemv_blocks.h), computed by the
+project's kernel on those blocks (`csrc/kernels/qgemv.cpp`, `torch.ops.fms_paged.qlinear`): each
+row of x quantized to int8 per block of 32 and integer dot products, llama.cpp's scheme. Unlike
+`QuantizedLinear` it runs inside the one-call C++ forward (`fms_paged::DecoderStack` takes the
+blocks as a projection's weight).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from torch import nn
 from fms_paged import native
 from fms_paged.modules.linear import Linear
 
-__all__ = ["BLOCK_TYPES", "BlockEmbedding", "BlockLinear", "DEFAULT_GROUP_SIZE", "GROUP_SIZES",
+__all__ = ["BLOCK_TYPES", "BLOCK_VALUES", "BlockEmbedding", "BlockLinear", "DEFAULT_GROUP_SIZE",
+           "GROUP_SIZES",
            "QUANTIZATIONS",
            "QuantizationError", "QuantizedLinear", "dequantize_blocks", "qgemv_isa",
            "check", "check_scheme", "describe", "layer_formats", "quantize_model", "quantize_weight"]
@@ -51,9 +53,11 @@ DEFAULT_GROUP_SIZE = 128  # torchao's Int4WeightOnlyConfig default
 INT4_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` wants N % 16 == 0
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNELS = {"int8": "aten _weight_int8pack_mm", "int4": "aten _weight_int4pack_mm_for_cpu"}
-# the GGUF block types the qgemv kernel reads -> bytes per block of 32 values
-BLOCK_TYPES = {"Q8_0": 34, "Q4_0": 18}
-QK = 32  # values per GGUF block
+# the GGUF block types the qgemv kernel reads -> bytes per block (csrc/kernels/qgemv_blocks.h)
+BLOCK_TYPES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# -> values per block: 32, or 256 for the K-quants (a row of K values is K / this many blocks)
+BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q5_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+QK = 32  # values per block of x's int8 quantization (and per Q8_0 / Q4_0 / Q5_0 block)
 
 
 class QuantizationError(ValueError):
@@ -199,26 +203,71 @@ def qgemv_isa() -> str:
     return "scalar"
 
 
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 scale bytes [..., 12] (int32) -> the eight 6-bit scales and mins [..., 8]:
+    sub-blocks 0-3 in the low six bits of bytes j and j + 4, sub-blocks 4-7 in the nibbles of
+    bytes 8-11 (scale low, min high) and the top two bits of bytes 0-3 (scale) and 4-7 (min)."""
+    lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 63, (top & 0x0F) | ((lo >> 6) << 4)], dim=-1)
+    m = torch.cat([mid & 63, (top >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return sc, m
+
+
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: str,
                       dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """GGUF blocks [N, K / 32, bytes] of `ggml_type` (Q8_0, Q4_0) -> the weight [N, K] in `dtype`,
-    exactly (each value is an fp16 scale times a small integer: exact in float64 and fp32)."""
-    n, nb, _ = blocks.shape
-    d = blocks[..., :2].contiguous().view(torch.float16).to(dtype)  # [N, nb, 1]
-    if ggml_type == "Q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8).to(dtype)  # [N, nb, 32]
-    elif ggml_type == "Q4_0":
-        qs = blocks[..., 2:].to(torch.int16)  # [N, nb, 16]: element j (low nibble), j + 16 (high)
-        q = (torch.cat([qs & 0x0F, qs >> 4], dim=-1) - 8).to(dtype)
-    else:
+    """GGUF blocks [N, K / block values, bytes] of `ggml_type` (`BLOCK_TYPES`) -> the weight [N, K]
+    in `dtype`: computed in float64, exactly (each value an fp16 scale times a small integer, less
+    an fp16 times another for Q4_K / Q5_K), then rounded once to `dtype` (exact in fp32 but for
+    Q4_K / Q5_K); Q8_0 / Q4_0 in `dtype` itself, as before. The layouts:
+    csrc/kernels/qgemv_blocks.h."""
+    if ggml_type not in BLOCK_TYPES:
         raise QuantizationError(f"GGUF block type {ggml_type!r}; the qgemv kernel reads "
                                 f"{', '.join(BLOCK_TYPES)}")
-    return (q * d).reshape(n, nb * QK)
+    n, nb, _ = blocks.shape
+    f64 = torch.float64
+
+    def f16(part: torch.Tensor) -> torch.Tensor:
+        return part.contiguous().view(torch.float16).to(f64)
+
+    if ggml_type in ("Q8_0", "Q4_0"):  # in `dtype` itself (exact in fp32 and float64)
+        d = blocks[..., :2].contiguous().view(torch.float16).to(dtype)  # [N, nb, 1]
+        if ggml_type == "Q8_0":
+            q = blocks[..., 2:].contiguous().view(torch.int8).to(dtype)  # [N, nb, 32]
+        else:
+            qs = blocks[..., 2:].to(torch.int16)  # [N, nb, 16]: element j (low nibble), j + 16 (high)
+            q = (torch.cat([qs & 0x0F, qs >> 4], dim=-1) - 8).to(dtype)
+        return (q * d).reshape(n, nb * QK)
+    b = blocks.to(torch.int32)
+    if ggml_type == "Q5_0":
+        qs = b[..., -16:]  # element j (low nibble), j + 16 (high), as Q4_0
+        qh = b[..., 2:6] << torch.tensor([0, 8, 16, 24], dtype=torch.int32)  # fifth bits: bit i, element i
+        qh = qh.sum(-1, keepdim=True).to(torch.int64)  # [N, nb, 1] (the top byte may wrap: bits kept)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1) + ((qh >> torch.arange(32)) & 1).to(torch.int32) * 16
+        w = (q - 16).to(f64) * f16(blocks[..., :2])
+    elif ggml_type in ("Q4_K", "Q5_K"):
+        d, dmin = f16(blocks[..., 0:2]), f16(blocks[..., 2:4])  # [N, nb, 1]
+        sc, m = _k_scales(b[..., 4:16])  # [N, nb, 8]
+        qs = b[..., -128:].reshape(n, nb, 4, 1, 32)  # bytes 32 p ..: sub-block 2 p low, 2 p + 1 high
+        q = ((qs >> torch.tensor([0, 4]).reshape(2, 1)) & 0x0F).reshape(n, nb, 8, 32)
+        if ggml_type == "Q5_K":  # bit j of qh byte i: element i of sub-block j
+            qh = b[..., 16:48].reshape(n, nb, 1, 32)
+            q = q | (((qh >> torch.arange(8).reshape(8, 1)) & 1) << 4)
+        w = (d * sc.to(f64))[..., None] * q.to(f64) - (dmin * m.to(f64))[..., None]
+    else:  # Q6_K: ql [128], qh [64], 16 int8 scales, d
+        ql = b[..., :128].reshape(n, nb, 2, 1, 2, 32)  # half h, then bytes 32 (r % 2) ..
+        qh = b[..., 128:192].reshape(n, nb, 2, 1, 32)
+        lo = (ql >> (4 * torch.arange(2)).reshape(2, 1, 1)) & 0x0F  # [N, nb, 2, 2 (r / 2), 2 (r % 2), 32]
+        hi = (qh >> (2 * torch.arange(4)).reshape(4, 1)) & 3  # [N, nb, 2, 4 (r), 32]
+        q = lo.reshape(n, nb, 2, 4, 32) | (hi << 4)  # sub-block 4 h + r
+        scales = blocks[..., 192:208].contiguous().view(torch.int8).to(f64).reshape(n, nb, 16, 1)
+        w = f16(blocks[..., 208:210])[..., None] * scales * (q.reshape(n, nb, 16, 16) - 32).to(f64)
+    return w.reshape(n, nb * BLOCK_VALUES[ggml_type]).to(dtype)
 
 
 class BlockLinear(nn.Module):
-    """y = x @ W^T + b with W held as a GGUF file's blocks (`ggml_type` Q8_0 or Q4_0; `blocks`
-    uint8 [N, K / 32, bytes per block]), computed by the qgemv kernel (`fms_paged::qlinear`) for
+    """y = x @ W^T + b with W held as a GGUF file's blocks (`ggml_type` one of `BLOCK_TYPES`;
+    `blocks` uint8 [N, K / block values, bytes per block]), computed by the qgemv kernel
+    (`fms_paged::qlinear`) for
     decode and prefill rows alike; x in the model's dtype (fp32, bf16 or fp16), the bias too.
     Inference only. Where the kernel cannot be had (no C++ compiler) each call dequantizes the
     weight into a temporary and runs F.linear: correct, slow, and announced by `describe`."""
@@ -227,12 +276,13 @@ class BlockLinear(nn.Module):
         super().__init__()
         if ggml_type not in BLOCK_TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 3 or \
                 blocks.shape[-1] != BLOCK_TYPES.get(ggml_type):
-            raise QuantizationError(f"BlockLinear: {ggml_type} blocks as uint8 [N, K / 32, "
-                                    f"{BLOCK_TYPES.get(ggml_type)}], got {blocks.dtype} "
+            raise QuantizationError(f"BlockLinear: {ggml_type} blocks as uint8 [N, K / "
+                                    f"{BLOCK_VALUES.get(ggml_type)}, {BLOCK_TYPES.get(ggml_type)}], "
+                                    f"got {blocks.dtype} "
                                     f"{tuple(blocks.shape)}; "
                                     f"types read: {', '.join(BLOCK_TYPES)}")
         self.ggml_type = ggml_type
-        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * QK
+        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * BLOCK_VALUES[ggml_type]
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -262,19 +312,21 @@ class BlockLinear(nn.Module):
 
 
 class BlockEmbedding(nn.Module):
-    """The token embedding held as a GGUF file's blocks (`ggml_type` Q8_0 or Q4_0; `blocks` uint8
-    [V, C / 32, bytes per block]): a lookup dequantizes the rows it reads into `dtype` (the
-    model's), exactly where `dtype` is fp32 (an fp16 scale times a small integer). A tied head
+    """The token embedding held as a GGUF file's blocks (`ggml_type` one of `BLOCK_TYPES`; `blocks`
+    uint8 [V, C / block values, bytes per block]): a lookup dequantizes the rows it reads into
+    `dtype` (the model's), exactly where `dtype` is fp32 but for Q4_K / Q5_K (an fp16 scale times a
+    small integer; those less a min: one fp32 rounding). A tied head
     shares the same blocks tensor (`BlockLinear(embedding.blocks, ...)`): one copy for both."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: str, dtype: torch.dtype):
         super().__init__()
-        if ggml_type not in BLOCK_TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 3:
+        if ggml_type not in BLOCK_TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 3 or \
+                blocks.shape[-1] != BLOCK_TYPES[ggml_type]:
             raise QuantizationError(f"BlockEmbedding: {ggml_type} blocks as uint8 [V, C / 32, bytes], got "
                                     f"{blocks.dtype} {tuple(blocks.shape)}; types read: "
                                     f"{', '.join(BLOCK_TYPES)}")
         self.ggml_type, self.dtype = ggml_type, dtype
-        self.num_embeddings, self.embedding_dim = blocks.shape[0], blocks.shape[1] * QK
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], blocks.shape[1] * BLOCK_VALUES[ggml_type]
         self.register_buffer("blocks", blocks)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

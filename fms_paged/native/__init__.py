@@ -282,7 +282,7 @@ def load_gemm(dtype: torch.dtype) -> str | None:
 
 
 def load_qgemv(dtype: torch.dtype) -> str | None:
-    """Load the operators and the kernel of products with GGUF Q8_0 / Q4_0 blocks for activations
+    """Load the operators and the kernel of products with GGUF blocks (Q8_0 ... Q6_K) for activations
     of `dtype` (`csrc/kernels/qgemv.cpp`, built for `isa()` once per machine) -> None, or why not
     (`fms_paged::qlinear` and a stack holding blocks then refuse to run)."""
     if dtype not in ELEM_TYPES:

@@ -47,7 +47,7 @@ GEMM_SOURCE = KERNELS_DIR / "gemm.cpp"
 # the row-wise ops of a decoder block (norms, RoPE and ASSIGN, activations, residuals) that
 # `fms_paged::decoder_stack` runs between its projections: loaded with the GEMV kernel
 ROWS_SOURCE = KERNELS_DIR / "rows.cpp"
-# products with weights held as GGUF Q8_0 / Q4_0 blocks (fms_paged::qlinear, and the blocks of a
+# products with weights held as GGUF blocks (Q8_0 ... Q6_K) (fms_paged::qlinear, and the blocks of a
 # GGUF model's one-call forward)
 QGEMV_SOURCE = KERNELS_DIR / "qgemv.cpp"
 # the kernels' calling convention (argument structs, their field lists and layouts), their vector
@@ -55,7 +55,7 @@ QGEMV_SOURCE = KERNELS_DIR / "qgemv.cpp"
 KERNEL_HEADERS = tuple(KERNELS_DIR / h for h in ("args.h", "kernels.h", "vec.h", "geometry.h"))
 # the operators: the registry, paged_attention, gemv and linear; decoder_layer; what both include
 OPS_SOURCES = (OPS_DIR / "ops.cpp", OPS_DIR / "layer.cpp", OPS_DIR / "qlinear.cpp")
-OPS_HEADERS = (OPS_DIR / "ops.h", OPS_DIR / "stack.h")
+OPS_HEADERS = (OPS_DIR / "ops.h", OPS_DIR / "stack.h", KERNELS_DIR / "qgemv_blocks.h")
 
 # the tensor dtypes the kernels read and write -> the C++ type a kernel is built for with
 # -DFMS_ELEM=... (csrc/kernels/args.h)

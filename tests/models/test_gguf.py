@@ -112,18 +112,24 @@ POOL = {"llama": 8, "gemma2": 12}
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_paged_and_engine_give_the_dense_tokens(arch, tmp_path):
-    """The paged model (the CPU kernel) and the Engine give the greedy tokens of the float64
-    reference. The engine: three requests of 30-31 tokens sharing a 16-token prefix (one page:
-    prefix hits on Llama), 12 new tokens each (a third page), a pool too small for all three at their end
-    (preemption), prefill chunks of 32 tokens."""
+    """The paged model (the CPU kernel) of the dequantized weights gives the greedy tokens of the
+    float64 reference; the Engine, on the file's blocks (the default: the qgemv kernel, int8
+    activations, whose tokens may part from float64's at a near tie; its fidelity is
+    test_gguf_blocks.py's), gives the paged blocks model's own tokens. The engine: three requests of
+    30-31 tokens sharing a 16-token prefix (one page: prefix hits on Llama), 12 new tokens each (a
+    third page), a pool too small for all three at their end (preemption), prefill chunks of 32
+    tokens."""
     file = tmp_path / f"{arch}.gguf"
     ref = write_gguf(file, arch, MIXED)
     reference = reference_model(tmp_path, arch, ref)
     prefix = prompt_ids(16, 9)[0].tolist()
     prompts = [prefix + prompt_ids(14 + i % 2, i)[0].tolist() for i in range(3)]
     want = [generate(reference, [p], 12, eos_id=None)[0] for p in prompts]
+    dequantized = get_model(model_path=file, device="cpu", dtype=torch.float32, attn_impl="paged",
+                            page_size=16, gguf_blocks=False)
+    assert generate(dequantized, prompts, 12, eos_id=None) == want
     paged = get_model(model_path=file, device="cpu", dtype=torch.float32, attn_impl="paged", page_size=16)
-    assert generate(paged, prompts, 12, eos_id=None) == want
+    want = generate(paged, prompts, 12, eos_id=None)
     eng = Engine(paged, max_num_seqs=3, max_num_batched_tokens=32, num_pages=POOL[arch], max_model_len=64,
                  compile=False, kernel="cpp")
     ids = [eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]

@@ -1,16 +1,21 @@
-"""GGUF Q8_0 / Q4_0 projections held as the file's blocks (`BlockLinear`) and computed by the qgemv
-kernel (csrc/kernels/qgemv.cpp): each row of x quantized to int8 per block of 32 (scale
-max|x_b| / 127, rounded to nearest), integer dot products, fp32 sums.
+"""GGUF projections held as the file's blocks (`BlockLinear`: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K)
+and computed by the qgemv kernel (csrc/kernels/qgemv.cpp): each row of x quantized to int8 per
+block of 32 (scale max|x_b| / 127, rounded to nearest), integer dot products, fp32 sums.
 
 The kernel's error bound, which the kernel tests assert per output: the integer products are exact,
 so beside fp32 rounding the only error is x's rounding, at most dx_b / 2 = max|x_b| / 254 per
 value of block b: |y - x W^T| <= sum_b (max|x_b| / 254) sum_{i in b} |w_i| (+ fp32 sums' and
-the output's own rounding: 1e-5 relative to sum |x| |w|, and bf16's 2^-8 of |y|).
+the output's own rounding: 1e-5 relative to sum |x| |w|, and bf16's 2^-8 of |y|). The types other
+than Q8_0 / Q4_0 are computed as w = a u + b (u the unsigned quants, b an offset: Q4_K / Q5_K's
+-dmin m, Q6_K's -32 a, Q5_0's -16 d), two fp32 products a dx (sum u qx) and b dx (sum qx) per
+sub-block: their rounding is relative to |a u| + |b| <= |w| + 2 |b|, not to |w|, so the fp32 term
+there is 1e-5 of sum |x| (|w| + 2 |b|) (`offsets`: b of each weight). 1e-5 is ~170 ulps of fp32: the
+sums' and products' rounding over K <= 768 stays far below it.
 
 Prefill calls (at least TILE_ROWS rows) on a CPU with AVX512_BF16 (the native build here) take
-another path: each weight row pair dequantized into bf16 (2^-9 of each weight) and dotted with x
-rounded to bf16 (2^-9 of each value), fp32 sums: |y - x W^T| <= 2^-8 sum |x| |w| (+ the same
-fp32 and output rounding).
+another path: each weight row pair dequantized into bf16 (2^-9 of
+each weight) and dotted with x rounded to bf16 (2^-9 of each value), fp32 sums:
+|y - x W^T| <= 2^-8 sum |x| |w| (+ the same fp32 and output rounding).
 """
 
 from __future__ import annotations
@@ -26,15 +31,20 @@ gguf = pytest.importorskip("gguf")
 from fms_paged import Engine, SamplingParams, generate, get_model, native  # noqa: E402
 from fms_paged.models.gguf import file_summary, layer_kernels  # noqa: E402
 from fms_paged.modules.quantized import (  # noqa: E402
+    BLOCK_TYPES,
+    BLOCK_VALUES,
     BlockEmbedding,
     BlockLinear,
+    QuantizationError,
     dequantize_blocks,
     layer_formats,
 )
 from fms_paged.modules.quantized import qgemv_isa as native_isa  # noqa: E402
-from tests.gguf_files import Q, prompt_ids, rel_err, write_gguf  # noqa: E402
+from tests.gguf_files import MIXED, Q, prompt_ids, random_blocks, rel_err, write_gguf  # noqa: E402
 
-TYPES = ("Q8_0", "Q4_0")
+TYPES = ("Q8_0", "Q4_0")  # the types held as blocks first
+NEW_TYPES = ("Q5_0", "Q4_K", "Q5_K", "Q6_K")  # computed as w = a u + b (module docstring)
+ALL_TYPES = TYPES + NEW_TYPES
 TILE_ROWS = 4  # (qgemv.cpp) rows from which an AVX512_BF16 build dequantizes bf16 tiles
 
 
@@ -68,6 +78,34 @@ def blocks_of(values: np.ndarray, kind: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // 32, -1)
 
 
+def weight_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """A weight [n, k] of `kind` as blocks [n, k / block values, bytes]: values ~N(0, 0.05) quantized
+    by gguf, or (the K-quants, which gguf does not quantize) random blocks (`random_blocks`); Q4_K /
+    Q5_K's packed scales and mins here random bytes (every bit pattern; d, dmin small enough to keep
+    the values below ~1), where the model files' are centred."""
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        raw = random_blocks(Q[kind], (n, k), rng).reshape(n, k // BLOCK_VALUES[kind], BLOCK_TYPES[kind])
+        if kind != "Q6_K":
+            raw[..., 0:4] = rng.uniform(2e-4, 6e-4, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
+            raw[..., 4:16] = rng.integers(0, 256, (n, k // 256, 12), dtype=np.uint8)
+        return torch.from_numpy(np.ascontiguousarray(raw))
+    return blocks_of(rng.normal(0, 0.05, (n, k)).astype(np.float32), kind)
+
+
+# the bytes of each type's quants (the rest: scales, mins)
+QUANT_BYTES = {"Q5_0": slice(2, 22), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}
+
+
+def offsets(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """The offset b of each weight (w = a u + b; 0 for Q8_0 / Q4_0, whose paths have none), float64
+    [N, K]: the blocks dequantized with every quant zero (u = 0 leaves b)."""
+    if kind in TYPES:
+        return torch.zeros(blocks.shape[0], blocks.shape[1] * BLOCK_VALUES[kind], dtype=torch.float64)
+    zeroed = blocks.clone()
+    zeroed[..., QUANT_BYTES[kind]] = 0
+    return dequantize_blocks(zeroed, kind)
+
+
 def kernel_bound(x: torch.Tensor, w: torch.Tensor, isa: str = "native") -> torch.Tensor:
     """The path's bound for x [M, K], w [N, K] (float64) -> [M, N]: sum_b (max|x_b| / 254) sum_{i in
     b} |w_i| (int8 activations), or 2^-8 sum |x| |w| (bf16 tiles)."""
@@ -81,30 +119,36 @@ def kernel_bound(x: torch.Tensor, w: torch.Tensor, isa: str = "native") -> torch
 
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("kind", ALL_TYPES)
 def test_kernel_within_the_int8_kernel_bound(kind, dtype, isa, monkeypatch):
     """x [M, K] @ blocks^T on each build, for 1, 3, 6 and 20 rows (tiles of 4 and 8 and the rows
     after them; 20: a prefill's path) and weight stacks of odd widths (the last row pair half full),
-    K of 10 blocks (AVX-512 takes two a register: 5 pairs) and 11 (a pair half full), against
-    float64 of the dequantized weights, within the path's stated bound; and gguf's own dequantizer
-    agrees with ours bit for bit."""
+    K of 10 blocks (AVX-512 takes two a register: 5 pairs) and 11 (a pair half full; the K-quants:
+    2 and 3 super-blocks), against float64 of the dequantized weights, within the path's stated
+    bound; and gguf's own dequantizer agrees with ours (bit for bit in float64, or, Q4_K / Q5_K,
+    whose d sc q - dmin m gguf rounds in fp32, once rounded to fp32)."""
     rng = np.random.default_rng(0)
+    widths = (512, 768) if BLOCK_VALUES[kind] == 256 else (320, 352)
     with isa_build(isa, dtype, monkeypatch):
-        for K in (320, 352):
-            ws = [rng.normal(0, 0.05, (n, K)).astype(np.float32) for n in (37, 64, 5)]
-            blocks = [blocks_of(w, kind) for w in ws]
+        for K in widths:
+            blocks = [weight_blocks(kind, n, K, rng) for n in (37, 64, 5)]
             for b in blocks:
-                theirs = gguf.quants.dequantize(b.reshape(b.shape[0], -1).numpy(), Q[kind]).astype(np.float64)
-                assert np.array_equal(dequantize_blocks(b, kind).numpy(), theirs.reshape(b.shape[0], K))
+                theirs = gguf.quants.dequantize(b.reshape(b.shape[0], -1).numpy(), Q[kind])
+                ours = dequantize_blocks(b, kind)
+                if kind in ("Q4_K", "Q5_K"):
+                    assert np.array_equal(ours.float().numpy(), theirs.reshape(b.shape[0], K))
+                else:
+                    assert np.array_equal(ours.numpy(), theirs.astype(np.float64).reshape(b.shape[0], K))
             for M in (1, 3, 6, 20):
                 x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
                 got = torch.ops.fms_paged.qlinear(x, blocks, None)
                 assert got.dtype == dtype and got.shape == (M, 106)
                 w64 = torch.cat([dequantize_blocks(b, kind) for b in blocks])
+                b64 = torch.cat([offsets(b, kind) for b in blocks])
                 x64 = x.double()
                 want = x64 @ w64.T
                 out_round = 2.0**-8 if dtype == torch.bfloat16 else 0.0  # y stored in bf16
-                rounding = 1e-5 * (x64.abs() @ w64.abs().T) + out_round * want.abs()
+                rounding = 1e-5 * (x64.abs() @ (w64.abs() + 2 * b64.abs()).T) + out_round * want.abs()
                 err = (got.double() - want).abs()
                 assert (err <= kernel_bound(x64, w64, isa) + rounding).all()
                 # the bound is not vacuous: the error is far below |y|
@@ -125,6 +169,22 @@ def test_a_prefill_of_many_rows_and_the_bias():
         x.double().abs() @ w64.abs().T + bias.double().abs())).all()
 
 
+def test_refusals_name_the_blocks_expected():
+    """Blocks that do not fit x's width are refused naming the shapes each type takes; blocks of
+    another size, or a type the kernel does not read (Q4_1: llama.cpp's fallback for rows not a
+    multiple of 256 wide in some files, dequantized at load: test_mixed_groups_...), cannot make a
+    BlockLinear. (A K-quant row is whole super-blocks by the file's layout: a width not a multiple
+    of 256 never comes as Q4_K; llama.cpp writes such rows as Q5_0 / Q8_0, held as blocks too.)"""
+    w = weight_blocks("Q4_K", 8, 512, np.random.default_rng(3))
+    assert native.load_qgemv(torch.float32) is None
+    with pytest.raises(ValueError, match=r"must be GGUF blocks of x's width 288.*144 / 176 / 210\] \(Q4_K"):
+        torch.ops.fms_paged.qlinear(torch.randn(2, 288), [w], None)
+    with pytest.raises(QuantizationError, match=r"Q4_K blocks as uint8 \[N, K / 256, 144\]"):
+        BlockLinear(w[..., :140].contiguous(), "Q4_K")
+    with pytest.raises(QuantizationError, match="types read: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K"):
+        BlockLinear(torch.zeros(8, 16, 20, dtype=torch.uint8), "Q4_1")
+
+
 # the model's logits against the dequantized model's (same file, `gguf_blocks=False`: fp32 sums
 # of the exact weights). Per projection the kernel's error is at most max|x_b| / 254 per value
 # (asserted above); the activations' rounding (uniform, ~0.6% of a value's spread per
@@ -136,20 +196,26 @@ def test_a_prefill_of_many_rows_and_the_bias():
 MODEL_REL = 5e-2
 
 
-@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("kind", [*ALL_TYPES, "mixed"])
 def test_model_logits_and_engine_against_the_dequantized_model(kind, tmp_path):
-    """A llama GGUF of one block type: every matrix loads as its blocks (projections, embedding and
-    head; no dequantized copy: the model's only fp32 tensors are its norms), the one-call C++
-    forward takes them, logits (the
-    sdpa model and the paged one) within MODEL_REL of the dequantized model's, and the engine's
-    greedy tokens from the cpp kernel equal the paged model's own."""
+    """A llama GGUF of one block type, or "mixed" (a Q4_K_M-like file: q/k Q4_K with v Q6_K in one
+    kernel call, gate Q5_K with up Q4_K, head Q6_K, embedding Q8_0): every matrix loads as its blocks
+    (projections, embedding and head; no dequantized copy: the model's only fp32 tensors are its
+    norms), the one-call C++ forward takes them, logits (the sdpa model and the paged one) within
+    MODEL_REL of the dequantized model's, and the engine's greedy tokens from the cpp kernel equal
+    the paged model's own."""
     file = tmp_path / "m.gguf"
-    write_gguf(file, "llama", Q[kind])
+    write_gguf(file, "llama", MIXED if kind == "mixed" else Q[kind])
     ref = get_model(model_path=file, device="cpu", dtype=torch.float32, gguf_blocks=False)
     dense = get_model(model_path=file, device="cpu", dtype=torch.float32)
     paged = get_model(model_path=file, device="cpu", dtype=torch.float32, attn_impl="paged", page_size=16)
-    block_mods = [m for m in paged.layers.modules() if isinstance(m, BlockLinear)]
-    assert len(block_mods) == 7 * paged.config.nlayers and all(m.ggml_type == kind for m in block_mods)
+    block_mods = {n: m for n, m in paged.layers.named_modules() if isinstance(m, BlockLinear)}
+    assert len(block_mods) == 7 * paged.config.nlayers
+    gguf_names = {"query": "attn_q", "key": "attn_k", "value": "attn_v", "dense": "attn_output",
+                  "wg": "ffn_gate", "w1": "ffn_up", "w2": "ffn_down"}
+    for name, m in block_mods.items():
+        want = kind if kind != "mixed" else MIXED[gguf_names[name.rsplit(".", 1)[-1]]].name
+        assert m.ggml_type == want, name
     assert isinstance(paged.embedding, BlockEmbedding) and isinstance(paged.head, BlockLinear)
     assert all(p.dim() == 1 for p in paged.parameters())  # the norms' weights alone
     ids = prompt_ids(20)
@@ -167,16 +233,26 @@ def test_model_logits_and_engine_against_the_dequantized_model(kind, tmp_path):
         got.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert [got[i] for i in ids_] == tokens
     formats = layer_formats(paged)
-    assert formats["layer 0"].startswith(f"GGUF {kind} blocks, fms_paged qgemv"), formats
+    if kind != "mixed":
+        assert formats["layer 0"].startswith(f"GGUF {kind} blocks, fms_paged qgemv"), formats
+    else:
+        for k in ("Q4_K", "Q5_K", "Q6_K"):
+            assert f"GGUF {k} blocks, fms_paged qgemv" in formats["layer 0"], formats
+        # `fms-paged info x.gguf`'s per-layer kernels, from the file's table alone
+        run = f"fms_paged qgemv (int8 activations per block of 32, {native_isa()})"
+        assert layer_kernels(file)["layer 0"].split("; ") == [
+            f"query, key, dense, w1: GGUF Q4_K blocks, {run}", f"value, w2: GGUF Q6_K blocks, {run}",
+            f"wg: GGUF Q5_K blocks, {run}"]
+        assert layer_kernels(file)["head"] == f"GGUF Q6_K blocks, {run}"
 
 
 def test_mixed_groups_stay_dequantized_and_info_names_the_kernel(tmp_path):
     """q/k Q4_0 with v Q8_0 run as blocks together (one call takes both types); a layer whose gate
-    is Q4_0 and up a K-quant keeps gate/up dequantized (one kernel call computes both); the file's
-    summary names the kernel."""
+    is Q4_0 and up a type the kernel does not read (Q4_1) keeps gate/up dequantized (one kernel call
+    computes both); the file's summary names the kernel."""
     file = tmp_path / "mix.gguf"
     kinds = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0,
-             "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0, "ffn_up": Q.Q4_K, "ffn_down": Q.Q4_0}
+             "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_0}
     write_gguf(file, "llama", kinds)
     model = get_model(model_path=file, device="cpu", dtype=torch.float32)
     layer = model.layers[0]
@@ -194,5 +270,5 @@ def test_mixed_groups_stay_dequantized_and_info_names_the_kernel(tmp_path):
     assert layers["layer 1"].split("; ") == [
         f"query, key, w2: GGUF Q4_0 blocks, {run}", f"value, dense: GGUF Q8_0 blocks, {run}",
         "wg: Q4_0 held as float32, the float32 GEMV / GEMM",
-        "w1: Q4_K held as float32, the float32 GEMV / GEMM"]
+        "w1: Q4_1 held as float32, the float32 GEMV / GEMM"]
     assert layers["head"].startswith("GGUF Q8_0 blocks, " + q)

@@ -35,7 +35,8 @@
 // GEMV kernel does; its own struct name, so that neither library passes for the other)
 #define FMS_PAGED_GEMM_FIELDS(X) FMS_PAGED_GEMV_FIELDS(X)
 // y [M, sum of rows] = x [M, K] (row stride x_st) times each weight weights[i] [rows[i], K]^T held
-// as GGUF blocks of 32 (ggml type types[i]: 8 Q8_0, 2 Q4_0; rows of K / 32 blocks, raw bytes), side
+// as GGUF blocks (ggml type types[i]: 8 Q8_0, 2 Q4_0, 6 Q5_0, 12 Q4_K, 13 Q5_K, 14 Q6_K; rows of
+// K / 32 or K / 256 blocks, raw bytes: qgemv_blocks.h), side
 // by side; threads: at most this many (kernels/qgemv.cpp).
 #define FMS_PAGED_QGEMV_FIELDS(X)                                                               \
   X(const T*, x) X(int64_t, M) X(int64_t, K) X(int64_t, x_st)                                   \

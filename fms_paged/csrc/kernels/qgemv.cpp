@@ -1,5 +1,6 @@
 // Products of rows with weights held as GGUF blocks, y = x W^T, dequantized in registers: the
-// projections of a GGUF model loaded at Q8_0 or Q4_0 (fms_paged/modules/quantized.py BlockLinear),
+// projections of a GGUF model's Q8_0, Q4_0, Q5_0, Q4_K, Q5_K and Q6_K tensors (fms_paged/modules/
+// quantized.py BlockLinear; one call may mix types, as a Q4_K_M file's Q4_K q/k and Q6_K v),
 // for decode rows and prefill chunks alike. Built and loaded by fms_paged/native once per storage
 // type T of x and y (-DFMS_ELEM: float, fms_bf16 or fms_f16), like gemv.cpp.
 //
@@ -8,6 +9,16 @@
 // - Q8_0 (34 bytes): d, then 32 int8 q: w = d q;
 // - Q4_0 (18 bytes): d, then 16 bytes of nibbles, byte j holding element j (low) and j + 16
 //   (high): w = d (q - 8).
+// The other types (Q5_0's blocks of 32, the K-quants' super-blocks of 256: qgemv_blocks.h) are
+// read as sub-blocks of 32 unsigned quants u with, per 16 values, a multiplier a and an offset b
+// (w = a u + b), dotted as sum a dx (sum u qx) + b dx (sum qx): the sums of x's quants come with
+// x's quantization (XQ::xs).
+//
+// x is quantized per block of 32 for every type, where llama.cpp quantizes x for the K-quants
+// per 256 (q8_K: one scale, with sums per 16): one quantization then serves every weight of a
+// call whatever their types (a Q4_K_M layer's q/k/v are Q4_K and Q6_K), the K-quants' sub-blocks
+// (32 for Q4_K / Q5_K, 16 for Q6_K) each fall in one of x's blocks, and a scale per 32 rounds x
+// finer than one per 256 (the bound below holds alike).
 // As llama.cpp's vec_dot_q8_0_q8_0 / vec_dot_q4_0_q8_0 do, each row of x is quantized once per
 // call to int8 per block of 32 (scale dx = max |x| / 127, fp32 here where llama.cpp rounds it to
 // fp16; q = x / dx rounded to nearest even), and each block's dot product is a sum of int8 x int8
@@ -19,6 +30,7 @@
 // (vpmaddubsw then vpmaddwd against ones), and a scalar baseline. vpdpbusd / vpmaddubsw multiply
 // unsigned by signed bytes, so the signs move onto x: |w| times x with w's sign (vpsignb), as
 // llama.cpp does; |w| <= 127 and |qx| <= 127 keep vpmaddubsw's pairwise int16 sums below 32767.
+// The other types' u (at most 63) are unsigned already: u times qx as they are, no sign moved.
 //
 // Register tiles of MR rows of x by NR weight rows: a weight block is decoded once for MR rows,
 // and a tile's fp32 accumulators are vectors (cvt and FMA per block, one horizontal sum per tile).
@@ -28,6 +40,7 @@
 
 #include "args.h"
 #include "kernels.h"
+#include "qgemv_blocks.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -49,15 +62,17 @@ namespace {
 
 using T = FMS_ELEM;
 constexpr int QK = 32;  // values per block
-constexpr int kQ8_0 = 8, kQ4_0 = 2;  // ggml's type ids
+using fms_gguf::kQ8_0, fms_gguf::kQ4_0, fms_gguf::kQ5_0, fms_gguf::kQ4_K, fms_gguf::kQ5_K, fms_gguf::kQ6_K;
+using fms_gguf::block_bytes;
+// the types taken as sub-blocks of unsigned integers u with a multiplier and an offset
+// (qgemv_blocks.h): all but Q8_0 / Q4_0, whose own paths stay as they were
+constexpr bool sub_type(int type) { return type != kQ8_0 && type != kQ4_0; }
 #if defined(__AVX512F__)
 constexpr int MR = 8, NR = 2;  // register tile: rows of x by weight rows (32 registers)
 #else
 constexpr int MR = 4, NR = 2;  // register tile: rows of x by weight rows
 #endif
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (as gemv.cpp)
-
-inline int block_bytes(int type) { return type == kQ8_0 ? 34 : 18; }
 
 inline float half(const uint8_t* p) {  // an fp16 scale, unaligned
   uint16_t h;
@@ -70,12 +85,15 @@ inline float half(const uint8_t* p) {  // an fp16 scale, unaligned
 // scale repeated over 8 lanes (dv, [M, nb2, 8]) and -8 x's sums over 4 bytes as 8 int32 lanes (c4,
 // [M, nb2, 8]: Q4_0's offset, the products' starting sums), each row padded to an even number of
 // blocks nb2 (zeros): two blocks are one 512-bit register.
+// Where a call holds a type other than Q8_0 / Q4_0 (`sums`), also dx times the sums of x's quants over 4
+// bytes as 8 fp32 lanes a block (xs, [M, nb2, 8]): what the offsets b of those types multiply.
 struct XQ {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<uint8_t> qu;
   std::vector<float> dv;
   std::vector<int32_t> c4;
+  std::vector<float> xs;
   int64_t K, nb, nb2;
 };
 
@@ -108,13 +126,14 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d) {
 #define FMS_Q512 1
 #endif
 
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t x_st, int threads, XQ& out) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t x_st, int threads, bool sums, XQ& out) {
   out.nb = K / QK, out.nb2 = (out.nb + 1) / 2 * 2, out.K = out.nb2 * QK;  // (rows padded: K2)
   const int64_t K2 = out.K, nb2 = out.nb2;
   out.q.assign(M * K2, 0), out.d.assign(M * nb2, 0.0f);
 #ifdef FMS_Q512
   out.qu.resize(M * K2), out.dv.resize(M * nb2 * 8), out.c4.resize(M * nb2 * 8);
 #endif
+  if (sums) out.xs.assign(M * nb2 * 8, 0.0f);
   const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, M * K / 65536));
 #pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
   for (int64_t m = 0; m < M; ++m) {
@@ -128,7 +147,19 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t x_st, int threads, 
                                             _mm256_sub_epi8(_mm256_setzero_si256(), v));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.c4.data() + (m * nb2 + b) * 8), c);
       _mm256_storeu_ps(out.dv.data() + (m * nb2 + b) * 8, _mm256_set1_ps(out.d[m * nb2 + b]));
+      if (sums) {
+        const __m256i s4 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), v);
+        _mm256_storeu_ps(out.xs.data() + (m * nb2 + b) * 8,
+                         _mm256_mul_ps(_mm256_cvtepi32_ps(s4), _mm256_set1_ps(out.d[m * nb2 + b])));
+      }
     }
+#else
+    if (sums)
+      for (int64_t b = 0; b < out.nb; ++b)
+        for (int l = 0; l < 8; ++l) {
+          const int8_t* q = out.q.data() + m * K2 + b * QK + 4 * l;
+          out.xs[(m * nb2 + b) * 8 + l] = float(q[0] + q[1] + q[2] + q[3]) * out.d[m * nb2 + b];
+        }
 #endif
   }
 }
@@ -196,6 +227,124 @@ void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) out[i][j] = hsum512(acc[i][j]);
 }
+
+// The other types (sub_type), two sub-blocks of 32 (values 64 p ..) at a time: u, 64 unsigned
+// integers (at most 63), and per lane of 4 values the multiplier A and offset B (qgemv_blocks.h:
+// w = a u + b). Then per row of x: vpdpbusd of u (unsigned) by x's quants (signed), exact in int32,
+// times A dx, plus B times dx sum x's quants (xs): sum_lanes (a dx sum u qx + b dx sum qx).
+// A row's odd last Q5_0 block is a pair whose second block is zeros (A = B = 0; x's padding zeros).
+// The K-quants' scales are decoded once a super-block (sb_scales: S), each pair's lanes then picked
+// from S (vpermps).
+constexpr bool k_type(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+
+// Super-block sb of a row: Q4_K / Q5_K: d sc_j in lanes j < 8, -dmin m_j in lanes 8 + j (the 12
+// scale bytes unpacked as 32-bit words: qgemv_blocks.h's k_scale, four sub-blocks at a time);
+// Q6_K: d sc_g of each 16 values g in lane g
+template <int type>
+__attribute__((always_inline)) inline __m512 sb_scales(const uint8_t* row, int64_t sb) {
+  if constexpr (type == kQ6_K) {
+    const uint8_t* blk = row + sb * 210;
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
+    return _mm512_mul_ps(sc, _mm512_set1_ps(half(blk + 208)));
+  } else if constexpr (type == kQ4_K || type == kQ5_K) {
+    const uint8_t* blk = row + sb * (type == kQ5_K ? 176 : 144);
+    uint32_t s[3];
+    std::memcpy(s, blk + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    const __m128i v = _mm_setr_epi32(int(s[0] & low6), int((s[2] & low4) | ((s[0] >> 6) & low2) << 4),  // sc 0-3, 4-7
+                                     int(s[1] & low6), int(((s[2] >> 4) & low4) | ((s[1] >> 6) & low2) << 4));  // m
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+    return _mm512_mul_ps(f, _mm512_insertf32x8(_mm512_set1_ps(half(blk)), _mm256_set1_ps(-half(blk + 2)), 1));
+  } else {
+    return _mm512_setzero_ps();
+  }
+}
+
+template <int type>
+__attribute__((always_inline)) inline __m512i decode_pair(const uint8_t* row, int64_t p, bool two, const __m512& S, __m512& A,
+                                                        __m512& B) {
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  if constexpr (type == kQ5_0) {
+    const uint8_t* blk = row + 2 * p * 22;
+    auto one = [&](const uint8_t* bl) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bl + 6));
+      uint32_t qh;
+      std::memcpy(&qh, bl + 2, 4);
+      const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+      return _mm256_or_si256(nib, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)));
+    };
+    const float d0 = half(blk), d1 = two ? half(blk + 22) : 0.0f;
+    A = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+    B = _mm512_mul_ps(A, _mm512_set1_ps(-16.0f));
+    const __m256i u1 = two ? one(blk + 22) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(one(blk)), u1, 1);
+  } else if constexpr (type == kQ6_K) {
+    // sub-blocks j = 2 pp, 2 pp + 1 of the super-block: half h = pp / 2, r = 2 (pp % 2) and r + 1
+    const uint8_t* blk = row + p / 4 * 210;
+    const int pp = int(p % 4), h = pp / 2, odd = pp % 2;
+    const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+    const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(ql, _mm_cvtsi32_si128(4 * odd)), _mm512_set1_epi8(0x0f));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+    const __m512i hi = _mm512_and_si512(_mm512_srl_epi16(qh2, _mm_cvtsi32_si128(4 * odd)), _mm512_set1_epi8(3));
+    // the pair's four scales of 16 values 4 pp .. 4 pp + 3, each over 4 lanes
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(4 * pp),
+                                        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+    A = _mm512_permutexvar_ps(at, S);
+    B = _mm512_mul_ps(A, _mm512_set1_ps(-32.0f));
+    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+  } else {  // Q4_K, Q5_K: sub-blocks 2 pp (low nibbles), 2 pp + 1 (high) of bytes 32 pp ..
+    constexpr bool five = type == kQ5_K;
+    const uint8_t* blk = row + p / 4 * (five ? 176 : 144);
+    const int pp = int(p % 4);
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (five ? 48 : 16) + 32 * pp));
+    __m256i lo = _mm256_and_si256(y, m4), hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), m4);
+    if constexpr (five) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      const __m256i sixteen = _mm256_set1_epi8(16);
+      lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * pp)))), sixteen));
+      hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * pp)))), sixteen));
+    }
+    // sub-blocks 2 pp (lanes 0-7) and 2 pp + 1 (8-15): S's lanes 2 pp, 2 pp + 1 and, for B, 8 on
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(2 * pp),
+                                        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    A = _mm512_permutexvar_ps(at, S);
+    B = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(8)), S);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+}
+
+template <int type, int mr, int nr>
+void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
+  __m512 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t K = xq.K, nb2 = xq.nb2;
+  constexpr int64_t step = k_type(type) ? 8 : 2;  // a super-block of the K-quants, else a pair
+  for (int64_t b0 = 0; b0 < xq.nb; b0 += step) {
+  __m512 S[nr];  // the K-quants' super-block scales (sb_scales)
+  for (int j = 0; j < nr; ++j) S[j] = sb_scales<type>(w[j], b0 / 8);
+  for (int64_t b = b0; b < b0 + step; b += 2) {
+    const bool two = b + 1 < xq.nb;
+    __m512i u[nr];
+    __m512 A[nr], B[nr];
+    for (int j = 0; j < nr; ++j) u[j] = decode_pair<type>(w[j], b / 2, two, S[j], A[j], B[j]);
+    for (int i = 0; i < mr; ++i) {
+      const int64_t r = m0 + i;
+      const __m512 dx = _mm512_loadu_ps(xq.dv.data() + (r * nb2 + b) * 8);
+      const __m512 xs = _mm512_loadu_ps(xq.xs.data() + (r * nb2 + b) * 8);
+      const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * K + b * QK);
+      for (int j = 0; j < nr; ++j) {
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], xv);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(A[j], dx), acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(B[j], xs, acc[i][j]);
+      }
+    }
+  }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i][j] = hsum512(acc[i][j]);
+}
 #elif defined(__AVX2__)
 // a weight block's 32 values as signed bytes, and its scale
 template <int type>
@@ -253,6 +402,89 @@ void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) out[i][j] = hsum(acc[i][j]);
 }
+
+// Sub-block `sub` of a row of the other types (sub_type) in a register: u (32 unsigned bytes), and
+// per half the multiplier a and offset b (qgemv_blocks.h: w = a u + b), vectors over bytes where
+// qgemv_blocks.h's portable decoder goes value by value (five times slower on Q4_K)
+template <int type>
+inline __m256i decode_sub(const uint8_t* row, int64_t sub, float* a, float* b) {
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  if constexpr (type == kQ5_0) {
+    const uint8_t* blk = row + sub * 22;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    // byte i: byte i / 8 of qh, then its bit i % 8
+    const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32(int(qh)),
+                                            _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit);
+    a[0] = a[1] = half(blk), b[0] = b[1] = -16.0f * a[0];
+    return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  } else if constexpr (type == kQ6_K) {
+    const uint8_t* blk = row + sub / 8 * 210;
+    const int j = int(sub % 8), h = j / 4, r = j % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (r % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (r / 2))), m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3));
+    const float d = half(blk + 208);
+    for (int k = 0; k < 2; ++k) a[k] = d * float(int8_t(blk[192 + 2 * j + k])), b[k] = -32.0f * a[k];
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  } else {  // Q4_K, Q5_K
+    constexpr bool five = type == kQ5_K;
+    const uint8_t* blk = row + sub / 8 * (five ? 176 : 144);
+    const int j = int(sub % 8);
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (five ? 48 : 16) + 32 * (j / 2)));
+    __m256i u = _mm256_and_si256(_mm256_srl_epi16(y, _mm_cvtsi32_si128(4 * (j % 2))), m4);
+    if constexpr (five) {  // bit j of qh byte i
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+      u = _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(16)));
+    }
+    int sc, m;
+    fms_gguf::k_scale(blk + 4, j, sc, m);
+    a[0] = a[1] = half(blk) * float(sc), b[0] = b[1] = -half(blk + 2) * float(m);
+    return u;
+  }
+}
+
+// The other types (sub_type), a sub-block of 32 at a time (decode_sub: u, and per half a
+// multiplier and an offset: w = a u + b): dot of u (unsigned, at most 63: the
+// pairwise int16 sums of vpmaddubsw stay below 2 * 63 * 127) by x's quants, times a dx, plus b
+// times dx sum x's quants (xs).
+template <int type, int mr, int nr>
+void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
+  __m256 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int8_t* xr = xq.q.data() + m0 * xq.K;
+  const float* xd = xq.d.data() + m0 * xq.nb2;
+  const float* xs = xq.xs.data() + m0 * xq.nb2 * 8;
+  for (int64_t b = 0; b < xq.nb; ++b) {
+    __m256i u[nr];
+    __m256 A[nr], B[nr];
+    for (int j = 0; j < nr; ++j) {
+      float a[2], o[2];
+      u[j] = decode_sub<type>(w[j], b, a, o);
+      A[j] = _mm256_setr_m128(_mm_set1_ps(a[0]), _mm_set1_ps(a[1]));
+      B[j] = _mm256_setr_m128(_mm_set1_ps(o[0]), _mm_set1_ps(o[1]));
+    }
+    for (int i = 0; i < mr; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + i * xq.K + b * QK));
+      const __m256 dx = _mm256_set1_ps(xd[i * xq.nb2 + b]);
+      const __m256 sx = _mm256_loadu_ps(xs + (i * xq.nb2 + b) * 8);
+      for (int j = 0; j < nr; ++j) {
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(u[j], xv)), _mm256_mul_ps(A[j], dx), acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(B[j], sx, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i][j] = hsum(acc[i][j]);
+}
 #else
 template <int type>
 inline void decode(const uint8_t* blk, int8_t* v, float& d) {
@@ -284,13 +516,39 @@ void tile(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) out[i][j] = acc[i][j];
 }
+// The other types (sub_type): per half of a sub-block, a (sum u qx) dx + b (sum qx) dx, the sums
+// exact in int32 (qgemv_blocks.h: w = a u + b)
+template <int type, int mr, int nr>
+void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR]) {
+  float acc[mr][nr] = {};
+  for (int64_t b = 0; b < xq.nb; ++b) {
+    uint8_t u[nr][QK];
+    float a[nr][2], o[nr][2];
+    for (int j = 0; j < nr; ++j) fms_gguf::decode_sub(type, w[j], b, u[j], a[j], o[j]);
+    for (int i = 0; i < mr; ++i) {
+      const int8_t* xv = xq.q.data() + (m0 + i) * xq.K + b * QK;
+      const float dx = xq.d[(m0 + i) * xq.nb2 + b];
+      for (int j = 0; j < nr; ++j)
+        for (int h = 0; h < 2; ++h) {
+          int32_t s = 0, t = 0;
+          for (int k = 16 * h; k < 16 * h + 16; ++k) s += int32_t(u[j][k]) * xv[k], t += xv[k];
+          acc[i][j] += float(s) * (a[j][h] * dx) + float(t) * (o[j][h] * dx);
+        }
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i][j] = acc[i][j];
+}
 #endif
 
 // rows m .. m + mr of y, columns j0 .. j0 + nr: one tile
 template <int type, int mr, int nr>
 void tile_to(const XQ& xq, int64_t m, const uint8_t* const* ws, int64_t j0, T* y, int64_t y_st) {
   float out[MR][NR];
-  tile<type, mr, nr>(xq, m, ws, out);
+  if constexpr (sub_type(type))
+    tile_sub<type, mr, nr>(xq, m, ws, out);
+  else
+    tile<type, mr, nr>(xq, m, ws, out);
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) y[(m + i) * y_st + j0 + j] = fms_vec::from_f32<T>(out[i][j]);
 }
@@ -330,11 +588,60 @@ void block(int64_t n, const XQ& xq, int64_t M, const uint8_t* w, int64_t row_byt
 // model, else rounded once: 2^-9 of each value), fp32 sums: one instruction per 32 products of a row
 // pair, no activation quantization. The blocks stay the only copy of the weights: a tile of two
 // rows (a few KB) is all that is ever dequantized.
+// The other types (sub_type) alike: their dequantization costs more (w = a u + b, a scale per 16 or
+// 32), so that in cache the int8 path was the faster at four rows (3072 x 768, single thread: 0.28-
+// 0.33 ms against the tiles' 0.34-0.39 over Q4_K, Q5_K, Q6_K, Q5_0); but in a model, whose weights
+// come from memory, the tiles were (a 124M-parameter Q4_K / Q6_K model, four streams, one thread:
+// 20.1 against 22.8 ms a step), and they round x to bf16, not int8.
 #define FMS_QTILES 1
 constexpr int64_t TILE_ROWS = 4;
 
 template <int type>
 void dequant_row_bf16(const uint8_t* w, int64_t nb, uint16_t* out) {
+  if constexpr (sub_type(type)) {
+    // the other types: w = a u + b in fp32 (one rounding of the exact value, FMA), then bf16
+#ifdef FMS_Q512
+    __m512 S = _mm512_setzero_ps();
+    for (int64_t p = 0; p < (nb + 1) / 2; ++p) {
+      const bool two = 2 * p + 1 < nb;
+      if (k_type(type) && p % 4 == 0) S = sb_scales<type>(w, p / 4);
+      __m512 A, B;
+      const __m512i u = decode_pair<type>(w, p, two, S, A, B);
+      __m512 v[4];  // values 16 q .. 16 q + 15 of the pair: lanes 4 q .. 4 q + 3 of A and B
+      const __m256i u0 = _mm512_castsi512_si256(u), u1 = _mm512_extracti64x4_epi64(u, 1);
+      v[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u0)));
+      v[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u0, 1)));
+      v[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u1)));
+      v[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u1, 1)));
+      if constexpr (type == kQ6_K) {  // a scale per 16 values: each quarter its own
+        for (int q = 0; q < 4; ++q) {
+          const __m512i at = _mm512_set1_epi32(4 * q);
+          v[q] = _mm512_fmadd_ps(v[q], _mm512_permutexvar_ps(at, A), _mm512_permutexvar_ps(at, B));
+        }
+      } else {  // one per 32 (lanes 0-7, 8-15): two quarters each
+        const __m512i hi = _mm512_set1_epi32(8);
+        const __m512 a0 = _mm512_broadcastss_ps(_mm512_castps512_ps128(A)), a1 = _mm512_permutexvar_ps(hi, A);
+        const __m512 b0 = _mm512_broadcastss_ps(_mm512_castps512_ps128(B)), b1 = _mm512_permutexvar_ps(hi, B);
+        v[0] = _mm512_fmadd_ps(v[0], a0, b0), v[1] = _mm512_fmadd_ps(v[1], a0, b0);
+        v[2] = _mm512_fmadd_ps(v[2], a1, b1), v[3] = _mm512_fmadd_ps(v[3], a1, b1);
+      }
+      _mm512_storeu_si512(out + p * 64, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+      if (two) _mm512_storeu_si512(out + p * 64 + 32, (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]));
+    }
+#else
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t u[QK];
+      float a[2], o[2];
+      fms_gguf::decode_sub(type, w, b, u, a, o);
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)))),
+                                        _mm512_set1_ps(a[0]), _mm512_set1_ps(o[0]));
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16)))),
+                                        _mm512_set1_ps(a[1]), _mm512_set1_ps(o[1]));
+      _mm512_storeu_si512(out + b * QK, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+#endif
+    return;
+  }
   const int bb = block_bytes(type);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bb;
@@ -378,12 +685,29 @@ void rest_bf16(int64_t left, const uint16_t* x, int64_t K, int64_t m, const uint
     rest_bf16<mr - 1, nr>(left, x, K, m, wb, j0, y, y_st);
   }
 }
-template <int nr>
-void rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wb, int64_t j0, T* y, int64_t y_st) {
+// y [M rows, n columns from j0] = x rows (bf16 [M, K]) . weight rows wb (bf16 [n, K]): a tile of MR
+// rows of x against every row pair of wb before the next (x's tile read from L1 n / 2 times, where a
+// pair at a time reads all of x from L2 for each); each output's sum the same as rows_bf16's
+void rows_bf16_group(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wb, int64_t n, int64_t j0, T* y,
+                     int64_t y_st) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile_bf16<MR, nr>(x, K, m, wb, j0, y, y_st);
-  rest_bf16<MR - 1, nr>(M - m, x, K, m, wb, j0, y, y_st);
+  for (; m + MR <= M; m += MR)
+    for (int64_t c = 0; c < n; c += NR) {
+      if (c + NR <= n)
+        tile_bf16<MR, NR>(x, K, m, wb + c * K, j0 + c, y, y_st);
+      else
+        tile_bf16<MR, 1>(x, K, m, wb + c * K, j0 + c, y, y_st);
+    }
+  for (int64_t c = 0; c < n; c += NR) {
+    if (c + NR <= n)
+      rest_bf16<MR - 1, NR>(M - m, x, K, m, wb + c * K, j0 + c, y, y_st);
+    else
+      rest_bf16<MR - 1, 1>(M - m, x, K, m, wb + c * K, j0 + c, y, y_st);
+  }
 }
+// weight row pairs dequantized at once (rows_bf16_group) for calls of at least 2 MR rows; one pair for
+// fewer, whose x is small and whose pair then stays in L1 between its dequantization and its use
+constexpr int64_t TILE_PAIRS = 4;
 // x [M, K] (row stride x_st) as bf16 rows [M, K] in buf
 void rows_to_bf16(const T* x, int64_t M, int64_t K, int64_t x_st, std::vector<uint16_t>& buf) {
   buf.resize(M * K);
@@ -401,13 +725,17 @@ extern "C" {
 
 FMS_PAGED_ARGS(FmsQgemvArgs, FMS_PAGED_QGEMV_FIELDS, fms_paged_qgemv_layout)
 
-// -> 0, or 1 for a weight of a type other than Q8_0 / Q4_0 or K not a multiple of 32
+// -> 0, or 1 for a weight of a type the kernel does not read (qgemv_blocks.h) or K not a multiple of
+// its blocks' values (32; 256 for the K-quants)
 int fms_paged_qgemv(const FmsQgemvArgs* args) {
   const FmsQgemvArgs& a = *args;
   const int64_t M = a.M, K = a.K;
   if (K % QK) return 1;
-  for (int64_t i = 0; i < a.n_weights; ++i)
-    if (a.types[i] != kQ8_0 && a.types[i] != kQ4_0) return 1;
+  bool sums = false;  // a type other than Q8_0 / Q4_0: x's quants' sums (XQ::xs) are needed
+  for (int64_t i = 0; i < a.n_weights; ++i) {
+    if (!block_bytes(a.types[i]) || K % fms_gguf::block_values(a.types[i])) return 1;
+    sums = sums || sub_type(a.types[i]);
+  }
   static thread_local XQ kept;  // kept from call to call: a prefill's rows are megabytes
   XQ& xq = kept;  // (the caller's: a thread_local named inside the parallel region is each thread's own)
 #ifdef FMS_QTILES
@@ -417,12 +745,19 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   if (tiles) rows_to_bf16(a.x, M, K, a.x_st, xb);
   else
 #endif
-  quantize_rows(a.x, M, K, a.x_st, a.threads, xq);
+  quantize_rows(a.x, M, K, a.x_st, a.threads, sums, xq);
   // the weights' row blocks of nr rows, segment by segment: block p is segment i's rows
   // (p - first[i]) nr on. A decode of one or two rows reads one weight row at a time: a thread's
   // share is then one sequential stream, which the hardware prefetcher follows (gemv.cpp's
   // finding for its own decode; not measured apart here: this machine's memory was shared)
-  const int64_t nr = M <= 2 ? 1 : NR;
+  // (and the int8 path of a call holding another type (sub_type), whatever its rows: Q4_K / Q5_K
+  // took 1.4x as long at three rows a weight row pair, single thread, in cache, Q6_K / Q5_0 ~5%
+  // less; results alike bit for bit: each output's sums are the same whatever the tile)
+  bool one_row = M <= 2 || sums;
+#ifdef FMS_QTILES
+  one_row = one_row && !tiles;  // (the tiles: a row pair, every type)
+#endif
+  const int64_t nr = one_row ? 1 : NR;
   std::vector<int64_t> first{0}, col{0};
   for (int64_t i = 0; i < a.n_weights; ++i) {
     first.push_back(first.back() + (a.rows[i] + nr - 1) / nr);
@@ -436,31 +771,38 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
     const int t = omp_get_thread_num();
     int64_t i = 0;
 #ifdef FMS_QTILES
-    std::vector<uint16_t> wb(tiles ? NR * K : 0);  // the thread's dequantized row pair
+    std::vector<uint16_t> wb(tiles ? TILE_PAIRS * NR * K : 0);  // the thread's dequantized row pairs
 #endif
     for (int64_t p = np * t / threads; p < np * (t + 1) / threads; ++p) {
       while (p >= first[i + 1]) ++i;
       const int type = a.types[i];
       const int64_t j0 = (p - first[i]) * nr, n = std::min<int64_t>(nr, a.rows[i] - j0);
-      const int64_t row_bytes = K / QK * block_bytes(type);
+      const int64_t row_bytes = fms_gguf::row_bytes(type, K);
       const uint8_t* w = reinterpret_cast<const uint8_t*>(a.weights[i]);
       T* y = a.y + col[i];
 #ifdef FMS_QTILES
       if (tiles) {
-        for (int64_t j = 0; j < n; ++j)
-          (type == kQ8_0 ? dequant_row_bf16<kQ8_0> : dequant_row_bf16<kQ4_0>)(w + (j0 + j) * row_bytes, K / QK,
-                                                                             wb.data() + j * K);
-        if (n == NR)
-          rows_bf16<NR>(xb.data(), M, K, wb.data(), j0, y, y_st);
-        else
-          rows_bf16<1>(xb.data(), M, K, wb.data(), j0, y, y_st);
+        const auto dequant = type == kQ8_0 ? dequant_row_bf16<kQ8_0> : type == kQ4_0 ? dequant_row_bf16<kQ4_0>
+                             : type == kQ5_0 ? dequant_row_bf16<kQ5_0> : type == kQ4_K ? dequant_row_bf16<kQ4_K>
+                             : type == kQ5_K ? dequant_row_bf16<kQ5_K> : dequant_row_bf16<kQ6_K>;
+        // up to TILE_PAIRS row pairs of this segment and of the thread's share at once
+        const int64_t group = M >= 2 * MR ? TILE_PAIRS : 1;
+        const int64_t q = std::min<int64_t>({p + group, first[i + 1], np * (t + 1) / threads});
+        const int64_t rows_n = std::min<int64_t>((q - p) * nr, a.rows[i] - j0);
+        for (int64_t j = 0; j < rows_n; ++j) dequant(w + (j0 + j) * row_bytes, K / QK, wb.data() + j * K);
+        rows_bf16_group(xb.data(), M, K, wb.data(), rows_n, j0, y, y_st);
+        p = q - 1;
         continue;
       }
 #endif
-      if (type == kQ8_0)
-        block<kQ8_0>(n, xq, M, w, row_bytes, j0, y, y_st);
-      else
-        block<kQ4_0>(n, xq, M, w, row_bytes, j0, y, y_st);
+      switch (type) {
+        case kQ8_0: block<kQ8_0>(n, xq, M, w, row_bytes, j0, y, y_st); break;
+        case kQ4_0: block<kQ4_0>(n, xq, M, w, row_bytes, j0, y, y_st); break;
+        case kQ5_0: block<kQ5_0>(n, xq, M, w, row_bytes, j0, y, y_st); break;
+        case kQ4_K: block<kQ4_K>(n, xq, M, w, row_bytes, j0, y, y_st); break;
+        case kQ5_K: block<kQ5_K>(n, xq, M, w, row_bytes, j0, y, y_st); break;
+        default: block<kQ6_K>(n, xq, M, w, row_bytes, j0, y, y_st); break;
+      }
     }
   }
   return 0;

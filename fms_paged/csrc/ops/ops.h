@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../kernels/args.h"
+#include "../kernels/qgemv_blocks.h"
 #include "../kernels/geometry.h"
 #include "../kernels/kernels.h"
 
@@ -185,11 +186,12 @@ struct Rows {
 void run_gemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
               const int64_t* rows, int64_t n_weights, void* y);
 
-// GGUF block weights (ops/qlinear.cpp): a weight held as Q8_0 / Q4_0 blocks is a contiguous
-// uint8 CPU tensor [N, K / 32, block bytes] (34: Q8_0, 18: Q4_0) -> its ggml type (8, 2), or 0
-// for any other tensor; and K
+// GGUF block weights (ops/qlinear.cpp): a weight held as GGUF blocks is a contiguous uint8 CPU
+// tensor [N, K / block values, block bytes] (kernels/qgemv_blocks.h: 34 Q8_0, 18 Q4_0, 22 Q5_0 of
+// 32 values; 144 Q4_K, 176 Q5_K, 210 Q6_K of 256) -> its ggml type, or 0 for any other tensor;
+// and K
 int block_type(const at::Tensor& w);
-inline int64_t block_cols(const at::Tensor& w) { return w.size(1) * 32; }
+inline int64_t block_cols(const at::Tensor& w) { return w.size(1) * fms_gguf::block_values(block_type(w)); }
 // y [M, sum N_i] = x [M, K] (row stride x_st) @ [w_1; w_2; ...]^T by the qgemv kernel of index e,
 // each w_i GGUF blocks of ggml type types[i]
 void run_qgemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,

@@ -1,7 +1,7 @@
 // The operator fms_paged::qlinear: x [..., K] @ W^T (+ bias) for weights held as GGUF blocks
-// (Q8_0, Q4_0: a contiguous uint8 tensor [N, K / 32, 34 or 18], the blocks as llama.cpp writes
-// them), by the qgemv kernel (kernels/qgemv.cpp: x quantized to int8 per block of 32, integer dot
-// products) for any number of rows: decode and prefill read the same blocks, and no
+// (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K: a contiguous uint8 tensor [N, K / block values, block
+// bytes], the blocks as llama.cpp writes them: kernels/qgemv_blocks.h), by the qgemv kernel
+// (kernels/qgemv.cpp: x quantized to int8 per block of 32, integer dot products) for any number of rows: decode and prefill read the same blocks, and no
 // full-precision copy of the weight exists. The module that calls it is
 // fms_paged/modules/quantized.py BlockLinear; the one-call forward (ops/layer.cpp) calls the
 // kernel itself (run_qgemv) for a block's projections held so.
@@ -15,7 +15,7 @@ namespace fms_paged_ops {
 
 int block_type(const at::Tensor& w) {
   if (!w.defined() || w.scalar_type() != at::kByte || w.dim() != 3 || !w.is_cpu() || !w.is_contiguous()) return 0;
-  return w.size(2) == 34 ? 8 : w.size(2) == 18 ? 2 : 0;
+  return fms_gguf::type_of_bytes(w.size(2));
 }
 
 void run_qgemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t x_st, const void* const* weights,
@@ -27,7 +27,8 @@ void run_qgemv(KernelFn fn, int e, const void* x, int64_t M, int64_t K, int64_t 
     a.weights = reinterpret_cast<const int8_t* const*>(weights), a.rows = rows, a.types = types;
     a.n_weights = n_weights, a.y = static_cast<T*>(y), a.threads = threads();
     const int err = timed([&] { return fn(&a); });
-    TORCH_CHECK_VALUE(err == 0, "qgemv: the kernel takes Q8_0 and Q4_0 blocks and K a multiple of 32, got K=", K);
+    TORCH_CHECK_VALUE(err == 0, "qgemv: the kernel takes Q8_0, Q4_0 and Q5_0 blocks with K a multiple of 32 and "
+                      "Q4_K, Q5_K and Q6_K blocks with K a multiple of 256, got K=", K);
   });
 }
 
@@ -46,8 +47,9 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList weights, const std::optio
     const at::Tensor& w = weights[i];
     const int type = block_type(w);
     TORCH_CHECK_VALUE(type && block_cols(w) == K, "qlinear: weight ", i, " must be GGUF blocks of x's width ", K,
-                      ": a contiguous torch.uint8 CPU tensor [N, ", K / 32, ", 34] (Q8_0) or [N, ", K / 32,
-                      ", 18] (Q4_0), got ", dtype_name(w.scalar_type()), " ", shape(w), " on ", w.device());
+                      ": a contiguous torch.uint8 CPU tensor [N, ", K / 32, ", 34 / 18 / 22] (Q8_0 / Q4_0 / Q5_0) or [N, ",
+                      K / 256, ", 144 / 176 / 210] (Q4_K / Q5_K / Q6_K), got ", dtype_name(w.scalar_type()), " ",
+                      shape(w), " on ", w.device());
     ptrs.push_back(w.data_ptr()), rows.push_back(w.size(0)), types.push_back(type);
     width += w.size(0);
   }
@@ -68,7 +70,7 @@ at::Tensor block_embedding(const at::Tensor& blocks, const at::Tensor& tokens, a
   const int type = block_type(blocks);
   TORCH_CHECK_VALUE(type && tokens.scalar_type() == at::kLong, "block_embedding: GGUF blocks and int64 tokens, got ",
                     dtype_name(blocks.scalar_type()), " ", shape(blocks), " and ", dtype_name(tokens.scalar_type()));
-  const int64_t V = blocks.size(0), nb = blocks.size(1), bb = blocks.size(2), C = nb * 32;
+  const int64_t V = blocks.size(0), bb = blocks.size(2), C = block_cols(blocks), nb = C / 32;
   const at::Tensor tok = tokens.contiguous();
   const int64_t n = tok.numel();
   const int64_t* t = tok.data_ptr<int64_t>();
@@ -77,6 +79,16 @@ at::Tensor block_embedding(const at::Tensor& blocks, const at::Tensor& tokens, a
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK_VALUE(t[r] >= 0 && t[r] < V, "block_embedding: token ", t[r], " outside the vocabulary of ", V);
+    if (type != fms_gguf::kQ8_0 && type != fms_gguf::kQ4_0) {  // w = a u + b (a u exact; one fp32 rounding)
+      const uint8_t* row = base + t[r] * blocks.size(1) * bb;
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t u[32];
+        float a[2], off[2];
+        fms_gguf::decode_sub(type, row, b, u, a, off);
+        for (int i = 0; i < 32; ++i) o[r * C + b * 32 + i] = a[i / 16] * static_cast<float>(u[i]) + off[i / 16];
+      }
+      continue;
+    }
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = base + (t[r] * nb + b) * bb;
       const float d = static_cast<float>(c10::Half(static_cast<uint16_t>(blk[0] | (blk[1] << 8)), c10::Half::from_bits()));
