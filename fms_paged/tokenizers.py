@@ -39,6 +39,7 @@ Truncation and padding saved in a tokenizer.json are switched off: `AutoTokenize
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -214,16 +215,53 @@ class HFTokenizer:
 def gguf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     """The tokenizer a GGUF file's metadata holds (`tokenizer.ggml.*`), as transformers builds it
     (`AutoTokenizer.from_pretrained(dir, gguf_file=name)`: its converters from llama.cpp's
-    vocabularies), served through `HFTokenizer`: the same ids transformers' tokenizer gives."""
+    vocabularies), served through `HFTokenizer`: the same ids transformers' tokenizer gives.
+
+    Building it reads the whole vocabulary through transformers' own GGUF reader and converts it:
+    ~7 s for SmolLM2's 49k tokens on a 2-core CPU, most of a GGUF model's start. So the built
+    tokenizer is kept (`tokenizer.json` and its BOS / EOS ids) in the cache directory
+    (`gguf_tokenizer_cache`), keyed by the file's resolved path, size and modification time, and
+    read from there (~0.1 s) the next time; a cache that cannot be written is skipped."""
+    path = Path(path)
+    cached = gguf_tokenizer_cache(path)
+    if (cached / "tokenizer.json").is_file() and (cached / "ids.json").is_file():
+        try:
+            ids = json.loads((cached / "ids.json").read_text())
+            return HFTokenizer.from_tokenizer(_HFTokenizer.from_file(str(cached / "tokenizer.json")),
+                                              ids["bos"], ids["eos"])
+        except Exception:  # a damaged entry (the tokenizers library raises plain Exception): built again
+            pass
     from transformers import AutoTokenizer  # (heavy; only GGUF files need it here)
 
     from fms_paged.models.gguf import open_gguf  # (needs the optional `gguf` package)
 
-    path = Path(path)
     if "tokenizer.ggml.model" not in open_gguf(path).fields:
         raise FileNotFoundError(f"{str(path)!r} holds no tokenizer (no tokenizer.ggml.model in its metadata)")
     fast = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return HFTokenizer.from_tokenizer(fast.backend_tokenizer, fast.bos_token_id, fast.eos_token_id)
+    tok = HFTokenizer.from_tokenizer(fast.backend_tokenizer, fast.bos_token_id, fast.eos_token_id)
+    try:  # (written to a temporary name, then renamed: a reader never sees half a file)
+        cached.mkdir(parents=True, exist_ok=True)
+        tmp = cached / f".tokenizer.{os.getpid()}.json"
+        fast.backend_tokenizer.save(str(tmp))
+        (cached / "ids.json").write_text(json.dumps({"bos": fast.bos_token_id, "eos": fast.eos_token_id}))
+        os.replace(tmp, cached / "tokenizer.json")
+    except OSError:
+        pass
+    return tok
+
+
+def gguf_tokenizer_cache(path: str | os.PathLike) -> Path:
+    """Where `gguf_tokenizer` keeps the tokenizer built from the GGUF file at `path`:
+    `$FMS_PAGED_CACHE_DIR/tokenizers/<key>` (default `~/.cache/fms_paged/tokenizers/<key>`), the key
+    a hash of the file's resolved path, size and modification time (a file rewritten in place gets
+    a new entry)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}\n{st.st_size}\n{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    root = os.environ.get("FMS_PAGED_CACHE_DIR")
+    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / (
+        "fms_paged")
+    return base / "tokenizers" / key
 
 
 def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:

@@ -144,6 +144,20 @@ if GGUFReader is not None:
         ggml knows and its bytes lie within the file, else CheckpointError naming the tensor (the
         plain reader fails on a short file with a reshape error that names none)."""
 
+        def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+            """The reader's own `_get`, sliced from a plain ndarray view of its memory map: slicing
+            `np.memmap` itself runs its Python `__array_finalize__` for every view, and a tokenizer's
+            vocabulary is read as ~10^5 small views (SmolLM2's file: 2.4 s to open, 0.4 s so). The
+            views still read the mapped file, and they keep the map alive as before."""
+            plain = self.__dict__.get("_plain")
+            if plain is None or plain.base is not self.data:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            itemsize = np.dtype(dtype).itemsize
+            arr = plain[offset : offset + itemsize * count].view(dtype=dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
+
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             size = len(self.data)
             for field in fields:

@@ -15,6 +15,9 @@ norms stored as 1 + w, its metadata keys), random weights in each tensor type. T
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +27,7 @@ gguf = pytest.importorskip("gguf")
 from fms_paged import Engine, SamplingParams, generate, get_model  # noqa: E402
 from fms_paged.models.families import CheckpointError  # noqa: E402
 from fms_paged.models.gguf import SUPPORTED_TYPES, find_gguf, load_gguf  # noqa: E402
-from fms_paged.tokenizers import load_tokenizer  # noqa: E402
+from fms_paged.tokenizers import gguf_tokenizer, gguf_tokenizer_cache, load_tokenizer  # noqa: E402
 from tests.gguf_files import (  # noqa: E402
     CONFIGS,
     GEMMA,
@@ -186,3 +189,34 @@ def test_tokenizer_from_the_file_matches_transformers(tmp_path):
         assert tok.encode(text) == theirs(text)["input_ids"]
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
     assert tok.eos_id == theirs.eos_token_id == 258
+
+
+def test_the_files_tokenizer_is_built_once_and_read_from_the_cache(tmp_path, monkeypatch):
+    """The tokenizer built from a GGUF file is kept under $FMS_PAGED_CACHE_DIR/tokenizers and read
+    from there the next time (transformers is not asked again), encoding as transformers does; a
+    damaged entry is built again; a file rewritten in place (another modification time) gets an
+    entry of its own."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("FMS_PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    file = tmp_path / "tok.gguf"
+    write_gguf(file, "llama", Q.Q8_0, tokenizer=True)
+    entry = gguf_tokenizer_cache(file)
+    assert entry.parent == tmp_path / "cache" / "tokenizers" and not entry.exists()
+    first = gguf_tokenizer(file)
+    assert (entry / "tokenizer.json").is_file()
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=file.name)
+    with monkeypatch.context() as m:
+        calls = []
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a))
+        again = gguf_tokenizer(file)  # (from the cache: the stand-in would return None)
+        assert calls == []
+    texts = ("the cat", "héllo, world!", " the the")
+    for text in texts:
+        assert again.encode(text) == first.encode(text) == theirs(text)["input_ids"]
+    assert (again.bos_id, again.eos_id) == (first.bos_id, first.eos_id) == (theirs.bos_token_id, 258)
+    (entry / "tokenizer.json").write_text("{")  # damaged: built again
+    rebuilt = gguf_tokenizer(file)
+    assert [rebuilt.encode(t) for t in texts] == [first.encode(t) for t in texts]
+    assert json.loads((entry / "tokenizer.json").read_text())  # whole again
+    os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 10**9))
+    assert gguf_tokenizer_cache(file) != entry
