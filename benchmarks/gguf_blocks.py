@@ -47,6 +47,13 @@ def requests(n: int, prompt: int, new: int, vocab: int = 49152) -> list[dict]:
             for _ in range(n)]
 
 
+def vocab_size(path: Path) -> int:
+    """The file's vocabulary: its tokenizer's tokens (the prompts' ids are drawn below it)."""
+    from fms_paged.models.gguf import open_gguf
+
+    return len(open_gguf(path).fields["tokenizer.ggml.tokens"].data)
+
+
 def rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -108,7 +115,7 @@ def main() -> int:
         for f in args.files:
             for w in args.workloads.split(","):
                 n, prompt, new = WORKLOADS[w]
-                job = {"model_path": str(f.resolve()), "requests": requests(n, prompt, new),
+                job = {"model_path": str(f.resolve()), "requests": requests(n, prompt, new, vocab_size(f)),
                        "max_num_seqs": n, "max_num_batched_tokens": 512, "repeats": args.repeats}
                 for r in range(args.rounds):
                     order = list(systems) if r % 2 == 0 else list(systems)[::-1]
