@@ -114,11 +114,12 @@ def _pool_pages(model, size: Result, specs) -> int:
 
 def _engine(model, size: Result, specs, cuda_graphs: bool | str = "auto") -> Engine:
     """The stage's one engine shape (rows, token budget, `_pool_pages`): every engine reuses the
-    same compiled graphs."""
+    same compiled graphs. One token a step (decode_steps=1): the stage times a decode step (on the
+    CPU the default lookahead would put several tokens in one)."""
     pages = _pool_pages(model, size, specs)
     return Engine(model, max_num_seqs=size["max_num_seqs"], num_pages=pages, compile=size["compile"],
                   max_num_batched_tokens=size["max_num_batched_tokens"], enable_prefix_caching=False,
-                  cuda_graphs=cuda_graphs)
+                  cuda_graphs=cuda_graphs, decode_steps=1)
 
 
 def _one_request(eng: Engine, prompt: list[int], new: int) -> tuple[float, list[float]]:

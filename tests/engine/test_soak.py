@@ -29,9 +29,13 @@ OURS = (tracemalloc.Filter(True, "*/fms_paged/*"), tracemalloc.Filter(True, __fi
 
 
 def soak_engine(paged) -> Engine:
-    """8 rows over 7 usable pages (112 tokens): requests are preempted and cached pages evicted."""
+    """8 rows over 7 usable pages (112 tokens): requests are preempted and cached pages evicted.
+    One token a step (decode_steps=1): "auto" sets its lookahead by the machine's timing, so the
+    schedule, and with it how many requests are live at once (the live table's high-water mark,
+    which the heap comparison below sees), would change from run to run."""
     return Engine(paged, max_num_seqs=ROWS, max_num_batched_tokens=64, num_pages=8, compile=False,
-                  max_model_len=MAX_LEN, kernel="cpp" if paged.device.type == "cpu" else "flex")
+                  max_model_len=MAX_LEN, kernel="cpp" if paged.device.type == "cpu" else "flex",
+                  decode_steps=1)
 
 
 def soak_batch(eng: Engine, rng: random.Random, n: int) -> collections.Counter:

@@ -19,7 +19,10 @@ from fms_paged.engine.tensor_parallel import run_worker
 from fms_paged.parallel import shard
 
 # a pool of 16 pages: the six requests preempt one another (one sequence at most 8 pages)
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=48, num_pages=16, max_model_len=128, compile=False)
+# (one token a step: tensor-parallel engines take no lookahead steps, and the one-rank engine the
+# ranks are compared with page for page must take the same steps)
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=48, num_pages=16, max_model_len=128, compile=False,
+              decode_steps=1)
 SHARED = list(range(5, 45))  # 40 tokens: two pages of 16 shared by the requests that start with it
 
 
