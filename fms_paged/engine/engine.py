@@ -57,7 +57,6 @@ def check_pages(num_pages: int, need: int, max_model_len: int, page_size: int, f
         )
 
 
-
 # decode_steps="auto": lookahead decode steps where they pay and cannot hurt: at most this many in
 # one call, and as many as the engine's timed decode steps fit in this many seconds (what a call
 # holds a stream's tokens back, and delays a request arriving meanwhile, by at most: about one
