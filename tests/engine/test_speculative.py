@@ -288,11 +288,11 @@ def test_stops_eos_and_length_inside_a_proposal(method, models):
     assert eng.metrics()["kv_pages_used"] == 0
 
 
-@pytest.mark.parametrize("family", list(HF_FAMILIES))
-def test_every_family_gets_its_greedy_tokens(family, hf_family, device):
-    """Every family (sliding-window layer groups included: a window's release and a rollback on
-    the same request), under preemption, chunked prefill and prefix hits: dense generate()'s
-    tokens, the pool exact after every step with its free pages poisoned."""
+def family_run(family: str, hf_family, device, speculative, pages: int = 9):
+    """A family's checkpoint served three rows at a time, four prompts (three sharing a 32-token
+    prefix: prefix hits) in chunks of a 32-token budget, through a pool of `pages` pages of every
+    layer (a layer slice's pages for their KV bytes: small enough to preempt) -> (the engine with
+    the requests added, their ids, each prompt's 24 greedy tokens by dense generate() alone)."""
     _, path = hf_family(family)
     dense = get_model(model_path=path, device=device, page_size=16)
     paged = get_model(model_path=path, device=device, page_size=16, attn_impl="paged")
@@ -300,13 +300,20 @@ def test_every_family_gets_its_greedy_tokens(family, hf_family, device):
     prefix = repeating_prompt(rng, 32)
     prompts = [prefix + repeating_prompt(rng, n) for n in (30, 8, 20)] + [repeating_prompt(rng, 50)]
     alone = [generate(dense, [p], 24, eos_id=None)[0] for p in prompts]
-    # pages of one layer slice for the KV bytes of 9 pages of every layer (6 where every layer is
-    # windowed and holds less): small enough to preempt
     per_layers = paged.config.nlayers // model_groups(paged).layers_per_slice
-    num_pages = (6 if family == "mistral" else 9) * per_layers
-    eng = Engine(paged, max_num_seqs=3, max_num_batched_tokens=32, num_pages=num_pages,
-                 max_model_len=128, compile=False, kernel=kernel_for(device), speculative=NGRAM)
+    eng = Engine(paged, max_num_seqs=3, max_num_batched_tokens=32, num_pages=pages * per_layers,
+                 max_model_len=128, compile=False, kernel=kernel_for(device), speculative=speculative)
     ids = [eng.add_request(p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in prompts]
+    return eng, ids, alone
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+def test_every_family_gets_its_greedy_tokens(family, hf_family, device):
+    """Every family (sliding-window layer groups included: a window's release and a rollback on
+    the same request), under preemption, chunked prefill and prefix hits: dense generate()'s
+    tokens, the pool exact after every step with its free pages poisoned."""
+    # (6 pages of every layer where every layer is windowed and holds less)
+    eng, ids, alone = family_run(family, hf_family, device, NGRAM, 6 if family == "mistral" else 9)
 
     def pool(e):
         check_pool(e)
@@ -519,19 +526,9 @@ def test_a_smaller_draft_keeps_every_family_greedy(family, hf_family, device, tm
     """A one-layer random draft of the family (another seed, the same vocabulary) proposing for
     the three-layer target, under preemption, chunked prefill and prefix hits: dense generate()'s
     tokens exactly, proposals rejected, both pools exact after every step and wholly returned."""
-    _, path = hf_family(family)
     make_hf_family(family, seed=1, num_hidden_layers=1).save_pretrained(tmp_path, safe_serialization=True)
-    dense = get_model(model_path=path, device=device, page_size=16)
-    paged = get_model(model_path=path, device=device, page_size=16, attn_impl="paged")
-    rng = random.Random(7)
-    prefix = repeating_prompt(rng, 32)
-    prompts = [prefix + repeating_prompt(rng, n) for n in (30, 8, 20)] + [repeating_prompt(rng, 50)]
-    alone = [generate(dense, [p], 24, eos_id=None)[0] for p in prompts]
-    per_layers = paged.config.nlayers // model_groups(paged).layers_per_slice
-    eng = Engine(paged, max_num_seqs=3, max_num_batched_tokens=32, num_pages=9 * per_layers,
-                 max_model_len=128, compile=False, kernel=kernel_for(device),
-                 speculative=draft_spec(str(tmp_path)))  # (a path: get_model loads it paged)
-    ids = [eng.add_request(p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in prompts]
+    # (a path: get_model loads the draft paged)
+    eng, ids, alone = family_run(family, hf_family, device, draft_spec(str(tmp_path)))
     got, _ = step_all(eng, all_pools)
     assert [got[i] for i in ids] == alone
     m = eng.metrics()
