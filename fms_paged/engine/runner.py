@@ -327,7 +327,8 @@ class ModelRunner:
         if verifies:  # every row of each verify chunk
             rows += [e - len(p) + i for e, (_, p) in zip(ends[len(pre):], verifies)
                      for i in range(len(p) + 1)]
-        at = (None if rows == list(range(tokens.shape[1]))
+        # (the range is built only where the lengths match: a prefill step wants a few of its rows)
+        at = (None if len(rows) == tokens.shape[1] and rows == list(range(len(rows)))
               else torch.tensor(rows, dtype=torch.long, device=tokens.device))
         kind = "mixed" if dec else "prefill"
         if self._prefill is None or tokens.shape[1] < 2:  # 1 token (flex, gather): run eagerly

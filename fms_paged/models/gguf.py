@@ -428,8 +428,7 @@ def load_gguf(
         kind = kept["embedding.weight"]
         with torch.device("meta"):
             blocks = torch.empty(config.src_vocab_size, config.emb_dim // BLOCK_VALUES[kind],
-                                 BLOCK_TYPES[kind],
-                                 dtype=torch.uint8)
+                                 BLOCK_TYPES[kind], dtype=torch.uint8)
         model.embedding = BlockEmbedding(blocks, kind, dtype)
     for name, kind in kept.items():  # each such projection a BlockLinear (on meta, filled below)
         if name == "embedding.weight":
@@ -499,8 +498,7 @@ def file_summary(model_path: str | os.PathLike) -> dict[str, str]:
     out = {"file": str(find_gguf(model_path)), "architecture": str(_field(reader, "general.architecture")),
            "tensor types": ", ".join(kinds),
            "kernel": "on the CPU, Q8_0 / Q4_0 / Q5_0 / Q4_K / Q5_K / Q6_K projections, embedding and head "
-                     "held "
-                     "as the file's blocks and "
+                     "held as the file's blocks and "
                      "run by the fms_paged qgemv kernel (int8 activations per block of 32, integer dot "
                      "products), inside the one-call forward (`layers`: each layer's); every other "
                      "tensor dequantized at load into the model's dtype (fp32 for block types unless "

@@ -42,10 +42,9 @@ from fms_paged import native
 from fms_paged.modules.linear import Linear
 
 __all__ = ["BLOCK_TYPES", "BLOCK_VALUES", "BlockEmbedding", "BlockLinear", "DEFAULT_GROUP_SIZE",
-           "GROUP_SIZES",
-           "QUANTIZATIONS",
-           "QuantizationError", "QuantizedLinear", "dequantize_blocks", "qgemv_isa",
-           "check", "check_scheme", "describe", "layer_formats", "quantize_model", "quantize_weight"]
+           "GROUP_SIZES", "QUANTIZATIONS", "QuantizationError", "QuantizedLinear", "dequantize_blocks",
+           "qgemv_isa", "check", "check_scheme", "describe", "layer_formats", "quantize_model",
+           "quantize_weight"]
 
 QUANTIZATIONS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what `_weight_int4pack_mm_for_cpu` takes
@@ -267,10 +266,10 @@ def dequantize_blocks(blocks: torch.Tensor, ggml_type: str,
 class BlockLinear(nn.Module):
     """y = x @ W^T + b with W held as a GGUF file's blocks (`ggml_type` one of `BLOCK_TYPES`;
     `blocks` uint8 [N, K / block values, bytes per block]), computed by the qgemv kernel
-    (`fms_paged::qlinear`) for
-    decode and prefill rows alike; x in the model's dtype (fp32, bf16 or fp16), the bias too.
-    Inference only. Where the kernel cannot be had (no C++ compiler) each call dequantizes the
-    weight into a temporary and runs F.linear: correct, slow, and announced by `describe`."""
+    (`fms_paged::qlinear`) for decode and prefill rows alike; x in the model's dtype (fp32, bf16 or
+    fp16), the bias too. Inference only. Where the kernel cannot be had (no C++ compiler) each call
+    dequantizes the weight into a temporary and runs F.linear: correct, slow, and announced by
+    `describe`."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: str, bias: torch.Tensor | None = None):
         super().__init__()
@@ -278,9 +277,8 @@ class BlockLinear(nn.Module):
                 blocks.shape[-1] != BLOCK_TYPES.get(ggml_type):
             raise QuantizationError(f"BlockLinear: {ggml_type} blocks as uint8 [N, K / "
                                     f"{BLOCK_VALUES.get(ggml_type)}, {BLOCK_TYPES.get(ggml_type)}], "
-                                    f"got {blocks.dtype} "
-                                    f"{tuple(blocks.shape)}; "
-                                    f"types read: {', '.join(BLOCK_TYPES)}")
+                                    f"got {blocks.dtype} {tuple(blocks.shape)}; types read: "
+                                    f"{', '.join(BLOCK_TYPES)}")
         self.ggml_type = ggml_type
         self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * BLOCK_VALUES[ggml_type]
         self.register_buffer("blocks", blocks)
@@ -322,7 +320,8 @@ class BlockEmbedding(nn.Module):
         super().__init__()
         if ggml_type not in BLOCK_TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 3 or \
                 blocks.shape[-1] != BLOCK_TYPES[ggml_type]:
-            raise QuantizationError(f"BlockEmbedding: {ggml_type} blocks as uint8 [V, C / 32, bytes], got "
+            raise QuantizationError(f"BlockEmbedding: {ggml_type} blocks as uint8 [V, C / "
+                                    f"{BLOCK_VALUES.get(ggml_type)}, {BLOCK_TYPES.get(ggml_type)}], got "
                                     f"{blocks.dtype} {tuple(blocks.shape)}; types read: "
                                     f"{', '.join(BLOCK_TYPES)}")
         self.ggml_type, self.dtype = ggml_type, dtype

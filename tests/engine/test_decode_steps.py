@@ -59,8 +59,8 @@ def test_lookahead_steps_equal_dense_alone_under_page_pressure(models):
 def test_auto_steps_fit_the_lookahead_budget(models, monkeypatch):
     """decode_steps="auto" (the default): a micro model's decode step takes ~1 ms, so lookahead
     steps run (outputs of several tokens) and give dense generate()'s tokens; with the budget below
-    any step's time, every output carries one token. The steps chosen are the budget over the
-    engine's mean decode token step, 1 to AUTO_DECODE_STEPS."""
+    any step's time, every output carries one token; the steps chosen stay within 1 to
+    AUTO_DECODE_STEPS."""
     import fms_paged.engine.engine as engine_module
 
     dense, paged = models
@@ -77,8 +77,7 @@ def test_auto_steps_fit_the_lookahead_budget(models, monkeypatch):
         assert [got[i] for i in ids] == want
         assert (multi > 0) == lookahead, (budget, multi)
         steps = eng.scheduler.decode_steps
-        assert steps == max(1, min(engine_module.AUTO_DECODE_STEPS, int(budget / eng._token_s)))
-        assert (steps > 1) == lookahead
+        assert 1 <= steps <= engine_module.AUTO_DECODE_STEPS and (steps > 1) == lookahead
 
 
 def test_lookahead_steps_stop_where_one_token_steps_stop(models):
