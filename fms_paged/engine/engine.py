@@ -258,6 +258,9 @@ class Engine:
                                    self.max_model_len, kernel)
             self.speculator = Speculator(speculative, draft)
         self._decode_steps, self._token_s = decode_steps, None  # (auto: a decode token step's seconds)
+        # (auto: the most steps a call; with prompt lookup inside the call, as many forwards' tokens)
+        self._auto_cap = AUTO_DECODE_STEPS * (1 + speculative.num_speculative_tokens if (
+            self.speculator is not None and self.speculator.in_call) else 1)
         self.scheduler = Scheduler(self.pm, max_num_seqs, max_num_batched_tokens, cache=self.prefix_cache,
                                    horizon=horizon,
                                    decode_steps=1 if decode_steps == "auto" else decode_steps,
@@ -290,10 +293,12 @@ class Engine:
 
     def _auto_steps(self, token_s: float) -> None:
         """decode_steps="auto": a decode step took `token_s` seconds a token -> its recent mean,
-        and the lookahead steps that fit in `LOOKAHEAD_BUDGET_S` by it."""
+        and the lookahead steps that fit in `LOOKAHEAD_BUDGET_S` by it (at most
+        `AUTO_DECODE_STEPS`; with prompt lookup inside the call, whose forwards give several
+        tokens, that many times 1 + num_speculative_tokens: the time bound holds either way)."""
         m = token_s if self._token_s is None else self._token_s + 0.2 * (token_s - self._token_s)
         self._token_s = m
-        self.scheduler.decode_steps = max(1, min(AUTO_DECODE_STEPS, int(LOOKAHEAD_BUDGET_S / m)))
+        self.scheduler.decode_steps = max(1, min(self._auto_cap, int(LOOKAHEAD_BUDGET_S / m)))
 
     @property
     def tp_ranks(self):
@@ -426,8 +431,8 @@ class Engine:
         result = self.runner.run(plan)  # the device: one forward, sampling
         outputs += self.book(plan, result)  # tokens appended, stops, finished requests dropped
         seconds = time.perf_counter() - t0
-        if self.speculator is not None:  # (its proposal lengths weigh a row's cost)
-            self.speculator.timed(plan, seconds)
+        if self.speculator is not None and plan.lookup is None:  # (its proposal lengths weigh a row's
+            self.speculator.timed(plan, seconds)  # cost; a lookahead call's proposals time themselves)
         if self._decode_steps == "auto" and plan.decodes and not (plan.prefills or plan.verifies):
             self._auto_steps(seconds / plan.steps)
         return outputs

@@ -16,6 +16,7 @@ import itertools
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from fms_paged import native
@@ -128,8 +129,11 @@ class ModelRunner:
             masks = self._start_masks(plan) if sample and self.grammars is not None else None
             if plan.steps > 1:  # lookahead decode steps (`Scheduler.lookahead`, planned where
                 # `decodes_in_one_call`): greedy, in one call
-                rows = self._decode_steps(plan.decodes, plan.steps)
-                result = StepResult([row[0] for row in rows], steps=rows)
+                if plan.lookup is not None:  # with prompt lookup inside the call
+                    rows, lookup = self._lookup_steps(plan.decodes, plan.steps, plan.lookup)
+                else:
+                    rows, lookup = self._decode_steps(plan.decodes, plan.steps), None
+                result = StepResult([row[0] for row in rows], steps=rows, lookup=lookup)
             else:
                 scored = checks = None
                 if plan.prefills or plan.verifies:
@@ -256,6 +260,24 @@ class ModelRunner:
             raise RuntimeError(f"{steps} lookahead decode steps were planned where the model cannot run them "
                                "in one call (ModelRunner.decodes_in_one_call)")
         return out.tolist()
+
+    def _lookup_steps(self, reqs: list[Request], steps: int,
+                      lookup: speculative.LookupPlan) -> tuple[list[list[int]], tuple]:
+        """`_decode_steps` with prompt lookup speculation inside the call (`Kernel.decode_lookup`,
+        `plan.lookup`) -> (each request's tokens, the call's measures for
+        `Speculator.observe_lookup`)."""
+        hist = lookup.history
+        last = torch.tensor([int(h[-1]) for h in hist])
+        lengths, ids = torch.tensor([r.num_computed for r in reqs]), torch.tensor([r.seq_id for r in reqs])
+        offsets = torch.tensor(list(itertools.accumulate((h.size for h in hist), initial=0)))
+        out = self._timed("decode", self.kernel.decode_lookup, self.model, last, lengths, ids,
+                          self.backend.view, steps, torch.from_numpy(np.concatenate(hist)), offsets,
+                          torch.tensor(lookup.caps), lookup.n_max, lookup.n_min, lookup.max_rows)
+        if out is None:
+            raise RuntimeError(f"{steps} lookahead decode steps were planned where the model cannot run them "
+                               "in one call (ModelRunner.decodes_in_one_call)")
+        tokens, stats, timing = out
+        return tokens.tolist(), (stats.tolist(), timing.tolist())
 
     def _prompt_logprobs(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[list[TokenLogprobs]]:
         """logits [M, V] at the positions of `plan.scored`, in its order -> for each entry, the

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from fms_paged.engine import beam
 from fms_paged.engine.prefix_cache import PrefixCache
 from fms_paged.engine.request import Request, RequestOutput, Status, TokenLogprobs
-from fms_paged.engine.speculative import Speculator
+from fms_paged.engine.speculative import LookupPlan, Speculator
 from fms_paged.kv.page_groups import GroupedPages
 from fms_paged.kv.page_manager import PageManager, Reservation
 
@@ -72,6 +72,8 @@ class SchedulerOutput:
     # speculative decoding (`fms_paged.engine.speculative`): (request, proposals) verified in this
     # forward; their rows are not in `decodes` and they sample nothing through `sampled`
     verifies: list[tuple[Request, list[int]]] = field(default_factory=list)
+    # prompt lookup inside the lookahead call (`Speculator.lookup_plan`), or None
+    lookup: LookupPlan | None = None
 
 
 @dataclass
@@ -87,6 +89,9 @@ class StepResult:
     # beam search: each sampled group's candidates (`fms_paged.engine.beam.candidates`)
     beams: dict | None = None
     verified: list[list[int]] | None = None  # each of `plan.verifies`: the tokens it keeps
+    # a lookahead call with prompt lookup (`plan.lookup`): its per-request and per-step measures
+    # (`Speculator.observe_lookup`)
+    lookup: tuple[list[list[int]], list[list[float]]] | None = None
 
 
 class Scheduler:
@@ -154,7 +159,8 @@ class Scheduler:
         out.scheduled = [(r, n) for r, (n, _) in planned.items()]
         if self.waiting and not out.preempted:
             planned_pages = self._admit(out, budget, planned_pages, now)
-        if self.speculator is not None and out.scheduled:  # proposals within what is left
+        if self.speculator is not None and out.scheduled and not (  # proposals within what is left
+                self.speculator.in_call and self._lookahead_ready(out, [r for r, _ in out.scheduled])):
             left = self.max_num_batched_tokens - sum(n for _, n in out.scheduled)
             planned_pages += self.speculator.plan(out, self.pm, left, self.available_pages() - planned_pages)
         short = planned_pages - self.pm.num_free_pages
@@ -166,10 +172,21 @@ class Scheduler:
                                               [r.num_computed + n + extra.get(id(r), 0)
                                                for r, n in out.scheduled])
         self._plan_rows(out, now)
-        if out.scheduled and self.decode_steps > 1 and self.lookahead_ready is not None and (
-                self.lookahead_ready()):
+        if out.scheduled and self._lookahead_ready(out, out.decodes):
             self.lookahead(out, self.decode_steps)
         return out
+
+    def _lookahead_ready(self, plan: SchedulerOutput, reqs: list[Request]) -> bool:
+        """Whether a plan of `reqs` may take lookahead decode steps (`lookahead`): several set
+        (`decode_steps`), the runner runs them in one call now, no prefill, preemption or request
+        waiting, and every request decodes greedily (no log-probabilities, no grammar, no beam).
+        Asked before proposals are planned too: with prompt lookup, a plan that will take them
+        proposes inside the call (`Speculator.lookup_plan`), not between steps."""
+        return (self.decode_steps > 1 and self.lookahead_ready is not None and bool(reqs)
+                and not (plan.prefills or plan.preempted or self.waiting or plan.verifies)
+                and all(r.reaches_end(1) and r.params.temperature == 0 and r.params.logprobs is None
+                        and r.matcher is None and r.beam is None for r in reqs)
+                and self.lookahead_ready())
 
     def lookahead(self, plan: SchedulerOutput, steps: int) -> int:
         """Extend a plan whose rows all decode greedily (no log-probabilities, no grammar), with no
@@ -178,9 +195,7 @@ class Scheduler:
         the pages for them RESERVEd now where the pool has them (else one step). -> the steps
         planned (`plan.steps`). `update` keeps each request's tokens up to its stop."""
         reqs = plan.decodes
-        if (plan.prefills or plan.preempted or self.waiting or not reqs or plan.verifies  # (forks: prefills)
-                or any(r.params.temperature != 0 or r.params.logprobs is not None or r.matcher is not None
-                       or r.beam is not None for r in reqs)):
+        if not self._lookahead_ready(plan, reqs):  # (forks: prefills)
             return plan.steps
         k = min([steps, self.max_num_batched_tokens // len(reqs)]
                 + [r.params.max_new_tokens - len(r.output) for r in reqs])
@@ -194,6 +209,8 @@ class Scheduler:
             self.cache.evict(need - self.pm.num_free_pages)
         plan.reservation.extend_with(self.pm.reserve(ids, lengths))
         plan.steps = k
+        if self.speculator is not None and self.speculator.in_call:
+            plan.lookup = self.speculator.lookup_plan(reqs, k)
         return k
 
     def _release_behind_windows(self) -> None:
@@ -309,6 +326,8 @@ class Scheduler:
             finished += done
         if plan.verifies:
             self._verified(plan, result)
+        if result.lookup is not None:
+            self.speculator.observe_lookup(plan.decodes, *result.lookup)
         return outputs, finished
 
     def _verified(self, plan: SchedulerOutput, result: StepResult) -> None:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from fms_paged.engine.sampling import greedy, probabilities
+from fms_paged.native.gemm import GEMV_MAX_ROWS
 
 METHODS = ("ngram", "draft_model")
 # the most decode steps a request that finds no proposal length worth its rows waits before probing
@@ -55,6 +56,9 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DECAY = 0.5, 2.0, 0.7
 # a verify step's seconds against a plain decode step's of the same rows before the engine has
 # timed both, and always for seeded requests (deterministic proposals): (fixed, per proposal)
 PRIOR_VERIFY_COST = (1.3, 0.1)
+# the same for a step inside a lookahead call (`Speculator.lookup_plan`), where a verify costs no
+# host work: its proposals' rows alone
+PRIOR_LOOKUP_COST = (1.0, 0.15)
 
 
 def proposal_length(acceptance: float, cost: tuple[float, float], k_max: int) -> int:
@@ -245,20 +249,74 @@ class NgramIndex:
 
 
 @dataclass
+class LookupPlan:
+    """Prompt lookup inside a lookahead call (`Kernel.decode_lookup`): each request's most
+    proposals a step (caps) and its tokens (history: prompt + output), the n-gram sizes looked up,
+    and the most rows a step (its rows and proposals: the decode projections' GEMV rows, past
+    which a step takes the GEMM path and costs several)."""
+
+    caps: list[int]
+    history: list[np.ndarray]
+    n_max: int
+    n_min: int
+    max_rows: int
+
+
+@dataclass
 class _State:
     """A request's speculation state: its n-gram index, its decayed counts of kept and rejected
-    proposals, and its back-off."""
+    proposals, its back-off, and its tokens as an array (`history`, for the lookahead call's
+    prompt lookup)."""
 
     index: NgramIndex
     kept: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
     rejected: float = (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
-    skip: int = 0  # decode steps left without speculation
+    skip: int = 0  # decode steps (lookahead calls) left without speculation
     wait: int = 1  # the next back-off's length
     probe: bool = False  # a back-off ended: the next step proposes one token even so
+    tokens: np.ndarray | None = None  # prompt + output so far (the first `held` entries)
+    held: int = 0
 
     @property
     def acceptance(self) -> float:
         return self.kept / (self.kept + self.rejected)
+
+    def proposals(self, cost: tuple[float, float], k_max: int) -> int:
+        """How many tokens to propose now (0: none), by `proposal_length` for this request's
+        acceptance and `cost`; where none pays, a back-off (1, 2, 4, ... up to `MAX_BACKOFF`
+        steps) and then a probe with one proposal. A call counts as one step of the back-off."""
+        if self.skip > 0:
+            self.skip -= 1
+            return 0
+        k = proposal_length(self.acceptance, cost, k_max)
+        if k == 0 and not self.probe:  # back off, then probe with one proposal
+            self.skip, self.wait, self.probe = self.wait, min(2 * self.wait, MAX_BACKOFF), True
+            return 0
+        self.probe = False
+        return max(k, 1)
+
+    def history(self, req) -> np.ndarray:
+        """`req`'s tokens (prompt + output) as int64, appended to since the last call (a copy of
+        a long prompt once, not at every call)."""
+        n = req.num_tokens
+        if self.tokens is None or self.tokens.size < n:
+            grown = np.empty(max(2 * n, 64), dtype=np.int64)
+            if self.held:
+                grown[: self.held] = self.tokens[: self.held]
+            self.tokens = grown
+        if self.held < n:
+            self.tokens[self.held : n] = req.token_slice(self.held, n)
+            self.held = n
+        return self.tokens[:n]
+
+    def observe(self, verifies: int, accepted: int, rejections: int) -> None:
+        """`verifies` verifies kept `accepted` proposals, `rejections` of them rejected one: the
+        decayed counts (each verify decays them by DECAY) and the back-off."""
+        decay = DECAY ** verifies
+        self.kept = decay * self.kept + accepted
+        self.rejected = decay * self.rejected + rejections
+        if accepted:
+            self.wait = max(1, self.wait // 2)
 
 
 class Speculator:
@@ -270,10 +328,53 @@ class Speculator:
         self.draft = draft  # method "draft_model": its `fms_paged.engine.draft.DraftModel`
         self._state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.cost = StepCost()
+        self.lookup_cost = StepCost()  # the steps inside lookahead calls (`observe_lookup`)
         self.reset_totals()
 
+    @property
+    def in_call(self) -> bool:
+        """Whether proposals can be made and verified inside a lookahead call (prompt lookup:
+        `Kernel.decode_lookup`); a draft model proposes between steps."""
+        return self.config.method == "ngram"
+
+    def _state_of(self, req) -> _State:
+        state = self._state.get(req)
+        if state is None:
+            c = self.config
+            state = self._state[req] = _State(NgramIndex(c.prompt_lookup_max, c.prompt_lookup_min))
+        return state
+
+    def lookup_plan(self, reqs, steps: int) -> LookupPlan | None:
+        """Prompt lookup inside a lookahead call of `steps` steps of `reqs` (the rows of a greedy
+        all-decode plan; `Kernel.decode_lookup` proposes and verifies inside the call): each
+        request's most proposals a step, by its acceptance and the timed costs of the calls' steps
+        (`lookup_cost`), and its tokens -> the plan, or None where none proposes."""
+        c = self.config
+        k_max = min(c.num_speculative_tokens, steps - 1)
+        if k_max <= 0:
+            return None
+        cost = self.lookup_cost.verify_cost(len(reqs)) or PRIOR_LOOKUP_COST
+        caps = [self._state_of(r).proposals(cost, k_max) if self.eligible(r) else 0 for r in reqs]
+        if not any(caps):
+            return None
+        return LookupPlan(caps, [self._state_of(r).history(r) for r in reqs], c.prompt_lookup_max,
+                          c.prompt_lookup_min, max(len(reqs), GEMV_MAX_ROWS))
+
+    def observe_lookup(self, reqs, stats: list[list[int]], steps: list[list[float]]) -> None:
+        """A lookahead call with prompt lookup ran: stats, per request [verifying steps, proposed,
+        kept, rejecting steps]; steps, per step [rows, rows with proposals, seconds] (`lookup_cost`)."""
+        for r, (v, p, a, rej) in zip(reqs, stats):
+            if v:
+                self.num_verifies += v
+                self.num_in_call += v
+                self.num_proposed += p
+                self.num_accepted += a
+                self._state_of(r).observe(v, a, rej)
+        for rows, total, seconds in steps:
+            self.lookup_cost.observe(total > rows, int(rows if total == rows else total), seconds)
+
     def reset_totals(self) -> None:
-        self.num_verifies = self.num_proposed = self.num_accepted = 0
+        self.num_verifies = self.num_proposed = self.num_accepted = self.num_in_call = 0
 
     def eligible(self, req) -> bool:
         """Whether a decoding request may speculate: no log-probabilities and no grammar (their
@@ -297,21 +398,13 @@ class Speculator:
                 break
             if n != 1 or not r.reaches_end(1) or not self.eligible(r):
                 continue
-            state = self._state.get(r)
-            if state is None:
-                state = self._state[r] = _State(NgramIndex(c.prompt_lookup_max, c.prompt_lookup_min))
-            elif state.skip > 0:
-                state.skip -= 1
-                continue
+            state = self._state_of(r)
             k_max = min(c.num_speculative_tokens, budget, r.params.max_new_tokens - len(r.output) - 1)
-            if k_max <= 0:
+            if state.skip <= 0 and k_max <= 0:
                 continue
-            k = proposal_length(state.acceptance, timed if r.generator is None else PRIOR_VERIFY_COST, k_max)
-            if k == 0 and not state.probe:  # back off, then probe with one proposal
-                state.skip, state.wait, state.probe = state.wait, min(2 * state.wait, MAX_BACKOFF), True
+            k = state.proposals(timed if r.generator is None else PRIOR_VERIFY_COST, k_max)
+            if k == 0:
                 continue
-            state.probe = False
-            k = max(k, 1)
             if self.draft is not None:  # (it proposes k: the pages of k slots)
                 base = r.num_computed + 1
                 need = pm.pages_needed(r.seq_id, base + k) - pm.pages_needed(r.seq_id, base)
@@ -344,11 +437,7 @@ class Speculator:
         self.num_verifies += 1
         self.num_proposed += proposed
         self.num_accepted += accepted
-        state = self._state[req]
-        state.kept = DECAY * state.kept + accepted
-        state.rejected = DECAY * state.rejected + (accepted < proposed)
-        if accepted:
-            state.wait = max(1, state.wait // 2)
+        self._state[req].observe(1, accepted, int(accepted < proposed))
 
     def timed(self, plan, seconds: float) -> None:
         """An engine step of `plan` took `seconds` (its schedule, forward and booking): a decode
@@ -361,10 +450,12 @@ class Speculator:
 
     def metrics(self) -> dict:
         """Acceptance rate (accepted / proposed tokens) and the mean accepted proposals per verify
-        (the target's own token comes on top of them: `spec_mean_tokens_per_verify`)."""
+        (the target's own token comes on top of them: `spec_mean_tokens_per_verify`); of the
+        verifies, those inside lookahead calls (`spec_verifies_in_call`)."""
         v, p, a = self.num_verifies, self.num_proposed, self.num_accepted
         return {
             "spec_verifies": v,
+            "spec_verifies_in_call": self.num_in_call,
             "spec_proposed_tokens": p,
             "spec_accepted_tokens": a,
             "spec_acceptance_rate": a / p if p else None,

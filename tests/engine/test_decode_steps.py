@@ -15,6 +15,7 @@ import torch
 from fms_paged import Engine, SamplingParams, generate, get_model
 from fms_paged.kv.cache import PagedCache
 from tests.engine.test_engine import cpu_only, engine, random_prompt
+from tests.engine.test_speculative import repeating_prompt
 
 
 def lookahead_outputs(eng: Engine) -> tuple[dict[int, list[int]], dict[int, str], int]:
@@ -156,3 +157,55 @@ def test_decode_greedy_refuses_positions_without_pages(models):
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in zip(cache.k_pools, before))
         assert call(3).shape == (1, 4)
+
+
+def test_decode_lookup_gives_greedy_tokens_for_every_cap(models):
+    """`fms_paged::decode_lookup` (prompt lookup proposed and verified inside the lookahead call):
+    two rows' tokens equal dense generate()'s of each prompt alone for every cap on proposals and
+    every limit on a step's rows; proposals are kept and rejected; a row proposes at most its cap a
+    step, a step takes at most its row limit (or its unfinished rows), and a row that may not
+    propose runs the steps of `decode_greedy` (one row a step, nothing proposed)."""
+    dense, paged = models
+    cpu_only(paged, "the cpp kernel")
+    rng = random.Random(5)
+    prompts = [repeating_prompt(rng, 40), repeating_prompt(rng, 23)]
+    steps = 12
+    want = [generate(dense, [p], steps, eos_id=None)[0] for p in prompts]
+    cache = PagedCache(paged, 2, 64, kernel="cpp")
+    with torch.inference_mode():
+        # the prompts but their last tokens computed; those tokens are the rows' inputs
+        tokens, positions, step, _ = cache.prefill([0, 1], [p[:-1] for p in prompts])
+        paged(tokens, positions, step)
+        cache.backend.prepare_pages(cache.pm.reserve([0, 1], [len(p) - 1 + steps for p in prompts]))
+        view, kernel = cache.backend.view, cache.backend.kernel
+        last = torch.tensor([p[-1] for p in prompts])
+        pos, seqs = torch.tensor([len(p) - 1 for p in prompts]), torch.tensor([0, 1])
+        history = torch.tensor(prompts[0] + prompts[1])
+        offsets = torch.tensor([0, len(prompts[0]), len(prompts[0]) + len(prompts[1])])
+
+        def call(caps, max_rows, hist=history):
+            return kernel.decode_lookup(paged, last, pos, seqs, view, steps, hist, offsets,
+                                        torch.tensor(caps), 3, 1, max_rows)
+
+        kept = rejected = 0
+        for caps, max_rows in [((0, 0), 8), ((1, 1), 8), ((4, 2), 8), ((7, 7), 8), ((7, 7), 3), ((0, 5), 8)]:
+            toks, stats, times = call(caps, max_rows)
+            assert toks.tolist() == want, (caps, max_rows)
+            for b in range(2):  # verifying steps, proposed, kept, rejecting steps
+                v, proposed, a, rej = stats[b].tolist()
+                assert proposed <= caps[b] * v and a <= proposed and rej <= v
+                kept, rejected = kept + a, rejected + proposed - a
+            rows, total = times[:, 0], times[:, 1]
+            assert (total <= torch.clamp(rows, min=max_rows)).all() and (times[:, 2] > 0).all()
+            assert int(total.sum()) == steps * 2 + int(stats[:, 1].sum()) - int(stats[:, 2].sum())
+            if caps == (0, 0):  # decode_greedy's steps
+                assert stats.sum() == 0 and len(times) == steps and (total == rows).all()
+        assert kept > 0 and rejected > 0
+        bad = history.clone()
+        bad[len(prompts[0]) - 1] += 1
+        with pytest.raises(ValueError, match=r"row 0's history \[0, 40\) of 63 tokens must end with its "
+                                             r"last token"):
+            call((1, 1), 8, bad)
+        with pytest.raises(ValueError, match=r"n_max=1, n_min=3, max_rows=8; expected 1 <= n_min <= n_max"):
+            kernel.decode_lookup(paged, last, pos, seqs, view, steps, history, offsets, torch.tensor([1, 1]),
+                                 1, 3, 8)

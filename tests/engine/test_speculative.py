@@ -226,17 +226,21 @@ def test_truncate_gives_back_wholly_unused_pages():
 
 
 # ------------------------------------------------------------------ greedy: dense generate's tokens
-def test_greedy_equals_dense_under_preemption_chunks_and_prefix_hits(models):
+@pytest.mark.parametrize("steps", [1, 8])
+def test_greedy_equals_dense_under_preemption_chunks_and_prefix_hits(steps, models):
     """20 greedy requests (prompts of 1..90 tokens sharing a 32-token prefix, in chunks of a
     48-token budget) through 6 rows and a pool small enough to preempt: each request's tokens are
     dense generate()'s of its prompt alone; the pool accounts for every page after every step,
-    with its free pages poisoned with NaN."""
+    with its free pages poisoned with NaN. With lookahead steps (decode_steps=8, the cpp kernel's
+    one-call steps) proposals are verified inside the calls once nothing waits, between steps
+    before."""
     dense, paged = models
     rng = random.Random(1)
     prefix = repeating_prompt(rng, 32)
     reqs = [((prefix if i % 3 == 0 else []) + repeating_prompt(rng, rng.randint(1, 58)), rng.randint(1, 30))
             for i in range(20)]
-    eng = engine(paged, max_num_seqs=6, max_num_batched_tokens=48, num_pages=18, speculative=NGRAM)
+    eng = engine(paged, max_num_seqs=6, max_num_batched_tokens=48, num_pages=18, speculative=NGRAM,
+                 decode_steps=steps)
     ids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in reqs]
 
     def pool(e):
@@ -249,16 +253,19 @@ def test_greedy_equals_dense_under_preemption_chunks_and_prefix_hits(models):
     m = eng.metrics()
     assert m["preemptions"] > 0 and m["prefix_cache_hits"] > 0 and m["kv_pages_used"] == 0
     accepted_and_rejected(eng)
+    in_call = m["spec_verifies_in_call"]
+    assert (0 < in_call < m["spec_verifies"]) if steps > 1 and paged.device.type == "cpu" else in_call == 0
     for i, (p, n) in zip(ids, reqs):
         assert got[i] == generate(dense, [p], n, eos_id=None)[0], i
         assert reasons[i] == "length"
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_stops_eos_and_length_inside_a_proposal(method, models):
+@pytest.mark.parametrize("method, steps", [("ngram", 1), ("ngram", 8), ("draft_model", 1)])
+def test_stops_eos_and_length_inside_a_proposal(method, steps, models):
     """A stop token, max_new_tokens and the model's EOS met inside an accepted run of proposals:
     each request ends at the token and with the reason dense generate() gives, the later tokens
-    dropped (draft_model: the target as its own draft, every proposal accepted)."""
+    dropped (draft_model: the target as its own draft, every proposal accepted; steps 8: lookahead
+    calls, which verify prompt lookup's proposals inside the call, once nothing waits)."""
     dense, paged = models
 
     def spec(model):
@@ -267,7 +274,7 @@ def test_stops_eos_and_length_inside_a_proposal(method, models):
     rng = random.Random(4)
     prompt = repeating_prompt(rng, 40)
     free = generate(dense, [prompt], 40, eos_id=None)[0]
-    eng = engine(paged, speculative=spec(paged))
+    eng = engine(paged, speculative=spec(paged), decode_steps=steps)
     runs = {}
     for n in range(2, 12):  # every cut of max_new_tokens and every stop token among the first
         rid = eng.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -281,14 +288,16 @@ def test_stops_eos_and_length_inside_a_proposal(method, models):
         assert got[rid] == toks and reasons[rid] == reason, rid
     model_eos = get_model(variant="micro", device=paged.device, seed=0, attn_impl="paged", page_size=16,
                           eos_token_id=free[7])
-    eng = engine(model_eos, speculative=spec(model_eos))
+    eng = engine(model_eos, speculative=spec(model_eos), decode_steps=steps)
     rid = eng.add_request(prompt, SamplingParams(max_new_tokens=40))
     got, reasons = step_all(eng, check_pool)
     assert got[rid] == free[: free.index(free[7]) + 1] and reasons[rid] == "stop"
-    assert eng.metrics()["kv_pages_used"] == 0
+    m = eng.metrics()
+    in_call = steps > 1 and paged.device.type == "cpu"
+    assert m["kv_pages_used"] == 0 and (m["spec_verifies_in_call"] > 0) == in_call
 
 
-def family_run(family: str, hf_family, device, speculative, pages: int = 9):
+def family_run(family: str, hf_family, device, speculative, pages: int = 9, decode_steps: int | str = "auto"):
     """A family's checkpoint served three rows at a time, four prompts (three sharing a 32-token
     prefix: prefix hits) in chunks of a 32-token budget, through a pool of `pages` pages of every
     layer (a layer slice's pages for their KV bytes: small enough to preempt) -> (the engine with
@@ -302,18 +311,21 @@ def family_run(family: str, hf_family, device, speculative, pages: int = 9):
     alone = [generate(dense, [p], 24, eos_id=None)[0] for p in prompts]
     per_layers = paged.config.nlayers // model_groups(paged).layers_per_slice
     eng = Engine(paged, max_num_seqs=3, max_num_batched_tokens=32, num_pages=pages * per_layers,
-                 max_model_len=128, compile=False, kernel=kernel_for(device), speculative=speculative)
+                 max_model_len=128, compile=False, kernel=kernel_for(device), speculative=speculative,
+                 decode_steps=decode_steps)
     ids = [eng.add_request(p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in prompts]
     return eng, ids, alone
 
 
+@pytest.mark.parametrize("steps", [1, 8])
 @pytest.mark.parametrize("family", list(HF_FAMILIES))
-def test_every_family_gets_its_greedy_tokens(family, hf_family, device):
+def test_every_family_gets_its_greedy_tokens(family, steps, hf_family, device):
     """Every family (sliding-window layer groups included: a window's release and a rollback on
     the same request), under preemption, chunked prefill and prefix hits: dense generate()'s
-    tokens, the pool exact after every step with its free pages poisoned."""
+    tokens, the pool exact after every step with its free pages poisoned; verified between steps
+    (decode_steps=1) and, once nothing waits, inside lookahead calls (8, on the CPU)."""
     # (6 pages of every layer where every layer is windowed and holds less)
-    eng, ids, alone = family_run(family, hf_family, device, NGRAM, 6 if family == "mistral" else 9)
+    eng, ids, alone = family_run(family, hf_family, device, NGRAM, 6 if family == "mistral" else 9, steps)
 
     def pool(e):
         check_pool(e)
@@ -324,6 +336,7 @@ def test_every_family_gets_its_greedy_tokens(family, hf_family, device):
     m = eng.metrics()
     assert m["preemptions"] > 0 and m["prefix_cache_hits"] > 0 and m["kv_pages_used"] == 0
     accepted_and_rejected(eng)
+    assert (m["spec_verifies_in_call"] > 0) == (steps > 1 and device.type == "cpu")
 
 
 def test_mixed_batches_with_logprobs_and_sampled_rows(models):

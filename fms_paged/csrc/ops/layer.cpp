@@ -28,10 +28,14 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/tanh.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <tuple>
+#include <vector>
 #include <initializer_list>
 
 #include "stack.h"
@@ -516,27 +520,40 @@ at::Tensor decoder_logits(const c10::intrusive_ptr<DecoderStack>& stack, const a
 // greedy sampler does) as the row's next token and input -> the tokens, int64 [B, steps]. The
 // engine's lookahead decode steps (`Engine(decode_steps=...)`): no return to Python, and none of
 // its host work, between the steps.
-at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens,
-                         const at::Tensor& positions, const at::Tensor& seqs, at::TensorList cos_tables,
-                         at::TensorList sin_tables, at::TensorList k_pools, at::TensorList v_pools,
-                         const at::Tensor& page_table, int64_t page_size, int64_t steps, const std::optional<at::TensorList>& k_scales,
-                         const std::optional<at::TensorList>& v_scales) {
-  TORCH_CHECK_VALUE(steps >= 1 && page_size > 0, "decode_greedy: steps=", steps, ", page_size=", page_size,
+//
+// decode_lookup: the same tokens with prompt lookup speculation inside the call (the engine's
+// speculative decoding, method "ngram", on lookahead steps; fms_paged/engine/speculative.py): at
+// each step a row whose cap allows proposes the tokens that followed the last earlier occurrence
+// of its last n-gram (n from n_max down to n_min, the longest that matches) in its own tokens
+// (`history`, then the tokens of this call), and the forward runs its last token and the
+// proposals as one chunk; the row keeps the proposals equal to the target's argmax up to the
+// first that is not, then the argmax there: the tokens greedy decoding makes, several per forward
+// where the proposals are right. Rejected proposals' keys and values lie at positions the next
+// step writes again (a row's chunks start where its kept tokens end); a row proposes no more than
+// its steps left minus one, so every write stays within positions[b] .. positions[b] + steps - 1,
+// and a row's last step keeps every proposal. A step's rows (every unfinished row and the
+// proposals) are at most max_rows: the decode projections' GEMV path (a larger step would take the
+// GEMM path, which costs several decode steps on a small model).
+namespace {
+
+// ValueError / IndexError unless the steps' arguments fit: the shapes and dtypes, every row's
+// pages held for positions p .. p + steps - 1, the RoPE tables long enough
+void check_steps(const char* op, const DecoderStack& stack, const at::Tensor& tok, const at::Tensor& pos,
+                 const at::Tensor& seqs, at::TensorList cos_tables, at::TensorList sin_tables,
+                 const at::Tensor& page_table, int64_t page_size, int64_t steps) {
+  TORCH_CHECK_VALUE(steps >= 1 && page_size > 0, op, ": steps=", steps, ", page_size=", page_size,
                     "; expected both >= 1");
-  TORCH_CHECK_VALUE(tokens.dim() == 1 && seqs.scalar_type() == at::kLong && seqs.sizes() == tokens.sizes() &&
-                        positions.sizes() == tokens.sizes() &&
+  TORCH_CHECK_VALUE(tok.dim() == 2 && seqs.scalar_type() == at::kLong && seqs.dim() == 1 && seqs.size(0) == tok.size(0) &&
                         page_table.scalar_type() == at::kInt && page_table.dim() == 2 && page_table.is_contiguous(),
-                    "decode_greedy: tokens, positions and seqs int64 [B] alike and an int32 page table [seqs, pages]",
-                    ", contiguous, got tokens ", shape(tokens), ", positions ", shape(positions), ", seqs ", dtype_name(seqs.scalar_type()), " ",
+                    op, ": tokens, positions and seqs int64 [B] alike and an int32 page table [seqs, pages]",
+                    ", contiguous, got tokens ", shape(tok), ", positions ", shape(pos), ", seqs ", dtype_name(seqs.scalar_type()), " ",
                     shape(seqs), ", page table ", dtype_name(page_table.scalar_type()), " ", shape(page_table));
-  const int64_t G = stack->num_slices;  // (pages per layer group: slice g's rows are g * n_seqs + seq)
-  TORCH_CHECK_VALUE(page_table.size(0) % G == 0, "decode_greedy: a page table of ", G, " slices' rows, got ",
+  const int64_t G = stack.num_slices;  // (pages per layer group: slice g's rows are g * n_seqs + seq)
+  TORCH_CHECK_VALUE(page_table.size(0) % G == 0, op, ": a page table of ", G, " slices' rows, got ",
                     shape(page_table));
-  const int64_t B = tokens.size(0), P = page_size, n_seqs = page_table.size(0) / G, pages = page_table.size(1);
-  at::Tensor tok = tokens.contiguous().view({B, 1}), pos = positions.contiguous().view({B, 1});
-  check_forward("decode_greedy", *stack, tok, pos, cos_tables, sin_tables);
-  const at::Tensor seq_c = seqs.contiguous();
-  const int64_t *seq = seq_c.data_ptr<int64_t>(), *first = pos.data_ptr<int64_t>();
+  check_forward(op, stack, tok, pos, cos_tables, sin_tables);
+  const int64_t B = tok.size(0), P = page_size, n_seqs = page_table.size(0) / G, pages = page_table.size(1);
+  const int64_t *seq = seqs.data_ptr<int64_t>(), *first = pos.data_ptr<int64_t>();
   const int32_t* table = page_table.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
     // the logical pages of positions p .. p + steps - 1 (geometry.h, as kv/geometry.py counts them)
@@ -545,16 +562,48 @@ at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at
     for (int64_t sl = 0; sl < G; ++sl)  // page 0: the null page
       for (int64_t g = fms_geometry::page_of(p, P); held && g < end; ++g)
         held = table[(sl * n_seqs + s) * pages + g] > 0;
-    TORCH_CHECK_VALUE(held, "decode_greedy: row ", b, ": sequence ", s, " holds no pages for positions ", p, "..",
+    TORCH_CHECK_VALUE(held, op, ": row ", b, ": sequence ", s, " holds no pages for positions ", p, "..",
                       p + steps - 1, " in the page table (", n_seqs, " seqs x ", pages, " pages of ", P,
                       "): RESERVE them first");
   }
   int64_t last = -1;  // the steps' last position: every table must hold it (nothing written otherwise)
   for (int64_t b = 0; b < B; ++b) last = std::max(last, first[b] + steps - 1);
   for (size_t r = 0; r < cos_tables.size(); ++r)
-    TORCH_CHECK_INDEX(last < cos_tables[r].size(0) && last < sin_tables[r].size(0), "decode_greedy: position ", last,
+    TORCH_CHECK_INDEX(last < cos_tables[r].size(0) && last < sin_tables[r].size(0), op, ": position ", last,
                       " is past RoPE table ", r, "'s ", cos_tables[r].size(0),
                       " rows (grow it first: LLaMA.rope_tables(upto))");
+}
+
+// prompt lookup: up to k tokens that followed the last earlier occurrence of the last n tokens of
+// h (n from n_max down to n_min, the longest that matches) -> appended to out (none: no match)
+void lookup(const std::vector<int64_t>& h, int64_t k, int64_t n_max, int64_t n_min, std::vector<int64_t>& out) {
+  const int64_t L = static_cast<int64_t>(h.size());
+  for (int64_t n = std::min(n_max, L - 1); n >= n_min && n >= 1; --n) {
+    const int64_t* tail = h.data() + L - n;
+    for (int64_t i = L - n - 1; i >= 0; --i) {  // windows h[i .. i + n), each followed by a token
+      if (h[i] != tail[0] || !std::equal(tail + 1, tail + n, h.data() + i + 1)) continue;
+      out.insert(out.end(), h.begin() + i + n, h.begin() + std::min(i + n + k, L));
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens,
+                         const at::Tensor& positions, const at::Tensor& seqs, at::TensorList cos_tables,
+                         at::TensorList sin_tables, at::TensorList k_pools, at::TensorList v_pools,
+                         const at::Tensor& page_table, int64_t page_size, int64_t steps, const std::optional<at::TensorList>& k_scales,
+                         const std::optional<at::TensorList>& v_scales) {
+  TORCH_CHECK_VALUE(tokens.dim() == 1 && positions.sizes() == tokens.sizes(), "decode_greedy: tokens and positions ",
+                    "int64 [B] alike, got ", shape(tokens), " and ", shape(positions));
+  const int64_t B = tokens.size(0), G = stack->num_slices, P = page_size;
+  at::Tensor tok = tokens.contiguous().view({B, 1}), pos = positions.contiguous().view({B, 1});
+  const at::Tensor seq_c = seqs.contiguous();
+  check_steps("decode_greedy", *stack, tok, pos, seq_c, cos_tables, sin_tables, page_table, page_size, steps);
+  const int64_t n_seqs = page_table.size(0) / G, pages = page_table.size(1);
+  const int64_t *seq = seq_c.data_ptr<int64_t>(), *first = pos.data_ptr<int64_t>();
+  const int32_t* table = page_table.data_ptr<int32_t>();
   at::Tensor out = at::empty({B, steps}, tok.options());
   at::Tensor slots = G == 1 ? at::empty({B}, tok.options()) : at::empty({G, B}, tok.options());
   at::Tensor chunks = at::empty({B, 4}, tok.options());
@@ -573,6 +622,106 @@ at::Tensor decode_greedy(const c10::intrusive_ptr<DecoderStack>& stack, const at
     out.select(1, j).copy_(tok.view({B}));
   }
   return out;
+}
+
+// -> (the tokens int64 [B, steps]; per row int64 [B, 4]: its steps that verified proposals, the
+// tokens proposed, those kept, and the steps that rejected one; per step float64 [S, 3]: its
+// unfinished rows, its rows with the proposals, its seconds), the engine's cost and acceptance
+// measures (`Speculator.observe_lookup`). history: the rows' tokens one after another (row b's
+// are history[offsets[b] .. offsets[b + 1]), ending with tokens[b]); caps [B]: the most tokens a
+// row proposes at a step (0: none)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_lookup(
+    const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens, const at::Tensor& positions,
+    const at::Tensor& seqs, at::TensorList cos_tables, at::TensorList sin_tables, at::TensorList k_pools,
+    at::TensorList v_pools, const at::Tensor& page_table, int64_t page_size, int64_t steps, const at::Tensor& history,
+    const at::Tensor& offsets, const at::Tensor& caps, int64_t n_max, int64_t n_min, int64_t max_rows,
+    const std::optional<at::TensorList>& k_scales, const std::optional<at::TensorList>& v_scales) {
+  TORCH_CHECK_VALUE(tokens.dim() == 1 && positions.sizes() == tokens.sizes(), "decode_lookup: tokens and positions ",
+                    "int64 [B] alike, got ", shape(tokens), " and ", shape(positions));
+  const int64_t B = tokens.size(0), G = stack->num_slices, P = page_size;
+  const at::Tensor tok0 = tokens.contiguous().view({B, 1}), pos0 = positions.contiguous().view({B, 1});
+  const at::Tensor seq_c = seqs.contiguous();
+  check_steps("decode_lookup", *stack, tok0, pos0, seq_c, cos_tables, sin_tables, page_table, page_size, steps);
+  TORCH_CHECK_VALUE(history.scalar_type() == at::kLong && history.dim() == 1 && offsets.scalar_type() == at::kLong &&
+                        offsets.dim() == 1 && offsets.size(0) == B + 1 && caps.scalar_type() == at::kLong &&
+                        caps.dim() == 1 && caps.size(0) == B,
+                    "decode_lookup: history int64 [T], offsets int64 [B + 1] and caps int64 [B] for B = ", B,
+                    " rows, got ", shape(history), ", ", shape(offsets), ", ", shape(caps));
+  TORCH_CHECK_VALUE(n_min >= 1 && n_max >= n_min && max_rows >= 1, "decode_lookup: n_max=", n_max, ", n_min=", n_min,
+                    ", max_rows=", max_rows, "; expected 1 <= n_min <= n_max and max_rows >= 1");
+  const at::Tensor hist_c = history.contiguous(), off_c = offsets.contiguous(), cap_c = caps.contiguous();
+  const int64_t *hist = hist_c.data_ptr<int64_t>(), *off = off_c.data_ptr<int64_t>(), *cap = cap_c.data_ptr<int64_t>();
+  const int64_t *tok_in = tok0.data_ptr<int64_t>(), *first = pos0.data_ptr<int64_t>(), *seq = seq_c.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> own(B);  // each row's tokens: its history, then this call's
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(off[b] >= 0 && off[b] < off[b + 1] && off[b + 1] <= hist_c.size(0) && hist[off[b + 1] - 1] == tok_in[b],
+                      "decode_lookup: row ", b, "'s history [", off[b], ", ", off[b + 1], ") of ", hist_c.size(0),
+                      " tokens must end with its last token ", tok_in[b]);
+    own[b].assign(hist + off[b], hist + off[b + 1]);
+    own[b].reserve(own[b].size() + steps);
+  }
+  const int64_t n_tables = page_table.size(0) / G, pages = page_table.size(1);
+  const int32_t* table = page_table.data_ptr<int32_t>();
+  at::Tensor out = at::empty({B, steps}, tok0.options()), stats = at::zeros({B, 4}, tok0.options());
+  int64_t *o = out.data_ptr<int64_t>(), *st = stats.data_ptr<int64_t>();
+  std::vector<int64_t> done(B, 0), props, starts(B), counts(B);
+  std::vector<double> timing;
+  while (true) {
+    std::vector<int64_t> rows;  // the unfinished rows
+    for (int64_t b = 0; b < B; ++b)
+      if (done[b] < steps) rows.push_back(b);
+    if (rows.empty()) break;
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t R = static_cast<int64_t>(rows.size());
+    int64_t room = max_rows - R;  // rows left for proposals this step
+    props.clear();
+    for (int64_t b : rows) {
+      starts[b] = static_cast<int64_t>(props.size());
+      const int64_t k = std::min({cap[b], steps - 1 - done[b], room});
+      if (k > 0) lookup(own[b], k, n_max, n_min, props);
+      counts[b] = static_cast<int64_t>(props.size()) - starts[b];
+      room -= counts[b];
+    }
+    const int64_t M = R + static_cast<int64_t>(props.size());
+    at::Tensor tok = at::empty({1, M}, tok0.options()), pos = at::empty({1, M}, tok0.options());
+    at::Tensor slots = G == 1 ? at::empty({M}, tok0.options()) : at::empty({G, M}, tok0.options());
+    at::Tensor chunks = at::empty({R, 4}, tok0.options());
+    int64_t *t = tok.data_ptr<int64_t>(), *ps = pos.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>(),
+            *chunk = chunks.data_ptr<int64_t>();
+    int64_t m = 0;
+    for (int64_t i = 0; i < R; ++i) {  // row b's chunk: its last token, then its proposals
+      const int64_t b = rows[i], p0 = first[b] + done[b];
+      chunk[4 * i] = seq[b], chunk[4 * i + 1] = p0, chunk[4 * i + 2] = 1 + counts[b], chunk[4 * i + 3] = m;
+      for (int64_t j = 0; j <= counts[b]; ++j, ++m) {
+        const int64_t p = p0 + j;
+        t[m] = j ? props[starts[b] + j - 1] : own[b].back(), ps[m] = p;
+        for (int64_t sl = 0; sl < G; ++sl)
+          slot[sl * M + m] = fms_geometry::slot(table[(sl * n_tables + seq[b]) * pages + fms_geometry::page_of(p, P)], p, P);
+      }
+    }
+    const at::Tensor logits = forward_logits(*stack, tok, pos, cos_tables, sin_tables, k_pools, v_pools, slots,
+                                             page_table, chunks, P, std::nullopt, k_scales, v_scales);
+    const at::Tensor best_t = argmax(logits.view({M, -1}));
+    const int64_t* best = best_t.data_ptr<int64_t>();
+    m = 0;
+    for (int64_t b : rows) {  // the proposals equal to the argmax, then the argmax after them
+      const int64_t k = counts[b], *pr = props.data() + starts[b];
+      int64_t a = 0;
+      while (a < k && pr[a] == best[m + a]) ++a;
+      for (int64_t j = 0; j <= a; ++j) {
+        const int64_t next = j < a ? pr[j] : best[m + a];
+        o[b * steps + done[b]++] = next;
+        own[b].push_back(next);
+      }
+      if (k) st[4 * b] += 1, st[4 * b + 1] += k, st[4 * b + 2] += a, st[4 * b + 3] += a < k;
+      m += k + 1;
+    }
+    timing.insert(timing.end(), {static_cast<double>(R), static_cast<double>(M),
+                                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
+  }
+  at::Tensor times = at::empty({static_cast<int64_t>(timing.size() / 3), 3}, at::TensorOptions().dtype(at::kDouble));
+  std::copy(timing.begin(), timing.end(), times.data_ptr<double>());
+  return {out, stats, times};
 }
 
 }  // namespace fms_paged_ops
@@ -599,10 +748,17 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       "Tensor seqs, Tensor[] cos_tables, Tensor[] sin_tables, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
       "Tensor page_table, int page_size, int steps, Tensor(c!)[]? k_scales=None, Tensor(d!)[]? v_scales=None) "
       "-> Tensor");
+  m.def(
+      "decode_lookup(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor tokens, Tensor positions, "
+      "Tensor seqs, Tensor[] cos_tables, Tensor[] sin_tables, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
+      "Tensor page_table, int page_size, int steps, Tensor history, Tensor offsets, Tensor caps, int n_max, "
+      "int n_min, int max_rows, Tensor(c!)[]? k_scales=None, Tensor(d!)[]? v_scales=None) "
+      "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("decoder_stack", &fms_paged_ops::decoder_stack);
   m.impl("decoder_logits", &fms_paged_ops::decoder_logits);
   m.impl("decode_greedy", &fms_paged_ops::decode_greedy);
+  m.impl("decode_lookup", &fms_paged_ops::decode_lookup);
 }

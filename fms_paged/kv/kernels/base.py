@@ -219,6 +219,15 @@ class Kernel:
         kernel cannot (`decodes_in_one_call`; none by default)."""
         return None
 
+    def decode_lookup(self, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                      seqs: torch.Tensor, view: PoolView, steps: int, history: torch.Tensor,
+                      offsets: torch.Tensor, caps: torch.Tensor, n_max: int, n_min: int,
+                      max_rows: int) -> tuple | None:
+        """`decode_greedy` with prompt lookup speculation inside the call -> (tokens [B, steps],
+        per row stats [B, 4], per step timings [S, 3]), or None where this kernel cannot (none by
+        default)."""
+        return None
+
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, PoolStep]:
         raise NotImplementedError
 

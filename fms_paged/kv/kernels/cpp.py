@@ -206,6 +206,24 @@ class CppKernel(Kernel):
             model.logits_stack(), tokens, positions, seqs, cos, sin, view.k_pools, view.v_pools,
             view.page_table, view.page_size, steps, *scale_lists(view))
 
+    def decode_lookup(self, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
+                      view: PoolView, steps: int, history: torch.Tensor, offsets: torch.Tensor,
+                      caps: torch.Tensor, n_max: int, n_min: int,
+                      max_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`decode_greedy`'s tokens with prompt lookup speculation inside the call
+        (`fms_paged::decode_lookup`): row b proposes up to caps[b] tokens a step from its own
+        tokens (history[offsets[b]:offsets[b + 1]], ending with tokens[b], then the call's), a
+        step's rows at most max_rows -> (tokens [B, steps], per row [verifying steps, proposed,
+        kept, rejecting steps], per step [rows, rows with proposals, seconds]). None where the
+        forward is not one call (`decodes_in_one_call`)."""
+        if not self.decodes_in_one_call(model, view):
+            return None
+        cos, sin = model.rope_tables(int(positions.max()) + steps if positions.numel() else 0)
+        return torch.ops.fms_paged.decode_lookup(
+            model.logits_stack(), tokens, positions, seqs, cos, sin, view.k_pools, view.v_pools,
+            view.page_table, view.page_size, steps, history, offsets, caps, n_max, n_min, max_rows,
+            *scale_lists(view))
+
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
         counts, T = batch.counts, batch.tokens.shape[1]
         offsets = np.cumsum([0, *counts]).tolist()
