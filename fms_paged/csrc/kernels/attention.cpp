@@ -175,8 +175,17 @@ inline void softmax_start(const Args& a, int h, float& m, float& l) {
   l = a.sinks ? std::exp(a.sinks[h] - m) : 0.0f;
 }
 
-// rows r0 .. r1 - 1 of the chunk (row r = token r / G, head r % G); cost: rows x keys read
-struct Item { int chunk, kvh, r0, r1; int64_t cost; };
+// rows r0 .. r1 - 1 of the chunk (row r = token r / G, head r % G); cost: rows x keys read; tok:
+// -1, or the chunk's token tok alone, heads r0 .. r1 - 1 (a decode item: run_decode)
+struct Item { int chunk, kvh, r0, r1; int64_t cost; int tok = -1; };
+// A chunk of at most this many tokens takes the decode path token by token (run_decode): a decode
+// row, and a speculative verify's chunk (its last token and up to 7 proposals, the decode
+// projections' GEMV rows). In lanes, its n G rows would fill a fraction of a group's W lanes at the
+// cost of a whole group per key (a chunk of 2 tokens with G = 4 cost 2.8 decode rows in the
+// default model's layers); token by token each costs one decode row, and each token's output is
+// the one a decode step of that token computes, bit for bit (a verified token is what decoding
+// it alone gives, in every dtype).
+constexpr int64_t DECODE_TOKENS = 8;
 
 struct Scratch {
   alignas(64) float qt[LG * D * W];  // Q^T per lane group, pre-scaled
@@ -254,7 +263,7 @@ inline void score_tiles(const uint32_t* qp, const T* const* trow, float scale, f
 // (token t = r / G) sees keys first_key(q0 + t) .. q0 + t
 void run_item(const Args& a, const Item& it, Scratch& sc) {
   const int G = a.H / a.Hkv;
-  if (a.chunks[4 * it.chunk + 2] == 1) return run_decode(a, it, sc);
+  if (it.tok >= 0) return run_decode(a, it, sc);
   const int64_t* c = a.chunks + 4 * it.chunk;
   const int64_t q0 = c[1], off = c[3];
   const int groups = (it.r1 - it.r0 + W - 1) / W;
@@ -506,6 +515,15 @@ int FMS_ATTENTION_FN(const FmsPagedAttentionArgs* args) {
       std::memset(c.out + off * H * D, 0, sizeof(T) * n * H * D);  // zero bits: 0.0 in every T
       continue;
     }
+    if (n <= DECODE_TOKENS) {  // token by token (run_decode), each its G heads
+      for (int t = 0; t < n; ++t)
+        for (int r0 = 0; r0 < G; r0 += rows) {
+          const int r1 = std::min(G, r0 + rows);
+          const int64_t keys = q0 + t + 1 - first_key(a, q0 + t);
+          for (int h = 0; h < Hkv; ++h) items.push_back({i, h, r0, r1, (r1 - r0) * keys, t});
+        }
+      continue;
+    }
     for (int r0 = 0; r0 < n * G; r0 += rows) {
       const int r1 = (int)std::min<int64_t>(n * G, r0 + rows);
       // rows x the keys they read: from the first row's window to the last row
@@ -524,7 +542,7 @@ int FMS_ATTENTION_FN(const FmsPagedAttentionArgs* args) {
   // have lines in flight, so a second core reading other items cuts the wait (a SmolLM2-shaped
   // layer's 3 items of 128 keys: 14.8 -> 10.2 us inside a decode step)
   int64_t work = 0, decode_items = 0;
-  for (const Item& it : items) work += it.cost, decode_items += chunks[4 * it.chunk + 2] == 1;
+  for (const Item& it : items) work += it.cost, decode_items += it.tok >= 0;
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)c.threads, (int64_t)n_items,
                                                                     std::max(work * D / GRAIN, decode_items)}));
 #pragma omp parallel num_threads(threads)

@@ -56,14 +56,15 @@ inline void accumulate_values_n(int nh, float* o, const float* alpha, const floa
   accumulate_values<NH>(o, alpha, p, vrow, nk, vsc);
 }
 
-// a decode row: heads r0 .. r1 - 1 of the item's kv head for one token at position q0, which sees
-// keys first_key(q0) .. q0 (all of them from 0 without a window); keys in lanes (see the top).
+// a decode row: heads r0 .. r1 - 1 of the item's kv head for the chunk's token it.tok, at position
+// q0 (the chunk's first plus tok), which sees keys first_key(q0) .. q0 (all of them from 0 without
+// a window); keys in lanes (see the top).
 // A block's scores and softmax run head by head, then its values update the heads' outputs HG
 // heads at a time.
 void run_decode(const Args& a, const Item& it, Scratch& sc) {
   const int G = a.H / a.Hkv, nh = it.r1 - it.r0;
   const int64_t* c = a.chunks + 4 * it.chunk;
-  const int64_t n_keys = c[1] + 1, off = c[3];
+  const int64_t q0 = c[1] + it.tok, n_keys = q0 + 1, off = c[3] + it.tok;
   const int32_t* pt = a.pages + c[0] * a.pages_st;
   const KV* kh = a.k + (int64_t)it.kvh * a.pool_tokens * D;
   const KV* vh = a.v + (int64_t)it.kvh * a.pool_tokens * D;
@@ -79,7 +80,7 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
   const KV* krow[BK];
   const KV* vrow[BK];
   [[maybe_unused]] alignas(64) float ksc[BK], vsc[BK];  // kI8: the block's key and value scales
-  for (int64_t k0 = first_key(a, c[1]); k0 < n_keys; k0 += BK) {  // every key of a block is seen
+  for (int64_t k0 = first_key(a, q0); k0 < n_keys; k0 += BK) {  // every key of a block is seen
     const int nk = (int)std::min<int64_t>(BK, n_keys - k0), nkt = (nk + W - 1) / W * W;
     key_rows(a, pt, k0, nk, kh, vh, krow, vrow, ksh, vsh, ksc, vsc);
     for (int j = nk; j < nkt; ++j) krow[j] = krow[0], ksc[j] = 0.0f;  // (their scores masked below)
