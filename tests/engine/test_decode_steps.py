@@ -7,6 +7,7 @@ back in the pool at the end."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import random
 
 import pytest
@@ -209,3 +210,49 @@ def test_decode_lookup_gives_greedy_tokens_for_every_cap(models):
         with pytest.raises(ValueError, match=r"n_max=1, n_min=3, max_rows=8; expected 1 <= n_min <= n_max"):
             kernel.decode_lookup(paged, last, pos, seqs, view, steps, history, offsets, torch.tensor([1, 1]),
                                  1, 3, 8)
+
+
+def test_a_short_chunk_computes_what_decoding_its_tokens_one_by_one_does():
+    """In bf16, on the cpp kernel's one-call forward: the logits of a chunk of 2..8 tokens (a
+    speculative verify's: its last token and the proposals) equal, bit for bit, those of decode
+    steps of the same tokens one at a time (the GEMV sums a row in the same order whatever rows its
+    call has, and a chunk of at most 8 tokens takes the attention kernel's decode path token by
+    token); so decode_lookup with up to 7 proposals a step gives decode_greedy's tokens exactly.
+    A random micro model whose bf16 logits any difference in rounding would move."""
+    paged = get_model(variant="micro", seed=1, attn_impl="paged", page_size=16, dtype=torch.bfloat16)
+    rng = random.Random(8)
+    prompts = [repeating_prompt(rng, 50), repeating_prompt(rng, 31), repeating_prompt(rng, 9)]
+    steps, B = 24, len(prompts)
+    with torch.inference_mode():
+        for n in (2, 5, 8):
+            extra = [rng.randrange(3, 256) for _ in range(n)]
+            got = []
+            for by_one in (False, True):
+                cache = PagedCache(paged, 1, 96, kernel="cpp")
+                tokens, positions, step, _ = cache.prefill([0], [prompts[0]])
+                paged(tokens, positions, step)
+                if by_one:
+                    rows = []
+                    for i, t in enumerate(extra):
+                        at = len(prompts[0]) + i
+                        tokens, positions, step = cache.decode([0], torch.tensor([t]), [at], [True])
+                        rows.append(paged(tokens, positions, step).view(1, -1))
+                    got.append(torch.cat(rows))
+                else:
+                    tokens, positions, step, _ = cache.prefill([0], [extra], [len(prompts[0])])
+                    got.append(paged(tokens, positions, step).view(n, -1))
+            assert torch.equal(got[0], got[1]), n
+        cache = PagedCache(paged, B, 96, kernel="cpp")
+        tokens, positions, step, _ = cache.prefill(list(range(B)), [p[:-1] for p in prompts])
+        paged(tokens, positions, step)
+        cache.backend.prepare_pages(cache.pm.reserve(list(range(B)), [len(p) - 1 + steps for p in prompts]))
+        view, kernel = cache.backend.view, cache.backend.kernel
+        last, seqs = torch.tensor([p[-1] for p in prompts]), torch.arange(B)
+        pos = torch.tensor([len(p) - 1 for p in prompts])
+        want = kernel.decode_greedy(paged, last, pos, seqs, view, steps)
+        history = torch.tensor([t for p in prompts for t in p])
+        offsets = torch.tensor([0, *itertools.accumulate(len(p) for p in prompts)])
+        got, stats, _ = kernel.decode_lookup(paged, last, pos, seqs, view, steps, history, offsets,
+                                             torch.tensor([7] * B), 3, 1, 16)
+    assert stats[:, 2].sum() > 0 and (stats[:, 1] > stats[:, 2]).any()  # proposals kept and rejected
+    assert torch.equal(got, want)
