@@ -31,11 +31,13 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -63,6 +65,9 @@ constexpr int MR = 6, NV = 2;
 #endif
 constexpr int NC = NV * W;  // columns (weight rows) per panel
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (as the GEMV)
+// calls of fewer rows run tiles without a panel (few::run): a panel's packing costs about what a
+// call of this many rows spends on its products (docs/benchmarks.md, "Weights held once")
+constexpr int64_t PACK_MIN_ROWS = 32;
 
 #if FMS_VEC_BF16_DP
 using X = T;      // x as stored: bf16 pairs
@@ -90,14 +95,16 @@ struct Rows {
 // fp32 value): with AVX-512, blocks of 16 x 16 words in registers; otherwise word by word.
 constexpr int64_t steps_of(int64_t K) { return (K + KU - 1) / KU; }  // words of K: a panel's steps
 #if FMS_VEC_NATIVE == 16 && defined(__AVX512F__)
-// the 16 words of a weight row from step s0 on, in P, as one vector (zeros past K: the last
-// steps copied into a zeroed buffer first, so an odd K's last pair ends with a zero)
+// the 16 words of a weight row from step s0 on, in P, as one vector: `whole` when they lie
+// inside K, else zeros past K (the last steps copied into a zeroed buffer first, so an odd K's
+// last pair ends with a zero)
+template <bool whole>
 inline __m512i words(const T* w, int64_t s0, int64_t K) {
   constexpr int E = 16 * KU;  // values of K in 16 words
   const int64_t k0 = s0 * KU;
-  T tail[E];
   const T* p = w + k0;
-  if (k0 + E > K) {
+  T tail[E];
+  if constexpr (!whole) {
     for (int e = 0; e < E; ++e) tail[e] = k0 + e < K ? w[k0 + e] : T{};
     p = tail;
   }
@@ -137,13 +144,23 @@ void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, P* panel) {
   int seg = 0;
   for (int64_t c = 0; c < nc; ++c) w[c] = rows.row(r0 + c, seg, K);
   char* out = reinterpret_cast<char*>(panel);  // 4-byte words, NC a step
-  for (int64_t c0 = 0; c0 < NC; c0 += 16)
-    for (int64_t s0 = 0; s0 < steps; s0 += 16) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) r[i] = c0 + i < nc ? words(w[c0 + i], s0, K) : _mm512_setzero_si512();
-      transpose16(r);
-      for (int64_t e = 0; e < 16 && s0 + e < steps; ++e)
-        _mm512_store_si512(out + ((s0 + e) * NC + c0) * 4, r[e]);
+  const auto block = [&](int64_t c0, int64_t s0, auto whole) {  // columns c0.., steps s0.. (16 each)
+    __m512i r[16];
+    if (c0 + 16 <= nc) {
+      for (int i = 0; i < 16; ++i) r[i] = words<decltype(whole)::value>(w[c0 + i], s0, K);
+    } else {
+      for (int i = 0; i < 16; ++i) r[i] = c0 + i < nc ? words<decltype(whole)::value>(w[c0 + i], s0, K) : _mm512_setzero_si512();
+    }
+    transpose16(r);
+    for (int64_t e = 0; e < 16 && s0 + e < steps; ++e) _mm512_store_si512(out + ((s0 + e) * NC + c0) * 4, r[e]);
+  };
+  const int64_t inside = K / (16 * KU) * 16;  // steps in whole blocks of 16 words
+  for (int64_t s0 = 0; s0 < steps; s0 += 16)
+    for (int64_t c0 = 0; c0 < NC; c0 += 16) {
+      if (s0 < inside)
+        block(c0, s0, std::true_type{});
+      else
+        block(c0, s0, std::false_type{});
     }
 }
 #else
@@ -157,14 +174,39 @@ void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, P* panel) {
 }
 #endif
 
+// the weight rows of a thread's next panel, fetched into L2 a cache line per step of K while a
+// tile runs on this panel (each tile of the panel takes a share of the rows), so that packing the
+// next panel reads L2, not memory: the weights stream in behind the multiply-adds as they do into
+// a library's GEMM that reads its packed copy
+struct Ahead {
+  const char* p = nullptr;    // the next line to fetch
+  const char* end = nullptr;  // the end of its row
+  const T* const* row = nullptr;  // the share's rows after it
+  int64_t rows = 0, row_bytes = 0;
+  int per_step = 1;  // lines a step (the share's lines over the tile's steps, rounded up)
+  void step() {
+    for (int i = 0; i < per_step; ++i) {
+      if (p >= end) {
+        if (rows == 0) return;
+        p = reinterpret_cast<const char*>(*row++);
+        end = p + row_bytes;
+        --rows;
+      }
+      __builtin_prefetch(p, 0, 2);
+      p += 64;
+    }
+  }
+};
+
 // y[i, j] for i < mr, j < nc (nc <= NC; y's row stride y_st) from the mr rows of x over a panel
 template <int mr>
-void tile(const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y, int64_t y_st) {
+void tile(const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y, int64_t y_st, Ahead ahead) {
   vf acc[mr][NV];
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < NV; ++j) acc[i][j] = fms_vec::splat<W>(0.0f);
 #if FMS_VEC_BF16_DP
   const auto step = [&](const P* b, auto pair) {
+    ahead.step();
     __m512i bv[NV];
     for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(b + j * W * 2);
     for (int i = 0; i < mr; ++i) {
@@ -183,6 +225,7 @@ void tile(const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y,
     step(panel + whole * NC * 2, [&](int i) { return (int32_t)x[i * x_st + K - 1].bits; });
 #else
   for (int64_t k = 0; k < K; ++k) {
+    ahead.step();
     const P* b = panel + k * NC;
     vf bv[NV];
     for (int j = 0; j < NV; ++j) bv[j] = fms_vec::load<W>(b + j * W);
@@ -205,11 +248,195 @@ void tile(const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y,
 
 // the last rows of x (fewer than MR): one tile of `left` rows
 template <int mr>
-void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y, int64_t y_st) {
+void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y, int64_t y_st,
+          Ahead ahead) {
   if constexpr (mr > 0) {
-    if (left == mr) return tile<mr>(x, x_st, K, panel, nc, y, y_st);
-    rest<mr - 1>(left, x, x_st, K, panel, nc, y, y_st);
+    if (left == mr) return tile<mr>(x, x_st, K, panel, nc, y, y_st, ahead);
+    rest<mr - 1>(left, x, x_st, K, panel, nc, y, y_st, ahead);
   }
+}
+
+// ---- calls of few rows (fewer than PACK_MIN_ROWS): no panel, whose packing the rows would not
+// repay; the tile reads both operands where they lie, K contiguous. MR rows of x by NR weight rows:
+// MR x NR accumulators, each a vector of lanes along K, reduced across its lanes once at the end of
+// K (a transpose of sums: fms_vec::reduce_lanes, MR x NR = one register's lanes, so that one
+// reduction gives a tile's outputs); the bf16 pairs by vdpbf16ps where FMS_VEC_BF16_DP, masked loads
+// (zeros past K on both sides) for K's last values; otherwise fp32 multiply-adds, the tail of K past
+// whole vectors summed one by one after the lanes. The threads take groups of GROUP blocks of NR
+// weight rows; a thread passes x over its group in chunks of rows that fit L2 beside the group's
+// weights, each block's NR rows in L1 while the chunk's rows pass over them MR at a time.
+namespace few {
+
+// the tile: MR rows of x by NR weight rows, MR x NR accumulators, reduced W at a time (W / NR rows
+// of the tile per reduction): 24 of the 32 vector registers of AVX-512 (6 x 4: 10 loads a step
+// for 24 products), 8 of AVX2's 16 (2 x 4)
+#if FMS_VEC_NATIVE == 16
+constexpr int MR = 6, NR = 4;
+#else
+constexpr int MR = 2, NR = 4;
+#endif
+static_assert(W % NR == 0, "a reduction takes whole rows of a tile");
+// rows of x per chunk: this many bytes of them (L2 holds them beside a group's weight rows)
+constexpr int64_t CHUNK_X_BYTES = int64_t(128) << 10;
+// blocks of NR weight rows a thread takes at a time (32 rows: 40 KB of bf16 weights at K = 640)
+constexpr int64_t GROUP = 8;
+
+struct Segment {
+  const T* w;      // [n, K]
+  int64_t n, col;  // rows, first column in y
+};
+#if FMS_VEC_BF16_DP
+constexpr int KSTEP = 32;  // bf16 values per vector
+#else
+constexpr int KSTEP = W;
+#endif
+
+// the tile's outputs y[i, s.col + j0 + j] (i < mr, j < nr) from its accumulators: one reduction,
+// whose lane i NR + j is output (i, j) (accumulator (i, j) goes in at bitrev(i NR + j):
+// fms_vec::reduce_lanes sums p[bitrev(lane)] into each lane), plus `tail(i, j, sum)` (the sums of K's
+// last values past whole vectors, or nothing), rounded to T as one vector
+template <int mr, int nr, bool has_tail, class Tail>
+inline void finish(const vf (&acc)[mr][nr], const Tail& tail, int64_t j0, const Segment& s, T* y, int64_t y_st) {
+  constexpr int RG = W / NR;  // rows of the tile per reduction
+  for (int i0 = 0; i0 < mr; i0 += RG) {
+    vf p[W];  // (a copy: the loop's accumulators stay in registers)
+    for (int i = 0; i < W; ++i) p[i] = fms_vec::splat<W>(0.0f);
+    for (int i = i0; i < mr && i < i0 + RG; ++i)
+      for (int j = 0; j < nr; ++j) p[fms_vec::bitrev((i - i0) * NR + j)] = acc[i][j];
+    vf r = fms_vec::reduce_lanes(p);
+    if constexpr (has_tail)
+      for (int i = i0; i < mr && i < i0 + RG; ++i)
+        for (int j = 0; j < nr; ++j) r[(i - i0) * NR + j] = tail(i, j, r[(i - i0) * NR + j]);
+    T out[W];
+    fms_vec::store<W>(out, r);
+    for (int i = i0; i < mr && i < i0 + RG; ++i)
+      std::memcpy(y + i * y_st + s.col + j0, out + (i - i0) * NR, nr * sizeof(T));
+  }
+}
+
+// y[i, s.col + j0 + j] for i < mr, j < nr: the tile's mr x nr sums over K
+template <int mr, int nr>
+void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st) {
+  vf acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = fms_vec::splat<W>(0.0f);
+  const T* w = s.w + j0 * K;
+#if FMS_VEC_BF16_DP
+  const auto step = [&](int64_t k, auto load) {
+    __m512i wv[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = load(w + j * K + k);
+    for (int i = 0; i < mr; ++i) {
+      const __m512bh xv = (__m512bh)load(x + i * x_st + k);
+      for (int j = 0; j < nr; ++j) acc[i][j] = (vf)_mm512_dpbf16_ps((__m512)acc[i][j], xv, (__m512bh)wv[j]);
+    }
+  };
+  const int64_t kv = K / KSTEP * KSTEP;
+  for (int64_t k = 0; k < kv; k += KSTEP) step(k, [](const T* p) { return _mm512_loadu_si512(p); });
+  if (kv < K) {  // the last K - kv values, zeros past them on both sides
+    const __mmask32 mask = (__mmask32)((1ull << (K - kv)) - 1);
+    step(kv, [mask](const T* p) { return _mm512_maskz_loadu_epi16(mask, p); });
+  }
+  finish<mr, nr, false>(acc, [](int, int, float sum) { return sum; }, j0, s, y, y_st);
+#else
+  const int64_t kv = K / KSTEP * KSTEP;
+  for (int64_t k = 0; k < kv; k += KSTEP) {
+    vf wv[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = fms_vec::load<W>(w + j * K + k);
+    for (int i = 0; i < mr; ++i) {
+      const vf xv = fms_vec::load<W>(x + i * x_st + k);
+      for (int j = 0; j < nr; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  const auto tail = [&](int i, int j, float sum) {
+    for (int64_t k = kv; k < K; ++k) sum += x[i * x_st + k] * to_f32(w[j * K + k]);
+    return sum;
+  };
+  if (kv < K)
+    finish<mr, nr, true>(acc, tail, j0, s, y, y_st);
+  else
+    finish<mr, nr, false>(acc, tail, j0, s, y, y_st);
+#endif
+}
+
+// the last rows of x (fewer than MR): one tile of `left` rows
+template <int mr, int nr>
+void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st) {
+  if constexpr (mr > 0) {
+    if (left == mr) return tile<mr, nr>(x, x_st, K, s, j0, y, y_st);
+    rest<mr - 1, nr>(left, x, x_st, K, s, j0, y, y_st);
+  }
+}
+
+// rows [0, M) of x over one block of nr weight rows, MR rows at a time
+template <int nr>
+void columns(const X* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile<MR, nr>(x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st);
+  rest<MR - 1, nr>(M - m, x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st);
+}
+
+// a block of n (1 .. nr) weight rows: columns<n>
+template <int nr>
+void block(int64_t n, const X* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
+           int64_t y_st) {
+  if constexpr (nr > 0) {
+    if (n == nr) return columns<nr>(x, x_st, M, K, s, j0, y, y_st);
+    block<nr - 1>(n, x, x_st, M, K, s, j0, y, y_st);
+  }
+}
+
+void run(const X* x, int64_t x_st, int64_t M, int64_t K, const T* const* weights, const int64_t* rows,
+         int64_t n_weights, T* y, int max_threads) {
+  // the blocks of NR weight rows, segment by segment: block b is segment i's rows from
+  // (b - first[i]) NR on, for first[i] <= b < first[i + 1]
+  std::vector<Segment> segs;
+  std::vector<int64_t> first{0};
+  int64_t col = 0;
+  for (int i = 0; i < (int)n_weights; ++i) {
+    segs.push_back({weights[i], rows[i], col});
+    first.push_back(first.back() + (rows[i] + NR - 1) / NR);
+    col += rows[i];
+  }
+  const int64_t nb = first.back();
+  const int64_t chunk = std::max<int64_t>(MR, CHUNK_X_BYTES / (K * (int64_t)sizeof(X)) / MR * MR);
+  const int64_t n_groups = (nb + GROUP - 1) / GROUP;
+  const int64_t by_work = std::max<int64_t>(1, M * col * K / GRAIN);
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)max_threads, n_groups, by_work}));
+    // groups of GROUP blocks handed out one at a time (one barrier, at the end: a thread the OS
+  // deschedules holds up no other); within a group, x a chunk of rows at a time, the group's blocks
+  // over each chunk
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t b0 = g * GROUP, b1 = std::min(nb, b0 + GROUP);
+    int i = (int)(std::upper_bound(first.begin(), first.end(), b0) - first.begin()) - 1;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t rows = std::min(chunk, M - m0);
+      int seg = i;
+      for (int64_t b = b0; b < b1; ++b) {
+        while (b >= first[seg + 1]) ++seg;
+        const Segment& s = segs[seg];
+        const int64_t j0 = (b - first[seg]) * NR;
+        block<NR>(std::min<int64_t>(NR, s.n - j0), x + m0 * x_st, x_st, rows, K, s, j0, y + m0 * col, col);
+      }
+    }
+  }
+}
+
+}  // namespace few
+
+// this thread's panel of at least `bytes`, 64-byte aligned (whole cache lines): kept from call to
+// call (the OpenMP threads persist), so that a call neither maps nor faults in fresh pages; it
+// grows to the largest K the thread has seen (K x NC x 4 bytes: 160 KB at K = 640); nullptr where
+// memory runs out
+void* panel_buffer(size_t bytes) {
+  thread_local std::unique_ptr<void, decltype(&std::free)> buf(nullptr, &std::free);
+  thread_local size_t size = 0;
+  if (size < bytes) {
+    size = (bytes + 4095) / 4096 * 4096;
+    buf.reset(std::aligned_alloc(64, size));
+    if (!buf) size = 0;
+  }
+  return buf.get();
 }
 
 }  // namespace
@@ -227,6 +454,10 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   std::vector<float> xf;
   int64_t x_st = a.x_st;
   const X* x = fms_vec::rows_as<X>(a.x, M, K, x_st, xf);
+  if (M < PACK_MIN_ROWS) {
+    few::run(x, x_st, M, K, a.weights, a.rows, a.n_weights, a.y, a.threads);
+    return 0;
+  }
   std::vector<int64_t> first{0};
   for (int i = 0; i < (int)a.n_weights; ++i) first.push_back(first.back() + a.rows[i]);
   const Rows rows{a.weights, first.data(), (int)a.n_weights};
@@ -236,20 +467,42 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, panels, by_work}));
   const size_t panel_bytes = (size_t)((K + KU - 1) / KU * KU) * NC * sizeof(P);
   T* y = a.y;
+  // panels claimed one at a time (dynamic: a shared machine serves the threads unevenly; no
+  // barrier but the last), each thread holding its next claim while it works on a panel so that it
+  // knows which weight rows to fetch ahead
+  std::atomic<int64_t> claims{0};
+  std::atomic<bool> out_of_memory{false};
+  const int64_t tiles = (M + MR - 1) / MR;
+  const int64_t row_bytes = K * (int64_t)sizeof(T);
 #pragma omp parallel num_threads(threads)
   {
-    // this thread's panel, 64-byte aligned (whole cache lines)
-    std::unique_ptr<void, decltype(&std::free)> buf(std::aligned_alloc(64, (panel_bytes + 63) / 64 * 64), &std::free);
-    P* panel = static_cast<P*>(buf.get());
-#pragma omp for schedule(dynamic)
-    for (int64_t p = 0; p < panels; ++p) {
+    P* panel = static_cast<P*>(panel_buffer(panel_bytes));
+    if (!panel) {  // (no exception may leave the parallel region: thrown after it)
+      out_of_memory = true;
+      claims = panels;
+    }
+    const T* next_rows[NC];
+    for (int64_t p = panel ? claims.fetch_add(1) : panels; p < panels;) {
+      const int64_t q = claims.fetch_add(1);  // the next panel
       const int64_t r0 = p * NC, nc = std::min<int64_t>(NC, N - r0);
+      const int64_t nq = q < panels ? std::min<int64_t>(NC, N - q * NC) : 0;
+      int seg = 0;
+      for (int64_t c = 0; c < nq; ++c) next_rows[c] = rows.row(q * NC + c, seg, K);
       pack(rows, r0, nc, K, panel);
-      int64_t m = 0;
-      for (; m + MR <= M; m += MR) tile<MR>(x + m * x_st, x_st, K, panel, nc, y + m * N + r0, N);
-      rest<MR - 1>(M - m, x + m * x_st, x_st, K, panel, nc, y + m * N + r0, N);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m = t * MR, c0 = t * nq / tiles, c1 = (t + 1) * nq / tiles;
+        const int64_t lines = (c1 - c0) * ((row_bytes + 63) / 64);
+        const int per_step = (int)std::min<int64_t>(4, (lines + steps_of(K) - 1) / steps_of(K));
+        const Ahead ahead{nullptr, nullptr, next_rows + c0, c1 - c0, row_bytes, per_step};
+        if (m + MR <= M)
+          tile<MR>(x + m * x_st, x_st, K, panel, nc, y + m * N + r0, N, ahead);
+        else
+          rest<MR - 1>(M - m, x + m * x_st, x_st, K, panel, nc, y + m * N + r0, N, ahead);
+      }
+      p = q;
     }
   }
+  if (out_of_memory) throw std::bad_alloc();
   return 0;
 }
 
