@@ -65,9 +65,13 @@ constexpr int MR = 6, NV = 2;
 #endif
 constexpr int NC = NV * W;  // columns (weight rows) per panel
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (as the GEMV)
+// steps of K per panel, at most: 256 KB of bf16 pairs (one panel at K <= 2048), 128 KB of fp32
+// words, which L2 (1 MB on Zen 4) holds beside the rows of x and the next panel's weights on their
+// way in (an fp32 panel of 512 KB at K = 2048 measured 1.2x oneDNN's time at 64 rows; 1.1x in two)
+constexpr int64_t KC_MAX = FMS_VEC_BF16_DP ? 1024 : 512;
 // calls of fewer rows run tiles without a panel (few::run): a panel's packing costs about what a
 // call of this many rows spends on its products (docs/benchmarks.md, "Weights held once")
-constexpr int64_t PACK_MIN_ROWS = 32;
+constexpr int64_t PACK_MIN_ROWS = FMS_VEC_BF16_DP ? 32 : 0;
 
 #if FMS_VEC_BF16_DP
 using X = T;      // x as stored: bf16 pairs
@@ -90,8 +94,8 @@ struct Rows {
   }
 };
 
-// panel <- rows [r0, r0 + nc) of the stack, K-major: panel[(s NC + c) KU + u] = W[r0 + c, s KU + u]
-// (in P), zeros past K and past nc. A panel is a transpose of 32-bit words (a bf16 pair, or one
+// panel <- rows [r0, r0 + nc) of the stack, steps [s_begin, s_end) of K, K-major:
+// panel[((s - s_begin) NC + c) KU + u] = W[r0 + c, s KU + u] (in P), zeros past K and past nc. A panel is a transpose of 32-bit words (a bf16 pair, or one
 // fp32 value): with AVX-512, blocks of 16 x 16 words in registers; otherwise word by word.
 constexpr int64_t steps_of(int64_t K) { return (K + KU - 1) / KU; }  // words of K: a panel's steps
 #if FMS_VEC_NATIVE == 16 && defined(__AVX512F__)
@@ -138,8 +142,7 @@ inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
-void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, P* panel) {
-  const int64_t steps = steps_of(K);
+void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, int64_t s_end, P* panel) {
   const T* w[NC];
   int seg = 0;
   for (int64_t c = 0; c < nc; ++c) w[c] = rows.row(r0 + c, seg, K);
@@ -152,10 +155,11 @@ void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, P* panel) {
       for (int i = 0; i < 16; ++i) r[i] = c0 + i < nc ? words<decltype(whole)::value>(w[c0 + i], s0, K) : _mm512_setzero_si512();
     }
     transpose16(r);
-    for (int64_t e = 0; e < 16 && s0 + e < steps; ++e) _mm512_store_si512(out + ((s0 + e) * NC + c0) * 4, r[e]);
+    for (int64_t e = 0; e < 16 && s0 + e < s_end; ++e)
+      _mm512_store_si512(out + ((s0 - s_begin + e) * NC + c0) * 4, r[e]);
   };
   const int64_t inside = K / (16 * KU) * 16;  // steps in whole blocks of 16 words
-  for (int64_t s0 = 0; s0 < steps; s0 += 16)
+  for (int64_t s0 = s_begin; s0 < s_end; s0 += 16)  // (s_begin: a multiple of 16)
     for (int64_t c0 = 0; c0 < NC; c0 += 16) {
       if (s0 < inside)
         block(c0, s0, std::true_type{});
@@ -164,12 +168,12 @@ void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, P* panel) {
     }
 }
 #else
-void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, P* panel) {
-  const int64_t steps = steps_of(K);
+void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, int64_t s_end, P* panel) {
   int seg = 0;
   for (int64_t c = 0; c < NC; ++c) {
     const T* w = c < nc ? rows.row(r0 + c, seg, K) : nullptr;
-    for (int64_t k = 0; k < steps * KU; ++k) panel[(k / KU * NC + c) * KU + k % KU] = w && k < K ? P(to_f32(w[k])) : P{};
+    for (int64_t k = s_begin * KU; k < s_end * KU; ++k)
+      panel[((k / KU - s_begin) * NC + c) * KU + k % KU] = w && k < K ? P(to_f32(w[k])) : P{};
   }
 }
 #endif
@@ -198,37 +202,50 @@ struct Ahead {
   }
 };
 
-// y[i, j] for i < mr, j < nc (nc <= NC; y's row stride y_st) from the mr rows of x over a panel
+// a block of K's steps as a tile runs it: the steps [s_begin, s_end) of K; whether it is K's first
+// (the sums start from zeros) and its last (the sums go to y; otherwise to the thread's fp32 partial
+// sums, which the next block starts from: the same sums in the same order as one pass over K)
+struct Steps {
+  int64_t s_begin, s_end;
+  bool first, last;
+};
+
+// y[i, j] for i < mr, j < nc (nc <= NC; y's row stride y_st) from the mr rows of x (from K's
+// first value on) over a panel of the block `b` of K; part: the tile's partial sums, [mr][NC]
 template <int mr>
-void tile(const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y, int64_t y_st, Ahead ahead) {
+void tile(const X* x, int64_t x_st, int64_t K, const Steps& b, const P* panel, int64_t nc, float* part, T* y,
+          int64_t y_st, Ahead ahead) {
   vf acc[mr][NV];
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = fms_vec::splat<W>(0.0f);
+    for (int j = 0; j < NV; ++j)
+      acc[i][j] = b.first ? fms_vec::splat<W>(0.0f) : fms_vec::load<W>(part + i * NC + j * W);
+  const int64_t n = b.s_end - b.s_begin;
+  x += b.s_begin * KU;
 #if FMS_VEC_BF16_DP
-  const auto step = [&](const P* b, auto pair) {
+  const auto step = [&](const P* w, auto pair) {
     ahead.step();
     __m512i bv[NV];
-    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(b + j * W * 2);
+    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(w + j * W * 2);
     for (int i = 0; i < mr; ++i) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair(i));
       for (int j = 0; j < NV; ++j) acc[i][j] = (vf)_mm512_dpbf16_ps((__m512)acc[i][j], xv, (__m512bh)bv[j]);
     }
   };
-  const int64_t whole = K / 2;
+  const int64_t whole = b.last && K % 2 ? n - 1 : n;  // steps of whole pairs
   for (int64_t s = 0; s < whole; ++s)
     step(panel + s * NC * 2, [&](int i) {
       int32_t u;
       std::memcpy(&u, x + i * x_st + 2 * s, 4);
       return u;
     });
-  if (K % 2)  // the last value of each row, a zero beside it (not the next row's value)
-    step(panel + whole * NC * 2, [&](int i) { return (int32_t)x[i * x_st + K - 1].bits; });
+  if (whole < n)  // the last value of each row, a zero beside it (not the next row's value)
+    step(panel + whole * NC * 2, [&](int i) { return (int32_t)x[i * x_st + 2 * whole].bits; });
 #else
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = 0; k < n; ++k) {
     ahead.step();
-    const P* b = panel + k * NC;
+    const P* w = panel + k * NC;
     vf bv[NV];
-    for (int j = 0; j < NV; ++j) bv[j] = fms_vec::load<W>(b + j * W);
+    for (int j = 0; j < NV; ++j) bv[j] = fms_vec::load<W>(w + j * W);
     for (int i = 0; i < mr; ++i) {
       const vf xv = fms_vec::splat<W>(x[i * x_st + k]);
       for (int j = 0; j < NV; ++j) acc[i][j] += xv * bv[j];
@@ -236,7 +253,9 @@ void tile(const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y,
   }
 #endif
   for (int i = 0; i < mr; ++i) {
-    if (nc == NC) {
+    if (!b.last) {
+      for (int j = 0; j < NV; ++j) fms_vec::store<W>(part + i * NC + j * W, acc[i][j]);
+    } else if (nc == NC) {
       for (int j = 0; j < NV; ++j) fms_vec::store<W>(y + i * y_st + j * W, acc[i][j]);
     } else {
       T out[NC];
@@ -248,11 +267,11 @@ void tile(const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y,
 
 // the last rows of x (fewer than MR): one tile of `left` rows
 template <int mr>
-void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const P* panel, int64_t nc, T* y, int64_t y_st,
-          Ahead ahead) {
+void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const Steps& b, const P* panel, int64_t nc, float* part,
+          T* y, int64_t y_st, Ahead ahead) {
   if constexpr (mr > 0) {
-    if (left == mr) return tile<mr>(x, x_st, K, panel, nc, y, y_st, ahead);
-    rest<mr - 1>(left, x, x_st, K, panel, nc, y, y_st, ahead);
+    if (left == mr) return tile<mr>(x, x_st, K, b, panel, nc, part, y, y_st, ahead);
+    rest<mr - 1>(left, x, x_st, K, b, panel, nc, part, y, y_st, ahead);
   }
 }
 
@@ -428,7 +447,8 @@ void run(const X* x, int64_t x_st, int64_t M, int64_t K, const T* const* weights
 // call (the OpenMP threads persist), so that a call neither maps nor faults in fresh pages; it
 // grows to the largest K the thread has seen (K x NC x 4 bytes: 160 KB at K = 640); nullptr where
 // memory runs out
-void* panel_buffer(size_t bytes) {
+template <int which>  // 0: the panel, 1: the partial sums
+void* thread_buffer(size_t bytes) {
   thread_local std::unique_ptr<void, decltype(&std::free)> buf(nullptr, &std::free);
   thread_local size_t size = 0;
   if (size < bytes) {
@@ -465,7 +485,10 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   const int64_t panels = (N + NC - 1) / NC;
   const int64_t by_work = std::max<int64_t>(1, M * N * K / GRAIN);
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, panels, by_work}));
-  const size_t panel_bytes = (size_t)((K + KU - 1) / KU * KU) * NC * sizeof(P);
+  // K in blocks of at most KC_MAX steps (equal, whole multiples of 16), a panel of each at a time
+  const int64_t steps = steps_of(K), at_most = (steps + KC_MAX - 1) / KC_MAX;
+  const int64_t kc = ((steps + at_most - 1) / at_most + 15) / 16 * 16, blocks = (steps + kc - 1) / kc;
+  const size_t panel_bytes = (size_t)kc * KU * NC * sizeof(P), part_bytes = (size_t)M * NC * sizeof(float);
   T* y = a.y;
   // panels claimed one at a time (dynamic: a shared machine serves the threads unevenly; no
   // barrier but the last), each thread holding its next claim while it works on a panel so that it
@@ -473,31 +496,39 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   std::atomic<int64_t> claims{0};
   std::atomic<bool> out_of_memory{false};
   const int64_t tiles = (M + MR - 1) / MR;
-  const int64_t row_bytes = K * (int64_t)sizeof(T);
 #pragma omp parallel num_threads(threads)
   {
-    P* panel = static_cast<P*>(panel_buffer(panel_bytes));
-    if (!panel) {  // (no exception may leave the parallel region: thrown after it)
+    P* panel = static_cast<P*>(thread_buffer<0>(panel_bytes));
+    float* part = blocks > 1 ? static_cast<float*>(thread_buffer<1>(part_bytes)) : nullptr;
+    if (!panel || (blocks > 1 && !part)) {  // (no exception may leave the parallel region: thrown after it)
       out_of_memory = true;
       claims = panels;
     }
     const T* next_rows[NC];
-    for (int64_t p = panel ? claims.fetch_add(1) : panels; p < panels;) {
+    for (int64_t p = out_of_memory ? panels : claims.fetch_add(1); p < panels;) {
       const int64_t q = claims.fetch_add(1);  // the next panel
       const int64_t r0 = p * NC, nc = std::min<int64_t>(NC, N - r0);
-      const int64_t nq = q < panels ? std::min<int64_t>(NC, N - q * NC) : 0;
-      int seg = 0;
-      for (int64_t c = 0; c < nq; ++c) next_rows[c] = rows.row(q * NC + c, seg, K);
-      pack(rows, r0, nc, K, panel);
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t m = t * MR, c0 = t * nq / tiles, c1 = (t + 1) * nq / tiles;
-        const int64_t lines = (c1 - c0) * ((row_bytes + 63) / 64);
-        const int per_step = (int)std::min<int64_t>(4, (lines + steps_of(K) - 1) / steps_of(K));
-        const Ahead ahead{nullptr, nullptr, next_rows + c0, c1 - c0, row_bytes, per_step};
-        if (m + MR <= M)
-          tile<MR>(x + m * x_st, x_st, K, panel, nc, y + m * N + r0, N, ahead);
-        else
-          rest<MR - 1>(M - m, x + m * x_st, x_st, K, panel, nc, y + m * N + r0, N, ahead);
+      for (int64_t kb = 0; kb < blocks; ++kb) {
+        const Steps b{kb * kc, std::min(steps, (kb + 1) * kc), kb == 0, kb == blocks - 1};
+        // the next block's rows: this panel's next block, else the next panel's first
+        const int64_t nr0 = kb + 1 < blocks ? r0 : q * NC;
+        const int64_t nn = kb + 1 < blocks ? nc : q < panels ? std::min<int64_t>(NC, N - nr0) : 0;
+        const int64_t nk0 = (kb + 1 < blocks ? b.s_end : 0) * KU;
+        const int64_t row_bytes = (std::min(K, nk0 + kc * KU) - nk0) * (int64_t)sizeof(T);
+        int seg = 0;
+        for (int64_t c = 0; c < nn; ++c) next_rows[c] = rows.row(nr0 + c, seg, K) + nk0;
+        pack(rows, r0, nc, K, b.s_begin, b.s_end, panel);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = t * MR, c0 = t * nn / tiles, c1 = (t + 1) * nn / tiles;
+          const int64_t lines = (c1 - c0) * ((row_bytes + 63) / 64), n = b.s_end - b.s_begin;
+          const int per_step = (int)std::min<int64_t>(4, (lines + n - 1) / n);
+          const Ahead ahead{nullptr, nullptr, next_rows + c0, c1 - c0, row_bytes, per_step};
+          float* tpart = part ? part + m * NC : nullptr;
+          if (m + MR <= M)
+            tile<MR>(x + m * x_st, x_st, K, b, panel, nc, tpart, y + m * N + r0, N, ahead);
+          else
+            rest<MR - 1>(M - m, x + m * x_st, x_st, K, b, panel, nc, tpart, y + m * N + r0, N, ahead);
+        }
       }
       p = q;
     }
