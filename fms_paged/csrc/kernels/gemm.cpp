@@ -5,25 +5,32 @@
 // products accumulate in fp32.
 //
 // Packing on the fly (GotoBLAS / BLIS's way): a thread takes NC weight rows (output columns) at a
-// time and copies them into its own panel, K-major, NC columns per step of K: the layout a
-// broadcast tile reads with whole-vector loads and no reduction across lanes. The panel (K x NC
-// values: 80 KB of bf16 at K = 640, 256 KB at K = 2048) stays in L2 while every row of x passes
-// over it MR rows at a time; its cost (one read of the weights) is spread over the M rows, which
-// is why the GEMV kernel takes the calls of a few rows. The register tile is MR rows of x by NC
-// columns: MR x NV accumulator vectors, each holding W consecutive outputs of one row, and a step
-// of K loads NV vectors of the panel and broadcasts one value (a pair) of each of the MR rows.
-// - AVX512_BF16, bf16 (FMS_VEC_BF16_DP): the panel holds bf16 pairs, [ceil(K / 2)][NC][2] (the
-//   VNNI layout), x's pairs are broadcast as 32-bit words and vdpbf16ps takes 16 outputs x 2
-//   products a step (exact products, fp32 sums); an odd K's last pair has a zero in its second
-//   half on both sides.
+// time and copies a block of K of them into its own panel, K-major, NC columns per step of K: the
+// layout a broadcast tile reads with whole-vector loads and no reduction across lanes (what
+// oneDNN's packed copy holds for good). The panel (at most KC_MAX steps: 256 KB of bf16, 128 KB of
+// fp32) stays in L2 while every row of x passes over it MR rows at a time, so its cost (one read
+// and a transpose of the weights, 16 x 16 words at a time in registers with AVX-512) is spread over
+// the M rows. The register tile is MR rows of x by NC columns: MR x NV accumulator vectors, each
+// holding W consecutive outputs of one row; a step of K loads NV vectors of the panel and
+// broadcasts one value (a pair) of each of the MR rows.
+// - AVX512_BF16, bf16 (FMS_VEC_BF16_DP): the panel holds bf16 pairs, [steps][NC][2] (the VNNI
+//   layout), x's pairs are broadcast as 32-bit words and vdpbf16ps takes 16 outputs x 2 products a
+//   step (exact products, fp32 sums); an odd K's last pair has a zero in its second half on both
+//   sides.
 // - Otherwise (fp32; fp16; bf16 without AVX512_BF16; AVX2 and baseline builds): the panel holds
-//   the weights converted to fp32 ([K][NC]), x is converted to fp32 once per call, and each step
-//   is one fp32 multiply-add per output.
-// Columns past the last weight row of a panel are zeros in it, and are not stored.
+//   the weights converted to fp32 ([steps][NC]), x is converted to fp32 once per call, and each
+//   step is one fp32 multiply-add per output.
+// Columns past the last weight row of a panel are zeros in it, and are not stored. Between blocks
+// of K a tile's sums wait in the thread's fp32 partial sums (the same sums, in the same order, as
+// one pass). While a panel's tiles run, they fetch the next panel's weight rows into L2 (Ahead),
+// so that packing it reads L2: the weights stream in behind the multiply-adds.
+//
+// Calls of fewer than PACK_MIN_ROWS rows (bf16 pairs: 32) would not repay the packing: their tiles
+// read both operands where they lie (few::run: dot products along K, reduced across lanes once).
 //
 // Threads take panels one at a time (dynamic: a shared machine serves them unevenly; no barrier
 // but the last). A row's result does not depend on the thread count or on its place among the
-// rows: each output sums its products in K's order in one lane of one accumulator.
+// rows of a call on the same path: each output sums its products in one fixed order.
 #include <omp.h>
 
 #include "args.h"
@@ -55,11 +62,7 @@ using vf = fms_vec::vec<W>;
 // and MR broadcasts a step. AVX-512: 24 of the 32 registers (6 x 4, 64 columns); 8 lanes (AVX2's
 // 16 registers): 12 (6 x 2, 16 columns)
 #if FMS_VEC_NATIVE == 16
-#if FMS_VEC_BF16_DP
 constexpr int MR = 6, NV = 4;
-#else
-constexpr int MR = 6, NV = 4;
-#endif
 #else
 constexpr int MR = 6, NV = 2;
 #endif
@@ -67,11 +70,13 @@ constexpr int NC = NV * W;  // columns (weight rows) per panel
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (as the GEMV)
 // steps of K per panel, at most: 256 KB of bf16 pairs (one panel at K <= 2048), 128 KB of fp32
 // words, which L2 (1 MB on Zen 4) holds beside the rows of x and the next panel's weights on their
-// way in (an fp32 panel of 512 KB at K = 2048 measured 1.2x oneDNN's time at 64 rows; 1.1x in two)
+// way in (an fp32 panel of 512 KB at K = 2048 measured ~1.2x oneDNN's time at 64 rows; blocks of
+// 512 steps ~1.05-1.1x)
 constexpr int64_t KC_MAX = FMS_VEC_BF16_DP ? 1024 : 512;
-// calls of fewer rows run tiles without a panel (few::run): a panel's packing costs about what a
-// call of this many rows spends on its products (docs/benchmarks.md, "Weights held once")
-constexpr int64_t PACK_MIN_ROWS = FMS_VEC_BF16_DP ? 32 : 0;
+// bf16 pairs: calls of fewer rows run tiles without a panel (few::run): under 32 rows the packing
+// costs more than the broadcast tile saves (docs/benchmarks.md, "Weights held once"). In fp32 the
+// tiles without a panel were the slower ones at every row count measured (16 on): none there
+constexpr int64_t PACK_MIN_ROWS = 32;
 
 #if FMS_VEC_BF16_DP
 using X = T;      // x as stored: bf16 pairs
@@ -95,8 +100,9 @@ struct Rows {
 };
 
 // panel <- rows [r0, r0 + nc) of the stack, steps [s_begin, s_end) of K, K-major:
-// panel[((s - s_begin) NC + c) KU + u] = W[r0 + c, s KU + u] (in P), zeros past K and past nc. A panel is a transpose of 32-bit words (a bf16 pair, or one
-// fp32 value): with AVX-512, blocks of 16 x 16 words in registers; otherwise word by word.
+// panel[((s - s_begin) NC + c) KU + u] = W[r0 + c, s KU + u] (in P), zeros past K and past nc. A
+// panel is a transpose of 32-bit words (a bf16 pair, or one fp32 value): blocks of 16 x 16 words in
+// registers with AVX-512, 8 x 8 with AVX2, else word by word.
 constexpr int64_t steps_of(int64_t K) { return (K + KU - 1) / KU; }  // words of K: a panel's steps
 #if FMS_VEC_NATIVE == 16 && defined(__AVX512F__)
 // the 16 words of a weight row from step s0 on, in P, as one vector: `whole` when they lie
@@ -161,6 +167,56 @@ void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, 
   const int64_t inside = K / (16 * KU) * 16;  // steps in whole blocks of 16 words
   for (int64_t s0 = s_begin; s0 < s_end; s0 += 16)  // (s_begin: a multiple of 16)
     for (int64_t c0 = 0; c0 < NC; c0 += 16) {
+      if (s0 < inside)
+        block(c0, s0, std::true_type{});
+      else
+        block(c0, s0, std::false_type{});
+    }
+}
+#elif FMS_VEC_NATIVE == 8 && defined(__AVX2__)
+// AVX2 (fp32 panels, 16 columns): blocks of 8 x 8 values, each row's 8 converted to fp32 as loaded
+// (zeros past K: the last steps copied into a zeroed buffer first)
+template <bool whole>
+inline __m256 values8(const T* w, int64_t k0, int64_t K) {
+  if constexpr (whole) return (__m256)fms_vec::load<8>(w + k0);
+  T tail[8];
+  for (int e = 0; e < 8; ++e) tail[e] = k0 + e < K ? w[k0 + e] : T{};
+  return (__m256)fms_vec::load<8>(tail);
+}
+
+// r[e] <- the e-th values of r[0..7] (an 8 x 8 transpose)
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + j], half h: value 4 h + j of rows i .. i + 3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
+void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, int64_t s_end, P* panel) {
+  const T* w[NC];
+  int seg = 0;
+  for (int64_t c = 0; c < nc; ++c) w[c] = rows.row(r0 + c, seg, K);
+  const auto block = [&](int64_t c0, int64_t s0, auto whole) {  // columns c0.., steps s0.. (8 each)
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = c0 + i < nc ? values8<decltype(whole)::value>(w[c0 + i], s0, K) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int64_t e = 0; e < 8 && s0 + e < s_end; ++e) _mm256_storeu_ps(panel + (s0 - s_begin + e) * NC + c0, r[e]);
+  };
+  const int64_t inside = K / 8 * 8;  // steps in whole blocks of 8
+  for (int64_t s0 = s_begin; s0 < s_end; s0 += 8)  // (s_begin: a multiple of 16)
+    for (int64_t c0 = 0; c0 < NC; c0 += 8) {
       if (s0 < inside)
         block(c0, s0, std::true_type{});
       else
@@ -275,25 +331,20 @@ void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const Steps& b, con
   }
 }
 
-// ---- calls of few rows (fewer than PACK_MIN_ROWS): no panel, whose packing the rows would not
-// repay; the tile reads both operands where they lie, K contiguous. MR rows of x by NR weight rows:
-// MR x NR accumulators, each a vector of lanes along K, reduced across its lanes once at the end of
-// K (a transpose of sums: fms_vec::reduce_lanes, MR x NR = one register's lanes, so that one
-// reduction gives a tile's outputs); the bf16 pairs by vdpbf16ps where FMS_VEC_BF16_DP, masked loads
-// (zeros past K on both sides) for K's last values; otherwise fp32 multiply-adds, the tail of K past
-// whole vectors summed one by one after the lanes. The threads take groups of GROUP blocks of NR
+#if FMS_VEC_BF16_DP
+// ---- calls of few rows (fewer than PACK_MIN_ROWS), bf16 pairs: no panel, whose packing the rows
+// would not repay; the tile reads both operands where they lie, K contiguous. MR rows of x by NR
+// weight rows: MR x NR accumulators, each a vector of lanes along K, reduced across its lanes once at
+// the end of K (a transpose of sums: fms_vec::reduce_lanes, MR x NR = one register's lanes, so that
+// one reduction gives a tile's outputs); vdpbf16ps on the pairs as stored, masked loads (zeros past
+// K on both sides) for K's last values. The threads take groups of GROUP blocks of NR
 // weight rows; a thread passes x over its group in chunks of rows that fit L2 beside the group's
 // weights, each block's NR rows in L1 while the chunk's rows pass over them MR at a time.
 namespace few {
 
 // the tile: MR rows of x by NR weight rows, MR x NR accumulators, reduced W at a time (W / NR rows
-// of the tile per reduction): 24 of the 32 vector registers of AVX-512 (6 x 4: 10 loads a step
-// for 24 products), 8 of AVX2's 16 (2 x 4)
-#if FMS_VEC_NATIVE == 16
+// of the tile per reduction): 24 of the 32 vector registers (6 x 4: 10 loads a step for 24 products)
 constexpr int MR = 6, NR = 4;
-#else
-constexpr int MR = 2, NR = 4;
-#endif
 static_assert(W % NR == 0, "a reduction takes whole rows of a tile");
 // rows of x per chunk: this many bytes of them (L2 holds them beside a group's weight rows)
 constexpr int64_t CHUNK_X_BYTES = int64_t(128) << 10;
@@ -304,11 +355,7 @@ struct Segment {
   const T* w;      // [n, K]
   int64_t n, col;  // rows, first column in y
 };
-#if FMS_VEC_BF16_DP
 constexpr int KSTEP = 32;  // bf16 values per vector
-#else
-constexpr int KSTEP = W;
-#endif
 
 // the tile's outputs y[i, s.col + j0 + j] (i < mr, j < nr) from its accumulators: one reduction,
 // whose lane i NR + j is output (i, j) (accumulator (i, j) goes in at bitrev(i NR + j):
@@ -340,7 +387,6 @@ void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* 
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) acc[i][j] = fms_vec::splat<W>(0.0f);
   const T* w = s.w + j0 * K;
-#if FMS_VEC_BF16_DP
   const auto step = [&](int64_t k, auto load) {
     __m512i wv[nr];
     for (int j = 0; j < nr; ++j) wv[j] = load(w + j * K + k);
@@ -356,25 +402,6 @@ void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* 
     step(kv, [mask](const T* p) { return _mm512_maskz_loadu_epi16(mask, p); });
   }
   finish<mr, nr, false>(acc, [](int, int, float sum) { return sum; }, j0, s, y, y_st);
-#else
-  const int64_t kv = K / KSTEP * KSTEP;
-  for (int64_t k = 0; k < kv; k += KSTEP) {
-    vf wv[nr];
-    for (int j = 0; j < nr; ++j) wv[j] = fms_vec::load<W>(w + j * K + k);
-    for (int i = 0; i < mr; ++i) {
-      const vf xv = fms_vec::load<W>(x + i * x_st + k);
-      for (int j = 0; j < nr; ++j) acc[i][j] += xv * wv[j];
-    }
-  }
-  const auto tail = [&](int i, int j, float sum) {
-    for (int64_t k = kv; k < K; ++k) sum += x[i * x_st + k] * to_f32(w[j * K + k]);
-    return sum;
-  };
-  if (kv < K)
-    finish<mr, nr, true>(acc, tail, j0, s, y, y_st);
-  else
-    finish<mr, nr, false>(acc, tail, j0, s, y, y_st);
-#endif
 }
 
 // the last rows of x (fewer than MR): one tile of `left` rows
@@ -442,6 +469,7 @@ void run(const X* x, int64_t x_st, int64_t M, int64_t K, const T* const* weights
 }
 
 }  // namespace few
+#endif  // FMS_VEC_BF16_DP
 
 // this thread's panel of at least `bytes`, 64-byte aligned (whole cache lines): kept from call to
 // call (the OpenMP threads persist), so that a call neither maps nor faults in fresh pages; it
@@ -474,10 +502,12 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   std::vector<float> xf;
   int64_t x_st = a.x_st;
   const X* x = fms_vec::rows_as<X>(a.x, M, K, x_st, xf);
+#if FMS_VEC_BF16_DP
   if (M < PACK_MIN_ROWS) {
     few::run(x, x_st, M, K, a.weights, a.rows, a.n_weights, a.y, a.threads);
     return 0;
   }
+#endif
   std::vector<int64_t> first{0};
   for (int i = 0; i < (int)a.n_weights; ++i) first.push_back(first.back() + a.rows[i]);
   const Rows rows{a.weights, first.data(), (int)a.n_weights};
