@@ -1,26 +1,36 @@
 // Products of many rows with row-major weights, y = x W^T, for prefill steps: the same plain
 // [N, K] weights the GEMV kernel (gemv.cpp) reads, so that a CPU model holds each weight once (no
-// packed copy of it in another layout for a GEMM library). Built and loaded by fms_paged/native
-// once per storage type T of x, the weights and y (-DFMS_ELEM: float, fms_bf16 or fms_f16); the
-// dot products accumulate in fp32.
+// packed copy of it in another layout kept beside it). Built and loaded by fms_paged/native once
+// per storage type T of x, the weights and y (-DFMS_ELEM: float, fms_bf16 or fms_f16); the dot
+// products accumulate in fp32.
 //
-// The register tile is MR rows of x by NR weight rows: MR x NR accumulators, each a vector of
-// lanes along K, reduced across its lanes once at the end of K (a transpose of sums:
-// fms_vec::reduce_lanes, MR x NR = one register's lanes, so that one reduction gives a tile's
-// outputs). Both operands are read where they lie, K contiguous: nothing is packed per call.
-// - AVX512_BF16, bf16 (FMS_VEC_BF16_DP): each accumulator takes 32 products a step by vdpbf16ps
-//   on bf16 pairs as stored (exact products, fp32 sums); a K that is not a multiple of 32 ends
-//   with masked loads (zeros past K on both sides).
-// - Otherwise (fp32; fp16; bf16 without AVX512_BF16; AVX2 and baseline builds): x converted to fp32
-//   once per call, the weights to fp32 as they are loaded, fp32 multiply-adds; the tail of K
-//   past whole vectors summed one by one after the lanes.
+// Packing on the fly (GotoBLAS / BLIS's way): a thread takes NC weight rows (output columns) at a
+// time and copies a block of K of them into its own panel, K-major, NC columns per step of K: the
+// layout a broadcast tile reads with whole-vector loads and no reduction across lanes (what
+// oneDNN's packed copy holds for good). The panel (at most KC_MAX steps: 256 KB of bf16, 128 KB of
+// fp32) stays in L2 while every row of x passes over it MR rows at a time, so its cost (one read
+// and a transpose of the weights, 16 x 16 words at a time in registers with AVX-512) is spread over
+// the M rows. The register tile is MR rows of x by NC columns: MR x NV accumulator vectors, each
+// holding W consecutive outputs of one row; a step of K loads NV vectors of the panel and
+// broadcasts one value (a pair) of each of the MR rows.
+// - AVX512_BF16, bf16 (FMS_VEC_BF16_DP): the panel holds bf16 pairs, [steps][NC][2] (the VNNI
+//   layout), x's pairs are broadcast as 32-bit words and vdpbf16ps takes 16 outputs x 2 products a
+//   step (exact products, fp32 sums); an odd K's last pair has a zero in its second half on both
+//   sides.
+// - Otherwise (fp32; fp16; bf16 without AVX512_BF16; AVX2 and baseline builds): the panel holds
+//   the weights converted to fp32 ([steps][NC]), x is converted to fp32 once per call, and each
+//   step is one fp32 multiply-add per output.
+// Columns past the last weight row of a panel are zeros in it, and are not stored. Between blocks
+// of K a tile's sums wait in the thread's fp32 partial sums (the same sums, in the same order, as
+// one pass). While a panel's tiles run, they fetch the next panel's weight rows into L2 (Ahead),
+// so that packing it reads L2: the weights stream in behind the multiply-adds.
 //
-// Cache blocking: the threads take groups of GROUP blocks of NR weight rows one at a time
-// (dynamic: a shared machine serves them unevenly; no barrier but the last); a thread passes x
-// over its group in chunks of rows that fit L2 beside the group's weights (CHUNK_X_BYTES), and
-// keeps each block's NR weight rows in L1 while the chunk's rows pass over them MR at a time. A
-// product's result does not depend on the thread count or the chunk: a row's sums run in one
-// order.
+// Calls of fewer than PACK_MIN_ROWS rows (bf16 pairs: 32) would not repay the packing: their tiles
+// read both operands where they lie (few::run: dot products along K, reduced across lanes once).
+//
+// Threads take panels one at a time (dynamic: a shared machine serves them unevenly; no barrier
+// but the last). A row's result does not depend on the thread count or on its place among the
+// rows of a call on the same path: each output sums its products in one fixed order.
 #include <omp.h>
 
 #include "args.h"
@@ -28,9 +38,13 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -40,21 +54,298 @@
 
 namespace {
 
-using fms_vec::from_f32;
 using fms_vec::to_f32;
 using T = FMS_ELEM;
 constexpr int W = fms_vec::NATIVE;  // floats per vector: one register
 using vf = fms_vec::vec<W>;
-// the tile: MR rows of x by NR weight rows, MR x NR accumulators, reduced W at a time (W / NR rows
-// of the tile per reduction): 24 of the 32 vector registers of AVX-512 (6 x 4: 10 loads a step
-// for 24 products), 8 of AVX2's 16 (2 x 4)
+// the tile: MR rows of x by NV vectors of W columns: MR x NV accumulators, NV loads of the panel
+// and MR broadcasts a step. AVX-512: 24 of the 32 registers (6 x 4, 64 columns); 8 lanes (AVX2's
+// 16 registers): 12 (6 x 2, 16 columns)
 #if FMS_VEC_NATIVE == 16
-constexpr int MR = 6, NR = 4;
+constexpr int MR = 6, NV = 4;
 #else
-constexpr int MR = 2, NR = 4;
+constexpr int MR = 6, NV = 2;
 #endif
-static_assert(W % NR == 0, "a reduction takes whole rows of a tile");
+constexpr int NC = NV * W;  // columns (weight rows) per panel
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (as the GEMV)
+// steps of K per panel, at most: 256 KB of bf16 pairs (one panel at K <= 2048), 128 KB of fp32
+// words, which L2 (1 MB on Zen 4) holds beside the rows of x and the next panel's weights on their
+// way in (an fp32 panel of 512 KB at K = 2048 measured ~1.2x oneDNN's time at 64 rows; blocks of
+// 512 steps ~1.05-1.1x)
+constexpr int64_t KC_MAX = FMS_VEC_BF16_DP ? 1024 : 512;
+// bf16 pairs: calls of fewer rows run tiles without a panel (few::run): under 32 rows the packing
+// costs more than the broadcast tile saves (docs/benchmarks.md, "Weights held once"). In fp32 the
+// tiles without a panel were the slower ones at every row count measured (16 on): none there
+constexpr int64_t PACK_MIN_ROWS = 32;
+
+#if FMS_VEC_BF16_DP
+using X = T;      // x as stored: bf16 pairs
+using P = T;      // panel values: bf16, in pairs
+constexpr int KU = 2;  // values of K per step (per 32-bit panel word)
+#else
+using X = float;  // x converted once (fms_vec::rows_as)
+using P = float;  // panel values: fp32
+constexpr int KU = 1;
+#endif
+
+// the weights' rows as one stack: row r of the call's [sum of rows, K] matrix
+struct Rows {
+  const T* const* w;      // the weights, [rows[i], K] each
+  const int64_t* first;   // first[i]: the stack's first row of weight i; first[n] = all rows
+  int n;
+  const T* row(int64_t r, int& i, int64_t K) const {  // i: a weight at or before r's (advanced)
+    while (r >= first[i + 1]) ++i;
+    return w[i] + (r - first[i]) * K;
+  }
+};
+
+// panel <- rows [r0, r0 + nc) of the stack, steps [s_begin, s_end) of K, K-major:
+// panel[((s - s_begin) NC + c) KU + u] = W[r0 + c, s KU + u] (in P), zeros past K and past nc. A
+// panel is a transpose of 32-bit words (a bf16 pair, or one fp32 value): blocks of 16 x 16 words in
+// registers with AVX-512, 8 x 8 with AVX2, else word by word.
+constexpr int64_t steps_of(int64_t K) { return (K + KU - 1) / KU; }  // words of K: a panel's steps
+#if FMS_VEC_NATIVE == 16 && defined(__AVX512F__)
+// the 16 words of a weight row from step s0 on, in P, as one vector: `whole` when they lie
+// inside K, else zeros past K (the last steps copied into a zeroed buffer first, so an odd K's
+// last pair ends with a zero)
+template <bool whole>
+inline __m512i words(const T* w, int64_t s0, int64_t K) {
+  constexpr int E = 16 * KU;  // values of K in 16 words
+  const int64_t k0 = s0 * KU;
+  const T* p = w + k0;
+  T tail[E];
+  if constexpr (!whole) {
+    for (int e = 0; e < E; ++e) tail[e] = k0 + e < K ? w[k0 + e] : T{};
+    p = tail;
+  }
+#if FMS_VEC_BF16_DP
+  return _mm512_loadu_si512(p);
+#else
+  return (__m512i)fms_vec::load<16>(p);  // (converted to fp32)
+#endif
+}
+
+// r[e] <- the e-th words of r[0..15] (a 16 x 16 transpose of 32-bit words)
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // in each 128-bit lane: words (0, 1) and (2, 3) of two rows
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + j], lane L: word 4 L + j of rows i .. i + 3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // the 4 x 4 lanes of u[j], u[4 + j], u[8 + j], u[12 + j]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+    r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+}
+
+void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, int64_t s_end, P* panel) {
+  const T* w[NC];
+  int seg = 0;
+  for (int64_t c = 0; c < nc; ++c) w[c] = rows.row(r0 + c, seg, K);
+  char* out = reinterpret_cast<char*>(panel);  // 4-byte words, NC a step
+  const auto block = [&](int64_t c0, int64_t s0, auto whole) {  // columns c0.., steps s0.. (16 each)
+    __m512i r[16];
+    if (c0 + 16 <= nc) {
+      for (int i = 0; i < 16; ++i) r[i] = words<decltype(whole)::value>(w[c0 + i], s0, K);
+    } else {
+      for (int i = 0; i < 16; ++i) r[i] = c0 + i < nc ? words<decltype(whole)::value>(w[c0 + i], s0, K) : _mm512_setzero_si512();
+    }
+    transpose16(r);
+    for (int64_t e = 0; e < 16 && s0 + e < s_end; ++e)
+      _mm512_store_si512(out + ((s0 - s_begin + e) * NC + c0) * 4, r[e]);
+  };
+  const int64_t inside = K / (16 * KU) * 16;  // steps in whole blocks of 16 words
+  for (int64_t s0 = s_begin; s0 < s_end; s0 += 16)  // (s_begin: a multiple of 16)
+    for (int64_t c0 = 0; c0 < NC; c0 += 16) {
+      if (s0 < inside)
+        block(c0, s0, std::true_type{});
+      else
+        block(c0, s0, std::false_type{});
+    }
+}
+#elif FMS_VEC_NATIVE == 8 && defined(__AVX2__)
+// AVX2 (fp32 panels, 16 columns): blocks of 8 x 8 values, each row's 8 converted to fp32 as loaded
+// (zeros past K: the last steps copied into a zeroed buffer first)
+template <bool whole>
+inline __m256 values8(const T* w, int64_t k0, int64_t K) {
+  if constexpr (whole) return (__m256)fms_vec::load<8>(w + k0);
+  T tail[8];
+  for (int e = 0; e < 8; ++e) tail[e] = k0 + e < K ? w[k0 + e] : T{};
+  return (__m256)fms_vec::load<8>(tail);
+}
+
+// r[e] <- the e-th values of r[0..7] (an 8 x 8 transpose)
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + j], half h: value 4 h + j of rows i .. i + 3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
+void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, int64_t s_end, P* panel) {
+  const T* w[NC];
+  int seg = 0;
+  for (int64_t c = 0; c < nc; ++c) w[c] = rows.row(r0 + c, seg, K);
+  const auto block = [&](int64_t c0, int64_t s0, auto whole) {  // columns c0.., steps s0.. (8 each)
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = c0 + i < nc ? values8<decltype(whole)::value>(w[c0 + i], s0, K) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int64_t e = 0; e < 8 && s0 + e < s_end; ++e) _mm256_storeu_ps(panel + (s0 - s_begin + e) * NC + c0, r[e]);
+  };
+  const int64_t inside = K / 8 * 8;  // steps in whole blocks of 8
+  for (int64_t s0 = s_begin; s0 < s_end; s0 += 8)  // (s_begin: a multiple of 16)
+    for (int64_t c0 = 0; c0 < NC; c0 += 8) {
+      if (s0 < inside)
+        block(c0, s0, std::true_type{});
+      else
+        block(c0, s0, std::false_type{});
+    }
+}
+#else
+void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, int64_t s_end, P* panel) {
+  int seg = 0;
+  for (int64_t c = 0; c < NC; ++c) {
+    const T* w = c < nc ? rows.row(r0 + c, seg, K) : nullptr;
+    for (int64_t k = s_begin * KU; k < s_end * KU; ++k)
+      panel[((k / KU - s_begin) * NC + c) * KU + k % KU] = w && k < K ? P(to_f32(w[k])) : P{};
+  }
+}
+#endif
+
+// the weight rows of a thread's next panel, fetched into L2 a cache line per step of K while a
+// tile runs on this panel (each tile of the panel takes a share of the rows), so that packing the
+// next panel reads L2, not memory: the weights stream in behind the multiply-adds as they do into
+// a library's GEMM that reads its packed copy
+struct Ahead {
+  const char* p = nullptr;    // the next line to fetch
+  const char* end = nullptr;  // the end of its row
+  const T* const* row = nullptr;  // the share's rows after it
+  int64_t rows = 0, row_bytes = 0;
+  int per_step = 1;  // lines a step (the share's lines over the tile's steps, rounded up)
+  void step() {
+    for (int i = 0; i < per_step; ++i) {
+      if (p >= end) {
+        if (rows == 0) return;
+        p = reinterpret_cast<const char*>(*row++);
+        end = p + row_bytes;
+        --rows;
+      }
+      __builtin_prefetch(p, 0, 2);
+      p += 64;
+    }
+  }
+};
+
+// a block of K's steps as a tile runs it: the steps [s_begin, s_end) of K; whether it is K's first
+// (the sums start from zeros) and its last (the sums go to y; otherwise to the thread's fp32 partial
+// sums, which the next block starts from: the same sums in the same order as one pass over K)
+struct Steps {
+  int64_t s_begin, s_end;
+  bool first, last;
+};
+
+// y[i, j] for i < mr, j < nc (nc <= NC; y's row stride y_st) from the mr rows of x (from K's
+// first value on) over a panel of the block `b` of K; part: the tile's partial sums, [mr][NC]
+template <int mr>
+void tile(const X* x, int64_t x_st, int64_t K, const Steps& b, const P* panel, int64_t nc, float* part, T* y,
+          int64_t y_st, Ahead ahead) {
+  vf acc[mr][NV];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < NV; ++j)
+      acc[i][j] = b.first ? fms_vec::splat<W>(0.0f) : fms_vec::load<W>(part + i * NC + j * W);
+  const int64_t n = b.s_end - b.s_begin;
+  x += b.s_begin * KU;
+#if FMS_VEC_BF16_DP
+  const auto step = [&](const P* w, auto pair) {
+    ahead.step();
+    __m512i bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(w + j * W * 2);
+    for (int i = 0; i < mr; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair(i));
+      for (int j = 0; j < NV; ++j) acc[i][j] = (vf)_mm512_dpbf16_ps((__m512)acc[i][j], xv, (__m512bh)bv[j]);
+    }
+  };
+  const int64_t whole = b.last && K % 2 ? n - 1 : n;  // steps of whole pairs
+  for (int64_t s = 0; s < whole; ++s)
+    step(panel + s * NC * 2, [&](int i) {
+      int32_t u;
+      std::memcpy(&u, x + i * x_st + 2 * s, 4);
+      return u;
+    });
+  if (whole < n)  // the last value of each row, a zero beside it (not the next row's value)
+    step(panel + whole * NC * 2, [&](int i) { return (int32_t)x[i * x_st + 2 * whole].bits; });
+#else
+  for (int64_t k = 0; k < n; ++k) {
+    ahead.step();
+    const P* w = panel + k * NC;
+    vf bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = fms_vec::load<W>(w + j * W);
+    for (int i = 0; i < mr; ++i) {
+      const vf xv = fms_vec::splat<W>(x[i * x_st + k]);
+      for (int j = 0; j < NV; ++j) acc[i][j] += xv * bv[j];
+    }
+  }
+#endif
+  for (int i = 0; i < mr; ++i) {
+    if (!b.last) {
+      for (int j = 0; j < NV; ++j) fms_vec::store<W>(part + i * NC + j * W, acc[i][j]);
+    } else if (nc == NC) {
+      for (int j = 0; j < NV; ++j) fms_vec::store<W>(y + i * y_st + j * W, acc[i][j]);
+    } else {
+      T out[NC];
+      for (int j = 0; j < NV; ++j) fms_vec::store<W>(out + j * W, acc[i][j]);
+      std::memcpy(y + i * y_st, out, nc * sizeof(T));
+    }
+  }
+}
+
+// the last rows of x (fewer than MR): one tile of `left` rows
+template <int mr>
+void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const Steps& b, const P* panel, int64_t nc, float* part,
+          T* y, int64_t y_st, Ahead ahead) {
+  if constexpr (mr > 0) {
+    if (left == mr) return tile<mr>(x, x_st, K, b, panel, nc, part, y, y_st, ahead);
+    rest<mr - 1>(left, x, x_st, K, b, panel, nc, part, y, y_st, ahead);
+  }
+}
+
+#if FMS_VEC_BF16_DP
+// ---- calls of few rows (fewer than PACK_MIN_ROWS), bf16 pairs: no panel, whose packing the rows
+// would not repay; the tile reads both operands where they lie, K contiguous. MR rows of x by NR
+// weight rows: MR x NR accumulators, each a vector of lanes along K, reduced across its lanes once at
+// the end of K (a transpose of sums: fms_vec::reduce_lanes, MR x NR = one register's lanes, so that
+// one reduction gives a tile's outputs); vdpbf16ps on the pairs as stored, masked loads (zeros past
+// K on both sides) for K's last values. The threads take groups of GROUP blocks of NR
+// weight rows; a thread passes x over its group in chunks of rows that fit L2 beside the group's
+// weights, each block's NR rows in L1 while the chunk's rows pass over them MR at a time.
+namespace few {
+
+// the tile: MR rows of x by NR weight rows, MR x NR accumulators, reduced W at a time (W / NR rows
+// of the tile per reduction): 24 of the 32 vector registers (6 x 4: 10 loads a step for 24 products)
+constexpr int MR = 6, NR = 4;
+static_assert(W % NR == 0, "a reduction takes whole rows of a tile");
 // rows of x per chunk: this many bytes of them (L2 holds them beside a group's weight rows)
 constexpr int64_t CHUNK_X_BYTES = int64_t(128) << 10;
 // blocks of NR weight rows a thread takes at a time (32 rows: 40 KB of bf16 weights at K = 640)
@@ -64,14 +355,7 @@ struct Segment {
   const T* w;      // [n, K]
   int64_t n, col;  // rows, first column in y
 };
-
-#if FMS_VEC_BF16_DP
-using X = T;  // x as stored: bf16 pairs
 constexpr int KSTEP = 32;  // bf16 values per vector
-#else
-using X = float;  // x converted once (fms_vec::rows_as)
-constexpr int KSTEP = W;
-#endif
 
 // the tile's outputs y[i, s.col + j0 + j] (i < mr, j < nr) from its accumulators: one reduction,
 // whose lane i NR + j is output (i, j) (accumulator (i, j) goes in at bitrev(i NR + j):
@@ -103,7 +387,6 @@ void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* 
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) acc[i][j] = fms_vec::splat<W>(0.0f);
   const T* w = s.w + j0 * K;
-#if FMS_VEC_BF16_DP
   const auto step = [&](int64_t k, auto load) {
     __m512i wv[nr];
     for (int j = 0; j < nr; ++j) wv[j] = load(w + j * K + k);
@@ -119,25 +402,6 @@ void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* 
     step(kv, [mask](const T* p) { return _mm512_maskz_loadu_epi16(mask, p); });
   }
   finish<mr, nr, false>(acc, [](int, int, float sum) { return sum; }, j0, s, y, y_st);
-#else
-  const int64_t kv = K / KSTEP * KSTEP;
-  for (int64_t k = 0; k < kv; k += KSTEP) {
-    vf wv[nr];
-    for (int j = 0; j < nr; ++j) wv[j] = fms_vec::load<W>(w + j * K + k);
-    for (int i = 0; i < mr; ++i) {
-      const vf xv = fms_vec::load<W>(x + i * x_st + k);
-      for (int j = 0; j < nr; ++j) acc[i][j] += xv * wv[j];
-    }
-  }
-  const auto tail = [&](int i, int j, float sum) {
-    for (int64_t k = kv; k < K; ++k) sum += x[i * x_st + k] * to_f32(w[j * K + k]);
-    return sum;
-  };
-  if (kv < K)
-    finish<mr, nr, true>(acc, tail, j0, s, y, y_st);
-  else
-    finish<mr, nr, false>(acc, tail, j0, s, y, y_st);
-#endif
 }
 
 // the last rows of x (fewer than MR): one tile of `left` rows
@@ -167,38 +431,24 @@ void block(int64_t n, const X* x, int64_t x_st, int64_t M, int64_t K, const Segm
   }
 }
 
-}  // namespace
-
-// The kernel's arguments, passed by pointer: the struct of FMS_PAGED_GEMM_FIELDS
-// (kernels/kernels.h), checked by the operator that calls it (csrc/ops/ops.cpp) against its own
-// layout of the struct when it loads the library.
-extern "C" {
-
-FMS_PAGED_ARGS(FmsGemmArgs, FMS_PAGED_GEMM_FIELDS, fms_paged_gemm_layout)
-
-int fms_paged_gemm(const FmsGemmArgs* args) {
-  const FmsGemmArgs& a = *args;
-  const int64_t M = a.M, K = a.K;
-  std::vector<float> xf;
-  int64_t x_st = a.x_st;
-  const X* x = fms_vec::rows_as<X>(a.x, M, K, x_st, xf);
+void run(const X* x, int64_t x_st, int64_t M, int64_t K, const T* const* weights, const int64_t* rows,
+         int64_t n_weights, T* y, int max_threads) {
   // the blocks of NR weight rows, segment by segment: block b is segment i's rows from
   // (b - first[i]) NR on, for first[i] <= b < first[i + 1]
   std::vector<Segment> segs;
   std::vector<int64_t> first{0};
   int64_t col = 0;
-  for (int i = 0; i < (int)a.n_weights; ++i) {
-    segs.push_back({a.weights[i], a.rows[i], col});
-    first.push_back(first.back() + (a.rows[i] + NR - 1) / NR);
-    col += a.rows[i];
+  for (int i = 0; i < (int)n_weights; ++i) {
+    segs.push_back({weights[i], rows[i], col});
+    first.push_back(first.back() + (rows[i] + NR - 1) / NR);
+    col += rows[i];
   }
   const int64_t nb = first.back();
   const int64_t chunk = std::max<int64_t>(MR, CHUNK_X_BYTES / (K * (int64_t)sizeof(X)) / MR * MR);
   const int64_t n_groups = (nb + GROUP - 1) / GROUP;
   const int64_t by_work = std::max<int64_t>(1, M * col * K / GRAIN);
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, n_groups, by_work}));
-  T* y = a.y;
-  // groups of GROUP blocks handed out one at a time (one barrier, at the end: a thread the OS
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)max_threads, n_groups, by_work}));
+    // groups of GROUP blocks handed out one at a time (one barrier, at the end: a thread the OS
   // deschedules holds up no other); within a group, x a chunk of rows at a time, the group's blocks
   // over each chunk
 #pragma omp parallel for num_threads(threads) schedule(dynamic)
@@ -216,6 +466,104 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
       }
     }
   }
+}
+
+}  // namespace few
+#endif  // FMS_VEC_BF16_DP
+
+// this thread's panel of at least `bytes`, 64-byte aligned (whole cache lines): kept from call to
+// call (the OpenMP threads persist), so that a call neither maps nor faults in fresh pages; it
+// grows to the largest K the thread has seen (K x NC x 4 bytes: 160 KB at K = 640); nullptr where
+// memory runs out
+template <int which>  // 0: the panel, 1: the partial sums
+void* thread_buffer(size_t bytes) {
+  thread_local std::unique_ptr<void, decltype(&std::free)> buf(nullptr, &std::free);
+  thread_local size_t size = 0;
+  if (size < bytes) {
+    size = (bytes + 4095) / 4096 * 4096;
+    buf.reset(std::aligned_alloc(64, size));
+    if (!buf) size = 0;
+  }
+  return buf.get();
+}
+
+}  // namespace
+
+// The kernel's arguments, passed by pointer: the struct of FMS_PAGED_GEMM_FIELDS
+// (kernels/kernels.h), checked by the operator that calls it (csrc/ops/ops.cpp) against its own
+// layout of the struct when it loads the library.
+extern "C" {
+
+FMS_PAGED_ARGS(FmsGemmArgs, FMS_PAGED_GEMM_FIELDS, fms_paged_gemm_layout)
+
+int fms_paged_gemm(const FmsGemmArgs* args) {
+  const FmsGemmArgs& a = *args;
+  const int64_t M = a.M, K = a.K;
+  std::vector<float> xf;
+  int64_t x_st = a.x_st;
+  const X* x = fms_vec::rows_as<X>(a.x, M, K, x_st, xf);
+#if FMS_VEC_BF16_DP
+  if (M < PACK_MIN_ROWS) {
+    few::run(x, x_st, M, K, a.weights, a.rows, a.n_weights, a.y, a.threads);
+    return 0;
+  }
+#endif
+  std::vector<int64_t> first{0};
+  for (int i = 0; i < (int)a.n_weights; ++i) first.push_back(first.back() + a.rows[i]);
+  const Rows rows{a.weights, first.data(), (int)a.n_weights};
+  const int64_t N = first.back();
+  const int64_t panels = (N + NC - 1) / NC;
+  const int64_t by_work = std::max<int64_t>(1, M * N * K / GRAIN);
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, panels, by_work}));
+  // K in blocks of at most KC_MAX steps (equal, whole multiples of 16), a panel of each at a time
+  const int64_t steps = steps_of(K), at_most = (steps + KC_MAX - 1) / KC_MAX;
+  const int64_t kc = ((steps + at_most - 1) / at_most + 15) / 16 * 16, blocks = (steps + kc - 1) / kc;
+  const size_t panel_bytes = (size_t)kc * KU * NC * sizeof(P), part_bytes = (size_t)M * NC * sizeof(float);
+  T* y = a.y;
+  // panels claimed one at a time (dynamic: a shared machine serves the threads unevenly; no
+  // barrier but the last), each thread holding its next claim while it works on a panel so that it
+  // knows which weight rows to fetch ahead
+  std::atomic<int64_t> claims{0};
+  std::atomic<bool> out_of_memory{false};
+  const int64_t tiles = (M + MR - 1) / MR;
+#pragma omp parallel num_threads(threads)
+  {
+    P* panel = static_cast<P*>(thread_buffer<0>(panel_bytes));
+    float* part = blocks > 1 ? static_cast<float*>(thread_buffer<1>(part_bytes)) : nullptr;
+    if (!panel || (blocks > 1 && !part)) {  // (no exception may leave the parallel region: thrown after it)
+      out_of_memory = true;
+      claims = panels;
+    }
+    const T* next_rows[NC];
+    for (int64_t p = out_of_memory ? panels : claims.fetch_add(1); p < panels;) {
+      const int64_t q = claims.fetch_add(1);  // the next panel
+      const int64_t r0 = p * NC, nc = std::min<int64_t>(NC, N - r0);
+      for (int64_t kb = 0; kb < blocks; ++kb) {
+        const Steps b{kb * kc, std::min(steps, (kb + 1) * kc), kb == 0, kb == blocks - 1};
+        // the next block's rows: this panel's next block, else the next panel's first
+        const int64_t nr0 = kb + 1 < blocks ? r0 : q * NC;
+        const int64_t nn = kb + 1 < blocks ? nc : q < panels ? std::min<int64_t>(NC, N - nr0) : 0;
+        const int64_t nk0 = (kb + 1 < blocks ? b.s_end : 0) * KU;
+        const int64_t row_bytes = (std::min(K, nk0 + kc * KU) - nk0) * (int64_t)sizeof(T);
+        int seg = 0;
+        for (int64_t c = 0; c < nn; ++c) next_rows[c] = rows.row(nr0 + c, seg, K) + nk0;
+        pack(rows, r0, nc, K, b.s_begin, b.s_end, panel);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = t * MR, c0 = t * nn / tiles, c1 = (t + 1) * nn / tiles;
+          const int64_t lines = (c1 - c0) * ((row_bytes + 63) / 64), n = b.s_end - b.s_begin;
+          const int per_step = (int)std::min<int64_t>(4, (lines + n - 1) / n);
+          const Ahead ahead{nullptr, nullptr, next_rows + c0, c1 - c0, row_bytes, per_step};
+          float* tpart = part ? part + m * NC : nullptr;
+          if (m + MR <= M)
+            tile<MR>(x + m * x_st, x_st, K, b, panel, nc, tpart, y + m * N + r0, N, ahead);
+          else
+            rest<MR - 1>(M - m, x + m * x_st, x_st, K, b, panel, nc, tpart, y + m * N + r0, N, ahead);
+        }
+      }
+      p = q;
+    }
+  }
+  if (out_of_memory) throw std::bad_alloc();
   return 0;
 }
 
