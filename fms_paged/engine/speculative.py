@@ -31,6 +31,12 @@ How a step runs, piece by piece:
   no earlier match proposes nothing and decodes as usual. A seeded request weighs k by the prior
   costs (`PRIOR_VERIFY_COST`), not the timed ones: its proposals, and so its tokens, do not depend
   on the machine's timing.
+- Inside the lookahead call (prompt lookup, where the runner runs greedy decode steps in one call):
+  a plan whose rows all decode greedily with nothing waiting takes lookahead steps instead of
+  verifies between steps (`Scheduler.lookahead`), and `lookup_plan` gives each row its cap on
+  proposals a step (the same choice of k, against the costs of the call's own steps, which carry
+  no host work: `lookup_cost`) and its tokens; `Kernel.decode_lookup` proposes, verifies and keeps
+  inside the call, and `observe_lookup` takes back its acceptance and step timings.
 """
 
 from __future__ import annotations
