@@ -1,8 +1,9 @@
 """`make bench-spec`: speculative decoding by prompt lookup against plain decoding, one stream on
 the engine (the default model unless --model-path), output tokens per second of each workload with
-speculation off (the engine's defaults, whose greedy requests take lookahead decode steps; and a
-token a step, decode_steps=1) and on, measured alternately in the same process (median of
---repeats runs each), with the acceptance rate and the mean accepted proposals per verify.
+speculation off (the engine's defaults, whose greedy requests take lookahead decode steps; a
+token a step, decode_steps=1; and, for prompt lookup, lookahead calls as long as speculation's may
+be, what those alone give) and on, measured alternately in the same process (median of --repeats
+runs each), with the acceptance rate and the mean accepted proposals per verify.
 
 Workloads (greedy unless said):
 - "copy": a passage of code twice, then its first line (input-grounded, as quoting or
@@ -44,6 +45,7 @@ import torch
 from fms_paged import Engine, SamplingParams, generate, get_model, load_tokenizer
 from fms_paged.bench.environment import environment_info
 from fms_paged.bench.report import table
+from fms_paged.engine.engine import AUTO_DECODE_STEPS
 from fms_paged.models import default_model_path
 
 PASSAGE = '''def parse_header(line):
@@ -136,10 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"method": "draft_model", "model": draft_model(args.draft, model),
                 "num_speculative_tokens": args.num_speculative_tokens}
     # off: the engine's defaults (greedy requests take lookahead decode steps, `decode_steps="auto"`);
-    # "one": a token a step (decode_steps=1); on: speculation, with the same defaults otherwise
+    # "one": a token a step (decode_steps=1); on: speculation, with the same defaults otherwise;
+    # "long" (prompt lookup): lookahead calls of as many steps as speculation's calls may hold
+    # (`decode_steps="auto"` with prompt lookup: AUTO_DECODE_STEPS forwards' tokens), without it:
+    # what the longer calls alone give
     opts = dict(max_num_seqs=1, max_num_batched_tokens=1024, num_pages=256)
     engines = {False: Engine(model, **opts), "one": Engine(model, decode_steps=1, **opts),
                True: Engine(model, speculative=spec, **opts)}
+    if args.draft is None:
+        engines["long"] = Engine(model, decode_steps=AUTO_DECODE_STEPS * (1 + args.num_speculative_tokens),
+                                 **opts)
     rows = []
     for name, (prompt, temperature) in workloads(model, tok).items():
         for eng in engines.values():  # warm: a first run of each
@@ -163,10 +171,12 @@ def main(argv: list[str] | None = None) -> int:
             "off_tok_s": args.new_tokens / off, "on_tok_s": args.new_tokens / on, "speedup": off / on,
             "median_speedup": moff / mon, "cpu_speedup": min(cpu[False]) / min(cpu[True]),
             "one_tok_s": args.new_tokens / min(secs["one"]), "speedup_vs_one": min(secs["one"]) / on,
+            **({"long_tok_s": args.new_tokens / min(secs["long"]), "speedup_vs_long": min(secs["long"]) / on}
+               if "long" in secs else {}),
             "acceptance_rate": m["spec_acceptance_rate"], "mean_accepted": m["spec_mean_accepted_length"],
             "mean_proposed": m["spec_proposed_tokens"] / m["spec_verifies"] if m["spec_verifies"] else None,
             "verifies_per_token": m["spec_verifies"] / (args.repeats * args.new_tokens),
-            "same_tokens": outs[False] == outs[True] == outs["one"] if temperature == 0 else None,
+            "same_tokens": all(o == outs[False] for o in outs.values()) if temperature == 0 else None,
             "sample": tok.decode(outs[True][:60]),
         })
         if draft is not None:  # (host ms: one proposal of k tokens; the target's decode, per token)
@@ -184,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             ("acceptance rate", "acceptance_rate", ".2f"), ("proposed / verify", "mean_proposed", ".2f"),
             ("accepted / verify", "mean_accepted", ".2f"),
             ("verifies / token", "verifies_per_token", ".2f"), ("same tokens", "same_tokens", "")]
+    if args.draft is None:
+        cols[8:8] = [("long-call tok/s", "long_tok_s", ".0f"),
+                     ("speed-up vs long calls", "speedup_vs_long", ".2f")]
     if args.draft is not None:
         cols[-1:-1] = [("draft ms / proposal", "draft_ms", ".2f"),
                        ("target ms / token (off)", "target_ms", ".2f")]

@@ -192,18 +192,22 @@ class Scheduler:
         """Extend a plan whose rows all decode greedily (no log-probabilities, no grammar), with no
         request waiting, to up to `steps` decode steps in one forward (vLLM's multi-step
         scheduling): no request past its `max_new_tokens`, each its share of the token budget,
-        the pages for them RESERVEd now where the pool has them (else one step). -> the steps
-        planned (`plan.steps`). `update` keeps each request's tokens up to its stop."""
+        the pages for them RESERVEd now where the pool has them (else half as many steps, down to
+        one). -> the steps planned (`plan.steps`). `update` keeps each request's tokens up to its
+        stop."""
         reqs = plan.decodes
         if not self._lookahead_ready(plan, reqs):  # (forks: prefills)
             return plan.steps
         k = min([steps, self.max_num_batched_tokens // len(reqs)]
                 + [r.params.max_new_tokens - len(r.output) for r in reqs])
+        ids = [r.seq_id for r in reqs]
+        while k > 1:
+            lengths = [r.num_computed + k for r in reqs]
+            need = sum(self.pm.pages_needed(s, n) for s, n in zip(ids, lengths))
+            if need <= self.available_pages():
+                break
+            k //= 2
         if k <= 1:
-            return plan.steps
-        ids, lengths = [r.seq_id for r in reqs], [r.num_computed + k for r in reqs]
-        need = sum(self.pm.pages_needed(s, n) for s, n in zip(ids, lengths))
-        if need > self.available_pages():
             return plan.steps
         if need > self.pm.num_free_pages:
             self.cache.evict(need - self.pm.num_free_pages)
