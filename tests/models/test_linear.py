@@ -54,6 +54,23 @@ def test_gemv_in_half_precision(dtype, rows, isa, monkeypatch):
     assert_rounded_from(got, torch.cat([x.double() @ w.double().T for w in ws], -1))
 
 
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemv_row_bits_do_not_depend_on_the_calls_rows(dtype, isa, monkeypatch):
+    """A row's GEMV output is the same bits whether its call has 1 or up to GEMV_MAX_ROWS rows, at
+    any place among them (its register tile's shape changes, not the order of its sums), on each
+    build: a speculative verify's rows compute what decoding each alone does. K = 250 leaves a
+    tail past whole vectors."""
+    monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(L.GEMV_MAX_ROWS, 250, generator=g).to(dtype)
+    ws = [(torch.randn(n, 250, generator=g) / 16).to(dtype) for n in (96, 33, 7)]
+    alone = torch.cat([L.gemv(x[r : r + 1], ws) for r in range(len(x))])
+    for m in range(2, len(x) + 1):
+        for start in (0, len(x) - m):
+            assert torch.equal(L.gemv(x[start : start + m], ws), alone[start : start + m]), (m, start)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gemv_bits_do_not_depend_on_the_threads(dtype, rows):
