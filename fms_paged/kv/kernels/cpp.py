@@ -198,13 +198,7 @@ class CppKernel(Kernel):
         pages RESERVEd in `view`'s page table for the steps' positions -> the tokens [B, steps];
         each step is `CppStep.forward_model`'s one call and the sampler's argmax. None where the
         forward is not one call (`decodes_in_one_call`)."""
-        if not self.decodes_in_one_call(model, view):
-            return None
-        # (the steps' positions: positions[b] .. positions[b] + steps - 1)
-        cos, sin = model.rope_tables(int(positions.max()) + steps if positions.numel() else 0)
-        return torch.ops.fms_paged.decode_greedy(
-            model.logits_stack(), tokens, positions, seqs, cos, sin, view.k_pools, view.v_pools,
-            view.page_table, view.page_size, steps, *scale_lists(view))
+        return self._steps(torch.ops.fms_paged.decode_greedy, model, tokens, positions, seqs, view, steps)
 
     def decode_lookup(self, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
                       view: PoolView, steps: int, history: torch.Tensor, offsets: torch.Tensor,
@@ -216,13 +210,19 @@ class CppKernel(Kernel):
         step's rows at most max_rows -> (tokens [B, steps], per row [verifying steps, proposed,
         kept, rejecting steps], per step [rows, rows with proposals, seconds]). None where the
         forward is not one call (`decodes_in_one_call`)."""
+        return self._steps(torch.ops.fms_paged.decode_lookup, model, tokens, positions, seqs, view, steps,
+                           history, offsets, caps, n_max, n_min, max_rows)
+
+    def _steps(self, op, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
+               view: PoolView, steps: int, *extra):
+        """`op` (decode_greedy, decode_lookup) over the model's stack, its RoPE tables grown for the
+        steps' positions (positions[b] .. positions[b] + steps - 1) and `view`'s pools, page table
+        and scales, `extra` after its steps -> its result; None where the forward is not one call."""
         if not self.decodes_in_one_call(model, view):
             return None
         cos, sin = model.rope_tables(int(positions.max()) + steps if positions.numel() else 0)
-        return torch.ops.fms_paged.decode_lookup(
-            model.logits_stack(), tokens, positions, seqs, cos, sin, view.k_pools, view.v_pools,
-            view.page_table, view.page_size, steps, history, offsets, caps, n_max, n_min, max_rows,
-            *scale_lists(view))
+        return op(model.logits_stack(), tokens, positions, seqs, cos, sin, view.k_pools, view.v_pools,
+                  view.page_table, view.page_size, steps, *extra, *scale_lists(view))
 
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, CppStep]:
         counts, T = batch.counts, batch.tokens.shape[1]
