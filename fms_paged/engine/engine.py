@@ -433,7 +433,9 @@ class Engine:
         seconds = time.perf_counter() - t0
         if self.speculator is not None and plan.lookup is None:  # (its proposal lengths weigh a row's
             self.speculator.timed(plan, seconds)  # cost; a lookahead call's proposals time themselves)
-        if self._decode_steps == "auto" and plan.decodes and not (plan.prefills or plan.verifies):
+        if self._decode_steps == "auto" and (plan.decodes or plan.verifies) and not plan.prefills:
+            # (a step that verifies between steps counts as one: with speculation on, every step
+            # may verify, and the lookahead calls, where prompt lookup verifies inside, must start)
             self._auto_steps(seconds / plan.steps)
         return outputs
 
