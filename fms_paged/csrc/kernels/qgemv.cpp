@@ -34,8 +34,12 @@
 //
 // Register tiles of MR rows of x by NR weight rows: a weight block is decoded once for MR rows,
 // and a tile's fp32 accumulators are vectors (cvt and FMA per block, one horizontal sum per tile).
+// Decode calls of up to 8 rows (AVX-512 VNNI; Q4_0, Q4_K, and Q8_0 / Q6_K from 2 / 3 rows) read 16
+// weight rows at a time instead, transposed in registers so that each 32-bit lane is one weight row
+// (cols16, cols16_k below). Calls of more rows (prefill) dequantize bf16 tiles where the CPU has
+// AVX512_BF16 (FMS_QTILES below).
 // Threads split the weight rows (all segments of one call: q/k/v side by side in y) into
-// contiguous shares; a prefill's rows of x are reused from L2 for each weight row pair.
+// contiguous shares of rows; a prefill's rows of x are reused from L2 for each weight row pair.
 #include <omp.h>
 
 #include "args.h"
@@ -47,7 +51,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -362,7 +365,8 @@ void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR
     for (int j = 0; j < nr; ++j) out[i][j] = hsum512(acc[i][j]);
 }
 
-// Decode calls of a few rows of x (GROUP_ROWS at most) over Q4_0 / Q8_0: 16 weight rows at a time,
+// Decode calls of a few rows of x (GROUP_ROWS at most) over Q4_0 / Q8_0 (the K-quants: cols16_k
+// below): 16 weight rows at a time,
 // transposed in registers so that each 32-bit lane is one weight row. Four bytes k .. k + 3 of
 // 16 rows' blocks then meet x's bytes k .. k + 3 broadcast to every lane: one vpdpbusd adds 4
 // products to each of the 16 rows' sums, and each block ends in one int32 -> fp32 conversion and
@@ -373,10 +377,11 @@ void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR
 // - Q4_0: the quants q (unsigned, [0, 15]) times x's quants (signed), the sums starting at
 //   -8 sum qx (XQ::o8): sum (q - 8) qx;
 // - Q8_0: x + 128 (unsigned: XQ::qu) times w (signed), the sums starting at -128 sum w: sum qx w.
-// A group's rows lie one after another (16 row_bytes); a group of fewer rows (a weight's last)
+// The 16 rows are 16 streams, which the hardware prefetcher did not keep up with: the next 16 rows
+// (one contiguous run) are prefetched into L2 in order, a sixteenth of them per block (into L1 they
+// evicted the rows being read). A group's rows lie one after another (16 row_bytes); a group of fewer rows (a weight's last)
 // reads its last row again in the lanes past it and stores only its own.
 constexpr int64_t GROUP_ROWS = 8;  // rows of x, at most, that take cols16
-constexpr bool group_type(int type) { return type == kQ4_0 || type == kQ8_0 || type == kQ4_K || type == kQ6_K; }
 
 // dwords of four 128-bit lanes (a, b, c, d) transposed within each lane: lane l's dword k of
 // input t becomes lane l's dword t of output k
@@ -850,8 +855,9 @@ void block(int64_t n, const XQ& xq, int64_t M, const uint8_t* w, int64_t row_byt
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// Calls of M >= TILE_ROWS rows of x (prefill; 4 or more decode rows: 1.2-1.4x faster than the int8
-// path at four streams, 2.1x slower at one row) where the CPU multiplies bf16 pairs (vdpbf16ps): a weight row
+// Calls of M >= TILE_ROWS rows of x that cols16 does not take (prefill; 4-8 decode rows of Q5_0 /
+// Q5_K: the int8 path a row pair at a time was 2.1x faster at one row, slower at four) where the CPU
+// multiplies bf16 pairs (vdpbf16ps): a weight row
 // pair at a time is dequantized into bf16 (d q, rounded to nearest even: 2^-9 of each weight at
 // most) in a buffer of the thread's, then dotted with every row of x in bf16 (x itself for a bf16
 // model, else rounded once: 2^-9 of each value), fp32 sums: one instruction per 32 products of a row
@@ -1011,10 +1017,9 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   // it was the faster (single thread, a weight of 11264 x 2048 from memory: Q4_0 and Q4_K at one
   // row 0.75 / 0.67 ms against 1.33 / 1.29 ms; Q8_0 from two rows, Q6_K from three, where a row at
   // a time (tile, tile_sub) reads fewer bytes a weight's value with fewer instructions)
-  [[maybe_unused]] const bool no_group = getenv("FMS_NOGROUP") != nullptr;
   auto grouped_at = [&](int type) {
 #ifdef FMS_Q512
-    if (M > GROUP_ROWS || no_group) return false;
+    if (M > GROUP_ROWS) return false;
     return type == kQ4_0 || type == kQ4_K || (type == kQ8_0 && M >= 2) || (type == kQ6_K && M >= 3);
 #else
     (void)type;
