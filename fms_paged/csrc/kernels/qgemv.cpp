@@ -550,46 +550,44 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
           _mm512_store_ps(A[g], _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)));
         }
       }
-      for (int h = 0; h < 2; ++h) {  // values 128 h ..: sub-blocks 4 h + rr
-        __m512i qa[8], qb[8], qc[8];  // ql bytes 64 h + i, 64 h + 32 + i, qh bytes 32 h + i (dword i / 4)
-        for (int part = 0; part < 3; ++part) {
-          __m512i* dst = part == 0 ? qa : part == 1 ? qb : qc;
-          for (int hh = 0; hh < 2; ++hh) {
+      const __m512i top2 = _mm512_set1_epi8(0x30);
+      // values 128 h ..: sub-blocks 4 h + rr; per 16 of their values (hh: bytes 16 hh .. of each part,
+      // one scale each), ql bytes 64 h + 16 hh (qa; sub-blocks rr 0, 2) and 64 h + 32 + 16 hh (qb; 1,
+      // 3), qh bytes 32 h + 16 hh (qc), each as 4 registers of 4 bytes a row
+      for (int h = 0; h < 2; ++h)
+        for (int hh = 0; hh < 2; ++hh) {
+          __m512i qa[4], qb[4], qc[4];
+          for (int part = 0; part < 3; ++part) {
+            __m512i* dst = part == 0 ? qa : part == 1 ? qb : qc;
             const int64_t o = off + (part == 2 ? 128 + 32 * h : 64 * h + 32 * part) + 16 * hh;
-            __m512i z0 = load4(p, 0, o), z1 = load4(p, 1, o), z2 = load4(p, 2, o), z3 = load4(p, 3, o);
-            transpose4(z0, z1, z2, z3);
-            dst[4 * hh] = z0, dst[4 * hh + 1] = z1, dst[4 * hh + 2] = z2, dst[4 * hh + 3] = z3;
+            dst[0] = load4(p, 0, o), dst[1] = load4(p, 1, o), dst[2] = load4(p, 2, o), dst[3] = load4(p, 3, o);
+            transpose4(dst[0], dst[1], dst[2], dst[3]);
           }
-        }
-        const __m512i top2 = _mm512_set1_epi8(0x30);
-        for (int rr = 0; rr < 4; ++rr) {
-          __m512i u[8];  // sub-block 4 h + rr: low 4 bits of ql (A: rr 0, 2; B: 1, 3; high nibble for rr >= 2), bits 2 rr of qh
-          for (int k = 0; k < 8; ++k) {
-            const __m512i l = rr % 2 ? qb[k] : qa[k];
-            const __m512i lo4 = rr >= 2 ? _mm512_srli_epi16(l, 4) : l;
-            const int sh = 2 * rr;  // qh's bits sh, sh + 1 to bits 4, 5
-            const __m512i hb = sh < 4 ? _mm512_slli_epi16(qc[k], 4 - sh) : sh == 4 ? qc[k] : _mm512_srli_epi16(qc[k], sh - 4);
-            u[k] = _mm512_ternarylogic_epi32(lo4, m4, _mm512_and_si512(hb, top2), 0xEA);  // (lo4 & m4) | hb
-          }
-          const int j = 4 * h + rr;
-          const int64_t b = sb * 8 + j;
-          for (int i = 0; i < mr; ++i) {
-            const int64_t r = m0 + i;
-            const int32_t* xv = reinterpret_cast<const int32_t*>(xq.q.data() + r * K + b * QK);
-            const int32_t* o32 = xq.o32.data() + (r * nb2 + b) * 2;
-            const __m512 dx = _mm512_set1_ps(xq.d[r * nb2 + b]);
-            for (int k2 = 0; k2 < 2; ++k2) {  // values 16 k2 .. of the sub-block: scale 2 j + k2
-              __m512i s0 = _mm512_set1_epi32(o32[k2]), s1 = _mm512_setzero_si512();
-              s0 = _mm512_dpbusd_epi32(s0, u[4 * k2], _mm512_set1_epi32(xv[4 * k2]));
-              s1 = _mm512_dpbusd_epi32(s1, u[4 * k2 + 1], _mm512_set1_epi32(xv[4 * k2 + 1]));
-              s0 = _mm512_dpbusd_epi32(s0, u[4 * k2 + 2], _mm512_set1_epi32(xv[4 * k2 + 2]));
-              s1 = _mm512_dpbusd_epi32(s1, u[4 * k2 + 3], _mm512_set1_epi32(xv[4 * k2 + 3]));
+          for (int rr = 0; rr < 4; ++rr) {
+            __m512i u[4];  // low 4 bits of ql (high nibble for rr >= 2), bits 2 rr, 2 rr + 1 of qh
+            for (int k = 0; k < 4; ++k) {
+              const __m512i l = rr % 2 ? qb[k] : qa[k];
+              const __m512i lo4 = rr >= 2 ? _mm512_srli_epi16(l, 4) : l;
+              const int sh = 2 * rr;  // qh's bits sh, sh + 1 to bits 4, 5
+              const __m512i hb = sh < 4 ? _mm512_slli_epi16(qc[k], 4 - sh) : sh == 4 ? qc[k] : _mm512_srli_epi16(qc[k], sh - 4);
+              u[k] = _mm512_ternarylogic_epi32(lo4, m4, _mm512_and_si512(hb, top2), 0xEA);  // (lo4 & m4) | hb
+            }
+            const int j = 4 * h + rr;
+            const int64_t b = sb * 8 + j;
+            const __m512 a = _mm512_load_ps(A[2 * j + hh]);
+            for (int i = 0; i < mr; ++i) {
+              const int64_t r = m0 + i;
+              const int32_t* xv = reinterpret_cast<const int32_t*>(xq.q.data() + r * K + b * QK) + 4 * hh;
+              __m512i s0 = _mm512_set1_epi32(xq.o32[(r * nb2 + b) * 2 + hh]), s1 = _mm512_setzero_si512();
+              s0 = _mm512_dpbusd_epi32(s0, u[0], _mm512_set1_epi32(xv[0]));
+              s1 = _mm512_dpbusd_epi32(s1, u[1], _mm512_set1_epi32(xv[1]));
+              s0 = _mm512_dpbusd_epi32(s0, u[2], _mm512_set1_epi32(xv[2]));
+              s1 = _mm512_dpbusd_epi32(s1, u[3], _mm512_set1_epi32(xv[3]));
               acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
-                                       _mm512_mul_ps(_mm512_load_ps(A[2 * j + k2]), dx), acc[i]);
+                                       _mm512_mul_ps(a, _mm512_set1_ps(xq.d[r * nb2 + b])), acc[i]);
             }
           }
         }
-      }
     }
   }
   for (int i = 0; i < mr; ++i) {
