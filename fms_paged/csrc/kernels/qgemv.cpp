@@ -381,7 +381,13 @@ void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR
 // (one contiguous run) are prefetched into L2 in order, a sixteenth of them per block (into L1 they
 // evicted the rows being read). A group's rows lie one after another (16 row_bytes); a group of fewer rows (a weight's last)
 // reads its last row again in the lanes past it and stores only its own.
-constexpr int64_t GROUP_ROWS = 8;  // rows of x, at most, that take cols16
+constexpr int64_t GROUP_ROWS = 8;  // rows of x a cols16 call takes, at most
+// Calls of up to INT8_ROWS rows take cols16 (GROUP_ROWS at a time), more rows the bf16 tiles, which
+// keep prefill's activations in bf16 (perplexity within 0.01% of the dequantized model's, where int8
+// activations cost 0.27-0.42%: docs/benchmarks.md). cols16 would be the faster for prefill too (64
+// rows of an 11264 x 2048 weight, single thread: Q4_0 11.6 against 23.7 ms, Q4_K 12.4 / 23.9, Q6_K
+// 16.1 / 25.5; a 1.1B Q4_K_M model's 512-token prefill 2.4 against 3.8 s, two threads).
+constexpr int64_t INT8_ROWS = GROUP_ROWS;
 
 // dwords of four 128-bit lanes (a, b, c, d) transposed within each lane: lane l's dword k of
 // input t becomes lane l's dword t of output k
@@ -596,7 +602,6 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
     for (int64_t j = 0; j < n; ++j) y[(m0 + i) * y_st + j] = fms_vec::from_f32<T>(o[j]);
   }
 }
-// rows 0 .. M (M <= GROUP_ROWS) of x against one group
 template <int type, int mr>
 void cols(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
   if constexpr (type == kQ4_0 || type == kQ8_0)
@@ -604,17 +609,21 @@ void cols(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t
   else
     cols16_k<type, mr>(xq, m0, w, row_bytes, n, y, y_st);
 }
+// rows 0 .. M of x against one group, GROUP_ROWS rows at a time (the group's bytes read from memory
+// once, then from the caches)
 template <int type>
 void group(const XQ& xq, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
-  switch (M) {
-    case 1: return cols<type, 1>(xq, 0, w, row_bytes, n, y, y_st);
-    case 2: return cols<type, 2>(xq, 0, w, row_bytes, n, y, y_st);
-    case 3: return cols<type, 3>(xq, 0, w, row_bytes, n, y, y_st);
-    case 4: return cols<type, 4>(xq, 0, w, row_bytes, n, y, y_st);
-    case 5: return cols<type, 5>(xq, 0, w, row_bytes, n, y, y_st);
-    case 6: return cols<type, 6>(xq, 0, w, row_bytes, n, y, y_st);
-    case 7: return cols<type, 7>(xq, 0, w, row_bytes, n, y, y_st);
-    default: return cols<type, 8>(xq, 0, w, row_bytes, n, y, y_st);
+  for (int64_t m0 = 0; m0 < M; m0 += GROUP_ROWS) {
+    switch (std::min<int64_t>(M - m0, GROUP_ROWS)) {
+      case 1: cols<type, 1>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 2: cols<type, 2>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 3: cols<type, 3>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 4: cols<type, 4>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 5: cols<type, 5>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 6: cols<type, 6>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 7: cols<type, 7>(xq, m0, w, row_bytes, n, y, y_st); break;
+      default: cols<type, 8>(xq, m0, w, row_bytes, n, y, y_st); break;
+    }
   }
 }
 #elif defined(__AVX2__)
@@ -1017,7 +1026,7 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   // a time (tile, tile_sub) reads fewer bytes a weight's value with fewer instructions)
   auto grouped_at = [&](int type) {
 #ifdef FMS_Q512
-    if (M > GROUP_ROWS) return false;
+    if (M > INT8_ROWS) return false;
     return type == kQ4_0 || type == kQ4_K || (type == kQ8_0 && M >= 2) || (type == kQ6_K && M >= 3);
 #else
     (void)type;
