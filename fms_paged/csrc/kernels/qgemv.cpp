@@ -366,11 +366,11 @@ void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR
 }
 
 // Decode calls of a few rows of x (GROUP_ROWS at most) over Q4_0 / Q8_0 (the K-quants: cols16_k
-// below): 16 weight rows at a time,
-// transposed in registers so that each 32-bit lane is one weight row. Four bytes k .. k + 3 of
+// below): 16 weight rows at a time, transposed in registers so that each 32-bit lane is one weight
+// row. Four bytes k .. k + 3 of
 // 16 rows' blocks then meet x's bytes k .. k + 3 broadcast to every lane: one vpdpbusd adds 4
 // products to each of the 16 rows' sums, and each block ends in one int32 -> fp32 conversion and
-// one FMA for 16 weight rows (the rows' scales dw gathered into a vector, times x's dx), where
+// one FMA for 16 weight rows (the rows' scales dw loaded into one vector, times x's dx), where
 // tile() spends a conversion and two multiplies per weight row and block pair. The weights'
 // nibbles are unpacked once for all rows of x. Each output's sums are exact integers per block,
 // as tile()'s; only the order of the fp32 sums over blocks differs (block by block here).
@@ -379,8 +379,8 @@ void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR
 // - Q8_0: x + 128 (unsigned: XQ::qu) times w (signed), the sums starting at -128 sum w: sum qx w.
 // The 16 rows are 16 streams, which the hardware prefetcher did not keep up with: the next 16 rows
 // (one contiguous run) are prefetched into L2 in order, a sixteenth of them per block (into L1 they
-// evicted the rows being read). A group's rows lie one after another (16 row_bytes); a group of fewer rows (a weight's last)
-// reads its last row again in the lanes past it and stores only its own.
+// evicted the rows being read). A group's rows lie one after another (16 row_bytes); a group of
+// fewer rows (a weight's last) reads its last row again in the lanes past it and stores only its own.
 constexpr int64_t GROUP_ROWS = 8;  // rows of x a cols16 call takes, at most
 // Calls of up to INT8_ROWS rows take cols16 (GROUP_ROWS at a time), more rows the bf16 tiles, which
 // keep prefill's activations in bf16 (perplexity within 0.01% of the dequantized model's, where int8
@@ -420,22 +420,25 @@ void cols16(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64
   const uint8_t* next = w + NG * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t off = b * bb;
-    for (int64_t o = b * NG * bb; o < (b + 1) * NG * bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+    for (int64_t o = b * NG * bb; o < (b + 1) * NG * bb; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
     // the 16 rows' scales (scalar loads: the integer pipes are otherwise idle)
     alignas(32) uint16_t dh[NG];
     for (int r = 0; r < NG; ++r) std::memcpy(&dh[r], p[r] + off, 2);
     const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
     __m512i v[8];  // v[k]: bytes 4 k .. 4 k + 3 of the block's values (32-bit lane r: row r)
     if constexpr (type == kQ4_0) {
-      __m512i z0 = load4(p, 0, off + 2), z1 = load4(p, 1, off + 2), z2 = load4(p, 2, off + 2), z3 = load4(p, 3, off + 2);
+      __m512i z0 = load4(p, 0, off + 2), z1 = load4(p, 1, off + 2), z2 = load4(p, 2, off + 2),
+              z3 = load4(p, 3, off + 2);
       transpose4(z0, z1, z2, z3);
       const __m512i m4 = _mm512_set1_epi8(0x0f);
       const __m512i z[4] = {z0, z1, z2, z3};
-      for (int k = 0; k < 4; ++k) v[k] = _mm512_and_si512(z[k], m4), v[k + 4] = _mm512_and_si512(_mm512_srli_epi16(z[k], 4), m4);
+      for (int k = 0; k < 4; ++k)
+        v[k] = _mm512_and_si512(z[k], m4), v[k + 4] = _mm512_and_si512(_mm512_srli_epi16(z[k], 4), m4);
     } else {
       for (int h = 0; h < 2; ++h) {
-        __m512i z0 = load4(p, 0, off + 2 + 16 * h), z1 = load4(p, 1, off + 2 + 16 * h), z2 = load4(p, 2, off + 2 + 16 * h),
-                z3 = load4(p, 3, off + 2 + 16 * h);
+        const int64_t o = off + 2 + 16 * h;
+        __m512i z0 = load4(p, 0, o), z1 = load4(p, 1, o), z2 = load4(p, 2, o), z3 = load4(p, 3, o);
         transpose4(z0, z1, z2, z3);
         v[4 * h] = z0, v[4 * h + 1] = z1, v[4 * h + 2] = z2, v[4 * h + 3] = z3;
       }
@@ -449,7 +452,8 @@ void cols16(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64
     }
     for (int i = 0; i < mr; ++i) {
       const int64_t r = m0 + i;
-      const int32_t* xv = reinterpret_cast<const int32_t*>((type == kQ8_0 ? xq.qu.data() : reinterpret_cast<const uint8_t*>(xq.q.data())) + r * K + b * QK);
+      const uint8_t* xr = type == kQ8_0 ? xq.qu.data() : reinterpret_cast<const uint8_t*>(xq.q.data());
+      const int32_t* xv = reinterpret_cast<const int32_t*>(xr + r * K + b * QK);
       __m512i s0 = type == kQ8_0 ? start : _mm512_set1_epi32(xq.o8[r * nb2 + b]), s1 = _mm512_setzero_si512();
       for (int k = 0; k < 8; k += 2) {
         if constexpr (type == kQ8_0) {
@@ -460,7 +464,8 @@ void cols16(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64
           s1 = _mm512_dpbusd_epi32(s1, v[k + 1], _mm512_set1_epi32(xv[k + 1]));
         }
       }
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(dw, _mm512_set1_ps(xq.d[r * nb2 + b])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                               _mm512_mul_ps(dw, _mm512_set1_ps(xq.d[r * nb2 + b])), acc[i]);
     }
   }
   for (int i = 0; i < mr; ++i) {
@@ -498,8 +503,9 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
         const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t0));
         const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t0, 16)));
         const __m512i low6 = _mm512_set1_epi8(0x3f), top2 = _mm512_set1_epi8(0x30);
-        const __m512i sc[2] = {_mm512_and_si512(t1, low6),  // sc 0-3, 4-7 (qgemv_blocks.h's k_scale)
-                               _mm512_or_si512(_mm512_and_si512(t3, m4), _mm512_and_si512(_mm512_srli_epi32(t1, 2), top2))};
+        const __m512i sc[2] = {  // sc 0-3, 4-7 (qgemv_blocks.h's k_scale)
+            _mm512_and_si512(t1, low6),
+            _mm512_or_si512(_mm512_and_si512(t3, m4), _mm512_and_si512(_mm512_srli_epi32(t1, 2), top2))};
         const __m512i mn[2] = {_mm512_and_si512(t2, low6),
                                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(t3, 4), m4),
                                                _mm512_and_si512(_mm512_srli_epi32(t2, 2), top2))};
@@ -520,7 +526,8 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
           transpose4(z0, z1, z2, z3);
           const __m512i z[4] = {z0, z1, z2, z3};
           for (int g = 0; g < 4; ++g)
-            lo[4 * h + g] = _mm512_and_si512(z[g], m4), hi[4 * h + g] = _mm512_and_si512(_mm512_srli_epi16(z[g], 4), m4);
+            lo[4 * h + g] = _mm512_and_si512(z[g], m4),
+            hi[4 * h + g] = _mm512_and_si512(_mm512_srli_epi16(z[g], 4), m4);
         }
         const int64_t b0 = sb * 8 + 2 * pp;
         for (int i = 0; i < mr; ++i) {
@@ -575,7 +582,9 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
               const __m512i l = rr % 2 ? qb[k] : qa[k];
               const __m512i lo4 = rr >= 2 ? _mm512_srli_epi16(l, 4) : l;
               const int sh = 2 * rr;  // qh's bits sh, sh + 1 to bits 4, 5
-              const __m512i hb = sh < 4 ? _mm512_slli_epi16(qc[k], 4 - sh) : sh == 4 ? qc[k] : _mm512_srli_epi16(qc[k], sh - 4);
+              const __m512i hb = sh < 4    ? _mm512_slli_epi16(qc[k], 4 - sh)
+                                 : sh == 4 ? qc[k]
+                                           : _mm512_srli_epi16(qc[k], sh - 4);
               u[k] = _mm512_ternarylogic_epi32(lo4, m4, _mm512_and_si512(hb, top2), 0xEA);  // (lo4 & m4) | hb
             }
             const int j = 4 * h + rr;
