@@ -46,11 +46,16 @@ TYPES = ("Q8_0", "Q4_0")  # the types held as blocks first
 NEW_TYPES = ("Q5_0", "Q4_K", "Q5_K", "Q6_K")  # computed as w = a u + b (module docstring)
 ALL_TYPES = TYPES + NEW_TYPES
 TILE_ROWS = 4  # (qgemv.cpp) rows from which an AVX512_BF16 build dequantizes bf16 tiles
+GROUP_ROWS = 8  # (qgemv.cpp) rows up to which the int8 path keeps Q8_0 / Q4_0 / Q4_K / Q6_K calls
+GROUP_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 
-def tiles(isa: str, rows: int) -> bool:
-    """Whether a call of `rows` rows takes the bf16 tiles (else int8 activations)."""
-    return isa == "native" and "avx512_bf16" in native.cpu_flags() and rows >= TILE_ROWS
+def tiles(isa: str, rows: int, kind: str) -> bool:
+    """Whether a call of `rows` rows over weights of `kind` takes the bf16 tiles (else int8
+    activations): from TILE_ROWS rows on an AVX512_BF16 build, but for up to GROUP_ROWS rows of the
+    types whose int8 path reads 16 weight rows at a time (AVX-512 VNNI)."""
+    grouped = kind in GROUP_TYPES and rows <= GROUP_ROWS and "avx512_vnni" in native.cpu_flags()
+    return isa == "native" and "avx512_bf16" in native.cpu_flags() and rows >= TILE_ROWS and not grouped
 
 
 def isas() -> list[str]:
@@ -106,11 +111,11 @@ def offsets(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     return dequantize_blocks(zeroed, kind)
 
 
-def kernel_bound(x: torch.Tensor, w: torch.Tensor, isa: str = "native") -> torch.Tensor:
+def kernel_bound(x: torch.Tensor, w: torch.Tensor, kind: str, isa: str = "native") -> torch.Tensor:
     """The path's bound for x [M, K], w [N, K] (float64) -> [M, N]: sum_b (max|x_b| / 254) sum_{i in
     b} |w_i| (int8 activations), or 2^-8 sum |x| |w| (bf16 tiles)."""
     M, K = x.shape
-    if tiles(isa, M):
+    if tiles(isa, M, kind):
         return 2.0**-8 * (x.abs() @ w.abs().T)
     amax = x.abs().reshape(M, K // 32, 32).amax(-1)  # [M, nb]
     wsum = w.abs().reshape(w.shape[0], K // 32, 32).sum(-1)  # [N, nb]
@@ -139,7 +144,7 @@ def test_kernel_within_the_int8_kernel_bound(kind, dtype, isa, monkeypatch):
                     assert np.array_equal(ours.float().numpy(), theirs.reshape(b.shape[0], K))
                 else:
                     assert np.array_equal(ours.numpy(), theirs.astype(np.float64).reshape(b.shape[0], K))
-            for M in (1, 3, 6, 20):
+            for M in (1, 2, 3, 6, 8, 20):
                 x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
                 got = torch.ops.fms_paged.qlinear(x, blocks, None)
                 assert got.dtype == dtype and got.shape == (M, 106)
@@ -150,9 +155,28 @@ def test_kernel_within_the_int8_kernel_bound(kind, dtype, isa, monkeypatch):
                 out_round = 2.0**-8 if dtype == torch.bfloat16 else 0.0  # y stored in bf16
                 rounding = 1e-5 * (x64.abs() @ (w64.abs() + 2 * b64.abs()).T) + out_round * want.abs()
                 err = (got.double() - want).abs()
-                assert (err <= kernel_bound(x64, w64, isa) + rounding).all()
+                assert (err <= kernel_bound(x64, w64, kind, isa) + rounding).all()
                 # the bound is not vacuous: the error is far below |y|
                 assert float(err.max()) <= 0.02 * float(want.abs().max())
+
+
+def test_one_call_of_two_types_within_the_bound():
+    """A call holding a Q4_K and a Q6_K weight (a Q4_K_M layer's q and v), whose rows the kernel may
+    take by two paths in one call (16 weight rows at a time for one, a row at a time for the other),
+    split between threads by rows: each output within the int8 bound of float64 (module docstring;
+    the same fp32 term as the single-type test), for 1, 2, 3 and 6 rows of x."""
+    assert native.load_qgemv(torch.float32) is None
+    rng = np.random.default_rng(3)
+    K = 512
+    blocks = [weight_blocks("Q4_K", 40, K, rng), weight_blocks("Q6_K", 24, K, rng)]
+    w64 = torch.cat([dequantize_blocks(blocks[0], "Q4_K"), dequantize_blocks(blocks[1], "Q6_K")])
+    b64 = torch.cat([offsets(blocks[0], "Q4_K"), offsets(blocks[1], "Q6_K")])
+    for M in (1, 2, 3, 6):
+        x64 = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).double()
+        got = torch.ops.fms_paged.qlinear(x64.float(), blocks, None).double()
+        want = x64 @ w64.T
+        rounding = 1e-5 * (x64.abs() @ (w64.abs() + 2 * b64.abs()).T)
+        assert ((got - want).abs() <= kernel_bound(x64, w64, "Q4_K") + rounding).all()
 
 
 def test_a_prefill_of_many_rows_and_the_bias():
@@ -165,7 +189,7 @@ def test_a_prefill_of_many_rows_and_the_bias():
     got = m(x)
     w64 = m.dequantized()
     want = x.double() @ w64.T + bias.double()
-    assert ((got.double() - want).abs() <= kernel_bound(x.double(), w64) + 1e-5 * (
+    assert ((got.double() - want).abs() <= kernel_bound(x.double(), w64, "Q4_0") + 1e-5 * (
         x.double().abs() @ w64.abs().T + bias.double().abs())).all()
 
 

@@ -34,8 +34,12 @@
 //
 // Register tiles of MR rows of x by NR weight rows: a weight block is decoded once for MR rows,
 // and a tile's fp32 accumulators are vectors (cvt and FMA per block, one horizontal sum per tile).
+// Decode calls of up to 8 rows (AVX-512 VNNI; Q4_0, Q4_K, and Q8_0 / Q6_K from 2 / 3 rows) read 16
+// weight rows at a time instead, transposed in registers so that each 32-bit lane is one weight row
+// (cols16, cols16_k below). Calls of more rows (prefill) dequantize bf16 tiles where the CPU has
+// AVX512_BF16 (FMS_QTILES below).
 // Threads split the weight rows (all segments of one call: q/k/v side by side in y) into
-// contiguous shares; a prefill's rows of x are reused from L2 for each weight row pair.
+// contiguous shares of rows; a prefill's rows of x are reused from L2 for each weight row pair.
 #include <omp.h>
 
 #include "args.h"
@@ -72,6 +76,7 @@ constexpr int MR = 8, NR = 2;  // register tile: rows of x by weight rows (32 re
 #else
 constexpr int MR = 4, NR = 2;  // register tile: rows of x by weight rows
 #endif
+constexpr int NG = 16;  // weight rows a block of cols16 (AVX-512)
 constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (as gemv.cpp)
 
 inline float half(const uint8_t* p) {  // an fp16 scale, unaligned
@@ -94,6 +99,11 @@ struct XQ {
   std::vector<float> dv;
   std::vector<int32_t> c4;
   std::vector<float> xs;
+  std::vector<int32_t> o8;  // (AVX-512) -8 times the sum of each block's quants, [M, nb2]: Q4_0's offset (cols16)
+  // (AVX-512, `sums`) dx times the sum of each block's quants [M, nb2] (Q4_K's mins), and -32 times
+  // the sum of each half's (16 values) quants [M, nb2, 2] (Q6_K's offset): cols16_k
+  std::vector<float> xsb;
+  std::vector<int32_t> o32;
   int64_t K, nb, nb2;
 };
 
@@ -131,9 +141,12 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t x_st, int threads, 
   const int64_t K2 = out.K, nb2 = out.nb2;
   out.q.assign(M * K2, 0), out.d.assign(M * nb2, 0.0f);
 #ifdef FMS_Q512
-  out.qu.resize(M * K2), out.dv.resize(M * nb2 * 8), out.c4.resize(M * nb2 * 8);
+  out.qu.resize(M * K2), out.dv.resize(M * nb2 * 8), out.c4.resize(M * nb2 * 8), out.o8.resize(M * nb2);
 #endif
   if (sums) out.xs.assign(M * nb2 * 8, 0.0f);
+#ifdef FMS_Q512
+  if (sums) out.xsb.assign(M * nb2, 0.0f), out.o32.assign(M * nb2 * 2, 0);
+#endif
   const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, M * K / 65536));
 #pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
   for (int64_t m = 0; m < M; ++m) {
@@ -146,11 +159,17 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t x_st, int threads, 
       const __m256i c = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8),
                                             _mm256_sub_epi8(_mm256_setzero_si256(), v));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.c4.data() + (m * nb2 + b) * 8), c);
+      out.o8[m * nb2 + b] = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(c));
       _mm256_storeu_ps(out.dv.data() + (m * nb2 + b) * 8, _mm256_set1_ps(out.d[m * nb2 + b]));
       if (sums) {
         const __m256i s4 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), v);
         _mm256_storeu_ps(out.xs.data() + (m * nb2 + b) * 8,
                          _mm256_mul_ps(_mm256_cvtepi32_ps(s4), _mm256_set1_ps(out.d[m * nb2 + b])));
+        alignas(32) int32_t l[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(l), s4);
+        const int32_t h0 = l[0] + l[1] + l[2] + l[3], h1 = l[4] + l[5] + l[6] + l[7];
+        out.xsb[m * nb2 + b] = float(h0 + h1) * out.d[m * nb2 + b];
+        out.o32[(m * nb2 + b) * 2] = -32 * h0, out.o32[(m * nb2 + b) * 2 + 1] = -32 * h1;
       }
     }
 #else
@@ -344,6 +363,277 @@ void tile_sub(const XQ& xq, int64_t m0, const uint8_t* const* w, float (*out)[NR
   }
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) out[i][j] = hsum512(acc[i][j]);
+}
+
+// Decode calls of a few rows of x (GROUP_ROWS at most) over Q4_0 / Q8_0 (the K-quants: cols16_k
+// below): 16 weight rows at a time, transposed in registers so that each 32-bit lane is one weight
+// row. Four bytes k .. k + 3 of
+// 16 rows' blocks then meet x's bytes k .. k + 3 broadcast to every lane: one vpdpbusd adds 4
+// products to each of the 16 rows' sums, and each block ends in one int32 -> fp32 conversion and
+// one FMA for 16 weight rows (the rows' scales dw loaded into one vector, times x's dx), where
+// tile() spends a conversion and two multiplies per weight row and block pair. The weights'
+// nibbles are unpacked once for all rows of x. Each output's sums are exact integers per block,
+// as tile()'s; only the order of the fp32 sums over blocks differs (block by block here).
+// - Q4_0: the quants q (unsigned, [0, 15]) times x's quants (signed), the sums starting at
+//   -8 sum qx (XQ::o8): sum (q - 8) qx;
+// - Q8_0: x + 128 (unsigned: XQ::qu) times w (signed), the sums starting at -128 sum w: sum qx w.
+// The 16 rows are 16 streams, which the hardware prefetcher did not keep up with: the next 16 rows
+// (one contiguous run) are prefetched into L2 in order, a sixteenth of them per block (into L1 they
+// evicted the rows being read). A group's rows lie one after another (16 row_bytes); a group of
+// fewer rows (a weight's last) reads its last row again in the lanes past it and stores only its own.
+constexpr int64_t GROUP_ROWS = 8;  // rows of x a cols16 call takes, at most
+// Calls of up to INT8_ROWS rows take cols16 (GROUP_ROWS at a time), more rows the bf16 tiles, which
+// keep prefill's activations in bf16 (perplexity within 0.01% of the dequantized model's, where int8
+// activations cost 0.27-0.42%: docs/benchmarks.md). cols16 would be the faster for prefill too (64
+// rows of an 11264 x 2048 weight, single thread: Q4_0 11.6 against 23.7 ms, Q4_K 12.4 / 23.9, Q6_K
+// 16.1 / 25.5; a 1.1B Q4_K_M model's 512-token prefill 2.4 against 3.8 s, two threads).
+constexpr int64_t INT8_ROWS = GROUP_ROWS;
+
+// dwords of four 128-bit lanes (a, b, c, d) transposed within each lane: lane l's dword k of
+// input t becomes lane l's dword t of output k
+__attribute__((always_inline)) inline void transpose4(__m512i& a, __m512i& b, __m512i& c, __m512i& d) {
+  const __m512i t0 = _mm512_unpacklo_epi32(a, b), t1 = _mm512_unpackhi_epi32(a, b);
+  const __m512i t2 = _mm512_unpacklo_epi32(c, d), t3 = _mm512_unpackhi_epi32(c, d);
+  a = _mm512_unpacklo_epi64(t0, t2), b = _mm512_unpackhi_epi64(t0, t2);
+  c = _mm512_unpacklo_epi64(t1, t3), d = _mm512_unpackhi_epi64(t1, t3);
+}
+// the 16 bytes at p[r] + off of rows r = q, q + 4, q + 8, q + 12 in 128-bit lanes 0 .. 3: after
+// transpose4 of q = 0 .. 3, 32-bit lane 4 l + q holds row 4 l + q, i.e. lane r row r
+__attribute__((always_inline)) inline __m512i load4(const uint8_t* const* p, int q, int64_t off) {
+  __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[q] + off)));
+  z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[q + 4] + off)), 1);
+  z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[q + 8] + off)), 2);
+  return _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[q + 12] + off)), 3);
+}
+
+// y[m0 + i, j] (i < mr, j < n <= 16) = x row m0 + i . weight row j of w (row_bytes apart)
+template <int type, int mr>
+void cols16(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
+  constexpr int bb = block_bytes(type);
+  const uint8_t* p[NG];
+  for (int r = 0; r < NG; ++r) p[r] = w + std::min<int64_t>(r, n - 1) * row_bytes;
+  const int64_t K = xq.K, nb2 = xq.nb2, nb = xq.nb;
+  __m512 acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
+  // the next group's bytes (the 16 rows after these) fetched while these are computed: a 16th of
+  // them each block, in order (one sequential stream, where the vector loop reads 16 streams)
+  const uint8_t* next = w + NG * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t off = b * bb;
+    for (int64_t o = b * NG * bb; o < (b + 1) * NG * bb; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+    // the 16 rows' scales (scalar loads: the integer pipes are otherwise idle)
+    alignas(32) uint16_t dh[NG];
+    for (int r = 0; r < NG; ++r) std::memcpy(&dh[r], p[r] + off, 2);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+    __m512i v[8];  // v[k]: bytes 4 k .. 4 k + 3 of the block's values (32-bit lane r: row r)
+    if constexpr (type == kQ4_0) {
+      __m512i z0 = load4(p, 0, off + 2), z1 = load4(p, 1, off + 2), z2 = load4(p, 2, off + 2),
+              z3 = load4(p, 3, off + 2);
+      transpose4(z0, z1, z2, z3);
+      const __m512i m4 = _mm512_set1_epi8(0x0f);
+      const __m512i z[4] = {z0, z1, z2, z3};
+      for (int k = 0; k < 4; ++k)
+        v[k] = _mm512_and_si512(z[k], m4), v[k + 4] = _mm512_and_si512(_mm512_srli_epi16(z[k], 4), m4);
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t o = off + 2 + 16 * h;
+        __m512i z0 = load4(p, 0, o), z1 = load4(p, 1, o), z2 = load4(p, 2, o), z3 = load4(p, 3, o);
+        transpose4(z0, z1, z2, z3);
+        v[4 * h] = z0, v[4 * h + 1] = z1, v[4 * h + 2] = z2, v[4 * h + 3] = z3;
+      }
+    }
+    __m512i start = _mm512_setzero_si512();
+    if constexpr (type == kQ8_0) {  // -128 sum w
+      const __m512i c = _mm512_set1_epi8((char)0x80);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int k = 0; k < 8; k += 2) s0 = _mm512_dpbusd_epi32(s0, c, v[k]), s1 = _mm512_dpbusd_epi32(s1, c, v[k + 1]);
+      start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(s0, s1));
+    }
+    for (int i = 0; i < mr; ++i) {
+      const int64_t r = m0 + i;
+      const uint8_t* xr = type == kQ8_0 ? xq.qu.data() : reinterpret_cast<const uint8_t*>(xq.q.data());
+      const int32_t* xv = reinterpret_cast<const int32_t*>(xr + r * K + b * QK);
+      __m512i s0 = type == kQ8_0 ? start : _mm512_set1_epi32(xq.o8[r * nb2 + b]), s1 = _mm512_setzero_si512();
+      for (int k = 0; k < 8; k += 2) {
+        if constexpr (type == kQ8_0) {
+          s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(xv[k]), v[k]);
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(xv[k + 1]), v[k + 1]);
+        } else {
+          s0 = _mm512_dpbusd_epi32(s0, v[k], _mm512_set1_epi32(xv[k]));
+          s1 = _mm512_dpbusd_epi32(s1, v[k + 1], _mm512_set1_epi32(xv[k + 1]));
+        }
+      }
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                               _mm512_mul_ps(dw, _mm512_set1_ps(xq.d[r * nb2 + b])), acc[i]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    alignas(64) float o[NG];
+    _mm512_store_ps(o, acc[i]);
+    for (int64_t j = 0; j < n; ++j) y[(m0 + i) * y_st + j] = fms_vec::from_f32<T>(o[j]);
+  }
+}
+// The K-quants alike (Q4_K, Q6_K), a super-block of 256 values at a time: its scales decoded for
+// the 16 rows at once (each row's scale bytes transposed into its lane as the quants are), then
+// per sub-block of 32 (x's block) the rows' unsigned quants u dotted with x's quants exactly in
+// int32, times the rows' multipliers a (w = a u + b, qgemv_blocks.h) and dx:
+// - Q4_K: a = d sc_j, b = -dmin m_j: sum a dx (sum u qx) + b (dx sum qx) (XQ::xsb);
+// - Q6_K: a = d sc per 16 values, b = -32 a: the sums of each 16 start at -32 sum qx (XQ::o32),
+//   exact: sum a dx (sum (u - 32) qx).
+template <int type, int mr>
+void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
+  constexpr int sbb = block_bytes(type);
+  const uint8_t* p[NG];
+  for (int r = 0; r < NG; ++r) p[r] = w + std::min<int64_t>(r, n - 1) * row_bytes;
+  const int64_t K = xq.K, nb2 = xq.nb2, nsb = xq.nb / 8;
+  const uint8_t* next = w + NG * row_bytes;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const int64_t off = sb * sbb;
+    for (int64_t o = sb * NG * sbb; o < (sb + 1) * NG * sbb; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+    if constexpr (type == kQ4_K) {
+      alignas(64) float A[8][NG], B[8][NG];  // a and b of sub-block j, lane r: row r
+      {
+        __m512i t0 = load4(p, 0, off), t1 = load4(p, 1, off), t2 = load4(p, 2, off), t3 = load4(p, 3, off);
+        transpose4(t0, t1, t2, t3);  // t0: d, dmin; t1, t2, t3: the 12 scale bytes
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t0));
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t0, 16)));
+        const __m512i low6 = _mm512_set1_epi8(0x3f), top2 = _mm512_set1_epi8(0x30);
+        const __m512i sc[2] = {  // sc 0-3, 4-7 (qgemv_blocks.h's k_scale)
+            _mm512_and_si512(t1, low6),
+            _mm512_or_si512(_mm512_and_si512(t3, m4), _mm512_and_si512(_mm512_srli_epi32(t1, 2), top2))};
+        const __m512i mn[2] = {_mm512_and_si512(t2, low6),
+                               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(t3, 4), m4),
+                                               _mm512_and_si512(_mm512_srli_epi32(t2, 2), top2))};
+        const __m512i byte = _mm512_set1_epi32(0xff);
+        for (int j = 0; j < 8; ++j) {
+          const int sh = 8 * (j % 4);
+          const __m512 s = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(sc[j / 4], sh), byte));
+          const __m512 m = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mn[j / 4], sh), byte));
+          _mm512_store_ps(A[j], _mm512_mul_ps(d, s));
+          _mm512_store_ps(B[j], _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), m));
+        }
+      }
+      for (int pp = 0; pp < 4; ++pp) {  // sub-blocks 2 pp (low nibbles), 2 pp + 1 (high) of bytes 32 pp ..
+        __m512i lo[8], hi[8];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t o = off + 16 + 32 * pp + 16 * h;
+          __m512i z0 = load4(p, 0, o), z1 = load4(p, 1, o), z2 = load4(p, 2, o), z3 = load4(p, 3, o);
+          transpose4(z0, z1, z2, z3);
+          const __m512i z[4] = {z0, z1, z2, z3};
+          for (int g = 0; g < 4; ++g)
+            lo[4 * h + g] = _mm512_and_si512(z[g], m4),
+            hi[4 * h + g] = _mm512_and_si512(_mm512_srli_epi16(z[g], 4), m4);
+        }
+        const int64_t b0 = sb * 8 + 2 * pp;
+        for (int i = 0; i < mr; ++i) {
+          const int64_t r = m0 + i;
+          for (int t = 0; t < 2; ++t) {
+            const __m512i* u = t ? hi : lo;
+            const int64_t b = b0 + t;
+            const int32_t* xv = reinterpret_cast<const int32_t*>(xq.q.data() + r * K + b * QK);
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k += 2) {
+              s0 = _mm512_dpbusd_epi32(s0, u[k], _mm512_set1_epi32(xv[k]));
+              s1 = _mm512_dpbusd_epi32(s1, u[k + 1], _mm512_set1_epi32(xv[k + 1]));
+            }
+            const int j = 2 * pp + t;
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                                     _mm512_mul_ps(_mm512_load_ps(A[j]), _mm512_set1_ps(xq.d[r * nb2 + b])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_load_ps(B[j]), _mm512_set1_ps(xq.xsb[r * nb2 + b]), acc[i]);
+          }
+        }
+      }
+    } else {  // Q6_K
+      alignas(64) float A[16][NG];  // a of each 16 values g, lane r: row r
+      {
+        __m512i t0 = load4(p, 0, off + 192), t1 = load4(p, 1, off + 192), t2 = load4(p, 2, off + 192),
+                t3 = load4(p, 3, off + 192);
+        transpose4(t0, t1, t2, t3);  // the 16 int8 scales, 4 a register
+        alignas(32) uint16_t dh[NG];
+        for (int r = 0; r < NG; ++r) std::memcpy(&dh[r], p[r] + off + 208, 2);
+        const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+        const __m512i t[4] = {t0, t1, t2, t3};
+        for (int g = 0; g < 16; ++g) {
+          const __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(t[g / 4], 24 - 8 * (g % 4)), 24);
+          _mm512_store_ps(A[g], _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)));
+        }
+      }
+      const __m512i top2 = _mm512_set1_epi8(0x30);
+      // values 128 h ..: sub-blocks 4 h + rr; per 16 of their values (hh: bytes 16 hh .. of each part,
+      // one scale each), ql bytes 64 h + 16 hh (qa; sub-blocks rr 0, 2) and 64 h + 32 + 16 hh (qb; 1,
+      // 3), qh bytes 32 h + 16 hh (qc), each as 4 registers of 4 bytes a row
+      for (int h = 0; h < 2; ++h)
+        for (int hh = 0; hh < 2; ++hh) {
+          __m512i qa[4], qb[4], qc[4];
+          for (int part = 0; part < 3; ++part) {
+            __m512i* dst = part == 0 ? qa : part == 1 ? qb : qc;
+            const int64_t o = off + (part == 2 ? 128 + 32 * h : 64 * h + 32 * part) + 16 * hh;
+            dst[0] = load4(p, 0, o), dst[1] = load4(p, 1, o), dst[2] = load4(p, 2, o), dst[3] = load4(p, 3, o);
+            transpose4(dst[0], dst[1], dst[2], dst[3]);
+          }
+          for (int rr = 0; rr < 4; ++rr) {
+            __m512i u[4];  // low 4 bits of ql (high nibble for rr >= 2), bits 2 rr, 2 rr + 1 of qh
+            for (int k = 0; k < 4; ++k) {
+              const __m512i l = rr % 2 ? qb[k] : qa[k];
+              const __m512i lo4 = rr >= 2 ? _mm512_srli_epi16(l, 4) : l;
+              const int sh = 2 * rr;  // qh's bits sh, sh + 1 to bits 4, 5
+              const __m512i hb = sh < 4    ? _mm512_slli_epi16(qc[k], 4 - sh)
+                                 : sh == 4 ? qc[k]
+                                           : _mm512_srli_epi16(qc[k], sh - 4);
+              u[k] = _mm512_ternarylogic_epi32(lo4, m4, _mm512_and_si512(hb, top2), 0xEA);  // (lo4 & m4) | hb
+            }
+            const int j = 4 * h + rr;
+            const int64_t b = sb * 8 + j;
+            const __m512 a = _mm512_load_ps(A[2 * j + hh]);
+            for (int i = 0; i < mr; ++i) {
+              const int64_t r = m0 + i;
+              const int32_t* xv = reinterpret_cast<const int32_t*>(xq.q.data() + r * K + b * QK) + 4 * hh;
+              __m512i s0 = _mm512_set1_epi32(xq.o32[(r * nb2 + b) * 2 + hh]), s1 = _mm512_setzero_si512();
+              s0 = _mm512_dpbusd_epi32(s0, u[0], _mm512_set1_epi32(xv[0]));
+              s1 = _mm512_dpbusd_epi32(s1, u[1], _mm512_set1_epi32(xv[1]));
+              s0 = _mm512_dpbusd_epi32(s0, u[2], _mm512_set1_epi32(xv[2]));
+              s1 = _mm512_dpbusd_epi32(s1, u[3], _mm512_set1_epi32(xv[3]));
+              acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                                       _mm512_mul_ps(a, _mm512_set1_ps(xq.d[r * nb2 + b])), acc[i]);
+            }
+          }
+        }
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    alignas(64) float o[NG];
+    _mm512_store_ps(o, acc[i]);
+    for (int64_t j = 0; j < n; ++j) y[(m0 + i) * y_st + j] = fms_vec::from_f32<T>(o[j]);
+  }
+}
+template <int type, int mr>
+void cols(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
+  if constexpr (type == kQ4_0 || type == kQ8_0)
+    cols16<type, mr>(xq, m0, w, row_bytes, n, y, y_st);
+  else
+    cols16_k<type, mr>(xq, m0, w, row_bytes, n, y, y_st);
+}
+// rows 0 .. M of x against one group, GROUP_ROWS rows at a time (the group's bytes read from memory
+// once, then from the caches)
+template <int type>
+void group(const XQ& xq, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
+  for (int64_t m0 = 0; m0 < M; m0 += GROUP_ROWS) {
+    switch (std::min<int64_t>(M - m0, GROUP_ROWS)) {
+      case 1: cols<type, 1>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 2: cols<type, 2>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 3: cols<type, 3>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 4: cols<type, 4>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 5: cols<type, 5>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 6: cols<type, 6>(xq, m0, w, row_bytes, n, y, y_st); break;
+      case 7: cols<type, 7>(xq, m0, w, row_bytes, n, y, y_st); break;
+      default: cols<type, 8>(xq, m0, w, row_bytes, n, y, y_st); break;
+    }
+  }
 }
 #elif defined(__AVX2__)
 // a weight block's 32 values as signed bytes, and its scale
@@ -581,8 +871,9 @@ void block(int64_t n, const XQ& xq, int64_t M, const uint8_t* w, int64_t row_byt
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// Calls of M >= TILE_ROWS rows of x (prefill; 4 or more decode rows: 1.2-1.4x faster than the int8
-// path at four streams, 2.1x slower at one row) where the CPU multiplies bf16 pairs (vdpbf16ps): a weight row
+// Calls of M >= TILE_ROWS rows of x that cols16 does not take (prefill; 4-8 decode rows of Q5_0 /
+// Q5_K: the int8 path a row pair at a time was 2.1x faster at one row, slower at four) where the CPU
+// multiplies bf16 pairs (vdpbf16ps): a weight row
 // pair at a time is dequantized into bf16 (d q, rounded to nearest even: 2^-9 of each weight at
 // most) in a buffer of the thread's, then dotted with every row of x in bf16 (x itself for a bf16
 // model, else rounded once: 2^-9 of each value), fp32 sums: one instruction per 32 products of a row
@@ -738,34 +1029,55 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   }
   static thread_local XQ kept;  // kept from call to call: a prefill's rows are megabytes
   XQ& xq = kept;  // (the caller's: a thread_local named inside the parallel region is each thread's own)
+  // cols16 (16 weight rows at a time) for a weight of `type` at M rows: from the row counts where
+  // it was the faster (single thread, a weight of 11264 x 2048 from memory: Q4_0 and Q4_K at one
+  // row 0.75 / 0.67 ms against 1.33 / 1.29 ms; Q8_0 from two rows, Q6_K from three, where a row at
+  // a time (tile, tile_sub) reads fewer bytes a weight's value with fewer instructions)
+  auto grouped_at = [&](int type) {
+#ifdef FMS_Q512
+    if (M > INT8_ROWS) return false;
+    return type == kQ4_0 || type == kQ4_K || (type == kQ8_0 && M >= 2) || (type == kQ6_K && M >= 3);
+#else
+    (void)type;
+    return false;
+#endif
+  };
+  bool all_grouped = true;
+  for (int64_t i = 0; i < a.n_weights; ++i) all_grouped = all_grouped && grouped_at(a.types[i]);
 #ifdef FMS_QTILES
-  const bool tiles = M >= TILE_ROWS && K % 32 == 0;
+  const bool tiles = M >= TILE_ROWS && K % 32 == 0 && !all_grouped;
   static thread_local std::vector<uint16_t> xb_kept;
   std::vector<uint16_t>& xb = xb_kept;
   if (tiles) rows_to_bf16(a.x, M, K, a.x_st, xb);
   else
+#else
+  constexpr bool tiles = false;
 #endif
   quantize_rows(a.x, M, K, a.x_st, a.threads, sums, xq);
-  // the weights' row blocks of nr rows, segment by segment: block p is segment i's rows
-  // (p - first[i]) nr on. A decode of one or two rows reads one weight row at a time: a thread's
+  // the weights' row blocks of nr[i] rows, segment by segment: block p is segment i's rows
+  // (p - first[i]) nr[i] on. A decode of one or two rows reads one weight row at a time: a thread's
   // share is then one sequential stream, which the hardware prefetcher follows (gemv.cpp's
   // finding for its own decode; not measured apart here: this machine's memory was shared)
   // (and the int8 path of a call holding another type (sub_type), whatever its rows: Q4_K / Q5_K
   // took 1.4x as long at three rows a weight row pair, single thread, in cache, Q6_K / Q5_0 ~5%
-  // less; results alike bit for bit: each output's sums are the same whatever the tile)
-  bool one_row = M <= 2 || sums;
-#ifdef FMS_QTILES
-  one_row = one_row && !tiles;  // (the tiles: a row pair, every type)
-#endif
-  const int64_t nr = one_row ? 1 : NR;
-  std::vector<int64_t> first{0}, col{0};
+  // less; results alike bit for bit: each output's sums are the same whatever the tile), except
+  // the weights that cols16 takes (grouped_at), 16 rows a block
+  const bool one_row = (M <= 2 || sums) && !tiles;  // (the tiles: a row pair, every type)
+  std::vector<int64_t> first{0}, col{0}, nr;
   for (int64_t i = 0; i < a.n_weights; ++i) {
-    first.push_back(first.back() + (a.rows[i] + nr - 1) / nr);
+    nr.push_back(tiles ? NR : grouped_at(a.types[i]) ? NG : one_row ? 1 : NR);
+    first.push_back(first.back() + (a.rows[i] + nr[i] - 1) / nr[i]);
     col.push_back(col.back() + a.rows[i]);
   }
   const int64_t np = first.back(), y_st = col.back();
   const int64_t by_work = std::max<int64_t>(1, M * y_st * K / GRAIN);
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, np, by_work}));
+  // the first block whose rows start at or after row R of y: threads take equal shares of rows
+  auto block_at = [&](int64_t R) {
+    for (int64_t i = 0; i < a.n_weights; ++i)
+      if (R < col[i + 1]) return first[i] + (R - col[i] + nr[i] - 1) / nr[i];
+    return np;
+  };
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num();
@@ -773,10 +1085,11 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
 #ifdef FMS_QTILES
     std::vector<uint16_t> wb(tiles ? TILE_PAIRS * NR * K : 0);  // the thread's dequantized row pairs
 #endif
-    for (int64_t p = np * t / threads; p < np * (t + 1) / threads; ++p) {
+    const int64_t p_end = block_at(y_st * (t + 1) / threads);
+    for (int64_t p = block_at(y_st * t / threads); p < p_end; ++p) {
       while (p >= first[i + 1]) ++i;
       const int type = a.types[i];
-      const int64_t j0 = (p - first[i]) * nr, n = std::min<int64_t>(nr, a.rows[i] - j0);
+      const int64_t j0 = (p - first[i]) * nr[i], n = std::min<int64_t>(nr[i], a.rows[i] - j0);
       const int64_t row_bytes = fms_gguf::row_bytes(type, K);
       const uint8_t* w = reinterpret_cast<const uint8_t*>(a.weights[i]);
       T* y = a.y + col[i];
@@ -787,11 +1100,21 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
                              : type == kQ5_K ? dequant_row_bf16<kQ5_K> : dequant_row_bf16<kQ6_K>;
         // up to TILE_PAIRS row pairs of this segment and of the thread's share at once
         const int64_t group = M >= 2 * MR ? TILE_PAIRS : 1;
-        const int64_t q = std::min<int64_t>({p + group, first[i + 1], np * (t + 1) / threads});
-        const int64_t rows_n = std::min<int64_t>((q - p) * nr, a.rows[i] - j0);
+        const int64_t q = std::min<int64_t>({p + group, first[i + 1], p_end});
+        const int64_t rows_n = std::min<int64_t>((q - p) * NR, a.rows[i] - j0);
         for (int64_t j = 0; j < rows_n; ++j) dequant(w + (j0 + j) * row_bytes, K / QK, wb.data() + j * K);
         rows_bf16_group(xb.data(), M, K, wb.data(), rows_n, j0, y, y_st);
         p = q - 1;
+        continue;
+      }
+#endif
+#ifdef FMS_Q512
+      if (nr[i] == NG) {
+        const uint8_t* wg = w + j0 * row_bytes;
+        if (type == kQ4_0) group<kQ4_0>(xq, M, wg, row_bytes, n, y + j0, y_st);
+        else if (type == kQ8_0) group<kQ8_0>(xq, M, wg, row_bytes, n, y + j0, y_st);
+        else if (type == kQ4_K) group<kQ4_K>(xq, M, wg, row_bytes, n, y + j0, y_st);
+        else group<kQ6_K>(xq, M, wg, row_bytes, n, y + j0, y_st);
         continue;
       }
 #endif
