@@ -67,19 +67,19 @@ PRIOR_VERIFY_COST = (1.3, 0.1)
 PRIOR_LOOKUP_COST = (1.0, 0.15)
 
 
-def proposal_length(acceptance: float, cost: tuple[float, float], k_max: int) -> int:
+def proposal_length(acceptance: float, cost: tuple[float, float] | list[float], k_max: int) -> int:
     """The number of proposals k in 0 .. k_max that maximizes the expected tokens per step second
-    E(k) / (fixed + per_row * k): E(k) = 1 + a + ... + a^k, the tokens a verify of k proposals
-    gives when each is kept with probability a (acceptance) once those before it were (a geometric
-    run, as in the speculative decoding papers' analysis); cost = (fixed, per_row), a verify
-    step's seconds against a plain decode step's (`StepCost.verify_cost`). 0: no k pays for its
-    cost (a plain decode step: 1 token for 1)."""
-    fixed, per_row = cost
+    E(k) / cost(k): E(k) = 1 + a + ... + a^k, the tokens a verify of k proposals gives when each
+    is kept with probability a (acceptance) once those before it were (a geometric run, as in the
+    speculative decoding papers' analysis); cost(k), a verify step's seconds against a plain decode
+    step's: fixed + per_row * k for cost = (fixed, per_row) (`StepCost.verify_cost`), or cost[k]
+    for a list (`StepCost.verify_costs`: each row count's own, where a kernel's path changes with
+    the rows). 0: no k pays for its cost (a plain decode step: 1 token for 1)."""
     best, best_gain, tokens, term = 0, 1.0, 1.0, 1.0
     for k in range(1, k_max + 1):
         term *= acceptance
         tokens += term
-        gain = tokens / (fixed + per_row * k)
+        gain = tokens / (cost[k] if isinstance(cost, list) else cost[0] + cost[1] * k)
         if gain > best_gain:
             best, best_gain = k, gain
     return best
@@ -131,6 +131,18 @@ class StepCost:
             return None
         a, b = self._line
         return max(1.0, (a + b * rows) / plain), b / plain
+
+    def verify_costs(self, rows: int, k_max: int) -> list[float] | None:
+        """A step of `rows` plain decode rows plus k verified rows costs about cost[k] plain decode
+        steps of `rows` rows, k = 0 .. k_max -> cost: each row count's own mean where timed (a
+        kernel's cost need not be a line in the rows: a bf16 GEMV's extra rows are all but free up
+        to ~4, then cost more each), the line elsewhere, at least 1; None as `verify_cost`."""
+        line = self.verify_cost(rows)
+        if line is None:
+            return None
+        plain, timed = self._mean[False][rows], self._mean[True]
+        return [1.0] + [max(1.0, timed[rows + k] / plain) if rows + k in timed else line[0] + line[1] * k
+                        for k in range(1, k_max + 1)]
 
 
 class SpeculativeConfigError(ValueError):
@@ -359,7 +371,7 @@ class Speculator:
         k_max = min(c.num_speculative_tokens, steps - 1)
         if k_max <= 0:
             return None
-        cost = self.lookup_cost.verify_cost(len(reqs)) or PRIOR_LOOKUP_COST
+        cost = self.lookup_cost.verify_costs(len(reqs), k_max) or PRIOR_LOOKUP_COST
         caps = [self._state_of(r).proposals(cost, k_max) if self.eligible(r) else 0 for r in reqs]
         if not any(caps):
             return None

@@ -160,6 +160,10 @@ def test_proposal_length_maximizes_tokens_per_cost():
     assert proposal_length(0.5, (2.0, 0.0), 8) == 0
     assert proposal_length(0.0, (1.0, 0.0), 8) == 0
     assert proposal_length(0.2, PRIOR_VERIFY_COST, 8) == 0  # (1.2 / 1.4 < 1)
+    # costs per k (a bf16 GEMV: extra rows all but free up to 3, then dear): a = 0.75 gives
+    # E(k) = 1.75, 2.31, 2.73, 3.05 over 1.0, 1.0, 1.1, 2.0 -> 1.75, 2.31, 2.48, 1.53 -> 3
+    assert proposal_length(0.75, [1.0, 1.0, 1.0, 1.1, 2.0], 4) == 3
+    assert proposal_length(0.75, [1.0, 1.0, 1.0, 1.1, 2.0], 2) == 2
 
 
 def test_step_cost_fits_verify_steps_against_plain_ones():
@@ -179,6 +183,10 @@ def test_step_cost_fits_verify_steps_against_plain_ones():
     fixed, per_row = cost.verify_cost(1)
     assert fixed == pytest.approx(1.25) and per_row == pytest.approx(0.25)
     assert cost.verify_cost(3) is None  # no plain step of 3 rows timed
+    # per k: the timed row counts' own means (2 rows: 1.5; 4: 2.0; 6: 2.5), the line between
+    # them (3 rows: 1.75, 5: 2.25)
+    assert cost.verify_costs(1, 5) == pytest.approx([1.0, 1.5, 1.75, 2.0, 2.25, 2.5])
+    assert cost.verify_costs(3, 2) is None
 
 
 def test_rejected_proposals_switch_speculation_off(models):
