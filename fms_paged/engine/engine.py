@@ -429,10 +429,15 @@ class Engine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()  # host only: who runs, how many tokens, their pages
         result = self.runner.run(plan)  # the device: one forward, sampling
-        outputs += self.book(plan, result)  # tokens appended, stops, finished requests dropped
+        booked = self.book(plan, result)  # tokens appended, stops, finished requests dropped
+        outputs += booked
         seconds = time.perf_counter() - t0
-        if self.speculator is not None and plan.lookup is None:  # (its proposal lengths weigh a row's
-            self.speculator.timed(plan, seconds)  # cost; a lookahead call's proposals time themselves)
+        if self.speculator is not None:
+            if plan.lookup is None:  # (its proposal lengths weigh a row's cost; a lookahead call's
+                self.speculator.timed(plan, seconds)  # proposals time themselves)
+            if (plan.lookup is not None or plan.verifies) and not plan.prefills:  # (inside calls or not)
+                tokens = sum(len(o.new_token_ids) for o in booked)
+                self.speculator.rate(plan.lookup is not None, seconds, tokens)
         if self._decode_steps == "auto" and (plan.decodes or plan.verifies) and not plan.prefills:
             # (a step that verifies between steps counts as one: with speculation on, every step
             # may verify, and the lookahead calls, where prompt lookup verifies inside, must start)

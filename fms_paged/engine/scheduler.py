@@ -105,6 +105,7 @@ class Scheduler:
         self.pm = pm
         self.speculator = speculator  # speculative decoding: plans proposals, counts acceptance
         self.decode_steps, self.lookahead_ready = decode_steps, lookahead_ready
+        self._in_call = False  # this step's proposals are made inside its lookahead call
         self.horizon = horizon  # every layer windowed: keys this far back are all any layer reads
         # pages are released behind windows: every layer windowed, or sliding layer groups
         self.releases = horizon is not None or (isinstance(pm, GroupedPages) and bool(pm.groups.sliding))
@@ -159,8 +160,11 @@ class Scheduler:
         out.scheduled = [(r, n) for r, (n, _) in planned.items()]
         if self.waiting and not out.preempted:
             planned_pages = self._admit(out, budget, planned_pages, now)
-        if self.speculator is not None and out.scheduled and not (  # proposals within what is left
-                self.speculator.in_call and self._lookahead_ready(out, [r for r, _ in out.scheduled])):
+        # prompt lookup on a plan that may take lookahead steps: inside the calls or between steps,
+        # whichever has been faster (`Speculator.in_call_now`)
+        self._in_call = self.speculator is not None and bool(out.scheduled) and self._lookahead_ready(
+            out, [r for r, _ in out.scheduled]) and self.speculator.in_call_now()
+        if self.speculator is not None and out.scheduled and not self._in_call:  # within what is left
             left = self.max_num_batched_tokens - sum(n for _, n in out.scheduled)
             planned_pages += self.speculator.plan(out, self.pm, left, self.available_pages() - planned_pages)
         short = planned_pages - self.pm.num_free_pages
@@ -213,7 +217,7 @@ class Scheduler:
             self.cache.evict(need - self.pm.num_free_pages)
         plan.reservation.extend_with(self.pm.reserve(ids, lengths))
         plan.steps = k
-        if self.speculator is not None and self.speculator.in_call:
+        if self._in_call:
             plan.lookup = self.speculator.lookup_plan(reqs, k)
         return k
 

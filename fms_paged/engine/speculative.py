@@ -65,6 +65,14 @@ PRIOR_VERIFY_COST = (1.3, 0.1)
 # the same for a step inside a lookahead call (`Speculator.lookup_plan`), where a verify costs no
 # host work: its proposals' rows alone
 PRIOR_LOOKUP_COST = (1.0, 0.15)
+# where prompt lookup may verify inside lookahead calls or between steps, the engine measures
+# each one's seconds per token (`Speculator.rate`) and takes the faster: a mode is kept for BLOCK
+# choices (its first step, which catches up on the other's tokens, not measured), and every
+# EXPLORE-th block tries the other. Which pays depends on the model and the CPU: the default fp32
+# model's step is ~0.35 ms, of which a call saves the host work between steps; a bf16 135M
+# model's step is ~9 ms, and a verify between steps of 9 rows takes the GEMM at about one step,
+# where a call's steps stay within the GEMV's 8 rows, whose bf16 rows past ~4 cost more each
+BLOCK, EXPLORE = 8, 8
 
 
 def proposal_length(acceptance: float, cost: tuple[float, float] | list[float], k_max: int) -> int:
@@ -347,6 +355,11 @@ class Speculator:
         self._state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.cost = StepCost()
         self.lookup_cost = StepCost()  # the steps inside lookahead calls (`observe_lookup`)
+        # seconds per token of speculating steps, inside lookahead calls (True) or between
+        # steps (False), recent means (`rate`), and the choices made between them (`in_call_now`)
+        self._rate: dict[bool, float | None] = {True: None, False: None}
+        self._blocks = self._left = 0  # blocks of choices begun; choices left in this one
+        self._mode = self._fresh = False  # this block's mode; its first step not measured yet
         self.reset_totals()
 
     @property
@@ -354,6 +367,34 @@ class Speculator:
         """Whether proposals can be made and verified inside a lookahead call (prompt lookup:
         `Kernel.decode_lookup`); a draft model proposes between steps."""
         return self.config.method == "ngram"
+
+    def in_call_now(self) -> bool:
+        """For a plan that may take lookahead steps: whether to speculate inside the call (else
+        between steps, `plan`): blocks of `BLOCK` choices, each in the mode of fewer seconds per
+        token so far (each tried first, inside the call first), every `EXPLORE`-th in the other."""
+        if not self.in_call:
+            return False
+        if self._left <= 0:
+            self._blocks += 1
+            inside, between = self._rate[True], self._rate[False]
+            if inside is None or between is None:
+                self._mode = inside is None
+            else:
+                self._mode = (inside <= between) != (self._blocks % EXPLORE == 0)
+            self._left, self._fresh = BLOCK, True
+        self._left -= 1
+        return self._mode
+
+    def rate(self, in_call: bool, seconds: float, tokens: int) -> None:
+        """A speculating step (inside a lookahead call, or verifying between steps) gave `tokens`
+        tokens in `seconds`: its mode's recent seconds per token (`in_call_now`); a block's first
+        step is not measured (it catches up on the other mode's tokens: the n-gram index)."""
+        if self._fresh:
+            self._fresh = False
+            return
+        if tokens > 0:
+            m, x = self._rate[in_call], seconds / tokens
+            self._rate[in_call] = x if m is None else m + 0.2 * (x - m)
 
     def _state_of(self, req) -> _State:
         state = self._state.get(req)

@@ -26,10 +26,13 @@ from fms_paged import Engine, SamplingParams, generate, get_model
 from fms_paged.engine.draft import DraftModelError
 from fms_paged.engine.request import Request
 from fms_paged.engine.speculative import (
+    BLOCK,
+    EXPLORE,
     PRIOR_VERIFY_COST,
     NgramIndex,
     SpeculativeConfig,
     SpeculativeConfigError,
+    Speculator,
     StepCost,
     ngram_propose,
     proposal_length,
@@ -187,6 +190,27 @@ def test_step_cost_fits_verify_steps_against_plain_ones():
     # them (3 rows: 1.75, 5: 2.25)
     assert cost.verify_costs(1, 5) == pytest.approx([1.0, 1.5, 1.75, 2.0, 2.25, 2.5])
     assert cost.verify_costs(3, 2) is None
+
+
+def test_speculation_takes_the_faster_of_inside_calls_and_between_steps():
+    """Blocks of BLOCK choices: inside lookahead calls first, then between steps, then the mode of
+    fewer seconds per token, the other every EXPLORE-th block; a block's first step is not
+    measured (it catches up on the other mode's tokens). Here between steps costs 1 s a token and
+    inside calls 3 s (a first step of each block reports 100 s, ignored)."""
+    spec = Speculator(SpeculativeConfig.parse(NGRAM))
+    modes = []
+    for _ in range(2 * EXPLORE):
+        for i in range(BLOCK):
+            mode = spec.in_call_now()
+            modes.append(mode)
+            spec.rate(mode, 100.0 if i == 0 else 3.0 if mode else 1.0, 1)
+    blocks = [modes[b * BLOCK] for b in range(2 * EXPLORE)]
+    assert all(modes[b * BLOCK : (b + 1) * BLOCK] == [m] * BLOCK for b, m in enumerate(blocks))
+    # blocks 1 and 2 try each mode; then between steps, but inside calls every EXPLORE-th block
+    assert blocks == [True, False] + [(b + 1) % EXPLORE == 0 for b in range(2, 2 * EXPLORE)]
+    assert spec._rate == {True: pytest.approx(3.0), False: pytest.approx(1.0)}
+    draft = Speculator(SpeculativeConfig("draft_model", 2, model="unused"))
+    assert not draft.in_call_now()  # a draft proposes between steps
 
 
 def test_rejected_proposals_switch_speculation_off(models):
