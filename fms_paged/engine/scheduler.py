@@ -105,7 +105,6 @@ class Scheduler:
         self.pm = pm
         self.speculator = speculator  # speculative decoding: plans proposals, counts acceptance
         self.decode_steps, self.lookahead_ready = decode_steps, lookahead_ready
-        self._in_call = False  # this step's proposals are made inside its lookahead call
         self.horizon = horizon  # every layer windowed: keys this far back are all any layer reads
         # pages are released behind windows: every layer windowed, or sliding layer groups
         self.releases = horizon is not None or (isinstance(pm, GroupedPages) and bool(pm.groups.sliding))
@@ -162,9 +161,9 @@ class Scheduler:
             planned_pages = self._admit(out, budget, planned_pages, now)
         # prompt lookup on a plan that may take lookahead steps: inside the calls or between steps,
         # whichever has been faster (`Speculator.in_call_now`)
-        self._in_call = self.speculator is not None and bool(out.scheduled) and self._lookahead_ready(
+        in_call = self.speculator is not None and bool(out.scheduled) and self._lookahead_ready(
             out, [r for r, _ in out.scheduled]) and self.speculator.in_call_now()
-        if self.speculator is not None and out.scheduled and not self._in_call:  # within what is left
+        if self.speculator is not None and out.scheduled and not in_call:  # within what is left
             left = self.max_num_batched_tokens - sum(n for _, n in out.scheduled)
             planned_pages += self.speculator.plan(out, self.pm, left, self.available_pages() - planned_pages)
         short = planned_pages - self.pm.num_free_pages
@@ -176,8 +175,8 @@ class Scheduler:
                                               [r.num_computed + n + extra.get(id(r), 0)
                                                for r, n in out.scheduled])
         self._plan_rows(out, now)
-        if out.scheduled and self._lookahead_ready(out, out.decodes):
-            self.lookahead(out, self.decode_steps)
+        if out.scheduled:
+            self.lookahead(out, self.decode_steps, in_call)
         return out
 
     def _lookahead_ready(self, plan: SchedulerOutput, reqs: list[Request]) -> bool:
@@ -192,13 +191,13 @@ class Scheduler:
                         and r.matcher is None and r.beam is None for r in reqs)
                 and self.lookahead_ready())
 
-    def lookahead(self, plan: SchedulerOutput, steps: int) -> int:
+    def lookahead(self, plan: SchedulerOutput, steps: int, in_call: bool = False) -> int:
         """Extend a plan whose rows all decode greedily (no log-probabilities, no grammar), with no
         request waiting, to up to `steps` decode steps in one forward (vLLM's multi-step
         scheduling): no request past its `max_new_tokens`, each its share of the token budget,
         the pages for them RESERVEd now where the pool has them (else half as many steps, down to
-        one). -> the steps planned (`plan.steps`). `update` keeps each request's tokens up to its
-        stop."""
+        one); `in_call`: with prompt lookup inside the call (`Speculator.lookup_plan`). -> the
+        steps planned (`plan.steps`). `update` keeps each request's tokens up to its stop."""
         reqs = plan.decodes
         if not self._lookahead_ready(plan, reqs):  # (forks: prefills)
             return plan.steps
@@ -217,7 +216,7 @@ class Scheduler:
             self.cache.evict(need - self.pm.num_free_pages)
         plan.reservation.extend_with(self.pm.reserve(ids, lengths))
         plan.steps = k
-        if self._in_call:
+        if in_call:
             plan.lookup = self.speculator.lookup_plan(reqs, k)
         return k
 

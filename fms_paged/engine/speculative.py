@@ -430,7 +430,7 @@ class Speculator:
                 self.num_accepted += a
                 self._state_of(r).observe(v, a, rej)
         for rows, total, seconds in steps:
-            self.lookup_cost.observe(total > rows, int(rows if total == rows else total), seconds)
+            self.lookup_cost.observe(total > rows, int(total), seconds)
 
     def reset_totals(self) -> None:
         self.num_verifies = self.num_proposed = self.num_accepted = self.num_in_call = 0
