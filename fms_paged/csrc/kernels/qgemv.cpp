@@ -406,6 +406,16 @@ __attribute__((always_inline)) inline __m512i load4(const uint8_t* const* p, int
   return _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[q + 12] + off)), 3);
 }
 
+// y[m0 + i, 0 .. n) from acc[i] (lane j: weight row j of the 16; n <= NG), rounded to T
+template <int mr>
+inline void store_rows(const __m512 (&acc)[mr], int64_t m0, int64_t n, T* y, int64_t y_st) {
+  for (int i = 0; i < mr; ++i) {
+    alignas(64) float o[NG];
+    _mm512_store_ps(o, acc[i]);
+    for (int64_t j = 0; j < n; ++j) y[(m0 + i) * y_st + j] = fms_vec::from_f32<T>(o[j]);
+  }
+}
+
 // y[m0 + i, j] (i < mr, j < n <= 16) = x row m0 + i . weight row j of w (row_bytes apart)
 template <int type, int mr>
 void cols16(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
@@ -468,11 +478,7 @@ void cols16(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64
                                _mm512_mul_ps(dw, _mm512_set1_ps(xq.d[r * nb2 + b])), acc[i]);
     }
   }
-  for (int i = 0; i < mr; ++i) {
-    alignas(64) float o[NG];
-    _mm512_store_ps(o, acc[i]);
-    for (int64_t j = 0; j < n; ++j) y[(m0 + i) * y_st + j] = fms_vec::from_f32<T>(o[j]);
-  }
+  store_rows<mr>(acc, m0, n, y, y_st);
 }
 // The K-quants alike (Q4_K, Q6_K), a super-block of 256 values at a time: its scales decoded for
 // the 16 rows at once (each row's scale bytes transposed into its lane as the quants are), then
@@ -605,11 +611,7 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
         }
     }
   }
-  for (int i = 0; i < mr; ++i) {
-    alignas(64) float o[NG];
-    _mm512_store_ps(o, acc[i]);
-    for (int64_t j = 0; j < n; ++j) y[(m0 + i) * y_st + j] = fms_vec::from_f32<T>(o[j]);
-  }
+  store_rows<mr>(acc, m0, n, y, y_st);
 }
 template <int type, int mr>
 void cols(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
