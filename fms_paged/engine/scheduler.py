@@ -279,7 +279,7 @@ class Scheduler:
         for r, n in plan.scheduled:
             self.num_prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
             r.num_computed += n
-            self._cache_filled(r)
+            self._cache_filled(r, r.num_computed - n)
         for parent, child in plan.forks:  # the parent's prompt is computed: share its pages
             self.pm.fork(parent.seq_id, child.seq_id)
             child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)
@@ -305,7 +305,7 @@ class Scheduler:
             for j, tok in enumerate(toks):
                 if j:  # a later lookahead step computed the token before this one
                     r.num_computed += 1
-                    self._cache_filled(r)
+                    self._cache_filled(r, r.num_computed - 1)
                 r.output.append(tok)
                 r.token_times.append(now)
                 self.num_output_tokens += 1
@@ -350,10 +350,15 @@ class Scheduler:
         if back_ids:
             self.pm.truncate(back_ids, back_lens)
 
-    def _cache_filled(self, r: Request) -> None:
+    def _cache_filled(self, r: Request, before: int) -> None:
         """Put the request's pages filled up to its tokens computed into the prefix cache (with a
-        cache, where a page past `r.cache_chain` is full: most steps fill none)."""
-        if self.cache is not None and r.num_computed // self.pm.page_size > len(r.cache_chain):
+        cache, where a page past `r.cache_chain` is full: most steps fill none), asked where its
+        tokens computed passed a page's end since `before`. A chain that stopped short (its next
+        page's content cached under another page, or released behind a window) is asked again at
+        the next page's end, not at every token: a request repeating a cached output token for
+        token (the same greedy prompt again) cost ~10 us a token to ask."""
+        n = r.num_computed // self.pm.page_size
+        if self.cache is not None and n > len(r.cache_chain) and n > before // self.pm.page_size:
             self.cache.insert(r.seq_id, r.token_slice(0, r.num_computed), r.num_computed, r.cache_chain,
                               r.cache_salt)
 
