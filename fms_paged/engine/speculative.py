@@ -451,7 +451,8 @@ class Speculator:
         them in one batch."""
         c, taken = self.config, 0
         asks = []  # (draft_model) requests and their k
-        timed = self.cost.verify_cost(sum(n for _, n in plan.scheduled)) or PRIOR_VERIFY_COST
+        timed = None  # the step's timed cost, looked up once a request may propose (most steps of a
+        # request backing off, or sampling free text, have none that may)
         for r, n in plan.scheduled:
             if budget <= 0:
                 break
@@ -461,6 +462,8 @@ class Speculator:
             k_max = min(c.num_speculative_tokens, budget, r.params.max_new_tokens - len(r.output) - 1)
             if state.skip <= 0 and k_max <= 0:
                 continue
+            if timed is None and state.skip <= 0 and r.generator is None:
+                timed = self.cost.verify_cost(sum(n for _, n in plan.scheduled)) or PRIOR_VERIFY_COST
             k = state.proposals(timed if r.generator is None else PRIOR_VERIFY_COST, k_max)
             if k == 0:
                 continue
