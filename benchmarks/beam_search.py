@@ -4,10 +4,12 @@ this device's production kernel:
 - memory: the pages 4 beams of a 2,000-token prompt hold at their peak (prefix caching off, so
   every page counted is one the beams hold), against one sequence's prompt pages plus the beams'
   own tails (each beam's pages past the prompt's full pages);
-- speed: the time per generated token of 4 beams against one greedy stream, same prompt, same
-  number of tokens (no stop token: every step runs), decode steps only (the prefill step is left
-  out of both), median of `--repeats` interleaved runs, measured in the same process; and 4 greedy
-  streams of that prompt at once (a step of 4 rows without beam search's own work).
+- speed: the time per generated token of 4 beams against one greedy stream at the engine's defaults
+  (lookahead decode steps: several tokens a call) and at one token a step (`decode_steps=1`, what
+  a beam group's steps are), same prompt, same number of tokens (no stop token: every step runs),
+  decode steps only (the prefill step is left out of all), median of `--repeats` interleaved runs,
+  measured in the same process; and 4 greedy streams of that prompt at once, one token a step (a
+  step of 4 rows without beam search's own work).
 
     python -m benchmarks.beam_search [--prompt-len 2000] [--new 32] [--beams 4] [--repeats 5]
         [--model-path DIR --dtype bfloat16]   (a pretrained checkpoint instead of the default model)
@@ -29,19 +31,19 @@ from fms_paged.kv.geometry import pages_for
 
 def run(eng: Engine, prompt: list[int], params: SamplingParams, copies: int = 1
         ) -> tuple[float, int, int, float]:
-    """One request alone (or `copies` of it) -> (seconds of its steps after the first, those steps,
-    peak pages held, the process's CPU seconds over those steps)."""
+    """One request alone (or `copies` of it) -> (seconds of its steps after the first, the tokens
+    those steps generated per sequence (a greedy stream's lookahead steps give several a step, a beam
+    group's steps one each), peak pages held, the process's CPU seconds over those steps)."""
     for _ in range(copies):
         eng.add_request(prompt, params)
     eng.step()  # the prefill (and, for beams, the first step's FORKs)
     total = eng.pm.num_pages - 1
-    peak, steps = total - eng.pm.num_free_pages, 0
+    peak = total - eng.pm.num_free_pages
     t0, c0 = time.perf_counter(), time.process_time()
     while eng.has_unfinished():
         eng.step()
-        steps += 1
         peak = max(peak, total - eng.pm.num_free_pages)
-    return time.perf_counter() - t0, steps, peak, time.process_time() - c0
+    return time.perf_counter() - t0, params.max_new_tokens - 1, peak, time.process_time() - c0
 
 
 def main() -> None:
@@ -59,8 +61,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = get_model(attn_impl="paged", model_path=args.model_path, dtype=args.dtype)
     P, k = model.config.page_size, args.beams
-    eng = Engine(model, max_num_seqs=k, max_num_batched_tokens=512, max_model_len=2048, num_pages=1024,
-                 enable_prefix_caching=False)
+    opts = dict(max_num_seqs=k, max_num_batched_tokens=512, max_model_len=2048, num_pages=1024,
+                enable_prefix_caching=False)
+    eng, one_token = Engine(model, **opts), Engine(model, decode_steps=1, **opts)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.src_vocab_size
 
@@ -77,17 +80,19 @@ def main() -> None:
     short = torch.randint(3, vocab, (args.speed_prompt_len,), generator=g).tolist()
     greedy = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
     beam = SamplingParams(max_new_tokens=args.new, n=k, use_beam_search=True, ignore_eos=True)
-    run(eng, short, greedy), run(eng, short, beam)  # warm
+    run(eng, short, greedy), run(eng, short, beam), run(one_token, short, greedy)  # warm
     # (and k greedy streams of the same prompt: the cost of k rows a step without beam search's work)
-    per = {"greedy": [], "beams": [], "streams": []}
-    cpu = {"greedy": [], "beams": [], "streams": []}
-    for _ in range(args.repeats):  # interleaved: a load change on the machine hits all three
-        for name, params, copies in (("greedy", greedy, 1), ("beams", beam, 1), ("streams", greedy, k)):
-            s, steps, _, c = run(eng, short, params, copies)
-            per[name].append(s / steps)
-            cpu[name].append(c / steps)
-    g_s, b_s, s_s = (statistics.median(per[n]) for n in ("greedy", "beams", "streams"))
-    g_c, b_c, s_c = (statistics.median(cpu[n]) for n in ("greedy", "beams", "streams"))
+    cases = (("greedy", eng, greedy, 1), ("greedy_one_token", one_token, greedy, 1), ("beams", eng, beam, 1),
+             ("streams", one_token, greedy, k))
+    per: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    cpu: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    for _ in range(args.repeats):  # interleaved: a load change on the machine hits all alike
+        for name, e, params, copies in cases:
+            s, tokens, _, c = run(e, short, params, copies)
+            per[name].append(s / tokens)
+            cpu[name].append(c / tokens)
+    g_s, o_s, b_s, s_s = (statistics.median(per[n]) for n, *_ in cases)
+    g_c, o_c, b_c, s_c = (statistics.median(cpu[n]) for n, *_ in cases)
     result = {
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "model": args.model_path or "default", "dtype": str(next(model.parameters()).dtype),
@@ -95,10 +100,12 @@ def main() -> None:
         "page_size": P, "prompt_len": args.prompt_len, "new_tokens": args.new, "beams": k,
         "peak_pages_beams": peak, "peak_pages_one_sequence": one, "prompt_pages": prompt_pages,
         "beam_tails_pages": tails, "bound_pages": bound, "within_bound": peak <= bound,
-        "greedy_ms_per_token": 1e3 * g_s, "beams_ms_per_token": 1e3 * b_s, "ratio": b_s / g_s,
-        "k_streams_ms_per_step": 1e3 * s_s, "k_streams_ratio": s_s / g_s,
-        "cpu_ms_per_token": {"greedy": 1e3 * g_c, "beams": 1e3 * b_c, "k_streams": 1e3 * s_c},
-        "cpu_ratio": b_c / g_c, "cpu_k_streams_ratio": s_c / g_c,
+        "greedy_ms_per_token": 1e3 * g_s, "greedy_one_token_ms_per_token": 1e3 * o_s,
+        "beams_ms_per_token": 1e3 * b_s, "ratio": b_s / g_s, "ratio_vs_one_token": b_s / o_s,
+        "k_streams_ms_per_token": 1e3 * s_s, "k_streams_ratio_vs_one_token": s_s / o_s,
+        "cpu_ms_per_token": {"greedy": 1e3 * g_c, "greedy_one_token": 1e3 * o_c, "beams": 1e3 * b_c,
+                             "k_streams": 1e3 * s_c},
+        "cpu_ratio": b_c / g_c, "cpu_ratio_vs_one_token": b_c / o_c,
     }
     print(json.dumps(result, indent=1))
 

@@ -17,7 +17,8 @@ fidelity, the scale granularity, decode speed at long contexts and KV bytes per 
    values symmetric per head, fp8 e4m3 per head; and the model in fp32 with no quantization, the
    scale for what an agreement means (the bf16 model's own rounding moves that many argmaxes).
    --screen-fp32 repeats the screen in the fp32 model against fp32 K/V, with bf16 K/V as a
-   candidate: what quantizing K/V alone moves, without the bf16 arithmetic of the rest.
+   candidate: what quantizing K/V alone moves, without the bf16 arithmetic of the rest; and each
+   8-bit form against the same fp32 model with bf16 (16-bit) K/V ("vs_bf16_kv").
 2. Granularity offline: the keys and values one window writes (read back from 16-bit pages), each
    quantized by a candidate and compared with the original: relative RMS error (||x - q(x)|| /
    ||x||) and the worst element's error relative to its row's absmax, for symmetric int8
@@ -140,11 +141,12 @@ def screen(model, model32, windows, fp32_ref: bool = False) -> dict:
     cands["fp8 e4m3 / head"] = (m, f8, f8)
     nll = dict.fromkeys(cands, 0.0)
     agree = dict.fromkeys(cands, 0)
+    agree16 = dict.fromkeys(cands, 0)  # (fp32_ref) with the argmax of bf16 K/V: the same model's 16-bit KV
     n = 0
     with torch.inference_mode():
         for i, w in enumerate(windows):
             t = torch.tensor([w])  # [1, n]
-            target, ref = t[0, 1:], None
+            target, ref, ref16 = t[0, 1:], None, None
             for name, (mm, fk, fv) in cands.items():
                 step = None if fk is None and fv is None else FakeQuantStep(mm, fk, fv)
                 logits = mm(t, torch.arange(len(w))[None], step)[0, :-1].double()  # [n - 1, V]
@@ -152,15 +154,25 @@ def screen(model, model32, windows, fp32_ref: bool = False) -> dict:
                 top = logits.argmax(-1)
                 ref = top if ref is None else ref
                 agree[name] += int((top == ref).sum())
+                if fp32_ref:  # (the candidates after "reference": bf16 K/V first)
+                    ref16 = top if name == "bf16 K/V" else ref16
+                    agree16[name] += int((top == ref16).sum()) if ref16 is not None else 0
             n += len(w) - 1
             log(f"[screen{' fp32' if fp32_ref else ''}] window {i + 1}/{len(windows)}")
     base = math.exp(nll["reference"] / n)
     ref_name = "the model in fp32, K/V unquantized" if fp32_ref else "the model, K/V unquantized"
-    return {"positions": n, "reference": ref_name,
-            "candidates": {name: {"ppl": math.exp(nll[name] / n),
-                                  "ppl_rel_pct": 100 * (math.exp(nll[name] / n) - base) / base,
-                                  "top1_agree_pct": 100 * agree[name] / n, "differ": n - agree[name]}
-                           for name in cands}}
+    out = {"positions": n, "reference": ref_name,
+           "candidates": {name: {"ppl": math.exp(nll[name] / n),
+                                 "ppl_rel_pct": 100 * (math.exp(nll[name] / n) - base) / base,
+                                 "top1_agree_pct": 100 * agree[name] / n, "differ": n - agree[name]}
+                          for name in cands}}
+    if fp32_ref:  # against the same fp32 model with 16-bit (bf16) K/V: the 8-bit forms' own effect
+        base16 = math.exp(nll["bf16 K/V"] / n)
+        for name, c in out["candidates"].items():
+            if name not in ("reference", "bf16 K/V"):
+                c["vs_bf16_kv"] = {"ppl_rel_pct": 100 * (c["ppl"] - base16) / base16,
+                                   "top1_agree_pct": 100 * agree16[name] / n}
+    return out
 
 
 def affine_u8(x: torch.Tensor, groups: int) -> torch.Tensor:
