@@ -55,6 +55,13 @@ def default_gemm() -> str:
     return "own" if native and "avx512f" in flags and not amx and ONEDNN else "packed"
 
 
+# with "own", the most rows the GEMV kernel takes, per dtype (GEMV_MAX_ROWS where not named): in
+# bf16, calls under the GEMM kernel's panels (32 rows; fewer would not repay the packing) stay on
+# the GEMV, which read streamed weights faster there: a 16-stream bf16 decode of SmolLM2-135M took
+# 0.85x oneDNN's packed time with the GEMV, 1.3x with the GEMM kernel's tiles without panels; in
+# fp32 the GEMM kernel's panels were level with oneDNN there and the GEMV 1.06x (docs/benchmarks.md)
+OWN_GEMV_MAX_ROWS = {torch.bfloat16: 31}
+
 GEMM = os.environ.get("FMS_PAGED_GEMM") or default_gemm()
 if GEMM not in GEMMS:
     raise ValueError(f"FMS_PAGED_GEMM={GEMM!r}; expected one of {GEMMS}")

@@ -11,9 +11,9 @@ computed it, and the engine picks paths by the shape of each step, not by the re
 
 - projections: the GEMV kernel for calls of at most `GEMV_MAX_ROWS` rows (decode steps of a few
   rows, prefill steps of a few tokens), a GEMM for more (prefills, and decode rows that share a
-  step with a prefill chunk): the GEMM kernel (`fms_paged.native.gemm.default_gemm`; in bf16 its
-  calls under `GEMM_PANEL_MIN_ROWS` rows take tiles without panels, another order again) or
-  oneDNN's packed GEMM. All sum in fp32, in different orders;
+  step with a prefill chunk): the GEMM kernel (`fms_paged.native.gemm.default_gemm`; in bf16
+  the GEMV keeps calls under `GEMM_PANEL_MIN_ROWS` rows) or oneDNN's packed GEMM. All sum in fp32,
+  in different orders;
 - attention: a chunk of one token (a decode row) takes the cpp kernel's keys-in-lanes path, a
   longer chunk its rows-in-lanes path (after a preemption, output tokens first computed as decode
   rows are recomputed in a prefill chunk);
@@ -41,6 +41,7 @@ import pytest
 import torch
 
 from fms_paged import Engine, SamplingParams, get_model
+from fms_paged.native import gemm
 from tests.engine.test_prefix_cache import check_pool
 
 pytestmark = pytest.mark.usefixtures("cpu_only")  # the cpp kernel and the CPU projections
@@ -234,10 +235,10 @@ def test_preemption_prefix_hits_chunks_and_forks_match_each_request_alone(model_
     assert ids_again == ids and again == got  # tokens and log-probabilities, bit for bit
 
 
-# bf16 calls of fewer rows than this take the GEMM kernel's tiles without panels, which sum each
-# product in another order than its panel tiles (csrc/kernels/gemm.cpp, PACK_MIN_ROWS; fp32 and
-# fp16 take panels at every row count, and oneDNN's packed GEMM one order at every row count)
-GEMM_PANEL_MIN_ROWS = 32
+# with the GEMM kernel, bf16 calls of fewer rows than this stay on the GEMV kernel
+# (`gemm.OWN_GEMV_MAX_ROWS`), which sums in another order (fp32 and fp16 leave the GEMV past
+# GEMV_MAX_ROWS rows, and oneDNN's packed GEMM sums in one order at every row count)
+GEMM_PANEL_MIN_ROWS = gemm.OWN_GEMV_MAX_ROWS[torch.bfloat16] + 1
 
 
 @pytest.mark.parametrize("side", ["panels", "few rows"])
@@ -249,10 +250,10 @@ def test_same_paths_are_bit_identical_to_alone(model_of, dtype, side):
     (the GEMV kernel, as alone), no preemption, no cache hit: every request's tokens and
     log-probabilities (greedy and seeded sampling) equal its alone run's bit for bit. So a row's
     result does not depend on the other rows of its step; what moves it in the test above is a
-    change of path (module docstring). The GEMM kernel in bf16 has a boundary at
+    change of path (module docstring). With the GEMM kernel, bf16 has a boundary at
     GEMM_PANEL_MIN_ROWS rows: both sides are checked, "panels" (8 prompts of at least that many
-    tokens: every call on panels, alone and batched) and "few rows" (3 prompts whose step stays
-    under it: every call without panels)."""
+    tokens: every prefill call through the GEMM, alone and batched) and "few rows" (3 prompts
+    whose step stays under it: every call through the GEMV)."""
     from fms_paged.modules.linear import GEMV_MAX_ROWS
 
     model = model_of(dtype)

@@ -85,20 +85,37 @@ def test_gemm_bits_do_not_depend_on_rows_or_threads(dtype):
         assert torch.equal(torch.ops.fms_paged.gemm(x[rows], ws), few[rows])
     check(few, torch.cat([x[:31].double() @ w.double().T for w in ws], -1))
     check(outs[0], torch.cat([x.double() @ w.double().T for w in ws], -1))
+    # a weight of few panels (200 rows: 4 of 64): the threads split x's rows among them too, each
+    # part packing the panel again; the same bits on 1, 2 or 3 threads and in parts of the rows
+    w = [(torch.randn(200, 640, generator=g) / 24).to(dtype)]
+    try:
+        split = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            split.append(torch.ops.fms_paged.gemm(x, w))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, split[0]) for out in split[1:])
+    for rows in (slice(0, 40), slice(90, 200), slice(260, 300)):
+        assert torch.equal(torch.ops.fms_paged.gemm(x[rows], w), split[0][rows])
+    check(split[0], x.double() @ w[0].double().T)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_takes_the_gemm_on_the_plain_weights(dtype, monkeypatch):
     """With GEMM == "own", `Linear` and `linear_cat` run calls past the GEMV's rows through the GEMM
     kernel: no packed copy of any weight is made, and the results are float64's of the same inputs
-    (the bias added to the rounded product, as the GEMV path adds it)."""
+    (the bias added to the rounded product, as the GEMV path adds it). bf16 calls under 32 rows
+    stay on the GEMV kernel (`gemm.OWN_GEMV_MAX_ROWS`)."""
     monkeypatch.setattr(gemm, "GEMM", "own")
     L.configure()
     try:
         g = torch.Generator().manual_seed(2)
         lin = L.Linear(256, 1040, bias=True).requires_grad_(False).to(dtype)
         a, b = (L.Linear(256, n, bias=False).requires_grad_(False).to(dtype) for n in (64, 48))
-        for rows in (L.GEMV_MAX_ROWS + 1, 300):
+        gemv_rows = gemm.OWN_GEMV_MAX_ROWS.get(dtype, L.GEMV_MAX_ROWS)
+        assert L.cpu_path(torch.zeros(gemv_rows, 256, dtype=dtype), lin.weight) == "gemv"
+        for rows in (gemv_rows + 1, 300):
             x = torch.randn(rows, 256, generator=g).to(dtype)
             assert L.cpu_path(x, lin.weight) == "gemm"
             product = x.double() @ lin.weight.double().T
