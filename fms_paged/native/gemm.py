@@ -40,12 +40,14 @@ def default_gemm() -> str:
     kernels are built for AVX-512 (`isa()` "native" on an x86 CPU with avx512f), the CPU has no
     AMX (amx_bf16 / amx_tile) and torch has oneDNN; "packed" otherwise. The rule follows the
     measurements (docs/benchmarks.md, "Weights held once"; 2-vCPU Zen 4, AVX512_BF16, no AMX):
-    there the kernel's AVX-512 build takes about oneDNN's time (prefills 0.8-1.0x of it) and
-    steady RSS drops by the packed copies (1.43x -> 1.12x llama.cpp's); its AVX2 build took ~1.4x
-    oneDNN's time, and with AMX oneDNN computes on tiles the kernel does not use. So a build for
-    less than the CPU has (`$FMS_PAGED_CPU_ISA` avx2 or baseline) keeps "packed" by default, as a
-    CPU without AVX-512 would; "own" asked for there runs the GEMM kernel of that build. Without
-    oneDNN "packed" means ATen's GEMM on the plain weights (nothing packed either)."""
+    there steady RSS drops by the packed copies (1.44x -> 1.12x llama.cpp's, Gemma 3 270M in
+    bf16) while the kernel's AVX-512 build takes about oneDNN's time (16-stream decode steps
+    0.88-1.01x, 64-token prefills 0.94-1.02x, 512-token prefills 0.99x in bf16 and 1.09-1.12x in
+    fp32, SmolLM2-135M and the default model); its AVX2 build took ~1.4x oneDNN's time, and with
+    AMX oneDNN computes on tiles the kernel does not use. So a build for less than the CPU has
+    (`$FMS_PAGED_CPU_ISA` avx2 or baseline) keeps "packed" by default, as a CPU without AVX-512
+    would; "own" asked for there runs the GEMM kernel of that build. Without oneDNN "packed" means
+    ATen's GEMM on the plain weights (nothing packed either)."""
     try:
         native = isa() == "native"
     except ValueError:  # (a bad `$FMS_PAGED_CPU_ISA` is refused where the kernels are built)
