@@ -137,3 +137,21 @@ def test_linear_takes_the_gemm_on_the_plain_weights(dtype, monkeypatch):
 def test_gemm_refuses_bad_weights():
     with pytest.raises(ValueError, match=r"gemm: weight 1 must be a 2-D torch.float32 CPU tensor \[N, 8\]"):
         torch.ops.fms_paged.gemm(torch.zeros(10, 8), [torch.zeros(4, 8), torch.zeros(4, 7)])
+
+
+@pytest.mark.parametrize("flags,isa,onednn,want", [
+    ({"avx2", "avx512f", "avx512_bf16"}, "native", True, "own"),  # Zen 4: AVX-512, no AMX
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "native", True, "packed"),  # AMX
+    ({"avx2", "avx512f"}, "avx2", True, "packed"),  # kernels built narrower than the CPU
+    ({"avx2", "avx512f"}, "baseline", True, "packed"),
+    ({"avx2", "fma", "f16c"}, "native", True, "packed"),  # AVX2 only
+    ({"avx2", "avx512f"}, "native", False, "packed"),  # no oneDNN: ATen's GEMM, nothing packed
+    ({"asimd", "fp"}, "native", True, "packed"),  # Arm
+])
+def test_default_gemm_follows_the_cpu(flags, isa, onednn, want, monkeypatch):
+    """The GEMM kernel by default only where its kernels are built for AVX-512 and there is no AMX
+    (`gemm.default_gemm`'s measured rule)."""
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(gemm, "isa", lambda: isa)
+    monkeypatch.setattr(gemm, "ONEDNN", onednn)
+    assert gemm.default_gemm() == want
