@@ -11,10 +11,11 @@ time, and reads the process's own `VmHWM` (peak) and `VmRSS` (now) from /proc:
 - `ours-packed`: `get_model(..., dtype=bfloat16)`, then the workload through an `Engine`, with the
   prefill GEMMs through oneDNN on a packed copy of each weight (`FMS_PAGED_GEMM=packed`);
 - `ours-own`: the same with the project's GEMM kernel on the plain weights the GEMV reads
-  (`FMS_PAGED_GEMM=own`): each weight held once. What the packed copies buy in speed is timed
-  inside the `ours-packed` processes, both GEMMs alternating on the same weights
-  (`fms_paged.native.configure` after switching `gemm.GEMM`), so that both share the machine's
-  state (a shared 2-core VM's noise between processes is larger than the difference);
+  (`FMS_PAGED_GEMM=own`, the default on x86 CPUs with AVX-512 and no AMX): each weight held once.
+  What the packed copies buy in speed is timed inside the `ours-packed` processes, both GEMMs
+  alternating on the same weights (`fms_paged.native.configure` after switching `gemm.GEMM`), so
+  that both share the machine's state (a shared 2-core VM's noise between processes is larger
+  than the difference);
 - `llama.cpp`: llama-cpp-python (`make peer-llamacpp`) on the checkpoint converted to a bf16 GGUF
   by llama.cpp's own convert_hf_to_gguf.py (a synthetic sentencepiece tokenizer of the checkpoint's
   vocabulary size: it has none, and the converter needs one), the same requests one after another.

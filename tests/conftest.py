@@ -11,13 +11,16 @@ docker"`: the default addopts deselect `gpu`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fms_paged import native
 from fms_paged.kv.kernels import choose_kernel, flex_unavailable_reason
+from fms_paged.native import gemm
 
 DEVICE_ENV = "FMS_PAGED_TEST_DEVICE"
 # a model whose C++ kernels are still compiling waits for them here (a user's first start computes
@@ -25,6 +28,21 @@ DEVICE_ENV = "FMS_PAGED_TEST_DEVICE"
 # held when the suite started (tests/engine: the start that does not wait, simulated)
 os.environ["FMS_PAGED_WAIT_FOR_BUILDS"] = "1"
 _DEVICE = pytest.StashKey[torch.device]()
+
+
+@contextlib.contextmanager
+def gemm_kind(kind: str):
+    """The operators take `kind`'s GEMM past the GEMV's rows inside ("packed": oneDNN's on packed
+    copies; "own": the GEMM kernel on the plain weights), the configured one again after: what a
+    test of one path pins, whichever this CPU takes by default (`gemm.default_gemm`)."""
+    was = gemm.GEMM
+    gemm.GEMM = kind
+    native.configure()
+    try:
+        yield
+    finally:
+        gemm.GEMM = was
+        native.configure()
 
 
 def pytest_addoption(parser):

@@ -78,7 +78,8 @@ def test_builds_start_after_setuptools_is_imported_on_the_calling_thread():
 
 def test_a_paged_cpu_model_starts_its_builds_while_it_loads(monkeypatch):
     """`get_model` of a paged CPU model hands the builds its first forward needs to the background
-    (the operators, unless loaded; its dtype's GEMV and rows kernels; attention for its head dim)
+    (the operators, unless loaded; its dtype's GEMV and rows kernels, and GEMM kernel where the
+    projections take it; attention for its head dim)
     before it reads the checkpoint (a variant: before its init); the dense attention starts none."""
     from fms_paged.models import get_model
 
@@ -95,15 +96,16 @@ def test_a_paged_cpu_model_starts_its_builds_while_it_loads(monkeypatch):
     model = get_model(attn_impl="paged", device="cpu", dtype=torch.bfloat16)
     D = model.config.head_dim
     assert submitted == [native.ops]
+    own = [("gemm", torch.bfloat16, {})] if native.gemm.GEMM == "own" else []  # its GEMM kernel too
     want = [("gemv", torch.bfloat16, {}), ("rows", torch.bfloat16, {}),
-            ("attention", torch.bfloat16, {"HEAD_DIM": D})]
+            ("attention", torch.bfloat16, {"HEAD_DIM": D}), *own]
     assert sorted(kernels, key=str) == sorted(want, key=str)
     kernels.clear(), submitted.clear()
     get_model(attn_impl="sdpa", device="cpu", dtype=torch.bfloat16)
     get_model(variant="micro", attn_impl="sdpa", device="cpu")
     assert kernels == submitted == []
     get_model(variant="micro", attn_impl="paged", device="cpu")  # a variant: fp32
-    assert {dt for _, dt, _ in kernels} == {torch.float32} and len(kernels) == 3
+    assert {dt for _, dt, _ in kernels} == {torch.float32} and len(kernels) == 3 + len(own)
 
 
 def test_the_cpp_page_geometry_is_kv_geometry():

@@ -16,9 +16,10 @@ model outside inference mode. It costs one more copy of each packed weight in me
 every projection is `F.linear`.
 
 Calls of at most `GEMV_MAX_ROWS` rows (decode steps of a few sequences) take the project's GEMV
-kernel instead (`csrc/kernels/gemv.cpp`). With `fms_paged.native.gemm.GEMM == "own"`
-(`$FMS_PAGED_GEMM=own`) the calls past them take the project's GEMM kernel
-(`csrc/kernels/gemm.cpp`) on the same plain weights, and nothing is packed. Otherwise, which
+kernel instead (`csrc/kernels/gemv.cpp`). With `fms_paged.native.gemm.GEMM == "own"` (the
+default on x86 CPUs with AVX-512 and no AMX: `gemm.default_gemm`; `$FMS_PAGED_GEMM` overrides) the
+calls past them take the project's GEMM kernel (`csrc/kernels/gemm.cpp`) on the same plain
+weights, and nothing is packed. Otherwise, which
 calls pack: CPU, fp32, no gradient wanted, and either
 a large weight (decode of more sequences: reading the weight dominates) or many rows (prefill: the
 GEMM is compute-bound), so small GEMMs keep MKL's lower per-call cost. The operator picks its path

@@ -252,8 +252,9 @@ def configure() -> str | None:
             for dt in list(_READY):
                 load_gemm(dt)
         pack = [gemm.PACK_DTYPES[dt] for dt in ELEM_TYPES] if gemm.ONEDNN else []
+        own_rows = [gemm.OWN_GEMV_MAX_ROWS.get(dt, gemm.GEMV_MAX_ROWS) for dt in ELEM_TYPES]
         torch.ops.fms_paged._configure_linear(gemm.GEMV_MAX_ROWS, gemm.PACK_MIN_WEIGHT, gemm.PACK_MIN_ROWS,
-                                              pack, gemm.GEMM == "own")
+                                              pack, gemm.GEMM == "own", own_rows)
     return why
 
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from fms_paged.native.build import ELEM_TYPES
+from fms_paged.native.build import ELEM_TYPES, cpu_flags, isa
 
 # a call with at most this many rows (a decode step of up to 8 sequences) runs the project's GEMV
 # kernel (`csrc/kernels/gemv.cpp`): it streams each weight row once and costs less per call than
@@ -28,14 +28,45 @@ PACK_MIN_ROWS = 256
 
 # past the GEMV's rows: "own", the project's GEMM kernel (`csrc/kernels/gemm.cpp`) on the plain
 # weights the GEMV reads (each weight held once); "packed", oneDNN's GEMM on a packed copy of each
-# weight kept beside it. `$FMS_PAGED_GEMM` chooses; docs/benchmarks.md ("Weights held once") has
-# the two measured against each other
+# weight kept beside it (fp32 for fp16 weights where oneDNN has no fp16 GEMM: held three times).
+# `$FMS_PAGED_GEMM` chooses; by default `default_gemm()`, by the CPU
 GEMMS = ("packed", "own")
-GEMM = os.environ.get("FMS_PAGED_GEMM") or "packed"
-if GEMM not in GEMMS:
-    raise ValueError(f"FMS_PAGED_GEMM={GEMM!r}; expected one of {GEMMS}")
 # whether this torch build has oneDNN (read once: Dynamo cannot trace the query)
 ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def default_gemm() -> str:
+    """The GEMM `linear` takes past the GEMV's rows unless `$FMS_PAGED_GEMM` says: "own" where the
+    kernels are built for AVX-512 (`isa()` "native" on an x86 CPU with avx512f), the CPU has no
+    AMX (amx_bf16 / amx_tile) and torch has oneDNN; "packed" otherwise. The rule follows the
+    measurements (docs/benchmarks.md, "Weights held once"; 2-vCPU Zen 4, AVX512_BF16, no AMX):
+    there steady RSS drops by the packed copies (1.44x -> 1.12x llama.cpp's, Gemma 3 270M in
+    bf16) while the kernel's AVX-512 build takes about oneDNN's time (16-stream decode steps
+    0.88-1.01x, 64-token prefills 0.94-1.02x, 512-token prefills 0.99x in bf16 and 1.09-1.12x in
+    fp32, SmolLM2-135M and the default model); its AVX2 build took ~1.4x oneDNN's time, and with
+    AMX oneDNN computes on tiles the kernel does not use. So a build for less than the CPU has
+    (`$FMS_PAGED_CPU_ISA` avx2 or baseline) keeps "packed" by default, as a CPU without AVX-512
+    would; "own" asked for there runs the GEMM kernel of that build. Without oneDNN "packed" means
+    ATen's GEMM on the plain weights (nothing packed either)."""
+    try:
+        native = isa() == "native"
+    except ValueError:  # (a bad `$FMS_PAGED_CPU_ISA` is refused where the kernels are built)
+        native = False
+    flags = cpu_flags()  # (Arm's features have no avx512f)
+    amx = bool({"amx_bf16", "amx_tile"} & flags)
+    return "own" if native and "avx512f" in flags and not amx and ONEDNN else "packed"
+
+
+# with "own", the most rows the GEMV kernel takes, per dtype (GEMV_MAX_ROWS where not named): in
+# bf16, calls under the GEMM kernel's panels (32 rows; fewer would not repay the packing) stay on
+# the GEMV, which read streamed weights faster there: a 16-stream bf16 decode of SmolLM2-135M took
+# 0.85x oneDNN's packed time with the GEMV, 1.3x with the GEMM kernel's tiles without panels; in
+# fp32 the GEMM kernel's panels were level with oneDNN there and the GEMV 1.06x (docs/benchmarks.md)
+OWN_GEMV_MAX_ROWS = {torch.bfloat16: 31}
+
+GEMM = os.environ.get("FMS_PAGED_GEMM") or default_gemm()
+if GEMM not in GEMMS:
+    raise ValueError(f"FMS_PAGED_GEMM={GEMM!r}; expected one of {GEMMS}")
 # the dtypes the CPU paths serve: the kernels' (a tuple: a trace may test a dtype's membership)
 DTYPES = tuple(ELEM_TYPES)
 

@@ -10,8 +10,10 @@ comparison is not plain token equality everywhere: a token's numbers depend on t
 computed it, and the engine picks paths by the shape of each step, not by the request:
 
 - projections: the GEMV kernel for calls of at most `GEMV_MAX_ROWS` rows (decode steps of a few
-  rows, prefill steps of a few tokens), oneDNN's packed GEMM for more (prefills, and decode rows
-  that share a step with a prefill chunk). Both sum in fp32, in different orders;
+  rows, prefill steps of a few tokens), a GEMM for more (prefills, and decode rows that share a
+  step with a prefill chunk): the GEMM kernel (`fms_paged.native.gemm.default_gemm`; in bf16
+  the GEMV keeps calls under `GEMM_PANEL_MIN_ROWS` rows) or oneDNN's packed GEMM. All sum in fp32,
+  in different orders;
 - attention: a chunk of one token (a decode row) takes the cpp kernel's keys-in-lanes path, a
   longer chunk its rows-in-lanes path (after a preemption, output tokens first computed as decode
   rows are recomputed in a prefill chunk);
@@ -39,6 +41,7 @@ import pytest
 import torch
 
 from fms_paged import Engine, SamplingParams, get_model
+from fms_paged.native import gemm
 from tests.engine.test_prefix_cache import check_pool
 
 pytestmark = pytest.mark.usefixtures("cpu_only")  # the cpp kernel and the CPU projections
@@ -232,24 +235,37 @@ def test_preemption_prefix_hits_chunks_and_forks_match_each_request_alone(model_
     assert ids_again == ids and again == got  # tokens and log-probabilities, bit for bit
 
 
+# with the GEMM kernel, bf16 calls of fewer rows than this stay on the GEMV kernel
+# (`gemm.OWN_GEMV_MAX_ROWS`), which sums in another order (fp32 and fp16 leave the GEMV past
+# GEMV_MAX_ROWS rows, and oneDNN's packed GEMM sums in one order at every row count)
+GEMM_PANEL_MIN_ROWS = gemm.OWN_GEMV_MAX_ROWS[torch.bfloat16] + 1
+
+
+@pytest.mark.parametrize("side", ["panels", "few rows"])
 @pytest.mark.parametrize("dtype", HALF)
-def test_same_paths_are_bit_identical_to_alone(model_of, dtype):
+def test_same_paths_are_bit_identical_to_alone(model_of, dtype, side):
     """Where a batch takes the same paths as each of its requests alone, half precision is exact:
-    8 requests (prompts longer than GEMV_MAX_ROWS tokens, so that alone too they prefill through
-    the packed GEMM), all prefilled in the first step, then decoding at most GEMV_MAX_ROWS rows at
-    a time (the GEMV kernel, as alone), no preemption, no cache hit: every request's tokens and
+    requests with prompts longer than GEMV_MAX_ROWS tokens (so that alone too they prefill through
+    a GEMM), all prefilled in the first step, then decoding at most GEMV_MAX_ROWS rows at a time
+    (the GEMV kernel, as alone), no preemption, no cache hit: every request's tokens and
     log-probabilities (greedy and seeded sampling) equal its alone run's bit for bit. So a row's
     result does not depend on the other rows of its step; what moves it in the test above is a
-    change of path (module docstring)."""
+    change of path (module docstring). With the GEMM kernel, bf16 has a boundary at
+    GEMM_PANEL_MIN_ROWS rows: both sides are checked, "panels" (8 prompts of at least that many
+    tokens: every prefill call through the GEMM, alone and batched) and "few rows" (3 prompts
+    whose step stays under it: every call through the GEMV)."""
     from fms_paged.modules.linear import GEMV_MAX_ROWS
 
     model = model_of(dtype)
     vocab = model.config.src_vocab_size
     rng = random.Random(1)
-    reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(GEMV_MAX_ROWS + 1, 80))],
+    n, lengths = (GEMV_MAX_ROWS, (GEMM_PANEL_MIN_ROWS, 80)) if side == "panels" else \
+        (3, (GEMV_MAX_ROWS + 1, (GEMM_PANEL_MIN_ROWS - 1) // 3))
+    reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))],
              SamplingParams(max_new_tokens=rng.randint(8, 30), ignore_eos=True, logprobs=3,
                             **({} if i % 2 else dict(temperature=1.0, top_p=0.9, seed=i))))
-            for i in range(GEMV_MAX_ROWS)]
+            for i in range(n)]
+    assert side == "panels" or sum(len(p) for p, _ in reqs) < GEMM_PANEL_MIN_ROWS
     kw = dict(max_num_seqs=GEMV_MAX_ROWS, max_num_batched_tokens=1024, num_pages=100)
     eng = engine(model, **kw)
 

@@ -12,6 +12,7 @@ from fms_paged.kv import budget as budget_mod
 from fms_paged.kv.budget import CPU_KV_SPACE_ENV, KVBudgetError, kv_cache_budget, page_bytes
 from fms_paged.kv.cache import PagedCache
 from fms_paged.kv.kernels import flex_max_pages
+from tests.conftest import gemm_kind
 
 
 def test_page_bytes_7b_fp16():
@@ -36,9 +37,11 @@ def test_cpu_kv_space_sources(micro, monkeypatch):
     assert kv_cache_budget(model, 64, 256, kv_memory_fraction=0.25).num_pages == (3 << 28) // per_page
 
 
-def test_cpu_budget_leaves_room_for_packed_weights(monkeypatch):
+@pytest.mark.parametrize("kind", ["packed", "own"])
+def test_cpu_budget_leaves_room_for_packed_weights(kind, monkeypatch):
     """Packed CPU weight copies (`fms_paged.modules.linear`) are made on first use, after the pool
-    is sized: the budget counts the RAM they will take as used until they exist."""
+    is sized: the budget counts the RAM they will take as used until they exist. With the GEMM
+    kernel on the plain weights ("own") there are none to leave room for."""
     monkeypatch.delenv(CPU_KV_SPACE_ENV, raising=False)
     free = 1 << 30
     monkeypatch.setattr(budget_mod, "free_memory_bytes", lambda device: free)
@@ -47,10 +50,13 @@ def test_cpu_budget_leaves_room_for_packed_weights(monkeypatch):
     per_page = 2 * c.nlayers * c.kvheads * c.head_dim * c.page_size * 4
     # every projection and the LM head (the embedding is not a Linear), fp32
     proj = sum(p.numel() * 4 for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
-    assert kv_cache_budget(model, 64, 256, kv_memory_fraction=0.5).num_pages == (free - proj) // 2 // per_page
-    with torch.no_grad():
-        model(torch.randint(0, c.src_vocab_size, (1, 300)))  # 300 rows: every projection packs
-    assert kv_cache_budget(model, 64, 256, kv_memory_fraction=0.5).num_pages == free // 2 // per_page
+    with gemm_kind(kind):
+        unpacked = proj if kind == "packed" else 0
+        b = kv_cache_budget(model, 64, 256, kv_memory_fraction=0.5)
+        assert b.num_pages == (free - unpacked) // 2 // per_page
+        with torch.no_grad():
+            model(torch.randint(0, c.src_vocab_size, (1, 300)))  # 300 rows: every projection packs (packed)
+        assert kv_cache_budget(model, 64, 256, kv_memory_fraction=0.5).num_pages == free // 2 // per_page
     monkeypatch.setenv(CPU_KV_SPACE_ENV, "0.5")
     b = kv_cache_budget(model, 64, 256, kv_memory_fraction=0.25)  # the environment wins
     assert b.num_pages == (1 << 29) // per_page and CPU_KV_SPACE_ENV in b.source

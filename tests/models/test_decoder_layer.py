@@ -23,8 +23,7 @@ from fms_paged import get_model, native
 from fms_paged.kv.cache import PagedCache
 from fms_paged.kv.kernels.cpp import CppStep
 from fms_paged.modules import linear
-from fms_paged.native import gemm
-from tests.conftest import HF_FAMILIES
+from tests.conftest import HF_FAMILIES, gemm_kind
 
 P = 16
 
@@ -283,20 +282,6 @@ def isa_build(isa: str, dtype: torch.dtype, monkeypatch):
     finally:
         monkeypatch.delenv("FMS_PAGED_CPU_ISA")
         native.load_gemv(dtype)
-
-
-@contextlib.contextmanager
-def gemm_kind(kind: str):
-    """The operators take `kind`'s GEMM past the GEMV's rows inside ("packed": oneDNN's on packed
-    copies; "own": the GEMM kernel on the plain weights), the configured one again after."""
-    was = gemm.GEMM
-    gemm.GEMM = kind
-    native.configure()
-    try:
-        yield
-    finally:
-        gemm.GEMM = was
-        native.configure()
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])

@@ -85,20 +85,37 @@ def test_gemm_bits_do_not_depend_on_rows_or_threads(dtype):
         assert torch.equal(torch.ops.fms_paged.gemm(x[rows], ws), few[rows])
     check(few, torch.cat([x[:31].double() @ w.double().T for w in ws], -1))
     check(outs[0], torch.cat([x.double() @ w.double().T for w in ws], -1))
+    # a weight of few panels (200 rows: 4 of 64): the threads split x's rows among them too, each
+    # part packing the panel again; the same bits on 1, 2 or 3 threads and in parts of the rows
+    w = [(torch.randn(200, 640, generator=g) / 24).to(dtype)]
+    try:
+        split = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            split.append(torch.ops.fms_paged.gemm(x, w))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, split[0]) for out in split[1:])
+    for rows in (slice(0, 40), slice(90, 200), slice(260, 300)):
+        assert torch.equal(torch.ops.fms_paged.gemm(x[rows], w), split[0][rows])
+    check(split[0], x.double() @ w[0].double().T)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_takes_the_gemm_on_the_plain_weights(dtype, monkeypatch):
     """With GEMM == "own", `Linear` and `linear_cat` run calls past the GEMV's rows through the GEMM
     kernel: no packed copy of any weight is made, and the results are float64's of the same inputs
-    (the bias added to the rounded product, as the GEMV path adds it)."""
+    (the bias added to the rounded product, as the GEMV path adds it). bf16 calls under 32 rows
+    stay on the GEMV kernel (`gemm.OWN_GEMV_MAX_ROWS`)."""
     monkeypatch.setattr(gemm, "GEMM", "own")
     L.configure()
     try:
         g = torch.Generator().manual_seed(2)
         lin = L.Linear(256, 1040, bias=True).requires_grad_(False).to(dtype)
         a, b = (L.Linear(256, n, bias=False).requires_grad_(False).to(dtype) for n in (64, 48))
-        for rows in (L.GEMV_MAX_ROWS + 1, 300):
+        gemv_rows = gemm.OWN_GEMV_MAX_ROWS.get(dtype, L.GEMV_MAX_ROWS)
+        assert L.cpu_path(torch.zeros(gemv_rows, 256, dtype=dtype), lin.weight) == "gemv"
+        for rows in (gemv_rows + 1, 300):
             x = torch.randn(rows, 256, generator=g).to(dtype)
             assert L.cpu_path(x, lin.weight) == "gemm"
             product = x.double() @ lin.weight.double().T
@@ -120,3 +137,21 @@ def test_linear_takes_the_gemm_on_the_plain_weights(dtype, monkeypatch):
 def test_gemm_refuses_bad_weights():
     with pytest.raises(ValueError, match=r"gemm: weight 1 must be a 2-D torch.float32 CPU tensor \[N, 8\]"):
         torch.ops.fms_paged.gemm(torch.zeros(10, 8), [torch.zeros(4, 8), torch.zeros(4, 7)])
+
+
+@pytest.mark.parametrize("flags,isa,onednn,want", [
+    ({"avx2", "avx512f", "avx512_bf16"}, "native", True, "own"),  # Zen 4: AVX-512, no AMX
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "native", True, "packed"),  # AMX
+    ({"avx2", "avx512f"}, "avx2", True, "packed"),  # kernels built narrower than the CPU
+    ({"avx2", "avx512f"}, "baseline", True, "packed"),
+    ({"avx2", "fma", "f16c"}, "native", True, "packed"),  # AVX2 only
+    ({"avx2", "avx512f"}, "native", False, "packed"),  # no oneDNN: ATen's GEMM, nothing packed
+    ({"asimd", "fp"}, "native", True, "packed"),  # Arm
+])
+def test_default_gemm_follows_the_cpu(flags, isa, onednn, want, monkeypatch):
+    """The GEMM kernel by default only where its kernels are built for AVX-512 and there is no AMX
+    (`gemm.default_gemm`'s measured rule)."""
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(gemm, "isa", lambda: isa)
+    monkeypatch.setattr(gemm, "ONEDNN", onednn)
+    assert gemm.default_gemm() == want

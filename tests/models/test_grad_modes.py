@@ -3,9 +3,10 @@ or neither, dense (`attn_impl="sdpa"`) and paged (the cpp kernel), against an in
 
 Loading under `inference_mode` makes every weight an inference tensor (no version counter), the
 case the packed-weight cache of `fms_paged.modules.linear` must key without `_version`. The
-prompts take each CPU projection path: 300 tokens (>= PACK_MIN_ROWS: the oneDNN-packed GEMM) and
-5 tokens (<= GEMV_MAX_ROWS: the GEMV kernel); the paged model also decodes one token for each
-prompt (the GEMV kernel and the attention kernel's decode rows).
+prompts take each CPU projection path: 300 tokens (>= PACK_MIN_ROWS: the oneDNN-packed GEMM, pinned
+here whichever GEMM this CPU takes by default: its packed copies are the state kept per weight; the
+GEMM kernel keeps none) and 5 tokens (<= GEMV_MAX_ROWS: the GEMV kernel); the paged model also
+decodes one token for each prompt (the GEMV kernel and the attention kernel's decode rows).
 
 Reference: the same weights (same seed) in a dense model with `linear_impl="torch"` (F.linear
 everywhere: no packed copy, no GEMV kernel), loaded and run under `no_grad`. Tolerance 1e-5
@@ -25,11 +26,19 @@ import torch
 from fms_paged import get_model
 from fms_paged.kv.cache import PagedCache
 from fms_paged.modules import linear as L
+from tests.conftest import gemm_kind
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": contextlib.nullcontext}
 LONG, SHORT = 300, 5
 assert LONG >= L.PACK_MIN_ROWS and SHORT <= L.GEMV_MAX_ROWS
+
+
+@pytest.fixture(autouse=True)
+def packed_gemm():
+    """oneDNN's packed GEMM past the GEMV's rows inside each test (module docstring)."""
+    with gemm_kind("packed"):
+        yield
 
 
 def prompts():

@@ -1,5 +1,9 @@
 """The packed CPU linear (`fms_paged.modules.linear`) against `F.linear` on the same weights.
 
+Every test here runs with oneDNN's packed GEMM past the GEMV's rows (`packed_gemm`), whichever
+GEMM this CPU takes by default (`fms_paged.native.gemm.default_gemm`); tests/models/test_gemm.py
+tests the GEMM kernel on the plain weights.
+
 Tolerance: oneDNN and MKL sum the K products in different orders; fp32 round-off over K <= 1024
 terms of unit-scale values stays far below rtol 1e-5 / atol 1e-4. In bf16 and fp16 the reference
 is float64 from the same half-precision inputs: every path sums in fp32 and rounds its output
@@ -18,9 +22,17 @@ import torch.nn.functional as F
 from fms_paged import get_model, native
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules import linear as L
+from tests.conftest import gemm_kind
 
 TOL = dict(rtol=1e-5, atol=1e-4)
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.fixture(autouse=True)
+def packed_gemm():
+    """oneDNN's packed GEMM past the GEMV's rows inside each test: the paths this module tests."""
+    with gemm_kind("packed"):
+        yield
 
 
 def assert_rounded_from(got: torch.Tensor, ref: torch.Tensor, rounded: torch.Tensor | None = None) -> None:

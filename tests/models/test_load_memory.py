@@ -1,5 +1,6 @@
 """Weights held once: a checkpoint's load costs the loaded weights (plus a read buffer), not the
-checkpoint's bytes on top; and each weight has at most one packed copy beside it.
+checkpoint's bytes on top; and each weight has at most one packed copy beside it (none with the
+GEMM kernel on the plain weights).
 
 The load's peak is measured in fresh processes (their `VmHWM`): one that loads, one that only imports
 the same modules (the baseline), both run the same way, so that torch's and fms_paged's own
@@ -20,6 +21,7 @@ from fms_paged.models.hf import save_hf_llama
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules.linear import Linear, packed_copy
 from fms_paged.native.gemm import PACK_DTYPES
+from tests.conftest import gemm_kind
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,11 +81,13 @@ def test_fp32_checkpoint_loads_into_bf16_within_its_weights(tmp_path):
         f"{weights / 2**20:.0f} MiB of weights (checkpoint {file_bytes / 2**20:.0f} MiB)")
 
 
-def test_each_weight_has_at_most_one_packed_copy_of_its_size():
+@pytest.mark.parametrize("kind", ["packed", "own"])
+def test_each_weight_has_at_most_one_packed_copy_of_its_size(kind):
     """After prefills (stacked q/k/v and gate/up calls, and single projections), the operators keep at
     most one packed copy of each weight, and the packed copies of a model hold no more bytes than its
     projection weights in the packed dtype (oneDNN's blocked layout pads a tail block at most:
-    bounded here by 3% for these widths)."""
+    bounded here by 3% for these widths). With the GEMM kernel ("own") they keep none: each weight
+    is held once."""
     why = native.load_gemv(torch.float32)
     if why is not None:
         pytest.skip(f"no C++ operators here: {why}")
@@ -92,12 +96,15 @@ def test_each_weight_has_at_most_one_packed_copy_of_its_size():
                       multiple_of=64, max_expected_seq_len=512)
     model = LLaMA(cfg).eval()
     model.reset_buffers()
-    with torch.inference_mode():
-        for rows in (300, 20, 300):  # packed GEMMs (and the GEMV between), twice: no second copy
+    with torch.inference_mode(), gemm_kind(kind):
+        for rows in (300, 20, 300):  # GEMMs (and the GEMV between), twice: no second copy
             model(torch.randint(0, 512, (1, rows)))
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.pack]
     ptrs = torch.ops.fms_paged._packed_data_ptrs()
     mine = [p for p in ptrs if p in {m.weight.data_ptr() for m in linears}]
+    if kind == "own":
+        assert not mine, "the GEMM kernel's model has packed copies"
+        return
     assert mine, "nothing was packed: this test checks nothing here"
     assert len(mine) == len(set(mine)), "a weight has more than one packed copy"
     packed = [c.numel() * c.element_size() for m in linears if (c := packed_copy(m.weight)) is not None]

@@ -77,6 +77,9 @@ constexpr int64_t KC_MAX = FMS_VEC_BF16_DP ? 1024 : 512;
 // costs more than the broadcast tile saves (docs/benchmarks.md, "Weights held once"). In fp32 the
 // tiles without a panel were the slower ones at every row count measured (16 on): none there
 constexpr int64_t PACK_MIN_ROWS = 32;
+// the work items a thread has at least, where x's rows are many enough to split (see `run`), and
+// the fewest tiles of rows a part of them keeps (96 rows: its panel's packing spread over them)
+constexpr int64_t ITEMS_PER_THREAD = 8, PART_MIN_TILES = 16;
 
 #if FMS_VEC_BF16_DP
 using X = T;      // x as stored: bf16 pairs
@@ -513,8 +516,17 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   const Rows rows{a.weights, first.data(), (int)a.n_weights};
   const int64_t N = first.back();
   const int64_t panels = (N + NC - 1) / NC;
+  const int64_t tiles = (M + MR - 1) / MR;
+  // work items: a panel and a part of x's rows. Few panels a thread (a weight of a few hundred
+  // rows) would leave the threads uneven (15 panels on 2 threads: 8 against 7), so x's rows are
+  // split until there are ITEMS_PER_THREAD items a thread, each part at least PART_MIN_TILES tiles;
+  // each part packs its panel again (its cost spread over fewer rows). A row's sums are the same.
+  const int64_t split = std::max<int64_t>(1, std::min<int64_t>(
+      (ITEMS_PER_THREAD * a.threads + panels - 1) / panels, tiles / PART_MIN_TILES));
+  const int64_t part_tiles = (tiles + split - 1) / split, parts = (tiles + part_tiles - 1) / part_tiles;
+  const int64_t items = panels * parts;  // (no part empty)
   const int64_t by_work = std::max<int64_t>(1, M * N * K / GRAIN);
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, panels, by_work}));
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, items, by_work}));
   // K in blocks of at most KC_MAX steps (equal, whole multiples of 16), a panel of each at a time
   const int64_t steps = steps_of(K), at_most = (steps + KC_MAX - 1) / KC_MAX;
   const int64_t kc = ((steps + at_most - 1) / at_most + 15) / 16 * 16, blocks = (steps + kc - 1) / kc;
@@ -525,18 +537,19 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   // knows which weight rows to fetch ahead
   std::atomic<int64_t> claims{0};
   std::atomic<bool> out_of_memory{false};
-  const int64_t tiles = (M + MR - 1) / MR;
 #pragma omp parallel num_threads(threads)
   {
     P* panel = static_cast<P*>(thread_buffer<0>(panel_bytes));
     float* part = blocks > 1 ? static_cast<float*>(thread_buffer<1>(part_bytes)) : nullptr;
     if (!panel || (blocks > 1 && !part)) {  // (no exception may leave the parallel region: thrown after it)
       out_of_memory = true;
-      claims = panels;
+      claims = items;
     }
     const T* next_rows[NC];
-    for (int64_t p = out_of_memory ? panels : claims.fetch_add(1); p < panels;) {
-      const int64_t q = claims.fetch_add(1);  // the next panel
+    for (int64_t it = out_of_memory ? items : claims.fetch_add(1); it < items;) {
+      const int64_t next = claims.fetch_add(1);  // the next item
+      const int64_t p = it / parts, q = next < items ? next / parts : panels;  // its panel, the next one's
+      const int64_t t0 = it % parts * part_tiles, t1 = std::min(tiles, t0 + part_tiles);
       const int64_t r0 = p * NC, nc = std::min<int64_t>(NC, N - r0);
       for (int64_t kb = 0; kb < blocks; ++kb) {
         const Steps b{kb * kc, std::min(steps, (kb + 1) * kc), kb == 0, kb == blocks - 1};
@@ -548,8 +561,8 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
         int seg = 0;
         for (int64_t c = 0; c < nn; ++c) next_rows[c] = rows.row(nr0 + c, seg, K) + nk0;
         pack(rows, r0, nc, K, b.s_begin, b.s_end, panel);
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t m = t * MR, c0 = t * nn / tiles, c1 = (t + 1) * nn / tiles;
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t m = t * MR, c0 = (t - t0) * nn / (t1 - t0), c1 = (t - t0 + 1) * nn / (t1 - t0);
           const int64_t lines = (c1 - c0) * ((row_bytes + 63) / 64), n = b.s_end - b.s_begin;
           const int per_step = (int)std::min<int64_t>(4, (lines + n - 1) / n);
           const Ahead ahead{nullptr, nullptr, next_rows + c0, c1 - c0, row_bytes, per_step};
@@ -560,7 +573,7 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
             rest<MR - 1>(M - m, x + m * x_st, x_st, K, b, panel, nc, tpart, y + m * N + r0, N, ahead);
         }
       }
-      p = q;
+      it = next;
     }
   }
   if (out_of_memory) throw std::bad_alloc();

@@ -417,7 +417,7 @@ void run_stack(const DecoderStack& s, const at::Tensor& x, at::TensorList cos, a
   void *h = base, *y = base + M * wide * x.element_size(), *att = base + 2 * M * wide * x.element_size();
   by_elem(e, [&](auto t) {
     using T = decltype(t);
-    const Mm project{mm, linear_gemm_fn(e), e, linear_gemv_rows(), x.options(), qmm};
+    const Mm project{mm, linear_gemm_fn(e), e, linear_gemv_rows(e), x.options(), qmm};
     const Rows<T> rows{rows_kernel, s.eps, s.unit_offset};
     for (int64_t i = 0; i < n; ++i) {
       const int64_t g = G == 1 ? 0 : s.slices[i];

@@ -348,20 +348,27 @@ struct LinearConfig {
   int64_t gemv_max_rows = 8, pack_min_weight = 1 << 18, pack_min_rows = 256;
   bool onednn = false;
   bool own_gemm = false;  // past the GEMV's rows, the GEMM kernel on the plain weights (where loaded)
+  // with the GEMM kernel: the most rows the GEMV kernel takes, per storage type (at least gemv_max_rows)
+  std::array<int64_t, kElems> own_gemv_max_rows{8, 8, 8};
   std::array<at::ScalarType, kElems> pack_dtype{at::kFloat, at::kFloat, at::kFloat};  // per storage type
 };
 LinearConfig linear_config;
 std::mutex linear_config_mu;
 
 void configure_linear(int64_t gemv_max_rows, int64_t pack_min_weight, int64_t pack_min_rows,
-                      std::vector<at::ScalarType> pack_dtypes, bool own_gemm) {
+                      std::vector<at::ScalarType> pack_dtypes, bool own_gemm, std::vector<int64_t> own_gemv_rows) {
   TORCH_CHECK_VALUE(pack_dtypes.empty() || pack_dtypes.size() == kElems, "_configure_linear: pack_dtypes has ",
                     pack_dtypes.size(), " entries; expected none (no oneDNN) or one per ", elem_names);
   std::lock_guard<std::mutex> lock(linear_config_mu);
   linear_config.gemv_max_rows = gemv_max_rows, linear_config.pack_min_weight = pack_min_weight;
   linear_config.pack_min_rows = pack_min_rows, linear_config.onednn = !pack_dtypes.empty();
   for (size_t i = 0; i < pack_dtypes.size(); ++i) linear_config.pack_dtype[i] = pack_dtypes[i];
+  TORCH_CHECK_VALUE(own_gemv_rows.empty() || own_gemv_rows.size() == kElems, "_configure_linear: own_gemv_rows has ",
+                    own_gemv_rows.size(), " entries; expected none or one per ", elem_names);
   linear_config.own_gemm = own_gemm;
+  for (int i = 0; i < kElems; ++i)
+    linear_config.own_gemv_max_rows[i] =
+        std::max(gemv_max_rows, own_gemv_rows.empty() ? gemv_max_rows : own_gemv_rows[i]);
 }
 
 // a packed copy of a stack of weights: what it was made from (each weight's data pointer and
@@ -444,18 +451,21 @@ at::Tensor pointwise(const at::Tensor& x, const at::Tensor& packed, const std::o
   return same ? y : y.to(x.scalar_type());
 }
 
-int64_t linear_gemv_rows();
-
 enum class Path { gemv, gemm, packed, aten };
 
 // the path `linear` takes for x [..., K] times weights of `width` rows in all (a stack's): the GEMV
 // kernel for a few rows; past them the GEMM kernel where it is configured and loaded (both read
 // the plain weights: each held once), else oneDNN's packed GEMM for a large weight or many rows
 // (or any half-precision call where oneDNN has no such GEMM), at::linear for the small GEMMs left
+// the most rows the GEMV kernel takes for storage type e (more where the GEMM kernel serves e)
+int64_t gemv_rows(int e, const LinearConfig& cfg) {
+  return e >= 0 && cfg.own_gemm && gemm_fn(e) ? cfg.own_gemv_max_rows[e] : cfg.gemv_max_rows;
+}
+
 Path linear_path(const at::Tensor& x, int64_t width, const LinearConfig& cfg) {
   const int64_t K = x.size(-1);
   const int e = elem_index(x.scalar_type());
-  if (e >= 0 && x.numel() <= cfg.gemv_max_rows * K) return Path::gemv;
+  if (e >= 0 && x.numel() <= gemv_rows(e, cfg) * K) return Path::gemv;
   if (e >= 0 && cfg.own_gemm && gemm_fn(e)) return Path::gemm;
   const bool pack = cfg.onednn && e >= 0 &&
                     (cfg.pack_dtype[e] != x.scalar_type() || width * K >= cfg.pack_min_weight ||
@@ -494,7 +504,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::option
   return add_bias(at::cat(ys, -1));
 }
 
-int64_t linear_gemv_rows() { return config().gemv_max_rows; }
+int64_t linear_gemv_rows(int e) { return gemv_rows(e, config()); }
 
 KernelFn linear_gemm_fn(int e) { return config().own_gemm ? gemm_fn(e) : nullptr; }
 
@@ -576,7 +586,7 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
   m.def("_load_kernel(str kind, str path, ScalarType dtype, int head_dim=0) -> ()", &load_kernel);
   m.def("_kernel_loaded(str kind, ScalarType dtype, int head_dim=0) -> bool", &kernel_loaded);
   m.def("_configure_linear(int gemv_max_rows, int pack_min_weight, int pack_min_rows, ScalarType[] pack_dtypes, "
-        "bool own_gemm=False) -> ()",
+        "bool own_gemm=False, int[] own_gemv_rows=[]) -> ()",
         &configure_linear);
   m.def("_packed_data_ptrs() -> int[]", &packed_data_ptrs);
   m.def("_linear_path(Tensor x, int width) -> str", &linear_path_name);

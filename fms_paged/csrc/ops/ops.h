@@ -203,9 +203,9 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList weights, const std::optio
 at::Tensor block_embedding(const at::Tensor& blocks, const at::Tensor& tokens, at::ScalarType dtype);
 
 // x [..., K] @ [w_1; w_2; ...]^T + bias by the path the rows call for (ops/ops.cpp), and the
-// most rows it gives the GEMV kernel
+// most rows it gives the GEMV kernel in storage type e
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias);
-int64_t linear_gemv_rows();
+int64_t linear_gemv_rows(int e);
 // RMSNorm of x [..., n] and the first largest of each row by the rows kernel (ops/ops.cpp)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 at::Tensor argmax(const at::Tensor& x);
