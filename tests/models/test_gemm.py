@@ -70,13 +70,18 @@ def test_gemm_bits_do_not_depend_on_rows_or_threads(dtype):
     x = torch.randn(300, 640, generator=g).to(dtype)
     ws = [(torch.randn(n, 640, generator=g) / 24).to(dtype) for n in (1536, 100)]
     threads = torch.get_num_threads()
-    try:
+
+    def on_1_2_3_threads(weights):  # the product on 1, 2 and 3 threads
         outs = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            outs.append(torch.ops.fms_paged.gemm(x, ws))
-    finally:
-        torch.set_num_threads(threads)
+        try:
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                outs.append(torch.ops.fms_paged.gemm(x, weights))
+        finally:
+            torch.set_num_threads(threads)
+        return outs
+
+    outs = on_1_2_3_threads(ws)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
     for rows in (slice(0, 40), slice(7, 50), slice(260, 300)):
         assert torch.equal(torch.ops.fms_paged.gemm(x[rows], ws), outs[0][rows])
@@ -88,13 +93,7 @@ def test_gemm_bits_do_not_depend_on_rows_or_threads(dtype):
     # a weight of few panels (200 rows: 4 of 64): the threads split x's rows among them too, each
     # part packing the panel again; the same bits on 1, 2 or 3 threads and in parts of the rows
     w = [(torch.randn(200, 640, generator=g) / 24).to(dtype)]
-    try:
-        split = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            split.append(torch.ops.fms_paged.gemm(x, w))
-    finally:
-        torch.set_num_threads(threads)
+    split = on_1_2_3_threads(w)
     assert all(torch.equal(out, split[0]) for out in split[1:])
     for rows in (slice(0, 40), slice(90, 200), slice(260, 300)):
         assert torch.equal(torch.ops.fms_paged.gemm(x[rows], w), split[0][rows])
