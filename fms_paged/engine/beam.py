@@ -225,11 +225,12 @@ def candidates(logits: torch.Tensor, sampled: list[tuple[Request, int]]) -> dict
 
 # ------------------------------------------------------------------ the step's booking
 def advance(sched, g: BeamGroup, cands: tuple[list[float], list[int], list[int]],
-            now: float) -> tuple[list[RequestOutput], list[Request]]:
+            now: float, pages: bool = True) -> tuple[list[RequestOutput], list[Request]]:
     """Book one beam step of group `g` (`candidates`' lists): finished hypotheses, the next beams
     and their pages (a parent continued twice takes, by REPOINT, the row of a parent continued by
     none; the rest are ERASEd), or the end of the search -> (its outputs, its finished requests:
-    all k beams, or none)."""
+    all k beams, or none). `pages=False`: a step of a lookahead call, whose rows already hold
+    their pages (`book_steps`): the beams' rows and state alone."""
     vals, parents, toks = cands
     k, p = g.width, g.params
     old = g.beams
@@ -252,15 +253,16 @@ def advance(sched, g: BeamGroup, cands: tuple[list[float], list[int], list[int]]
         done = not g.improvable or (full and p.early_stopping is True)
     if done:
         return _finish(sched, g)
-    _move(sched, g, [(parents[i], toks[i], vals[i]) for i in going], now)
+    _move(sched, g, [(parents[i], toks[i], vals[i]) for i in going], now, pages)
     return [], []
 
 
-def _move(sched, g: BeamGroup, chosen: list[tuple[int, int, float]], now: float) -> None:
+def _move(sched, g: BeamGroup, chosen: list[tuple[int, int, float]], now: float, pages: bool = True) -> None:
     """The next beams (parent, token, score), best first: each parent's first continuation keeps
     its row and pages; a further continuation of a parent takes the row of a parent nobody
     continues, which REPOINTs to the parent's pages (ERASE + FORK in one pass: copy-on-write of
-    its last, partly filled page at the next RESERVE); the parents left over are ERASEd."""
+    its last, partly filled page at the next RESERVE); the parents left over are ERASEd.
+    `pages=False`: the rows hold their pages already (a lookahead call moved them)."""
     old = g.beams
     outputs = [list(b.output) for b in old]
     times = [list(b.token_times) for b in old]
@@ -277,7 +279,12 @@ def _move(sched, g: BeamGroup, chosen: list[tuple[int, int, float]], now: float)
             picked.append((parent, parent))
     moved = [(b, parent) for b, parent in picked if b is not parent]
     gone = [b for b, _ in moved] + spare  # rows whose pages go back (or stay with the prefix cache)
-    if gone:  # one REPOINT of the moved rows and one ERASE of the rest; rows kept
+    if gone and not pages:
+        for b in spare:
+            b.cache_chain = []
+        for b, parent in moved:
+            b.num_computed, b.cache_chain = parent.num_computed, list(parent.cache_chain)
+    elif gone:  # one REPOINT of the moved rows and one ERASE of the rest; rows kept
         pm, cache = sched.pm, sched.cache
         pages = [pm.pages_of(b.seq_id) for b in gone] if cache else []
         if moved:
@@ -296,6 +303,54 @@ def _move(sched, g: BeamGroup, chosen: list[tuple[int, int, float]], now: float)
         beams.append(b)
     g.beams = beams
     g.scores = [s for _, _, s in chosen]
+
+
+@dataclass
+class BeamSteps:
+    """A lookahead call's beam steps (`fms_paged::decode_beams`, planned by `Scheduler.lookahead`):
+    each group's candidates step by step (`candidates`' form), the call's sequences `seqs` (its
+    rows, the groups' beams in turn as they were), their page table rows after the call `tables`
+    ([slices, B, pages]) and `rows`: for each row of the call, which of `seqs` holds its beam at
+    the end."""
+
+    groups: dict[BeamGroup, list[tuple[list[float], list[int], list[int]]]]
+    seqs: list[int]
+    tables: torch.Tensor
+    rows: list[int]
+
+
+def book_steps(sched, steps: BeamSteps, now: float) -> tuple[list[RequestOutput], list[Request]]:
+    """Book a lookahead call of beam steps: the rows take the pages the call moved among them
+    (`PageManager.retable`; pages nobody holds now go back, or stay evictable in the prefix
+    cache), then each group's steps are booked in turn as one-token steps are (`advance`, rows and
+    pages already where they belong; each step after the first computed its beams' last token),
+    up to the step that ends its search; then the pages its beams filled go into the prefix cache.
+    RuntimeError if a group's beams do not end in the rows the call says (the host's and the
+    call's moves must agree). -> (outputs, finished requests)."""
+    dropped = sched.pm.retable(steps.seqs, steps.tables)
+    if sched.cache is not None:
+        sched.cache.release(dropped)
+    outputs, finished, at = [], [], 0
+    for g, per_step in steps.groups.items():
+        before = g.beams[0].num_computed - 1  # (the first step's token is booked as scheduled)
+        for j, cands in enumerate(per_step):
+            if j:
+                for b in g.beams:
+                    b.num_computed += 1
+            outs, done = advance(sched, g, cands, now, pages=False)
+            outputs += outs
+            finished += done
+            if done:
+                break
+        else:
+            held = [steps.seqs[r] for r in steps.rows[at : at + g.width]]
+            if [b.seq_id for b in g.beams] != held:
+                raise RuntimeError(f"beam search: the beams' rows {[b.seq_id for b in g.beams]} after "
+                                   f"{len(per_step)} steps in one call, but the call moved them to {held}")
+            for b in g.beams:
+                sched._cache_filled(b, before)
+        at += g.width
+    return outputs, finished
 
 
 def _finish(sched, g: BeamGroup) -> tuple[list[RequestOutput], list[Request]]:

@@ -86,8 +86,10 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[list[TokenLogprobs]] | None = None
     steps: list[list[int]] | None = None  # a plan of lookahead steps: each request's tokens in turn
-    # beam search: each sampled group's candidates (`fms_paged.engine.beam.candidates`)
+    # beam search: each sampled group's candidates (`fms_paged.engine.beam.candidates`), or for
+    # lookahead beam steps each group's candidates step by step (`fms_paged.engine.beam.BeamSteps`)
     beams: dict | None = None
+    beam_steps: beam.BeamSteps | None = None
     verified: list[list[int]] | None = None  # each of `plan.verifies`: the tokens it keeps
     # a lookahead call with prompt lookup (`plan.lookup`): its per-request and per-step measures
     # (`Speculator.observe_lookup`)
@@ -191,16 +193,31 @@ class Scheduler:
                         and r.matcher is None and r.beam is None for r in reqs)
                 and self.lookahead_ready())
 
+    def _beam_lookahead_ready(self, plan: SchedulerOutput, reqs: list[Request]) -> bool:
+        """Whether a plan of beams may take lookahead beam steps (`lookahead`, run by
+        `fms_paged::decode_beams`): several steps set, the runner runs them in one call now, no
+        prefill, preemption, fork or request waiting, and every row a beam of a group whose beams
+        all decode in this plan (not its first step: that one FORKs), the groups of one width (a
+        call's groups are rows of that many)."""
+        if not (self.decode_steps > 1 and self.lookahead_ready is not None and bool(reqs)
+                and not (plan.prefills or plan.preempted or self.waiting or plan.verifies or plan.forks)
+                and all(r.beam is not None and r.reaches_end(1) for r in reqs)):
+            return False
+        groups = {r.beam for r in reqs}
+        return (sum(g.width for g in groups) == len(reqs) and len({g.width for g in groups}) == 1
+                and not any(g.leader.forks for g in groups) and self.lookahead_ready())
+
     def lookahead(self, plan: SchedulerOutput, steps: int, in_call: bool = False) -> int:
-        """Extend a plan whose rows all decode greedily (no log-probabilities, no grammar), with no
+        """Extend a plan whose rows all decode greedily (no log-probabilities, no grammar), or are
+        all beams of whole groups, with no
         request waiting, to up to `steps` decode steps in one forward (vLLM's multi-step
         scheduling): no request past its `max_new_tokens`, each its share of the token budget,
         the pages for them RESERVEd now where the pool has them (else half as many steps, down to
         one); `in_call`: with prompt lookup inside the call (`Speculator.lookup_plan`). -> the
         steps planned (`plan.steps`). `update` keeps each request's tokens up to its stop."""
         reqs = plan.decodes
-        if not self._lookahead_ready(plan, reqs):  # (forks: prefills)
-            return plan.steps
+        if not (self._lookahead_ready(plan, reqs) or self._beam_lookahead_ready(plan, reqs)):
+            return plan.steps  # (forks: prefills)
         k = min([steps, self.max_num_batched_tokens // len(reqs)]
                 + [r.params.max_new_tokens - len(r.output) for r in reqs])
         ids = [r.seq_id for r in reqs]
@@ -279,7 +296,8 @@ class Scheduler:
         for r, n in plan.scheduled:
             self.num_prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
             r.num_computed += n
-            self._cache_filled(r, r.num_computed - n)
+            if result.beam_steps is None:  # (lookahead beam steps: once the rows have their pages)
+                self._cache_filled(r, r.num_computed - n)
         for parent, child in plan.forks:  # the parent's prompt is computed: share its pages
             self.pm.fork(parent.seq_id, child.seq_id)
             child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)
@@ -327,8 +345,12 @@ class Scheduler:
             prompt_lps = None if r.prompt_lps is None else self._take_prompt_logprobs(r)
             outputs.append(RequestOutput(r.request_id, toks[: j + 1], reason is not None, reason, r.index,
                                          lps, stats, prompt_lps))
-        for g in groups:  # beam search: the group's step (`beam.advance`: next beams, their pages)
-            outs, done = beam.advance(self, g, result.beams[g], now)
+        if result.beam_steps is not None:  # lookahead beam steps: each group's steps in turn
+            outs, done = beam.book_steps(self, result.beam_steps, now)
+            outputs += outs
+            finished += done
+        for g in groups if result.beam_steps is None else ():  # beam search: the group's step
+            outs, done = beam.advance(self, g, result.beams[g], now)  # (next beams, their pages)
             outputs += outs
             finished += done
         if plan.verifies:

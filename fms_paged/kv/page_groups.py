@@ -153,6 +153,13 @@ class GroupedPages:
         self._check_seq(parents)
         self.inner.repoint(self._all_rows(seq_ids), self._all_rows(parents))
 
+    def retable(self, seq_ids: Sequence[int], tables: np.ndarray | torch.Tensor) -> list[int]:
+        """`PageManager.retable` of every slice at once: tables [num_slices, len(seq_ids),
+        max_pages_per_seq], slice g's rows of the sequences in tables[g]."""
+        self._check_seq(seq_ids)
+        t = tables.cpu().numpy() if isinstance(tables, torch.Tensor) else np.asarray(tables)
+        return self.inner.retable(self._all_rows(seq_ids), t.reshape(-1, t.shape[-1]))
+
     def release_behind_window(self, seq_ids: Sequence[int], next_positions: Sequence[int],
                               horizon: int | None = None) -> list[int]:
         """Each sliding slice releases the pages of each sequence wholly before the first key its

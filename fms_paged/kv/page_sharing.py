@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from fms_paged.kv import _pool_ops as ops
 from fms_paged.kv.geometry import NULL_PAGE
@@ -84,6 +85,59 @@ class PageSharing:
         self._page_table_d.index_copy_(0, packed[:k], self._page_table_d.index_select(0, packed[k : 2 * k]))
         ops.fill_int32(self._p2l_d, packed[2 * k :], -1)
         self._free.extend(freed)
+
+    def retable(self, seq_ids: Sequence[int], tables: np.ndarray | torch.Tensor) -> list[int]:
+        """Live sequences trade pages among themselves: `seq_ids[i]` takes the whole page table
+        row `tables[i]` ([len(seq_ids), max_pages_per_seq], or [1, ...]), its length kept (beam
+        search's lookahead steps, `fms_paged::decode_beams`, moved a group's beams between rows inside one
+        call: a beam continued twice took a spare row, which took its parent's earlier pages and
+        copied its later ones into its own). Every page of the new rows is one of these rows' pages
+        now, at the same logical index; a page's references follow the rows that hold it, and a
+        page none holds any more returns to the free pool. -> the pages whose references dropped,
+        in their rows' logical order (a prefix cache's `release`). ValueError on bad input; nothing
+        changes then. No KV data moves."""
+        ids = self._check_ids(seq_ids)
+        self._check_live(ids)
+        new = np.asarray(tables.cpu() if isinstance(tables, torch.Tensor) else tables, dtype=np.int32)
+        if new.ndim == 3 and new.shape[0] == 1:  # (one slice's [1, n, pages], as decode_beams gives)
+            new = new[0]
+        if new.shape != (ids.size, self.max_pages_per_seq):
+            raise ValueError(f"retable: tables of shape {list(new.shape)}, expected "
+                             f"[{ids.size}, {self.max_pages_per_seq}] for seq ids {ids.tolist()}")
+        old = self._table[ids]
+        differ = old != new  # an entry both hold keeps its reference: only the others count
+        if not differ.any():
+            return []
+        dropped, taken = old[differ].tolist(), new[differ].tolist()
+        mine = set(old[old != NULL_PAGE].tolist())
+        cols = np.nonzero(differ)[1].tolist()
+        for p, c in zip(taken, cols):
+            if p == NULL_PAGE:
+                continue
+            if p not in mine:
+                raise ValueError(f"retable: page {p} is not a page of seq ids {ids.tolist()}")
+            if self._p2l[p] != c:
+                raise ValueError(f"retable: page {p} at logical index {c}, but it holds logical page "
+                                 f"{int(self._p2l[p])}")
+        refs = self._refcount
+        for p in taken:  # the taken first, so a page both sides hold never reaches 0
+            if p != NULL_PAGE:
+                refs[p] += 1
+        for p in dropped:
+            if p != NULL_PAGE:
+                refs[p] -= 1
+        dropped = [p for p in dropped if p != NULL_PAGE]
+        freed = sorted({p for p in dropped if refs[p] == 0})
+        self._table[ids] = new
+        # state of freed pages first, THEN push them on the free pool (concurrency contract)
+        self._p2l[freed] = -1
+        k = ids.size
+        packed = ops.to_device(np.concatenate([ids.astype(np.int64), np.asarray(freed, dtype=np.int64)]),
+                               self.device)
+        self._page_table_d.index_copy_(0, packed[:k], ops.to_device(new, self.device))
+        ops.fill_int32(self._p2l_d, packed[k:], -1)
+        self._free.extend(freed)
+        return dropped
 
     def _adopt(self, s: int, pages: np.ndarray, length: int) -> None:
         """Seq `s` (checked: not live) takes `pages` (checked: owned, or the null page where a

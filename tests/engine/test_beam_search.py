@@ -184,3 +184,45 @@ def test_abort_ends_the_whole_search_and_returns_everything(models, steps):
     assert ends == {**{(rid, i): "abort" for i in range(K)}, (other, 0): "length"}
     eng.reset_prefix_cache()
     assert eng.pm.num_free_pages == eng.pm.num_pages - 1 and len(eng.scheduler.free_rows) == 8
+
+
+@pytest.mark.parametrize("family, kv", [("llama", None), ("gemma3", None), ("llama", "int8")])
+def test_lookahead_beam_steps_equal_one_token_steps(family, kv, hf_family):
+    """Beam steps run several in one call (`fms_paged::decode_beams`: the engine's lookahead steps,
+    rows moving between beams and pages copied inside the call, then `PageManager.retable`) give
+    what one-token steps give: the same hypotheses in the same order, ending the same way, their
+    cumulative log-probabilities within ATOL (the same operators on the same logits; but a step
+    in which one engine also prefills the other request runs its rows through the GEMM kernel, not
+    the GEMV, which rounds otherwise: an fp32 ulp or so), with two groups in one call, hypotheses
+    ending on a stop token inside a call, pages filled inside calls going into the prefix cache,
+    and the pool accounting for every page after every step (freed pages poisoned with NaN).
+    Llama (one page table), Gemma 3 (sliding and full layer slices: tables per slice), 8-bit K/V
+    (a page's scales copied with it)."""
+    _, path = hf_family(family)
+    paged = get_model(model_path=path, page_size=P, attn_impl="paged")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (21, 30)]
+    got, calls, stop = [], [], None
+    for steps in (1, 8):
+        eng = Engine(paged, max_num_seqs=2 * K, max_num_batched_tokens=64, num_pages=64, max_model_len=96,
+                     compile=False, kernel="cpp", decode_steps=steps, kv_cache_dtype=kv)
+        spy, n = eng.runner.kernel.decode_beams, steps
+        eng.runner.kernel.decode_beams = lambda *a, _spy=spy, _n=n, **kw: calls.append(_n) or _spy(*a, **kw)
+        probe = eng.add_request(prompts[0], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        # a stop token of a frequent kind: some hypotheses end on it before max_new_tokens
+        stop = run(eng)[probe][0].new_token_ids[3] if stop is None else stop
+        params = SamplingParams(max_new_tokens=20, n=K, use_beam_search=True, early_stopping=True,
+                                stop_token_ids=(stop,), ignore_eos=True)
+        rids = [eng.add_request(p, params) for p in prompts]
+        outs = run(eng, poison=True)
+        got.append([[(o.new_token_ids, o.finish_reason, o.cumulative_logprob) for o in outs[r]]
+                    for r in rids])
+        eng.reset_prefix_cache()
+        assert eng.pm.num_free_pages == eng.pm.num_pages - 1
+    assert 8 in calls and 1 not in calls  # the lookahead engine ran beam steps in calls, the other none
+    one, ahead = got
+    assert [[h[:2] for h in hyps] for hyps in one] == [[h[:2] for h in hyps] for hyps in ahead]
+    for hyps, hyps_ahead in zip(one, ahead):
+        for (*_, cum), (*_, cum_ahead) in zip(hyps, hyps_ahead):
+            assert abs(cum - cum_ahead) <= ATOL, (cum, cum_ahead)
+    assert any(why == "stop" for hyps in ahead for _, why, _ in hyps)

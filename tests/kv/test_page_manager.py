@@ -686,6 +686,46 @@ def test_repoint_rejects_bad_input_and_changes_nothing(device):
     assert pm.refcounts[pm.pages_of(0)].tolist() == [3, 3]
 
 
+def test_retable_trades_pages_within_a_family(device):
+    """RETABLE (the rows' tables handed back by beam search's lookahead steps, which moved beams
+    between rows inside one call): rows 0 and 1 share page f0 and own a and c, b and d; row 1 takes
+    row 0's a but keeps its own d. Each page's references become the rows that hold it (counted
+    from the tables, the references a prefix-cache hold adds kept), b, held by nobody now, goes back
+    to the free pool (phys_to_logical -1), the device table is the host's, and the rows grow and
+    ERASE as usual afterwards. Bad tables raise ValueError and change nothing."""
+    pm = PageManager(32, 4, 5, device=device)
+    pm.reserve([0], [4])
+    pm.fork(0, 1)
+    pm.reserve([0, 1], [10, 10])
+    pm.reserve([3], [5])
+    (f0, a, c), (_, b, d) = pm.pages_of(0), pm.pages_of(1)
+    pm.hold([f0])  # (a prefix cache's reference)
+    before = _shared_state(pm)
+    free = set(pm.free_pages)
+    C = pm.max_pages_per_seq
+    row = lambda *pages: list(pages) + [0] * (C - len(pages))  # noqa: E731
+    for tables, msg in (([row(f0, a, c)], "shape"),
+                        ([row(f0, a, c), row(f0, pm.pages_of(3)[0], d)], "not a page of"),
+                        ([row(f0, a, c), row(a, f0, d)], "logical index"),
+                        ([row(f0, a, c, 7)] + [row(f0, a, d)], "not a page of")):
+        with pytest.raises(ValueError, match=msg):
+            pm.retable([0, 1], np.array(tables))
+        assert _shared_state(pm) == before
+    assert pm.retable([0, 1], np.array([row(f0, a, c), row(f0, a, d)])) == [b]
+    assert pm.pages_of(0) == [f0, a, c] and pm.pages_of(1) == [f0, a, d] and pm.length(1) == 10
+    counts = {p: sum(pm.pages_of(s).count(p) for s in (0, 1)) for p in (f0, a, c, d)}
+    assert {p: pm.refcount(p) for p in counts} == {**counts, f0: counts[f0] + 1}
+    assert set(pm.free_pages) == free | {b} and pm.refcount(b) == 0
+    assert pm.phys_to_logical.cpu()[b] == -1
+    assert pm.page_table.cpu().tolist() == pm.host_table.tolist()
+    assert pm.retable([0, 1], np.array([row(f0, a, c), row(f0, a, d)])) == []  # nothing moves
+    pm.reserve([0, 1], [13, 13])  # c and d are full: each row opens a page of its own
+    assert pm.refcounts[[a, c, d]].tolist() == [2, 1, 1]
+    pm.erase([0, 1, 3])
+    pm.unhold([f0])
+    assert pm.num_free_pages == 31 and not pm.refcounts.any()
+
+
 @pytest.mark.parametrize("P", [1, 4])
 def test_beam_steps_repoint_and_fast_reserve_equal_erase_fork_and_the_general_reserve(P, device, monkeypatch):
     """Beam-search-like steps: four rows grow by a token together, then random rows REPOINT to

@@ -24,16 +24,20 @@
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/log_softmax.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstring>
 #include <tuple>
 #include <vector>
 #include <initializer_list>
@@ -724,6 +728,181 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_lookup(
   return {out, stats, times};
 }
 
+// decode_beams: `steps` beam-search steps of beam groups in one call (the engine's lookahead steps
+// for beam search, fms_paged/engine/beam.py). Rows come in groups of `width` consecutive rows, a
+// group's beams best first; scores [B] fp32 are the beams' cumulative log-probabilities. A step
+// runs the forward of every row (as decode_greedy's), then for each group does what
+// beam.candidates does on the host, with the same ATen operators (so the same bits): the fp32
+// log-softmax of its rows' logits plus each beam's score, the top keeps[g] of the group's
+// width * V values (stored: the call's result, which the host replays step by step with
+// beam.advance); then it takes the first `width` candidates whose token is not one of the group's
+// stops[g] (-1 pads) as the next beams, as beam.advance does while the search goes on (what ends
+// by length the host sees from the candidates: the engine plans no step past max_new_tokens).
+//
+// Pages follow the beams as beam._move moves rows: the first continuation of a parent keeps the
+// parent's row; another takes the row of a parent nobody continues (the last such, as `spare.pop`)
+// and, in a copy of the page table rows of the call's sequences, that row's logical pages before
+// positions[b]'s page become the parent's (shared: the host's page manager counts the references
+// when it takes the tables back, `retable`), while its pages from there on (its own: RESERVEd for
+// the steps, copy-on-write done) receive the parent's whole pages in every pool (values and 8-bit
+// scales) up to the page this step wrote. A row continued by nobody and taken by nobody keeps its
+// pages (the host ERASEs it when its search ends). -> (candidate scores fp32 [steps, groups, keep],
+// candidates int64 [steps, groups, 2, keep] (their parent beams, then their tokens; keep the
+// largest of keeps, a group's entries past its own keep -1), the rows' page table rows int32 [slices, B, pages]
+// after the last step (row b's is the table of the sequence seqs[b], the beam it holds now), and
+// for each row of the call int64 [B], the index in seqs of the sequence that holds its beam now).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_beams(
+    const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens, const at::Tensor& positions,
+    const at::Tensor& seqs, at::TensorList cos_tables, at::TensorList sin_tables, at::TensorList k_pools,
+    at::TensorList v_pools, const at::Tensor& page_table, int64_t page_size, int64_t steps, int64_t width,
+    const at::Tensor& scores, const at::Tensor& stops, const at::Tensor& keeps,
+    const std::optional<at::TensorList>& k_scales, const std::optional<at::TensorList>& v_scales) {
+  TORCH_CHECK_VALUE(tokens.dim() == 1 && positions.sizes() == tokens.sizes(), "decode_beams: tokens and positions ",
+                    "int64 [B] alike, got ", shape(tokens), " and ", shape(positions));
+  const int64_t B = tokens.size(0), G = stack->num_slices, P = page_size;
+  TORCH_CHECK_VALUE(width >= 1 && B % width == 0, "decode_beams: width=", width, " must be >= 1 and divide the ",
+                    B, " rows (groups of width consecutive rows)");
+  const int64_t NG = B / width;
+  TORCH_CHECK_VALUE(scores.scalar_type() == at::kFloat && scores.dim() == 1 && scores.size(0) == B &&
+                        stops.scalar_type() == at::kLong && stops.dim() == 2 && stops.size(0) == NG &&
+                        keeps.scalar_type() == at::kLong && keeps.dim() == 1 && keeps.size(0) == NG,
+                    "decode_beams: scores fp32 [B], stops int64 [groups, S] and keeps int64 [groups] for B = ", B,
+                    " rows in ", NG, " groups, got ", shape(scores), ", ", shape(stops), ", ", shape(keeps));
+  at::Tensor tok = tokens.contiguous().view({B, 1}), pos = positions.contiguous().view({B, 1});
+  const at::Tensor seq_c = seqs.contiguous(), stop_c = stops.contiguous(), keep_c = keeps.contiguous();
+  check_steps("decode_beams", *stack, tok, pos, seq_c, cos_tables, sin_tables, page_table, page_size, steps);
+  const int64_t n_seqs = page_table.size(0) / G, pages = page_table.size(1), S = stop_c.size(1);
+  const int64_t *seq = seq_c.data_ptr<int64_t>(), *first = pos.data_ptr<int64_t>(), *stop = stop_c.data_ptr<int64_t>(),
+                *keep = keep_c.data_ptr<int64_t>();
+  int64_t K = 0;
+  for (int64_t g = 0; g < NG; ++g) {
+    TORCH_CHECK_VALUE(keep[g] >= width, "decode_beams: group ", g, " keeps ", keep[g], " candidates; expected >= width=",
+                      width);
+    K = std::max(K, keep[g]);
+    for (int64_t i = 1; i < width; ++i)
+      TORCH_CHECK_VALUE(first[g * width + i] == first[g * width], "decode_beams: group ", g,
+                        "'s beams must stand at one position, got ", first[g * width], " and ", first[g * width + i]);
+  }
+  // the call's own page table: row (slice sl, b) is sequence seqs[b]'s row of slice sl
+  at::Tensor table_t = at::empty({G * B, pages}, page_table.options());
+  const int32_t* src = page_table.data_ptr<int32_t>();
+  int32_t* table = table_t.data_ptr<int32_t>();
+  for (int64_t sl = 0; sl < G; ++sl)
+    for (int64_t b = 0; b < B; ++b)
+      std::copy_n(src + (sl * n_seqs + seq[b]) * pages, pages, table + (sl * B + b) * pages);
+  // every pool tensor once (a slice's layers share them): its data, heads, and a page's bytes in a
+  // head (a page of a head is one run of P * D values: [L, Hkv, pages * P, D] contiguous)
+  struct Store {
+    char* data;
+    int64_t heads, head_bytes, page_bytes;
+  };
+  std::vector<Store> stores;
+  auto add_store = [&](const at::Tensor& t) {
+    for (const Store& u : stores)
+      if (u.data == t.data_ptr()) return;
+    TORCH_CHECK_VALUE(t.dim() == 4 && t.is_contiguous() && t.size(2) % P == 0, "decode_beams: pools must be ",
+                      "contiguous [L, Hkv, pages * P, D], got ", shape(t));
+    const int64_t page_bytes = P * t.size(3) * static_cast<int64_t>(t.element_size());
+    stores.push_back({static_cast<char*>(t.data_ptr()), t.size(0) * t.size(1), t.size(2) / P * page_bytes, page_bytes});
+  };
+  for (const at::Tensor& t : k_pools) add_store(t);
+  for (const at::Tensor& t : v_pools) add_store(t);
+  for (const auto& scales : {k_scales, v_scales})
+    if (scales)
+      for (const at::Tensor& t : *scales) add_store(t);
+  at::Tensor out_v = at::empty({steps, NG, K}, scores.options()), out_i = at::full({steps, NG, 2, K}, -1, tok.options());
+  at::Tensor score = scores.contiguous().clone();
+  std::vector<int64_t> who(B);  // the row of table_t each group's beam i holds (batch row g * width + i)
+  for (int64_t b = 0; b < B; ++b) who[b] = b;
+  at::Tensor slots = G == 1 ? at::empty({B}, tok.options()) : at::empty({G, B}, tok.options());
+  at::Tensor chunks = at::empty({B, 4}, tok.options());
+  int64_t *slot = slots.data_ptr<int64_t>(), *chunk = chunks.data_ptr<int64_t>();
+  std::vector<int64_t> parents(width), next(width), used, spare, was(width);
+  std::vector<std::pair<float, int64_t>> best;  // a group's best candidates of a step so far
+  for (int64_t j = 0; j < steps; ++j) {
+    const at::Tensor at_j = at::add(pos, j);
+    for (int64_t b = 0; b < B; ++b) {  // a chunk of one token per row, in the row's table
+      const int64_t p = first[b] + j, r = who[b];
+      for (int64_t sl = 0; sl < G; ++sl)
+        slot[sl * B + b] = fms_geometry::slot(table[(sl * B + r) * pages + fms_geometry::page_of(p, P)], p, P);
+      chunk[4 * b] = r, chunk[4 * b + 1] = p, chunk[4 * b + 2] = 1, chunk[4 * b + 3] = b;
+    }
+    const at::Tensor logits = forward_logits(*stack, tok, at_j, cos_tables, sin_tables, k_pools, v_pools, slots,
+                                             table_t, chunks, P, std::nullopt, k_scales, v_scales).view({B, -1});
+    const int64_t V = logits.size(1);
+    int64_t* tk = tok.data_ptr<int64_t>();
+    float* sc = score.data_ptr<float>();
+    // (a group's few rows on this thread: waking the pool for them cost more than they take)
+    const c10::ParallelGuard serial(true);
+    for (int64_t g = 0; g < NG; ++g) {
+      const int64_t g0 = g * width, n = std::min(keep[g], width * V);
+      const at::Tensor lp_t = at::log_softmax(logits.narrow(0, g0, width).to(at::kFloat), -1);  // (contiguous)
+      const float* lp = lp_t.data_ptr<float>();
+      // the n best of lp + the beam's score (one fp32 add, as at::add), best first (at::topk's
+      // values and order; equal scores, which its order leaves open: the lower beam * V + token
+      // first), in one pass that keeps the best so far
+      best.clear();
+      for (int64_t i = 0; i < width; ++i) {
+        const float add = sc[g0 + i], *row = lp + i * V;
+        for (int64_t t = 0; t < V; ++t) {
+          const float v = row[t] + add;
+          if (static_cast<int64_t>(best.size()) == n && !(v > best.back().first)) continue;  // (NaN: never)
+          if (v != v) continue;
+          auto at_ = best.end();
+          while (at_ != best.begin() && std::prev(at_)->first < v) --at_;
+          best.insert(at_, {v, i * V + t});
+          if (static_cast<int64_t>(best.size()) > n) best.pop_back();
+        }
+      }
+      float* cand_v = out_v.data_ptr<float>() + (j * NG + g) * K;
+      int64_t* cand = out_i.data_ptr<int64_t>() + (j * NG + g) * 2 * K;  // [2, K]: parents, then tokens
+      const int64_t m = static_cast<int64_t>(best.size());
+      for (int64_t e = 0; e < m; ++e)
+        cand_v[e] = best[e].first, cand[e] = best[e].second / V, cand[K + e] = best[e].second % V;
+      int64_t c = 0;  // the next beams: the first `width` candidates whose token is no stop
+      for (int64_t e = 0; e < m && c < width; ++e) {
+        const int64_t t = cand[K + e];
+        if (std::find(stop + g * S, stop + (g + 1) * S, t) != stop + (g + 1) * S) continue;
+        parents[c] = cand[e], next[c] = t, sc[g0 + c] = cand_v[e], ++c;
+      }
+      TORCH_CHECK(c == width, "decode_beams: group ", g, " has ", c, " candidates without a stop token among its ",
+                  m, "; expected ", width);
+      // rows follow the beams (beam._move): a parent's first continuation keeps its row, a further
+      // one takes the row of the last parent nobody continues
+      std::copy_n(who.begin() + g0, width, was.begin());
+      used.assign(width, 0), spare.clear();
+      for (int64_t i = 0; i < width; ++i) used[parents[i]] = 1;
+      for (int64_t q = 0; q < width; ++q)
+        if (!used[q]) spare.push_back(was[q]);
+      std::vector<char> claimed(width, 0);
+      const int64_t p0 = first[g0], own = fms_geometry::page_of(p0, P), upto = fms_geometry::page_of(p0 + j, P);
+      for (int64_t i = 0; i < width; ++i) {
+        const int64_t q = parents[i], from = was[q];
+        if (!claimed[q]) {
+          claimed[q] = 1, who[g0 + i] = from;
+        } else {
+          const int64_t r = spare.back();
+          spare.pop_back();
+          who[g0 + i] = r;
+          for (int64_t sl = 0; sl < G; ++sl) {
+            int32_t *dst = table + (sl * B + r) * pages, *par = table + (sl * B + from) * pages;
+            std::copy_n(par, own, dst);  // the pages before the call's: the parent's, shared
+            for (int64_t lp_i = own; lp_i <= upto; ++lp_i)  // its own pages: the parent's contents
+              for (const Store& st : stores)
+                for (int64_t h = 0; h < st.heads; ++h)
+                  std::memcpy(st.data + h * st.head_bytes + dst[lp_i] * st.page_bytes,
+                              st.data + h * st.head_bytes + par[lp_i] * st.page_bytes, st.page_bytes);
+          }
+        }
+        tk[g0 + i] = next[i];
+      }
+    }
+  }
+  at::Tensor rows = at::empty({B}, tok.options());
+  std::copy(who.begin(), who.end(), rows.data_ptr<int64_t>());
+  return {out_v, out_i, table_t.view({G, B, pages}), rows};
+}
+
 }  // namespace fms_paged_ops
 
 TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
@@ -754,6 +933,11 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       "Tensor page_table, int page_size, int steps, Tensor history, Tensor offsets, Tensor caps, int n_max, "
       "int n_min, int max_rows, Tensor(c!)[]? k_scales=None, Tensor(d!)[]? v_scales=None) "
       "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "decode_beams(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor tokens, Tensor positions, "
+      "Tensor seqs, Tensor[] cos_tables, Tensor[] sin_tables, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
+      "Tensor page_table, int page_size, int steps, int width, Tensor scores, Tensor stops, Tensor keeps, "
+      "Tensor(c!)[]? k_scales=None, Tensor(d!)[]? v_scales=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
@@ -761,4 +945,5 @@ TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {
   m.impl("decoder_logits", &fms_paged_ops::decoder_logits);
   m.impl("decode_greedy", &fms_paged_ops::decode_greedy);
   m.impl("decode_lookup", &fms_paged_ops::decode_lookup);
+  m.impl("decode_beams", &fms_paged_ops::decode_beams);
 }

@@ -213,11 +213,26 @@ class CppKernel(Kernel):
         return self._steps(torch.ops.fms_paged.decode_lookup, model, tokens, positions, seqs, view, steps,
                            history, offsets, caps, n_max, n_min, max_rows)
 
+    def decode_beams(self, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
+                     view: PoolView, steps: int, width: int, scores: torch.Tensor, stops: torch.Tensor,
+                     keeps: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """`steps` beam-search steps in one operator call (`fms_paged::decode_beams`): groups of
+        `width` consecutive rows (a group's beams, best first, at one position; their cumulative
+        scores fp32 [B]), each group's stop tokens stops[g] (-1 pads) and candidates kept a step
+        keeps[g], the rows' pages RESERVEd for the steps' positions -> (candidate scores fp32
+        [steps, groups, keep], candidates [steps, groups, 2, keep] (parent beams, then tokens; -1
+        past a group's keep), the rows' page table rows int32 [slices, B, pages] after the call: the page
+        manager's `retable` takes them, and for each row the index in `seqs` of the sequence that
+        holds its beam at the end). None where the forward is not one call."""
+        return self._steps(torch.ops.fms_paged.decode_beams, model, tokens, positions, seqs, view, steps,
+                           width, scores, stops, keeps)
+
     def _steps(self, op, model: LLaMA, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
                view: PoolView, steps: int, *extra):
-        """`op` (decode_greedy, decode_lookup) over the model's stack, its RoPE tables grown for the
-        steps' positions (positions[b] .. positions[b] + steps - 1) and `view`'s pools, page table
-        and scales, `extra` after its steps -> its result; None where the forward is not one call."""
+        """`op` (decode_greedy, decode_lookup, decode_beams) over the model's stack, its RoPE tables
+        grown for the steps' positions (positions[b] .. positions[b] + steps - 1) and `view`'s
+        pools, page table and scales, `extra` after its steps -> its result; None where the
+        forward is not one call."""
         if not self.decodes_in_one_call(model, view):
             return None
         cos, sin = model.rope_tables(int(positions.max()) + steps if positions.numel() else 0)
