@@ -57,11 +57,13 @@ def default_gemm() -> str:
     return "own" if native and "avx512f" in flags and not amx and ONEDNN else "packed"
 
 
-# with "own", the most rows the GEMV kernel takes, per dtype (GEMV_MAX_ROWS where not named): in
-# bf16, calls under the GEMM kernel's panels (32 rows; fewer would not repay the packing) stay on
-# the GEMV, which read streamed weights faster there: a 16-stream bf16 decode of SmolLM2-135M took
-# 0.85x oneDNN's packed time with the GEMV, 1.3x with the GEMM kernel's tiles without panels; in
-# fp32 the GEMM kernel's panels were level with oneDNN there and the GEMV 1.06x (docs/benchmarks.md)
+# with "own", the most rows the GEMV kernel takes, per dtype (GEMV_MAX_ROWS where not named): the
+# rule's one place (`native.configure` hands it to the operators; the GEMM kernel itself takes
+# calls of any row count). bf16 calls under 32 rows stay on the GEMV: its streamed reads beat
+# oneDNN's packed GEMM there (a 16-stream bf16 decode of SmolLM2-135M: 0.85-0.88x its time) and
+# take about the GEMM kernel's time, whose panels' packing is spread over few rows; in fp32 the
+# panels were level with oneDNN at 16 rows and the GEMV 1.06x (docs/design.md, "One layout
+# instead"; the figures in docs/benchmarks.md, "Weights held once")
 OWN_GEMV_MAX_ROWS = {torch.bfloat16: 31}
 
 GEMM = os.environ.get("FMS_PAGED_GEMM") or default_gemm()

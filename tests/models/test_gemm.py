@@ -39,17 +39,17 @@ def check(got: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm_against_float64(dtype, isa, monkeypatch):
-    """Rows 1..17 (calls of few rows: tiles straight from the weights, whole and every ragged rest)
-    and 32..37 (packed panels: whole tiles and every ragged rest), a stack of three weights whose row
-    counts are not whole blocks or panels (96, 33, 7), K of 33, 97 and 1001 (odd: a vector's tail, a
-    bf16 pair cut in half), x rows strided inside a wider tensor, on each build this CPU runs."""
+    """Every row count from 1 to 37 (the panels take calls of any rows: fewer than a register
+    tile, whole tiles and every ragged rest), a stack of three weights whose row counts are not
+    whole panels (96, 33, 7), K of 33, 97 and 1001 (odd: a vector's tail, a bf16 pair cut in half),
+    x rows strided inside a wider tensor, on each build this CPU runs."""
     monkeypatch.setenv("FMS_PAGED_CPU_ISA", isa)
     assert native.load_gemm(dtype) is None  # this build's kernel (the CPU's own again below)
     g = torch.Generator().manual_seed(0)
     for K in (33, 97, 1001):
         ws = [(torch.randn(n, K, generator=g) / 16).to(dtype) for n in (96, 33, 7)]
         wide = torch.randn(37, K + 5, generator=g).to(dtype)
-        for M in [*range(1, 18), *range(32, 38)]:
+        for M in range(1, 38):
             x = wide[:M, 2 : 2 + K]  # row stride K + 5
             got = torch.ops.fms_paged.gemm(x, ws)
             assert got.dtype == dtype and got.shape == (M, 136)
@@ -62,9 +62,8 @@ def test_gemm_against_float64(dtype, isa, monkeypatch):
 def test_gemm_bits_do_not_depend_on_rows_or_threads(dtype):
     """A row's result is the same bits whatever the other rows of its call (its place in a register
     tile, the chunk of rows it falls in) and on 1, 2 or 3 threads: the sums of a row run in one
-    order. 300 rows of K = 640 (more than one chunk of rows) over 1,536 + 100 weight rows. Calls of
-    fewer than 32 rows (gemm.cpp's PACK_MIN_ROWS) read the weights without a panel, in another
-    order of sums: their rows are compared among such calls (as the GEMV's rows are among its)."""
+    order. 300 rows of K = 640 over 1,536 + 100 weight rows; a call of a part of them (a single
+    row on: every call takes the panels, whatever its rows) gives the bits of the 300-row call's."""
     assert native.load_gemm(dtype) is None
     g = torch.Generator().manual_seed(1)
     x = torch.randn(300, 640, generator=g).to(dtype)
@@ -83,12 +82,8 @@ def test_gemm_bits_do_not_depend_on_rows_or_threads(dtype):
 
     outs = on_1_2_3_threads(ws)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
-    for rows in (slice(0, 40), slice(7, 50), slice(260, 300)):
+    for rows in (slice(0, 1), slice(7, 12), slice(26, 31), slice(0, 40), slice(7, 50), slice(260, 300)):
         assert torch.equal(torch.ops.fms_paged.gemm(x[rows], ws), outs[0][rows])
-    few = torch.ops.fms_paged.gemm(x[:31], ws)  # the most rows without a panel
-    for rows in (slice(0, 1), slice(7, 12), slice(26, 31)):
-        assert torch.equal(torch.ops.fms_paged.gemm(x[rows], ws), few[rows])
-    check(few, torch.cat([x[:31].double() @ w.double().T for w in ws], -1))
     check(outs[0], torch.cat([x.double() @ w.double().T for w in ws], -1))
     # a weight of few panels (200 rows: 4 of 64): the threads split x's rows among them too, each
     # part packing the panel again; the same bits on 1, 2 or 3 threads and in parts of the rows

@@ -25,12 +25,13 @@
 // one pass). While a panel's tiles run, they fetch the next panel's weight rows into L2 (Ahead),
 // so that packing it reads L2: the weights stream in behind the multiply-adds.
 //
-// Calls of fewer than PACK_MIN_ROWS rows (bf16 pairs: 32) would not repay the packing: their tiles
-// read both operands where they lie (few::run: dot products along K, reduced across lanes once).
+// Calls of every row count take panels. Calls of few rows repay the packing least: where
+// `linear` takes this kernel, those of too few rows run the GEMV kernel instead (the rule's one
+// place: fms_paged/native/gemm.py, OWN_GEMV_MAX_ROWS).
 //
 // Threads take panels one at a time (dynamic: a shared machine serves them unevenly; no barrier
 // but the last). A row's result does not depend on the thread count or on its place among the
-// rows of a call on the same path: each output sums its products in one fixed order.
+// rows of a call, whatever their number: each output sums its products in one fixed order.
 #include <omp.h>
 
 #include "args.h"
@@ -73,10 +74,6 @@ constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at lea
 // way in (an fp32 panel of 512 KB at K = 2048 measured ~1.2x oneDNN's time at 64 rows; blocks of
 // 512 steps ~1.05-1.1x)
 constexpr int64_t KC_MAX = FMS_VEC_BF16_DP ? 1024 : 512;
-// bf16 pairs: calls of fewer rows run tiles without a panel (few::run): under 32 rows the packing
-// costs more than the broadcast tile saves (docs/benchmarks.md, "Weights held once"). In fp32 the
-// tiles without a panel were the slower ones at every row count measured (16 on): none there
-constexpr int64_t PACK_MIN_ROWS = 32;
 // the work items a thread has at least, where x's rows are many enough to split (see `run`), and
 // the fewest tiles of rows a part of them keeps (96 rows: its panel's packing spread over them)
 constexpr int64_t ITEMS_PER_THREAD = 8, PART_MIN_TILES = 16;
@@ -334,146 +331,6 @@ void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const Steps& b, con
   }
 }
 
-#if FMS_VEC_BF16_DP
-// ---- calls of few rows (fewer than PACK_MIN_ROWS), bf16 pairs: no panel, whose packing the rows
-// would not repay; the tile reads both operands where they lie, K contiguous. MR rows of x by NR
-// weight rows: MR x NR accumulators, each a vector of lanes along K, reduced across its lanes once at
-// the end of K (a transpose of sums: fms_vec::reduce_lanes, MR x NR = one register's lanes, so that
-// one reduction gives a tile's outputs); vdpbf16ps on the pairs as stored, masked loads (zeros past
-// K on both sides) for K's last values. The threads take groups of GROUP blocks of NR
-// weight rows; a thread passes x over its group in chunks of rows that fit L2 beside the group's
-// weights, each block's NR rows in L1 while the chunk's rows pass over them MR at a time.
-namespace few {
-
-// the tile: MR rows of x by NR weight rows, MR x NR accumulators, reduced W at a time (W / NR rows
-// of the tile per reduction): 24 of the 32 vector registers (6 x 4: 10 loads a step for 24 products)
-constexpr int MR = 6, NR = 4;
-static_assert(W % NR == 0, "a reduction takes whole rows of a tile");
-// rows of x per chunk: this many bytes of them (L2 holds them beside a group's weight rows)
-constexpr int64_t CHUNK_X_BYTES = int64_t(128) << 10;
-// blocks of NR weight rows a thread takes at a time (32 rows: 40 KB of bf16 weights at K = 640)
-constexpr int64_t GROUP = 8;
-
-struct Segment {
-  const T* w;      // [n, K]
-  int64_t n, col;  // rows, first column in y
-};
-constexpr int KSTEP = 32;  // bf16 values per vector
-
-// the tile's outputs y[i, s.col + j0 + j] (i < mr, j < nr) from its accumulators: one reduction,
-// whose lane i NR + j is output (i, j) (accumulator (i, j) goes in at bitrev(i NR + j):
-// fms_vec::reduce_lanes sums p[bitrev(lane)] into each lane), plus `tail(i, j, sum)` (the sums of K's
-// last values past whole vectors, or nothing), rounded to T as one vector
-template <int mr, int nr, bool has_tail, class Tail>
-inline void finish(const vf (&acc)[mr][nr], const Tail& tail, int64_t j0, const Segment& s, T* y, int64_t y_st) {
-  constexpr int RG = W / NR;  // rows of the tile per reduction
-  for (int i0 = 0; i0 < mr; i0 += RG) {
-    vf p[W];  // (a copy: the loop's accumulators stay in registers)
-    for (int i = 0; i < W; ++i) p[i] = fms_vec::splat<W>(0.0f);
-    for (int i = i0; i < mr && i < i0 + RG; ++i)
-      for (int j = 0; j < nr; ++j) p[fms_vec::bitrev((i - i0) * NR + j)] = acc[i][j];
-    vf r = fms_vec::reduce_lanes(p);
-    if constexpr (has_tail)
-      for (int i = i0; i < mr && i < i0 + RG; ++i)
-        for (int j = 0; j < nr; ++j) r[(i - i0) * NR + j] = tail(i, j, r[(i - i0) * NR + j]);
-    T out[W];
-    fms_vec::store<W>(out, r);
-    for (int i = i0; i < mr && i < i0 + RG; ++i)
-      std::memcpy(y + i * y_st + s.col + j0, out + (i - i0) * NR, nr * sizeof(T));
-  }
-}
-
-// y[i, s.col + j0 + j] for i < mr, j < nr: the tile's mr x nr sums over K
-template <int mr, int nr>
-void tile(const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st) {
-  vf acc[mr][nr];
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) acc[i][j] = fms_vec::splat<W>(0.0f);
-  const T* w = s.w + j0 * K;
-  const auto step = [&](int64_t k, auto load) {
-    __m512i wv[nr];
-    for (int j = 0; j < nr; ++j) wv[j] = load(w + j * K + k);
-    for (int i = 0; i < mr; ++i) {
-      const __m512bh xv = (__m512bh)load(x + i * x_st + k);
-      for (int j = 0; j < nr; ++j) acc[i][j] = (vf)_mm512_dpbf16_ps((__m512)acc[i][j], xv, (__m512bh)wv[j]);
-    }
-  };
-  const int64_t kv = K / KSTEP * KSTEP;
-  for (int64_t k = 0; k < kv; k += KSTEP) step(k, [](const T* p) { return _mm512_loadu_si512(p); });
-  if (kv < K) {  // the last K - kv values, zeros past them on both sides
-    const __mmask32 mask = (__mmask32)((1ull << (K - kv)) - 1);
-    step(kv, [mask](const T* p) { return _mm512_maskz_loadu_epi16(mask, p); });
-  }
-  finish<mr, nr, false>(acc, [](int, int, float sum) { return sum; }, j0, s, y, y_st);
-}
-
-// the last rows of x (fewer than MR): one tile of `left` rows
-template <int mr, int nr>
-void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st) {
-  if constexpr (mr > 0) {
-    if (left == mr) return tile<mr, nr>(x, x_st, K, s, j0, y, y_st);
-    rest<mr - 1, nr>(left, x, x_st, K, s, j0, y, y_st);
-  }
-}
-
-// rows [0, M) of x over one block of nr weight rows, MR rows at a time
-template <int nr>
-void columns(const X* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y, int64_t y_st) {
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<MR, nr>(x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st);
-  rest<MR - 1, nr>(M - m, x + m * x_st, x_st, K, s, j0, y + m * y_st, y_st);
-}
-
-// a block of n (1 .. nr) weight rows: columns<n>
-template <int nr>
-void block(int64_t n, const X* x, int64_t x_st, int64_t M, int64_t K, const Segment& s, int64_t j0, T* y,
-           int64_t y_st) {
-  if constexpr (nr > 0) {
-    if (n == nr) return columns<nr>(x, x_st, M, K, s, j0, y, y_st);
-    block<nr - 1>(n, x, x_st, M, K, s, j0, y, y_st);
-  }
-}
-
-void run(const X* x, int64_t x_st, int64_t M, int64_t K, const T* const* weights, const int64_t* rows,
-         int64_t n_weights, T* y, int max_threads) {
-  // the blocks of NR weight rows, segment by segment: block b is segment i's rows from
-  // (b - first[i]) NR on, for first[i] <= b < first[i + 1]
-  std::vector<Segment> segs;
-  std::vector<int64_t> first{0};
-  int64_t col = 0;
-  for (int i = 0; i < (int)n_weights; ++i) {
-    segs.push_back({weights[i], rows[i], col});
-    first.push_back(first.back() + (rows[i] + NR - 1) / NR);
-    col += rows[i];
-  }
-  const int64_t nb = first.back();
-  const int64_t chunk = std::max<int64_t>(MR, CHUNK_X_BYTES / (K * (int64_t)sizeof(X)) / MR * MR);
-  const int64_t n_groups = (nb + GROUP - 1) / GROUP;
-  const int64_t by_work = std::max<int64_t>(1, M * col * K / GRAIN);
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)max_threads, n_groups, by_work}));
-    // groups of GROUP blocks handed out one at a time (one barrier, at the end: a thread the OS
-  // deschedules holds up no other); within a group, x a chunk of rows at a time, the group's blocks
-  // over each chunk
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-  for (int64_t g = 0; g < n_groups; ++g) {
-    const int64_t b0 = g * GROUP, b1 = std::min(nb, b0 + GROUP);
-    int i = (int)(std::upper_bound(first.begin(), first.end(), b0) - first.begin()) - 1;
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t rows = std::min(chunk, M - m0);
-      int seg = i;
-      for (int64_t b = b0; b < b1; ++b) {
-        while (b >= first[seg + 1]) ++seg;
-        const Segment& s = segs[seg];
-        const int64_t j0 = (b - first[seg]) * NR;
-        block<NR>(std::min<int64_t>(NR, s.n - j0), x + m0 * x_st, x_st, rows, K, s, j0, y + m0 * col, col);
-      }
-    }
-  }
-}
-
-}  // namespace few
-#endif  // FMS_VEC_BF16_DP
-
 // this thread's panel of at least `bytes`, 64-byte aligned (whole cache lines): kept from call to
 // call (the OpenMP threads persist), so that a call neither maps nor faults in fresh pages; it
 // grows to the largest K the thread has seen (K x NC x 4 bytes: 160 KB at K = 640); nullptr where
@@ -505,12 +362,6 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   std::vector<float> xf;
   int64_t x_st = a.x_st;
   const X* x = fms_vec::rows_as<X>(a.x, M, K, x_st, xf);
-#if FMS_VEC_BF16_DP
-  if (M < PACK_MIN_ROWS) {
-    few::run(x, x_st, M, K, a.weights, a.rows, a.n_weights, a.y, a.threads);
-    return 0;
-  }
-#endif
   std::vector<int64_t> first{0};
   for (int i = 0; i < (int)a.n_weights; ++i) first.push_back(first.back() + a.rows[i]);
   const Rows rows{a.weights, first.data(), (int)a.n_weights};
