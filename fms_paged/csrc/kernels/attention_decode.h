@@ -8,8 +8,10 @@
 // the scores of W keys (rows krow[0 .. W)) with q (qv: D / W vectors, scaled), one per lane:
 // unrolled, so that the W keys' dot products run side by side in registers. A lane's score
 // depends on its own key alone (reduce_lanes), so a block's last vector pads its rows past the
-// keys with a real one and the caller masks those lanes.
-inline vf key_scores(const KV* const* krow, const vf* qv) {
+// keys with a real one and the caller masks those lanes. R: the pool's type, or float (an int8
+// block's rows converted once for its heads).
+template <class R>
+inline vf key_scores(const R* const* krow, const vf* qv) {
   vf part[W];
 #pragma GCC unroll 16
   for (int j = 0; j < W; ++j) {
@@ -85,13 +87,26 @@ void run_decode(const Args& a, const Item& it, Scratch& sc) {
     key_rows(a, pt, k0, nk, kh, vh, krow, vrow, ksh, vsh, ksc, vsc);
     for (int j = nk; j < nkt; ++j) krow[j] = krow[0], ksc[j] = 0.0f;  // (their scores masked below)
     prefetch_keys(a, pt, k0 + BK, (int)std::min<int64_t>(BK, n_keys - k0 - BK), kh, vh);
+    // kI8 with several heads: the block's key rows converted to fp32 once (exactly), which every
+    // head's scores then read, not converted again a head (sign-extend and convert cost more than
+    // the load they save: with the int8 pages in cache, a conversion a head made int8 the slower)
+    [[maybe_unused]] const float* kfrow[BK];
+    const bool once = kI8 && nh > 1;
+    if constexpr (kI8)
+      if (once) {
+        for (int j = 0; j < nk; ++j) {
+          for (int i = 0; i < D / W; ++i) store(sc.kf + j * D + i * W, load(krow[j] + i * W));
+          kfrow[j] = sc.kf + j * D;
+        }
+        for (int j = nk; j < nkt; ++j) kfrow[j] = kfrow[0];
+      }
     for (int g = 0; g < nh; ++g) {
       float* s = sc.pd + g * BK;
       vf qv[D / W];
       for (int i = 0; i < D / W; ++i) qv[i] = load(q + g * a.q_sh + i * W) * a.scale;
       for (int j0 = 0; j0 < nk; j0 += W) {  // scores of keys j0 .. j0 + W - 1, one per lane
         const int n = std::min(W, nk - j0);
-        vf sv = key_scores(krow + j0, qv);
+        vf sv = once ? key_scores(kfrow + j0, qv) : key_scores(krow + j0, qv);
         if constexpr (kI8) sv *= load(ksc + j0);  // each lane's key row times its scale
         if (a.softcap > 0.0f) sv = vtanh(sv * inv_cap) * a.softcap;
         store(s + j0, lane < splat((float)n) ? sv : splat(-INFINITY));  // lanes past the keys: -inf
