@@ -103,11 +103,12 @@ class Engine:
         decodes greedily (no log-probabilities, no grammar) and none waits (vLLM's multi-step
         scheduling): on the cpp kernel, one operator call with no host work between the steps
         (`fms_paged::decode_greedy`); a request's tokens of such a step arrive together, and those
-        after its stop are dropped. Beam searches take such steps too where every running request
-        is a beam of a search of one width (`fms_paged::decode_beams`). 1: a token per step. "auto" (default): as many (up to
-        `AUTO_DECODE_STEPS`) as fit in `LOOKAHEAD_BUDGET_S` by the engine's timed decode steps, so
-        that a call holds a stream's tokens back, and delays a request arriving meanwhile, by at
-        most about that long; a model whose decode step takes longer gets one (docs/design.md).
+        after its stop are dropped. Beam searches take such steps too, greedy requests beside them,
+        where the searches running have one width (`fms_paged::decode_beams`). 1: a token per step.
+        "auto" (default): as many (up to `AUTO_DECODE_STEPS`) as fit in `LOOKAHEAD_BUDGET_S` by the
+        engine's timed decode steps, so that a call holds a stream's tokens back, and delays a
+        request arriving meanwhile, by at most about that long; a model whose decode step takes
+        longer gets one (docs/design.md).
     kv_cache_dtype: what the pages store (`fms_paged.kv.quant.KV_CACHE_DTYPES`): "auto" the
         model's dtype, "int8" / "fp8_e4m3" 8-bit values with their scales; None: the model
         config's (`get_model(..., kv_cache_dtype=...)`). Ignored with a `backend` (its own).

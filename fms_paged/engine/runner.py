@@ -129,13 +129,13 @@ class ModelRunner:
             masks = self._start_masks(plan) if sample and self.grammars is not None else None
             if plan.steps > 1:  # lookahead decode steps (`Scheduler.lookahead`, planned where
                 # `decodes_in_one_call`): greedy, or beam search's, in one call
-                if plan.decodes[0].beam is not None:
-                    result = StepResult([], beam_steps=self._beam_steps(plan.decodes, plan.steps))
+                if any(r.beam is not None for r in plan.decodes):  # beam searches (greedy rows beside)
+                    result = self._beam_steps(plan, plan.steps)
                 elif plan.lookup is not None:  # with prompt lookup inside the call
                     rows, lookup = self._lookup_steps(plan.decodes, plan.steps, plan.lookup)
                 else:
                     rows, lookup = self._decode_steps(plan.decodes, plan.steps), None
-                if plan.decodes[0].beam is None:
+                if not any(r.beam is not None for r in plan.decodes):
                     result = StepResult([row[0] for row in rows], steps=rows, lookup=lookup)
             else:
                 scored = checks = None
@@ -264,17 +264,22 @@ class ModelRunner:
                                "in one call (ModelRunner.decodes_in_one_call)")
         return out.tolist()
 
-    def _beam_steps(self, reqs: list[Request], steps: int) -> beam.BeamSteps:
-        """`steps` beam-search steps of the groups of `reqs` (whole groups, `Scheduler.lookahead`)
-        in one call (`Kernel.decode_beams`): the groups' beams in turn, best first -> the call's
-        `beam.BeamSteps` (each group's candidates per step, as `beam.candidates` gives them)."""
-        groups = list(dict.fromkeys(r.beam for r in reqs))
-        rows = [b for g in groups for b in g.beams]
+    def _beam_steps(self, plan: SchedulerOutput, steps: int) -> StepResult:
+        """`steps` beam-search steps of the groups among `plan.decodes` (whole groups,
+        `Scheduler.lookahead`), and greedy decode steps of its other rows, in one call
+        (`Kernel.decode_beams`): the groups' beams in turn, best first, then the greedy rows -> the
+        step's result: each greedy row's tokens in `steps` (in `plan.sampled`'s order; a beam's
+        entry empty: its group books it) and the call's `beam.BeamSteps` (each group's candidates
+        per step, as `beam.candidates` gives them)."""
+        groups = list(dict.fromkeys(r.beam for r in plan.decodes if r.beam is not None))
+        greedy = [r for r in plan.decodes if r.beam is None]
+        rows = [b for g in groups for b in g.beams] + greedy
         width = groups[0].width  # (one width: `Scheduler._beam_lookahead_ready`)
         S = max(len(g.stop_ids) for g in groups)
         stops = torch.tensor([list(g.stop_ids) + [-1] * (S - len(g.stop_ids)) for g in groups],
                              dtype=torch.long).view(len(groups), S)
-        last, at = torch.tensor([r.output[-1] for r in rows]), torch.tensor([r.num_computed for r in rows])
+        last = torch.tensor([(r.output or r.prompt)[-1] for r in rows])
+        at = torch.tensor([r.num_computed for r in rows])
         scores = torch.tensor([s for g in groups for s in g.scores], dtype=torch.float32)
         out = self._timed("decode", self.kernel.decode_beams, self.model, last, at,
                           torch.tensor([r.seq_id for r in rows]), self.backend.view, steps, width, scores,
@@ -282,8 +287,8 @@ class ModelRunner:
         if out is None:
             raise RuntimeError(f"{steps} lookahead beam steps were planned where the model cannot run them "
                                "in one call (ModelRunner.decodes_in_one_call)")
-        vals, cands, tables, who = out  # [steps, groups, K], [steps, groups, 2, K]
-        K = vals.shape[-1]
+        vals, cands, tables, who, tokens = out  # [steps, groups, K], [steps, groups, 2, K], ...
+        K, nb = vals.shape[-1], len(rows) - len(greedy)
         vals, cands = vals.double().tolist(), cands.tolist()  # (fp32 values: exact as doubles)
         per: dict = {}
         for gi, g in enumerate(groups):
@@ -292,7 +297,10 @@ class ModelRunner:
                 parents, toks = cands[j][gi]
                 n = K - parents.count(-1)  # (a group's own keep: min(keep, width * V))
                 per[g].append((vals[j][gi][:n], parents[:n], toks[:n]))
-        return beam.BeamSteps(per, [r.seq_id for r in rows], tables, who.tolist())
+        of = dict(zip(map(id, greedy), tokens.tolist()))
+        made = [of.get(id(r), []) for r, _ in plan.sampled]
+        return StepResult([t[0] if t else -1 for t in made], steps=made, beam_steps=beam.BeamSteps(
+            per, [r.seq_id for r in rows[:nb]], tables[:, :nb], who.tolist()[:nb]))
 
     def _lookup_steps(self, reqs: list[Request], steps: int,
                       lookup: speculative.LookupPlan) -> tuple[list[list[int]], tuple]:

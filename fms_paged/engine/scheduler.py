@@ -194,22 +194,25 @@ class Scheduler:
                 and self.lookahead_ready())
 
     def _beam_lookahead_ready(self, plan: SchedulerOutput, reqs: list[Request]) -> bool:
-        """Whether a plan of beams may take lookahead beam steps (`lookahead`, run by
+        """Whether a plan with beams may take lookahead beam steps (`lookahead`, run by
         `fms_paged::decode_beams`): several steps set, the runner runs them in one call now, no
-        prefill, preemption, fork or request waiting, and every row a beam of a group whose beams
-        all decode in this plan (not its first step: that one FORKs), the groups of one width (a
-        call's groups are rows of that many)."""
-        if not (self.decode_steps > 1 and self.lookahead_ready is not None and bool(reqs)
+        prefill, preemption, fork or request waiting, every beam of a group whose beams all decode
+        in this plan (not its first step: that one FORKs), the groups of one width (a call's groups
+        are rows of that many), and every other row decoding greedily as `_lookahead_ready` asks."""
+        beams = [r for r in reqs if r.beam is not None]
+        if not (self.decode_steps > 1 and self.lookahead_ready is not None and beams
                 and not (plan.prefills or plan.preempted or self.waiting or plan.verifies or plan.forks)
-                and all(r.beam is not None and r.reaches_end(1) for r in reqs)):
+                and all(r.reaches_end(1) for r in reqs)
+                and all(r.params.temperature == 0 and r.params.logprobs is None and r.matcher is None
+                        for r in reqs if r.beam is None)):
             return False
-        groups = {r.beam for r in reqs}
-        return (sum(g.width for g in groups) == len(reqs) and len({g.width for g in groups}) == 1
+        groups = {r.beam for r in beams}
+        return (sum(g.width for g in groups) == len(beams) and len({g.width for g in groups}) == 1
                 and not any(g.leader.forks for g in groups) and self.lookahead_ready())
 
     def lookahead(self, plan: SchedulerOutput, steps: int, in_call: bool = False) -> int:
-        """Extend a plan whose rows all decode greedily (no log-probabilities, no grammar), or are
-        all beams of whole groups, with no
+        """Extend a plan whose rows all decode greedily (no log-probabilities, no grammar), beams
+        of whole groups among them or not, with no
         request waiting, to up to `steps` decode steps in one forward (vLLM's multi-step
         scheduling): no request past its `max_new_tokens`, each its share of the token budget,
         the pages for them RESERVEd now where the pool has them (else half as many steps, down to
@@ -296,8 +299,8 @@ class Scheduler:
         for r, n in plan.scheduled:
             self.num_prompt_computed += max(0, min(r.num_computed + n, len(r.prompt)) - r.num_computed)
             r.num_computed += n
-            if result.beam_steps is None:  # (lookahead beam steps: once the rows have their pages)
-                self._cache_filled(r, r.num_computed - n)
+            if result.beam_steps is None or r.beam is None:  # (a beam in a call of beam steps: once
+                self._cache_filled(r, r.num_computed - n)  # its row holds its pages, `book_steps`)
         for parent, child in plan.forks:  # the parent's prompt is computed: share its pages
             self.pm.fork(parent.seq_id, child.seq_id)
             child.num_computed, child.cache_chain = parent.num_computed, list(parent.cache_chain)

@@ -175,12 +175,12 @@ def test_abort_ends_the_whole_search_and_returns_everything(models, steps):
     eng = Engine(paged, max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, max_model_len=256,
                  compile=False)
     prompt = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=10, n=K, use_beam_search=True))
+    # (40 tokens: 3 steps of up to 8 lookahead steps each do not end the search)
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=40, n=K, use_beam_search=True))
     other = eng.add_request(prompt[:20], SamplingParams(max_new_tokens=5))
-    for _ in range(steps):
-        eng.step()
+    before = [o for _ in range(steps) for o in eng.step()]  # (the other may end in them)
     eng.abort(rid, 2)
-    ends = {(o.request_id, o.index): o.finish_reason for o in eng.stream() if o.finished}
+    ends = {(o.request_id, o.index): o.finish_reason for o in [*before, *eng.stream()] if o.finished}
     assert ends == {**{(rid, i): "abort" for i in range(K)}, (other, 0): "length"}
     eng.reset_prefix_cache()
     assert eng.pm.num_free_pages == eng.pm.num_pages - 1 and len(eng.scheduler.free_rows) == 8
@@ -191,13 +191,13 @@ def test_lookahead_beam_steps_equal_one_token_steps(family, kv, hf_family):
     """Beam steps run several in one call (`fms_paged::decode_beams`: the engine's lookahead steps,
     rows moving between beams and pages copied inside the call, then `PageManager.retable`) give
     what one-token steps give: the same hypotheses in the same order, ending the same way, their
-    cumulative log-probabilities within ATOL (the same operators on the same logits; but a step
-    in which one engine also prefills the other request runs its rows through the GEMM kernel, not
-    the GEMV, which rounds otherwise: an fp32 ulp or so), with two groups in one call, hypotheses
-    ending on a stop token inside a call, pages filled inside calls going into the prefix cache,
-    and the pool accounting for every page after every step (freed pages poisoned with NaN).
-    Llama (one page table), Gemma 3 (sliding and full layer slices: tables per slice), 8-bit K/V
-    (a page's scales copied with it)."""
+    cumulative log-probabilities within ATOL (the same operators on the same logits; but a step in
+    which one engine also prefills the other request runs its rows through the GEMM kernel, not the
+    GEMV, which rounds otherwise: an fp32 ulp or so), with two groups and a greedy request in one
+    call (its tokens the same too), hypotheses ending on a stop token inside a call, pages filled
+    inside calls going into the prefix cache, and the pool accounting for every page after every
+    step (freed pages poisoned with NaN). Llama (one page table), Gemma 3 (sliding and full layer
+    slices: tables per slice), 8-bit K/V (a page's scales copied with it)."""
     _, path = hf_family(family)
     paged = get_model(model_path=path, page_size=P, attn_impl="paged")
     g = torch.Generator().manual_seed(3)
@@ -214,9 +214,10 @@ def test_lookahead_beam_steps_equal_one_token_steps(family, kv, hf_family):
         params = SamplingParams(max_new_tokens=20, n=K, use_beam_search=True, early_stopping=True,
                                 stop_token_ids=(stop,), ignore_eos=True)
         rids = [eng.add_request(p, params) for p in prompts]
+        other = eng.add_request(prompts[1][:17], SamplingParams(max_new_tokens=30, ignore_eos=True))
         outs = run(eng, poison=True)
         got.append([[(o.new_token_ids, o.finish_reason, o.cumulative_logprob) for o in outs[r]]
-                    for r in rids])
+                    for r in rids] + [[(outs[other][0].new_token_ids, "greedy", 0.0)]])
         eng.reset_prefix_cache()
         assert eng.pm.num_free_pages == eng.pm.num_pages - 1
     assert 8 in calls and 1 not in calls  # the lookahead engine ran beam steps in calls, the other none

@@ -729,8 +729,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_lookup(
 }
 
 // decode_beams: `steps` beam-search steps of beam groups in one call (the engine's lookahead steps
-// for beam search, fms_paged/engine/beam.py). Rows come in groups of `width` consecutive rows, a
-// group's beams best first; scores [B] fp32 are the beams' cumulative log-probabilities. A step
+// for beam search, fms_paged/engine/beam.py), with greedy rows beside them. The first rows come in
+// groups (keeps.size(0) of them) of `width` consecutive rows, a group's beams best first; scores
+// [groups * width] fp32 are the beams' cumulative log-probabilities; the rows after them decode
+// greedily, as decode_greedy's rows (their argmax, each at its own position). A step
 // runs the forward of every row (as decode_greedy's), then for each group does what
 // beam.candidates does on the host, with the same ATen operators (so the same bits): the fp32
 // log-softmax of its rows' logits plus each beam's score, the top keeps[g] of the group's
@@ -749,9 +751,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_lookup(
 // pages (the host ERASEs it when its search ends). -> (candidate scores fp32 [steps, groups, keep],
 // candidates int64 [steps, groups, 2, keep] (their parent beams, then their tokens; keep the
 // largest of keeps, a group's entries past its own keep -1), the rows' page table rows int32 [slices, B, pages]
-// after the last step (row b's is the table of the sequence seqs[b], the beam it holds now), and
-// for each row of the call int64 [B], the index in seqs of the sequence that holds its beam now).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_beams(
+// after the last step (row b's is the table of the sequence seqs[b], the beam it holds now), for
+// each row of the call int64 [B], the index in seqs of the sequence that holds its beam now (a
+// greedy row: its own), and the greedy rows' tokens int64 [B - groups * width, steps]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_beams(
     const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& tokens, const at::Tensor& positions,
     const at::Tensor& seqs, at::TensorList cos_tables, at::TensorList sin_tables, at::TensorList k_pools,
     at::TensorList v_pools, const at::Tensor& page_table, int64_t page_size, int64_t steps, int64_t width,
@@ -760,14 +763,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_beams(
   TORCH_CHECK_VALUE(tokens.dim() == 1 && positions.sizes() == tokens.sizes(), "decode_beams: tokens and positions ",
                     "int64 [B] alike, got ", shape(tokens), " and ", shape(positions));
   const int64_t B = tokens.size(0), G = stack->num_slices, P = page_size;
-  TORCH_CHECK_VALUE(width >= 1 && B % width == 0, "decode_beams: width=", width, " must be >= 1 and divide the ",
-                    B, " rows (groups of width consecutive rows)");
-  const int64_t NG = B / width;
-  TORCH_CHECK_VALUE(scores.scalar_type() == at::kFloat && scores.dim() == 1 && scores.size(0) == B &&
-                        stops.scalar_type() == at::kLong && stops.dim() == 2 && stops.size(0) == NG &&
-                        keeps.scalar_type() == at::kLong && keeps.dim() == 1 && keeps.size(0) == NG,
-                    "decode_beams: scores fp32 [B], stops int64 [groups, S] and keeps int64 [groups] for B = ", B,
-                    " rows in ", NG, " groups, got ", shape(scores), ", ", shape(stops), ", ", shape(keeps));
+  TORCH_CHECK_VALUE(keeps.scalar_type() == at::kLong && keeps.dim() == 1, "decode_beams: keeps int64 [groups], got ",
+                    dtype_name(keeps.scalar_type()), " ", shape(keeps));
+  const int64_t NG = keeps.size(0), NB = NG * width, NR = B - NB;  // groups, their rows, greedy rows
+  TORCH_CHECK_VALUE(width >= 1 && NB <= B, "decode_beams: ", NG, " groups of width=", width, " in ", B,
+                    " rows; expected width >= 1 and the groups' rows at most the rows");
+  TORCH_CHECK_VALUE(scores.scalar_type() == at::kFloat && scores.dim() == 1 && scores.size(0) == NB &&
+                        stops.scalar_type() == at::kLong && stops.dim() == 2 && stops.size(0) == NG,
+                    "decode_beams: scores fp32 [groups * width] and stops int64 [groups, S] for ", NG,
+                    " groups of ", width, ", got ", shape(scores), ", ", shape(stops));
   at::Tensor tok = tokens.contiguous().view({B, 1}), pos = positions.contiguous().view({B, 1});
   const at::Tensor seq_c = seqs.contiguous(), stop_c = stops.contiguous(), keep_c = keeps.contiguous();
   check_steps("decode_beams", *stack, tok, pos, seq_c, cos_tables, sin_tables, page_table, page_size, steps);
@@ -812,6 +816,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_beams(
       for (const at::Tensor& t : *scales) add_store(t);
   at::Tensor out_v = at::empty({steps, NG, K}, scores.options()), out_i = at::full({steps, NG, 2, K}, -1, tok.options());
   at::Tensor score = scores.contiguous().clone();
+  at::Tensor out_g = at::empty({NR, steps}, tok.options());  // the greedy rows' tokens
+  int64_t* og = out_g.data_ptr<int64_t>();
   std::vector<int64_t> who(B);  // the row of table_t each group's beam i holds (batch row g * width + i)
   for (int64_t b = 0; b < B; ++b) who[b] = b;
   at::Tensor slots = G == 1 ? at::empty({B}, tok.options()) : at::empty({G, B}, tok.options());
@@ -831,6 +837,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_beams(
                                              table_t, chunks, P, std::nullopt, k_scales, v_scales).view({B, -1});
     const int64_t V = logits.size(1);
     int64_t* tk = tok.data_ptr<int64_t>();
+    if (NR) {  // the greedy rows: their argmax (as decode_greedy's), next step's input
+      const at::Tensor best_t = argmax(logits.narrow(0, NB, NR));
+      const int64_t* best = best_t.data_ptr<int64_t>();
+      for (int64_t r = 0; r < NR; ++r) tk[NB + r] = og[r * steps + j] = best[r];
+    }
     float* sc = score.data_ptr<float>();
     // (a group's few rows on this thread: waking the pool for them cost more than they take)
     const c10::ParallelGuard serial(true);
@@ -900,7 +911,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_beams(
   }
   at::Tensor rows = at::empty({B}, tok.options());
   std::copy(who.begin(), who.end(), rows.data_ptr<int64_t>());
-  return {out_v, out_i, table_t.view({G, B, pages}), rows};
+  return {out_v, out_i, table_t.view({G, B, pages}), rows, out_g};
 }
 
 }  // namespace fms_paged_ops
@@ -937,7 +948,7 @@ TORCH_LIBRARY_FRAGMENT(fms_paged, m) {
       "decode_beams(__torch__.torch.classes.fms_paged.DecoderStack stack, Tensor tokens, Tensor positions, "
       "Tensor seqs, Tensor[] cos_tables, Tensor[] sin_tables, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
       "Tensor page_table, int page_size, int steps, int width, Tensor scores, Tensor stops, Tensor keeps, "
-      "Tensor(c!)[]? k_scales=None, Tensor(d!)[]? v_scales=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor(c!)[]? k_scales=None, Tensor(d!)[]? v_scales=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fms_paged, CPU, m) {

@@ -231,10 +231,11 @@ class Kernel:
     def decode_beams(self, model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
                      seqs: torch.Tensor, view: PoolView, steps: int, width: int, scores: torch.Tensor,
                      stops: torch.Tensor, keeps: torch.Tensor) -> tuple | None:
-        """`steps` beam-search steps of groups of `width` rows in one call -> (candidate scores
-        [steps, groups, keep], candidates [steps, groups, 2, keep], the rows' page table rows
-        [slices, B, pages] after the call, the row of `seqs` holding each row's beam at the end),
-        or None where this kernel cannot (none by default)."""
+        """`steps` beam-search steps of groups of `width` rows (and greedy steps of the rows after
+        them) in one call -> (candidate scores [steps, groups, keep], candidates [steps, groups, 2,
+        keep], the rows' page table rows [slices, B, pages] after the call, the row of `seqs`
+        holding each row's beam at the end, the greedy rows' tokens [rows, steps]), or None where
+        this kernel cannot (none by default)."""
         return None
 
     def prefill(self, view: PoolView, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, PoolStep]:

@@ -218,12 +218,13 @@ class CppKernel(Kernel):
                      keeps: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """`steps` beam-search steps in one operator call (`fms_paged::decode_beams`): groups of
         `width` consecutive rows (a group's beams, best first, at one position; their cumulative
-        scores fp32 [B]), each group's stop tokens stops[g] (-1 pads) and candidates kept a step
-        keeps[g], the rows' pages RESERVEd for the steps' positions -> (candidate scores fp32
-        [steps, groups, keep], candidates [steps, groups, 2, keep] (parent beams, then tokens; -1
-        past a group's keep), the rows' page table rows int32 [slices, B, pages] after the call: the page
-        manager's `retable` takes them, and for each row the index in `seqs` of the sequence that
-        holds its beam at the end). None where the forward is not one call."""
+        scores fp32 [groups * width]), then rows that decode greedily; each group's stop tokens
+        stops[g] (-1 pads) and candidates kept a step keeps[g], the rows' pages RESERVEd for the
+        steps' positions -> (candidate scores fp32 [steps, groups, keep], candidates [steps, groups,
+        2, keep] (parent beams, then tokens; -1 past a group's keep), the rows' page table rows
+        int32 [slices, B, pages] after the call: the page manager's `retable` takes them, for each
+        row the index in `seqs` of the sequence that holds its beam at the end, the greedy rows'
+        tokens [rows, steps]). None where the forward is not one call."""
         return self._steps(torch.ops.fms_paged.decode_beams, model, tokens, positions, seqs, view, steps,
                            width, scores, stops, keeps)
 
