@@ -613,6 +613,58 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
   }
   store_rows<mr>(acc, m0, n, y, y_st);
 }
+// Q6_K, one weight row at a time against mr rows of x (decode of one or two rows, where cols16_k's
+// transposes of three parts (ql, qh, scales) cost more than they save): a half super-block (128
+// values: ql's 64 bytes, qh's 32) unpacked into two registers of 64 unsigned quants u, sub-blocks
+// 4 h, 4 h + 1 (ql's low nibbles, qh's bits 0-1 and 2-3) and 4 h + 2, 4 h + 3 (high nibbles, bits
+// 4-5 and 6-7); each meets two blocks of x side by side (64 bytes) in one vpdpbusd, whose sums
+// start at -32 x's quants over 4 bytes (4 XQ::c4): sum (u - 32) qx, exact, so Q6_K's offset costs
+// nothing per block; then one int32 -> fp32 conversion and one FMA by a dx (the lanes' scale a of
+// their 16 values picked from the super-block's, sb_scales). Two accumulators a row (the pairs of
+// sub-blocks alternate): tile_sub's one chain of two FMAs a pair bound the row by their latency.
+template <int mr>
+void row_q6k(const XQ& xq, int64_t m0, const uint8_t* row, float* out) {
+  const int64_t K = xq.K, nb2 = xq.nb2, nsb = xq.nb / 8;
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m33 = _mm512_set1_epi8(0x33);
+  const __m512i g4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[mr][2];
+  for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* blk = row + sb * 210;
+    const __m512 S = sb_scales<kQ6_K>(row, sb);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      // bytes 0-31: qh's bits 0-1 (sub-block 4 h) and 4-5 (4 h + 2); 32-63: bits 2-3, 6-7 moved down
+      const __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1), m33);
+      // (a & m4) | (b & ~m4): the low four bits from ql, bits 4-5 from z
+      const __m512i u[2] = {_mm512_ternarylogic_epi32(ql, _mm512_slli_epi16(z, 4), m4, 0xE4),
+                            _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), z, m4, 0xE4)};
+      for (int t = 0; t < 2; ++t) {
+        const int64_t b = sb * 8 + 4 * h + 2 * t;  // x's blocks b, b + 1
+        const __m512 A = _mm512_permutexvar_ps(_mm512_add_epi32(g4, _mm512_set1_epi32(8 * h + 4 * t)), S);
+        for (int i = 0; i < mr; ++i) {
+          const int64_t r = m0 + i;
+          const __m512i start = _mm512_slli_epi32(_mm512_loadu_si512(xq.c4.data() + (r * nb2 + b) * 8), 2);
+          const __m512i s = _mm512_dpbusd_epi32(start, u[t], _mm512_loadu_si512(xq.q.data() + r * K + b * QK));
+          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(A, _mm512_loadu_ps(xq.dv.data() + (r * nb2 + b) * 8)),
+                                      acc[i][t]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i) out[i] = hsum512(_mm512_add_ps(acc[i][0], acc[i][1]));
+}
+// y[m, j0] for every row m of x against the Q6_K weight row `row` (row_q6k, two rows of x at a time)
+inline void rows_q6k(const XQ& xq, int64_t M, const uint8_t* row, int64_t j0, T* y, int64_t y_st) {
+  for (int64_t m = 0; m < M; m += 2) {
+    float out[2];
+    const int mr = (int)std::min<int64_t>(2, M - m);
+    if (mr == 2) row_q6k<2>(xq, m, row, out);
+    else row_q6k<1>(xq, m, row, out);
+    for (int i = 0; i < mr; ++i) y[(m + i) * y_st + j0] = fms_vec::from_f32<T>(out[i]);
+  }
+}
 template <int type, int mr>
 void cols(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
   if constexpr (type == kQ4_0 || type == kQ8_0)
@@ -1117,6 +1169,10 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
         else if (type == kQ8_0) group<kQ8_0>(xq, M, wg, row_bytes, n, y + j0, y_st);
         else if (type == kQ4_K) group<kQ4_K>(xq, M, wg, row_bytes, n, y + j0, y_st);
         else group<kQ6_K>(xq, M, wg, row_bytes, n, y + j0, y_st);
+        continue;
+      }
+      if (type == kQ6_K && nr[i] == 1) {
+        rows_q6k(xq, M, w + j0 * row_bytes, j0, y, y_st);
         continue;
       }
 #endif
