@@ -406,6 +406,12 @@ __attribute__((always_inline)) inline __m512i load4(const uint8_t* const* p, int
   return _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[q + 12] + off)), 3);
 }
 
+// the 32 bytes at a + off and at b + off in the low and high halves of a register
+__attribute__((always_inline)) inline __m512i load2(const uint8_t* a, const uint8_t* b, int64_t off) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + off))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + off)), 1);
+}
+
 // y[m0 + i, 0 .. n) from acc[i] (lane j: weight row j of the 16; n <= NG), rounded to T
 template <int mr>
 inline void store_rows(const __m512 (&acc)[mr], int64_t m0, int64_t n, T* y, int64_t y_st) {
@@ -499,8 +505,9 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
   for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const int64_t off = sb * sbb;
-    for (int64_t o = sb * NG * sbb; o < (sb + 1) * NG * sbb; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+    if constexpr (type != kQ4_K)
+      for (int64_t o = sb * NG * sbb; o < (sb + 1) * NG * sbb; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
     if constexpr (type == kQ4_K) {
       alignas(64) float A[8][NG], B[8][NG];  // a and b of sub-block j, lane r: row r
       {
@@ -525,15 +532,29 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
         }
       }
       for (int pp = 0; pp < 4; ++pp) {  // sub-blocks 2 pp (low nibbles), 2 pp + 1 (high) of bytes 32 pp ..
+        // a quarter of the next group's super-block each time (NG sbb / 4 = 9 lines): in a burst of
+        // 36 the prefetches stalled the loop once the core's misses in flight were at their limit
+        for (int64_t o = (4 * sb + pp) * NG * sbb / 4; o < (4 * sb + pp + 1) * NG * sbb / 4; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+        // lo: the low nibbles; hi: the high ones times 16 (bits 4-7 left in place: one and, no
+        // shift; their sums are 16 times the quants', < 2^24, and their dx is taken / 16 below:
+        // the same products, bit for bit)
         __m512i lo[8], hi[8];
+        const __m512i f0 = _mm512_set1_epi8((char)0xf0);
+        // the pair's 32 bytes of rows q, q + 4 and q + 8, q + 12 in two registers, then each half
+        // h's 16 bytes of the four rows picked from both by a shuffle (load4(p, q, o + 16 h) in two
+        // shuffles a pair of halves, where load4 takes three inserts a half)
+        const int64_t o = off + 16 + 32 * pp;
+        __m512i z[2][4];
+        for (int q = 0; q < 4; ++q) {
+          const __m512i a = load2(p[q], p[q + 4], o), c = load2(p[q + 8], p[q + 12], o);
+          z[0][q] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
+          z[1][q] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
+        }
         for (int h = 0; h < 2; ++h) {
-          const int64_t o = off + 16 + 32 * pp + 16 * h;
-          __m512i z0 = load4(p, 0, o), z1 = load4(p, 1, o), z2 = load4(p, 2, o), z3 = load4(p, 3, o);
-          transpose4(z0, z1, z2, z3);
-          const __m512i z[4] = {z0, z1, z2, z3};
+          transpose4(z[h][0], z[h][1], z[h][2], z[h][3]);
           for (int g = 0; g < 4; ++g)
-            lo[4 * h + g] = _mm512_and_si512(z[g], m4),
-            hi[4 * h + g] = _mm512_and_si512(_mm512_srli_epi16(z[g], 4), m4);
+            lo[4 * h + g] = _mm512_and_si512(z[h][g], m4), hi[4 * h + g] = _mm512_and_si512(z[h][g], f0);
         }
         const int64_t b0 = sb * 8 + 2 * pp;
         for (int i = 0; i < mr; ++i) {
@@ -548,8 +569,9 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
               s1 = _mm512_dpbusd_epi32(s1, u[k + 1], _mm512_set1_epi32(xv[k + 1]));
             }
             const int j = 2 * pp + t;
+            const float dx = t ? xq.d[r * nb2 + b] * 0.0625f : xq.d[r * nb2 + b];  // (hi: 16 u)
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
-                                     _mm512_mul_ps(_mm512_load_ps(A[j]), _mm512_set1_ps(xq.d[r * nb2 + b])), acc[i]);
+                                     _mm512_mul_ps(_mm512_load_ps(A[j]), _mm512_set1_ps(dx)), acc[i]);
             acc[i] = _mm512_fmadd_ps(_mm512_load_ps(B[j]), _mm512_set1_ps(xq.xsb[r * nb2 + b]), acc[i]);
           }
         }
