@@ -36,7 +36,8 @@
 // and a tile's fp32 accumulators are vectors (cvt and FMA per block, one horizontal sum per tile).
 // Decode calls of up to 8 rows (AVX-512 VNNI; Q4_0, Q4_K, and Q8_0 / Q6_K from 2 / 3 rows) read 16
 // weight rows at a time instead, transposed in registers so that each 32-bit lane is one weight row
-// (cols16, cols16_k below). Calls of more rows (prefill) dequantize bf16 tiles where the CPU has
+// (cols16, cols16_k below); Q6_K's one or two rows a weight row at a time, its offset in the
+// integer sums (row_q6k). Calls of more rows (prefill) dequantize bf16 tiles where the CPU has
 // AVX512_BF16 (FMS_QTILES below).
 // Threads split the weight rows (all segments of one call: q/k/v side by side in y) into
 // contiguous shares of rows; a prefill's rows of x are reused from L2 for each weight row pair.
