@@ -668,10 +668,18 @@ void row_q6k(const XQ& xq, int64_t m0, const uint8_t* row, float* out) {
         const __m512 A = _mm512_permutexvar_ps(_mm512_add_epi32(g4, _mm512_set1_epi32(8 * h + 4 * t)), S);
         for (int i = 0; i < mr; ++i) {
           const int64_t r = m0 + i;
-          const __m512i start = _mm512_slli_epi32(_mm512_loadu_si512(xq.c4.data() + (r * nb2 + b) * 8), 2);
-          const __m512i s = _mm512_dpbusd_epi32(start, u[t], _mm512_loadu_si512(xq.q.data() + r * K + b * QK));
-          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(A, _mm512_loadu_ps(xq.dv.data() + (r * nb2 + b) * 8)),
-                                      acc[i][t]);
+          const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * K + b * QK);
+          __m512i s;
+          __m512 dx;
+          if constexpr (mr == 1) {  // x's sums and scales as vectors (XQ::c4, dv: 4 and 8 times x's own bytes)
+            s = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_loadu_si512(xq.c4.data() + (r * nb2 + b) * 8), 2), u[t], xv);
+            dx = _mm512_loadu_ps(xq.dv.data() + (r * nb2 + b) * 8);
+          } else {  // from x's quants and its scalar dx: two rows' c4 and dv crowded L1 (2 rows of 5632: 2x the time)
+            s = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[t], xv),
+                                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(32), xv));
+            dx = _mm512_insertf32x8(_mm512_set1_ps(xq.d[r * nb2 + b]), _mm256_set1_ps(xq.d[r * nb2 + b + 1]), 1);
+          }
+          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(A, dx), acc[i][t]);
         }
       }
     }
