@@ -36,7 +36,8 @@
 // and a tile's fp32 accumulators are vectors (cvt and FMA per block, one horizontal sum per tile).
 // Decode calls of up to 8 rows (AVX-512 VNNI; Q4_0, Q4_K, and Q8_0 / Q6_K from 2 / 3 rows) read 16
 // weight rows at a time instead, transposed in registers so that each 32-bit lane is one weight row
-// (cols16, cols16_k below). Calls of more rows (prefill) dequantize bf16 tiles where the CPU has
+// (cols16, cols16_k below); Q6_K's one or two rows a weight row at a time, its offset in the
+// integer sums (row_q6k). Calls of more rows (prefill) dequantize bf16 tiles where the CPU has
 // AVX512_BF16 (FMS_QTILES below).
 // Threads split the weight rows (all segments of one call: q/k/v side by side in y) into
 // contiguous shares of rows; a prefill's rows of x are reused from L2 for each weight row pair.
@@ -406,6 +407,12 @@ __attribute__((always_inline)) inline __m512i load4(const uint8_t* const* p, int
   return _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[q + 12] + off)), 3);
 }
 
+// the 32 bytes at a + off and at b + off in the low and high halves of a register
+__attribute__((always_inline)) inline __m512i load2(const uint8_t* a, const uint8_t* b, int64_t off) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + off))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + off)), 1);
+}
+
 // y[m0 + i, 0 .. n) from acc[i] (lane j: weight row j of the 16; n <= NG), rounded to T
 template <int mr>
 inline void store_rows(const __m512 (&acc)[mr], int64_t m0, int64_t n, T* y, int64_t y_st) {
@@ -499,8 +506,9 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
   for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const int64_t off = sb * sbb;
-    for (int64_t o = sb * NG * sbb; o < (sb + 1) * NG * sbb; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+    if constexpr (type != kQ4_K)
+      for (int64_t o = sb * NG * sbb; o < (sb + 1) * NG * sbb; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
     if constexpr (type == kQ4_K) {
       alignas(64) float A[8][NG], B[8][NG];  // a and b of sub-block j, lane r: row r
       {
@@ -525,15 +533,29 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
         }
       }
       for (int pp = 0; pp < 4; ++pp) {  // sub-blocks 2 pp (low nibbles), 2 pp + 1 (high) of bytes 32 pp ..
+        // a quarter of the next group's super-block each time (NG sbb / 4 = 9 lines): in a burst of
+        // 36 the prefetches stalled the loop once the core's misses in flight were at their limit
+        for (int64_t o = (4 * sb + pp) * NG * sbb / 4; o < (4 * sb + pp + 1) * NG * sbb / 4; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+        // lo: the low nibbles; hi: the high ones times 16 (bits 4-7 left in place: one and, no
+        // shift; their sums are 16 times the quants', < 2^24, and their dx is taken / 16 below:
+        // the same products, bit for bit)
         __m512i lo[8], hi[8];
+        const __m512i f0 = _mm512_set1_epi8((char)0xf0);
+        // the pair's 32 bytes of rows q, q + 4 and q + 8, q + 12 in two registers, then each half
+        // h's 16 bytes of the four rows picked from both by a shuffle (load4(p, q, o + 16 h) in two
+        // shuffles a pair of halves, where load4 takes three inserts a half)
+        const int64_t o = off + 16 + 32 * pp;
+        __m512i z[2][4];
+        for (int q = 0; q < 4; ++q) {
+          const __m512i a = load2(p[q], p[q + 4], o), c = load2(p[q + 8], p[q + 12], o);
+          z[0][q] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
+          z[1][q] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
+        }
         for (int h = 0; h < 2; ++h) {
-          const int64_t o = off + 16 + 32 * pp + 16 * h;
-          __m512i z0 = load4(p, 0, o), z1 = load4(p, 1, o), z2 = load4(p, 2, o), z3 = load4(p, 3, o);
-          transpose4(z0, z1, z2, z3);
-          const __m512i z[4] = {z0, z1, z2, z3};
+          transpose4(z[h][0], z[h][1], z[h][2], z[h][3]);
           for (int g = 0; g < 4; ++g)
-            lo[4 * h + g] = _mm512_and_si512(z[g], m4),
-            hi[4 * h + g] = _mm512_and_si512(_mm512_srli_epi16(z[g], 4), m4);
+            lo[4 * h + g] = _mm512_and_si512(z[h][g], m4), hi[4 * h + g] = _mm512_and_si512(z[h][g], f0);
         }
         const int64_t b0 = sb * 8 + 2 * pp;
         for (int i = 0; i < mr; ++i) {
@@ -548,8 +570,9 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
               s1 = _mm512_dpbusd_epi32(s1, u[k + 1], _mm512_set1_epi32(xv[k + 1]));
             }
             const int j = 2 * pp + t;
+            const float dx = t ? xq.d[r * nb2 + b] * 0.0625f : xq.d[r * nb2 + b];  // (hi: 16 u)
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
-                                     _mm512_mul_ps(_mm512_load_ps(A[j]), _mm512_set1_ps(xq.d[r * nb2 + b])), acc[i]);
+                                     _mm512_mul_ps(_mm512_load_ps(A[j]), _mm512_set1_ps(dx)), acc[i]);
             acc[i] = _mm512_fmadd_ps(_mm512_load_ps(B[j]), _mm512_set1_ps(xq.xsb[r * nb2 + b]), acc[i]);
           }
         }
@@ -612,6 +635,66 @@ void cols16_k(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int
     }
   }
   store_rows<mr>(acc, m0, n, y, y_st);
+}
+// Q6_K, one weight row at a time against mr rows of x (decode of one or two rows, where cols16_k's
+// transposes of three parts (ql, qh, scales) cost more than they save): a half super-block (128
+// values: ql's 64 bytes, qh's 32) unpacked into two registers of 64 unsigned quants u, sub-blocks
+// 4 h, 4 h + 1 (ql's low nibbles, qh's bits 0-1 and 2-3) and 4 h + 2, 4 h + 3 (high nibbles, bits
+// 4-5 and 6-7); each meets two blocks of x side by side (64 bytes) in one vpdpbusd, whose sums
+// start at -32 x's quants over 4 bytes (4 XQ::c4): sum (u - 32) qx, exact, so Q6_K's offset costs
+// nothing per block; then one int32 -> fp32 conversion and one FMA by a dx (the lanes' scale a of
+// their 16 values picked from the super-block's, sb_scales). Two accumulators a row (the pairs of
+// sub-blocks alternate): tile_sub's one chain of two FMAs a pair bound the row by their latency.
+template <int mr>
+void row_q6k(const XQ& xq, int64_t m0, const uint8_t* row, float* out) {
+  const int64_t K = xq.K, nb2 = xq.nb2, nsb = xq.nb / 8;
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m33 = _mm512_set1_epi8(0x33);
+  const __m512i g4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[mr][2];
+  for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* blk = row + sb * 210;
+    const __m512 S = sb_scales<kQ6_K>(row, sb);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      // bytes 0-31: qh's bits 0-1 (sub-block 4 h) and 4-5 (4 h + 2); 32-63: bits 2-3, 6-7 moved down
+      const __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1), m33);
+      // (a & m4) | (b & ~m4): the low four bits from ql, bits 4-5 from z
+      const __m512i u[2] = {_mm512_ternarylogic_epi32(ql, _mm512_slli_epi16(z, 4), m4, 0xE4),
+                            _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), z, m4, 0xE4)};
+      for (int t = 0; t < 2; ++t) {
+        const int64_t b = sb * 8 + 4 * h + 2 * t;  // x's blocks b, b + 1
+        const __m512 A = _mm512_permutexvar_ps(_mm512_add_epi32(g4, _mm512_set1_epi32(8 * h + 4 * t)), S);
+        for (int i = 0; i < mr; ++i) {
+          const int64_t r = m0 + i;
+          const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * K + b * QK);
+          __m512i s;
+          __m512 dx;
+          if constexpr (mr == 1) {  // x's sums and scales as vectors (XQ::c4, dv: 4 and 8 times x's own bytes)
+            s = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_loadu_si512(xq.c4.data() + (r * nb2 + b) * 8), 2), u[t], xv);
+            dx = _mm512_loadu_ps(xq.dv.data() + (r * nb2 + b) * 8);
+          } else {  // from x's quants and its scalar dx: two rows' c4 and dv crowded L1 (2 rows of 5632: 2x the time)
+            s = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[t], xv),
+                                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(32), xv));
+            dx = _mm512_insertf32x8(_mm512_set1_ps(xq.d[r * nb2 + b]), _mm256_set1_ps(xq.d[r * nb2 + b + 1]), 1);
+          }
+          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(A, dx), acc[i][t]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i) out[i] = hsum512(_mm512_add_ps(acc[i][0], acc[i][1]));
+}
+// y[m, j0] for every row m of x against the Q6_K weight row `row` (row_q6k, two rows of x at a time)
+inline void rows_q6k(const XQ& xq, int64_t M, const uint8_t* row, int64_t j0, T* y, int64_t y_st) {
+  for (int64_t m = 0; m < M; m += 2) {
+    float out[2];
+    const int mr = (int)std::min<int64_t>(2, M - m);
+    if (mr == 2) row_q6k<2>(xq, m, row, out);
+    else row_q6k<1>(xq, m, row, out);
+    for (int i = 0; i < mr; ++i) y[(m + i) * y_st + j0] = fms_vec::from_f32<T>(out[i]);
+  }
 }
 template <int type, int mr>
 void cols(const XQ& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n, T* y, int64_t y_st) {
@@ -1117,6 +1200,10 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
         else if (type == kQ8_0) group<kQ8_0>(xq, M, wg, row_bytes, n, y + j0, y_st);
         else if (type == kQ4_K) group<kQ4_K>(xq, M, wg, row_bytes, n, y + j0, y_st);
         else group<kQ6_K>(xq, M, wg, row_bytes, n, y + j0, y_st);
+        continue;
+      }
+      if (type == kQ6_K && nr[i] == 1) {
+        rows_q6k(xq, M, w + j0 * row_bytes, j0, y, y_st);
         continue;
       }
 #endif
