@@ -279,24 +279,19 @@ def _move(sched, g: BeamGroup, chosen: list[tuple[int, int, float]], now: float,
             picked.append((parent, parent))
     moved = [(b, parent) for b, parent in picked if b is not parent]
     gone = [b for b, _ in moved] + spare  # rows whose pages go back (or stay with the prefix cache)
-    if gone and not pages:
-        for b in spare:
-            b.cache_chain = []
-        for b, parent in moved:
-            b.num_computed, b.cache_chain = parent.num_computed, list(parent.cache_chain)
-    elif gone:  # one REPOINT of the moved rows and one ERASE of the rest; rows kept
+    if gone and pages:  # one REPOINT of the moved rows and one ERASE of the rest; rows kept
         pm, cache = sched.pm, sched.cache
-        pages = [pm.pages_of(b.seq_id) for b in gone] if cache else []
+        held = [pm.pages_of(b.seq_id) for b in gone] if cache else []
         if moved:
             pm.repoint([b.seq_id for b, _ in moved], [parent.seq_id for _, parent in moved])
         if spare:
             pm.erase([b.seq_id for b in spare])
-        for held in pages:
-            cache.release(held)  # listed pages nobody holds now: evictable
-        for b in spare:
-            b.cache_chain = []
-        for b, parent in moved:
-            b.num_computed, b.cache_chain = parent.num_computed, list(parent.cache_chain)
+        for listed in held:
+            cache.release(listed)  # listed pages nobody holds now: evictable
+    for b in spare:
+        b.cache_chain = []
+    for b, parent in moved:
+        b.num_computed, b.cache_chain = parent.num_computed, list(parent.cache_chain)
     beams = []
     for (b, _), (q, tok, _) in zip(picked, chosen, strict=True):
         b.output, b.token_times = outputs[q] + [tok], times[q] + [now]

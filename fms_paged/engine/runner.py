@@ -131,11 +131,10 @@ class ModelRunner:
                 # `decodes_in_one_call`): greedy, or beam search's, in one call
                 if any(r.beam is not None for r in plan.decodes):  # beam searches (greedy rows beside)
                     result = self._beam_steps(plan, plan.steps)
-                elif plan.lookup is not None:  # with prompt lookup inside the call
-                    rows, lookup = self._lookup_steps(plan.decodes, plan.steps, plan.lookup)
                 else:
-                    rows, lookup = self._decode_steps(plan.decodes, plan.steps), None
-                if not any(r.beam is not None for r in plan.decodes):
+                    rows, lookup = (self._lookup_steps(plan.decodes, plan.steps, plan.lookup)
+                                    if plan.lookup is not None  # with prompt lookup inside the call
+                                    else (self._decode_steps(plan.decodes, plan.steps), None))
                     result = StepResult([row[0] for row in rows], steps=rows, lookup=lookup)
             else:
                 scored = checks = None
@@ -274,7 +273,7 @@ class ModelRunner:
         groups = list(dict.fromkeys(r.beam for r in plan.decodes if r.beam is not None))
         greedy = [r for r in plan.decodes if r.beam is None]
         rows = [b for g in groups for b in g.beams] + greedy
-        width = groups[0].width  # (one width: `Scheduler._beam_lookahead_ready`)
+        width = groups[0].width  # (one width: `Scheduler._lookahead_ready`)
         S = max(len(g.stop_ids) for g in groups)
         stops = torch.tensor([list(g.stop_ids) + [-1] * (S - len(g.stop_ids)) for g in groups],
                              dtype=torch.long).view(len(groups), S)

@@ -181,34 +181,27 @@ class Scheduler:
             self.lookahead(out, self.decode_steps, in_call)
         return out
 
-    def _lookahead_ready(self, plan: SchedulerOutput, reqs: list[Request]) -> bool:
+    def _lookahead_ready(self, plan: SchedulerOutput, reqs: list[Request], beams: bool = False) -> bool:
         """Whether a plan of `reqs` may take lookahead decode steps (`lookahead`): several set
-        (`decode_steps`), the runner runs them in one call now, no prefill, preemption or request
-        waiting, and every request decodes greedily (no log-probabilities, no grammar, no beam).
-        Asked before proposals are planned too: with prompt lookup, a plan that will take them
-        proposes inside the call (`Speculator.lookup_plan`), not between steps."""
-        return (self.decode_steps > 1 and self.lookahead_ready is not None and bool(reqs)
-                and not (plan.prefills or plan.preempted or self.waiting or plan.verifies)
-                and all(r.reaches_end(1) and r.params.temperature == 0 and r.params.logprobs is None
-                        and r.matcher is None and r.beam is None for r in reqs)
-                and self.lookahead_ready())
-
-    def _beam_lookahead_ready(self, plan: SchedulerOutput, reqs: list[Request]) -> bool:
-        """Whether a plan with beams may take lookahead beam steps (`lookahead`, run by
-        `fms_paged::decode_beams`): several steps set, the runner runs them in one call now, no
-        prefill, preemption, fork or request waiting, every beam of a group whose beams all decode
-        in this plan (not its first step: that one FORKs), the groups of one width (a call's groups
-        are rows of that many), and every other row decoding greedily as `_lookahead_ready` asks."""
-        beams = [r for r in reqs if r.beam is not None]
-        if not (self.decode_steps > 1 and self.lookahead_ready is not None and beams
+        (`decode_steps`), the runner runs them in one call now, no prefill, preemption, fork or
+        request waiting, and every request decodes greedily (no log-probabilities, no grammar).
+        `beams`: beams may be among them (beam search's steps, `fms_paged::decode_beams`), every
+        beam of a group whose beams all decode in this plan (not its first step: that one FORKs),
+        the groups of one width (a call's groups are rows of that many); else none may. Asked
+        before proposals are planned too (no beam then): with prompt lookup, a plan that will take
+        them proposes inside the call (`Speculator.lookup_plan`), not between steps."""
+        if not (self.decode_steps > 1 and self.lookahead_ready is not None and reqs
                 and not (plan.prefills or plan.preempted or self.waiting or plan.verifies or plan.forks)
-                and all(r.reaches_end(1) for r in reqs)
-                and all(r.params.temperature == 0 and r.params.logprobs is None and r.matcher is None
-                        for r in reqs if r.beam is None)):
+                and all(r.reaches_end(1) and r.params.temperature == 0 and r.params.logprobs is None
+                        and r.matcher is None for r in reqs)):
             return False
-        groups = {r.beam for r in beams}
-        return (sum(g.width for g in groups) == len(beams) and len({g.width for g in groups}) == 1
-                and not any(g.leader.forks for g in groups) and self.lookahead_ready())
+        in_groups = [r for r in reqs if r.beam is not None]
+        groups = {r.beam for r in in_groups}
+        if groups and not (beams and sum(g.width for g in groups) == len(in_groups)
+                           and len({g.width for g in groups}) == 1
+                           and not any(g.leader.forks for g in groups)):
+            return False
+        return self.lookahead_ready()
 
     def lookahead(self, plan: SchedulerOutput, steps: int, in_call: bool = False) -> int:
         """Extend a plan whose rows all decode greedily (no log-probabilities, no grammar), beams
@@ -219,8 +212,8 @@ class Scheduler:
         one); `in_call`: with prompt lookup inside the call (`Speculator.lookup_plan`). -> the
         steps planned (`plan.steps`). `update` keeps each request's tokens up to its stop."""
         reqs = plan.decodes
-        if not (self._lookahead_ready(plan, reqs) or self._beam_lookahead_ready(plan, reqs)):
-            return plan.steps  # (forks: prefills)
+        if not self._lookahead_ready(plan, reqs, beams=True):
+            return plan.steps
         k = min([steps, self.max_num_batched_tokens // len(reqs)]
                 + [r.params.max_new_tokens - len(r.output) for r in reqs])
         ids = [r.seq_id for r in reqs]
@@ -349,11 +342,10 @@ class Scheduler:
             outputs.append(RequestOutput(r.request_id, toks[: j + 1], reason is not None, reason, r.index,
                                          lps, stats, prompt_lps))
         if result.beam_steps is not None:  # lookahead beam steps: each group's steps in turn
-            outs, done = beam.book_steps(self, result.beam_steps, now)
-            outputs += outs
-            finished += done
-        for g in groups if result.beam_steps is None else ():  # beam search: the group's step
-            outs, done = beam.advance(self, g, result.beams[g], now)  # (next beams, their pages)
+            booked = [beam.book_steps(self, result.beam_steps, now)]
+        else:  # beam search: each group's step (`beam.advance`: next beams, their pages)
+            booked = [beam.advance(self, g, result.beams[g], now) for g in groups]
+        for outs, done in booked:
             outputs += outs
             finished += done
         if plan.verifies:

@@ -66,15 +66,9 @@ class PageSharing:
         # ERASE frees pages in sorted order when one of them was shared, else in table order
         shared = len(dropped) - dropped.count(NULL_PAGE) < np.count_nonzero(old) or any(
             refs[p] > 1 for p in dropped if p != NULL_PAGE)
-        for p in taken:  # the parents' first, so a page both hold never reaches 0
-            if p != NULL_PAGE:
-                refs[p] += 1
-        for p in dropped:
-            if p != NULL_PAGE:
-                refs[p] -= 1
-        freed = [p for p in dropped if p != NULL_PAGE and refs[p] == 0]
+        freed = self._trade(taken, dropped)
         if shared:
-            freed = sorted(set(freed))
+            freed = sorted(freed)
         self._table[ids] = new
         self._lens[ids] = self._lens[par]
         self._live[ids] = True
@@ -89,8 +83,8 @@ class PageSharing:
     def retable(self, seq_ids: Sequence[int], tables: np.ndarray | torch.Tensor) -> list[int]:
         """Live sequences trade pages among themselves: `seq_ids[i]` takes the whole page table
         row `tables[i]` ([len(seq_ids), max_pages_per_seq], or [1, ...]), its length kept (beam
-        search's lookahead steps, `fms_paged::decode_beams`, moved a group's beams between rows inside one
-        call: a beam continued twice took a spare row, which took its parent's earlier pages and
+        search's lookahead steps, `fms_paged::decode_beams`, moved a group's beams between rows
+        inside one call: a beam continued twice took a spare row, which took its parent's earlier pages and
         copied its later ones into its own). Every page of the new rows is one of these rows' pages
         now, at the same logical index; a page's references follow the rows that hold it, and a
         page none holds any more returns to the free pool. -> the pages whose references dropped,
@@ -119,15 +113,8 @@ class PageSharing:
             if self._p2l[p] != c:
                 raise ValueError(f"retable: page {p} at logical index {c}, but it holds logical page "
                                  f"{int(self._p2l[p])}")
-        refs = self._refcount
-        for p in taken:  # the taken first, so a page both sides hold never reaches 0
-            if p != NULL_PAGE:
-                refs[p] += 1
-        for p in dropped:
-            if p != NULL_PAGE:
-                refs[p] -= 1
+        freed = sorted(self._trade(taken, dropped))
         dropped = [p for p in dropped if p != NULL_PAGE]
-        freed = sorted({p for p in dropped if refs[p] == 0})
         self._table[ids] = new
         # state of freed pages first, THEN push them on the free pool (concurrency contract)
         self._p2l[freed] = -1
@@ -138,6 +125,20 @@ class PageSharing:
         ops.fill_int32(self._p2l_d, packed[k:], -1)
         self._free.extend(freed)
         return dropped
+
+    def _trade(self, taken: list[int], dropped: list[int]) -> list[int]:
+        """References of rows changing pages (REPOINT, RETABLE): +1 for each page of `taken`, then
+        -1 for each of `dropped` (the taken first, so a page on both sides never reaches 0); the
+        null page counts none. -> the dropped pages left with none, once each, in `dropped`'s
+        order."""
+        refs = self._refcount
+        for p in taken:
+            if p != NULL_PAGE:
+                refs[p] += 1
+        for p in dropped:
+            if p != NULL_PAGE:
+                refs[p] -= 1
+        return list(dict.fromkeys(p for p in dropped if p != NULL_PAGE and refs[p] == 0))
 
     def _adopt(self, s: int, pages: np.ndarray, length: int) -> None:
         """Seq `s` (checked: not live) takes `pages` (checked: owned, or the null page where a

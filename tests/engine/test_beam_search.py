@@ -187,7 +187,7 @@ def test_abort_ends_the_whole_search_and_returns_everything(models, steps):
 
 
 @pytest.mark.parametrize("family, kv", [("llama", None), ("gemma3", None), ("llama", "int8")])
-def test_lookahead_beam_steps_equal_one_token_steps(family, kv, hf_family):
+def test_lookahead_beam_steps_equal_transformers_and_one_token_steps(family, kv, hf_family):
     """Beam steps run several in one call (`fms_paged::decode_beams`: the engine's lookahead steps,
     rows moving between beams and pages copied inside the call, then `PageManager.retable`) give
     what one-token steps give: the same hypotheses in the same order, ending the same way, their
@@ -197,8 +197,11 @@ def test_lookahead_beam_steps_equal_one_token_steps(family, kv, hf_family):
     call (its tokens the same too), hypotheses ending on a stop token inside a call, pages filled
     inside calls going into the prefix cache, and the pool accounting for every page after every
     step (freed pages poisoned with NaN). Llama (one page table), Gemma 3 (sliding and full layer
-    slices: tables per slice), 8-bit K/V (a page's scales copied with it)."""
-    _, path = hf_family(family)
+    slices: tables per slice), 8-bit K/V (a page's scales copied with it). With 16/32-bit pages
+    the calls' hypotheses are also transformers' beams (`assert_same`) and the greedy request's
+    tokens its greedy tokens; 8-bit pages, which transformers does not have, are held to the
+    one-token steps alone."""
+    hf, path = hf_family(family)
     paged = get_model(model_path=path, page_size=P, attn_impl="paged")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (21, 30)]
@@ -218,6 +221,7 @@ def test_lookahead_beam_steps_equal_one_token_steps(family, kv, hf_family):
         outs = run(eng, poison=True)
         got.append([[(o.new_token_ids, o.finish_reason, o.cumulative_logprob) for o in outs[r]]
                     for r in rids] + [[(outs[other][0].new_token_ids, "greedy", 0.0)]])
+        outs_ahead = [outs[r] for r in (*rids, other)]  # (the last engine's: lookahead steps)
         eng.reset_prefix_cache()
         assert eng.pm.num_free_pages == eng.pm.num_pages - 1
     assert 8 in calls and 1 not in calls  # the lookahead engine ran beam steps in calls, the other none
@@ -227,3 +231,9 @@ def test_lookahead_beam_steps_equal_one_token_steps(family, kv, hf_family):
         for (*_, cum), (*_, cum_ahead) in zip(hyps, hyps_ahead):
             assert abs(cum - cum_ahead) <= ATOL, (cum, cum_ahead)
     assert any(why == "stop" for hyps in ahead for _, why, _ in hyps)
+    if kv is None:
+        for prompt, hyps in zip(prompts, outs_ahead[:2]):
+            assert_same(hyps, hf_beams(hf, prompt, stop, 20), stop)
+        greedy = hf.generate(torch.tensor([prompts[1][:17]]), max_new_tokens=30, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, 17:].tolist()
+        assert outs_ahead[2][0].new_token_ids == greedy

@@ -88,25 +88,32 @@ def test_kernel_on_8bit_pages_matches_float64_of_dequantized(kernel, name, dtype
     assert v.k_pools[0].dtype == storage_dtype(name, dtype) and v.k_scales[0] is not None
     if kernel == "cpp":  # the operator reads the int8 pages itself (not the torch fallback)
         assert cpp_ready(v) and quantized(v)
-    rtol = 0.0 if dtype == torch.float32 else 2.0**-8
+    attends_as_reference(cache, dtype, TOL, 0.0 if dtype == torch.float32 else 2.0**-8)
+
+
+def attends_as_reference(cache: PagedCache, dtype: torch.dtype, atol: float, rtol: float) -> None:
+    """A prefill of two sequences (13 and 70 tokens) on `cache` (the micro model's first layer),
+    then a decode row each, with random q, k, v in `dtype` on the cache's device: the kernel's
+    attention outputs against `reference` over the same pages, within atol + rtol |ref|."""
+    v, device = cache.backend.view, cache.backend.device
     g = torch.Generator().manual_seed(2)
     lens = [13, 70]
     _, _, step, _ = cache.prefill([0, 1], [[1] * n for n in lens])
     T = sum(lens)
-    q, k, val = (torch.randn(1, h, T, 16, generator=g).to(dtype) for h in (4, 2, 2))
+    q, k, val = (torch.randn(1, h, T, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
     out = step.prepare().attend(0, q, k, val)[0]  # [H, T, D]
     pools, scales = (v.k_pools[0], v.v_pools[0]), v.scales(0)
     off = 0
     for seq, n in enumerate(lens):
         ref = reference(q[0, :, off : off + n], pools, scales, cache.pm, seq, 0, n)
-        torch.testing.assert_close(out[:, off : off + n].double(), ref, atol=TOL, rtol=rtol)
+        torch.testing.assert_close(out[:, off : off + n].double(), ref, atol=atol, rtol=rtol)
         off += n
-    _, _, dstep = cache.decode([0, 1], torch.tensor([1, 1]), lens, [True, True])
-    q, k, val = (torch.randn(2, h, 1, 16, generator=g).to(dtype) for h in (4, 2, 2))
+    _, _, dstep = cache.decode([0, 1], torch.tensor([1, 1], device=device), lens, [True, True])
+    q, k, val = (torch.randn(2, h, 1, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
     out = dstep.prepare().attend(0, q, k, val)  # [B, H, 1, D]
     for seq, n in enumerate(lens):
         ref = reference(q[seq], pools, scales, cache.pm, seq, n, 1)
-        torch.testing.assert_close(out[seq].double(), ref, atol=TOL, rtol=rtol)
+        torch.testing.assert_close(out[seq].double(), ref, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("name", EIGHT_BIT)

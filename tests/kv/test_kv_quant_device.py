@@ -12,7 +12,7 @@ import torch
 from fms_paged import Engine, SamplingParams, get_model, native
 from fms_paged.kv.cache import PagedCache
 from fms_paged.kv.quant import storage_dtype
-from tests.kv.test_kv_quant import EIGHT_BIT, reference
+from tests.kv.test_kv_quant import EIGHT_BIT, attends_as_reference
 
 
 # fp32 round-off of softmax-weighted sums of a few dozen terms of magnitude ~1 (test_kv_quant.py's
@@ -26,7 +26,7 @@ def tolerance(device: torch.device) -> float:
 def test_auto_kernel_on_8bit_pages_matches_float64_of_dequantized(name, device):
     """A prefill of two sequences (13 and 70 tokens: page boundaries, part pages), then a decode
     row each, through the kernel "auto" picks on the device: its attention outputs against the
-    float64 reference over the same pages (test_kv_quant.reference)."""
+    float64 reference over the same pages (test_kv_quant.attends_as_reference)."""
     model = get_model(variant="micro", attn_impl="paged", device=device, dtype=torch.float32, nlayers=1,
                       page_size=8, kv_cache_dtype=name).eval()
     cache = PagedCache(model, 2, 128, kernel="auto", kv_cache_dtype=name)
@@ -34,24 +34,7 @@ def test_auto_kernel_on_8bit_pages_matches_float64_of_dequantized(name, device):
     assert v.k_pools[0].dtype == storage_dtype(name, torch.float32) and v.k_scales[0] is not None
     own = device.type == "cpu" and name == "int8" and native.compiler() is not None
     assert cache.kernel.name == ("cpp" if own else "gather"), cache.kernel.name
-    g = torch.Generator().manual_seed(2)
-    lens, tol = [13, 70], tolerance(device)
-    _, _, step, _ = cache.prefill([0, 1], [[1] * n for n in lens])
-    T = sum(lens)
-    q, k, val = (torch.randn(1, h, T, 16, generator=g).to(device) for h in (4, 2, 2))
-    out = step.prepare().attend(0, q, k, val)[0]  # [H, T, D]
-    pools, scales = (v.k_pools[0], v.v_pools[0]), v.scales(0)
-    off = 0
-    for seq, n in enumerate(lens):
-        ref = reference(q[0, :, off : off + n], pools, scales, cache.pm, seq, 0, n)
-        torch.testing.assert_close(out[:, off : off + n].double(), ref, atol=tol, rtol=0.0)
-        off += n
-    _, _, dstep = cache.decode([0, 1], torch.tensor([1, 1], device=device), lens, [True, True])
-    q, k, val = (torch.randn(2, h, 1, 16, generator=g).to(device) for h in (4, 2, 2))
-    out = dstep.prepare().attend(0, q, k, val)  # [B, H, 1, D]
-    for seq, n in enumerate(lens):
-        ref = reference(q[seq], pools, scales, cache.pm, seq, n, 1)
-        torch.testing.assert_close(out[seq].double(), ref, atol=tol, rtol=0.0)
+    attends_as_reference(cache, torch.float32, tolerance(device), 0.0)
 
 
 @pytest.mark.parametrize("name,share", [("int8", 0.9), ("fp8_e4m3", 0.5)])
