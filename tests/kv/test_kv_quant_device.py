@@ -40,9 +40,12 @@ def test_auto_kernel_on_8bit_pages_matches_float64_of_dequantized(name, device):
 @pytest.mark.parametrize("name,share", [("int8", 0.9), ("fp8_e4m3", 0.5)])
 def test_engine_greedy_on_8bit_pages_close_to_32bit_pages(name, share, device):
     """Greedy decoding of the default model on the device with 8-bit pages against fp32 pages (the
-    kernel "auto" picks for each), 4 prompts x 24 tokens: the tokens each request generates before
-    its first mismatch, summed, >= 90% for int8 and >= 50% for fp8 e4m3 (test_kv_quant.py's
-    measure and bounds), and every page back at the end."""
+    kernel "auto" picks for each), 4 prompts x 24 tokens. Measure: the tokens each request generates
+    before its first mismatch, summed, over all 96 (one near-tie flips the rest of a request, so
+    this counts conservatively). int8 keeps >= 90%; fp8 e4m3 (3 mantissa bits: each key and value
+    off by up to 2^-4 relative) >= 50% on this random-ish tiny model. Every page comes back at the
+    end. The teacher-forced fidelity over real text (perplexity, top-1) is docs/benchmarks.md's
+    measurement."""
     model = get_model(attn_impl="paged", device=device, dtype=torch.float32)
     prompts = [[1, 450, 996, 1354, 1701], [1, 432, 1204, 975, 278, 1366], [1, 1103, 13, 2981], [1, 306, 626]]
     outs = {}
