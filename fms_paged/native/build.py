@@ -51,8 +51,9 @@ ROWS_SOURCE = KERNELS_DIR / "rows.cpp"
 # GGUF model's one-call forward)
 QGEMV_SOURCE = KERNELS_DIR / "qgemv.cpp"
 # the kernels' calling convention (argument structs, their field lists and layouts), their vector
-# loads and stores, and the page geometry (slot of a position), included by each
-KERNEL_HEADERS = tuple(KERNELS_DIR / h for h in ("args.h", "kernels.h", "vec.h", "geometry.h"))
+# loads and stores, the page geometry (slot of a position), and the panels' driver and tiles (the
+# products of many rows: gemm.cpp, qgemv.cpp), included by each
+KERNEL_HEADERS = tuple(KERNELS_DIR / h for h in ("args.h", "kernels.h", "vec.h", "geometry.h", "panels.h"))
 # the operators: the registry, paged_attention, gemv and linear; decoder_layer; what both include
 OPS_SOURCES = (OPS_DIR / "ops.cpp", OPS_DIR / "layer.cpp", OPS_DIR / "qlinear.cpp")
 OPS_HEADERS = (OPS_DIR / "ops.h", OPS_DIR / "stack.h", KERNELS_DIR / "qgemv_blocks.h")

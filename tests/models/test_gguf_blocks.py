@@ -13,9 +13,9 @@ there is 1e-5 of sum |x| (|w| + 2 |b|) (`offsets`: b of each weight). 1e-5 is ~1
 sums' and products' rounding over K <= 768 stays far below it.
 
 Prefill calls (at least TILE_ROWS rows) on a CPU with AVX512_BF16 (the native build here) take
-another path: each weight row pair dequantized into bf16 (2^-9 of
-each weight) and dotted with x rounded to bf16 (2^-9 of each value), fp32 sums:
-|y - x W^T| <= 2^-8 sum |x| |w| (+ the same fp32 and output rounding).
+another path: the weights dequantized into bf16 (2^-9 of each weight; a row pair at a time, from
+PANEL_ROWS rows a panel of 64 rows at a time) and dotted with x rounded to bf16 (2^-9 of each
+value), fp32 sums: |y - x W^T| <= 2^-8 sum |x| |w| (+ the same fp32 and output rounding).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ TYPES = ("Q8_0", "Q4_0")  # the types held as blocks first
 NEW_TYPES = ("Q5_0", "Q4_K", "Q5_K", "Q6_K")  # computed as w = a u + b (module docstring)
 ALL_TYPES = TYPES + NEW_TYPES
 TILE_ROWS = 4  # (qgemv.cpp) rows from which an AVX512_BF16 build dequantizes bf16 tiles
+PANEL_ROWS = 12  # (qgemv.cpp) rows from which it dequantizes panels (panels.h)
 GROUP_ROWS = 8  # (qgemv.cpp) rows up to which the int8 path keeps Q8_0 / Q4_0 / Q4_K / Q6_K calls
 GROUP_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
@@ -163,20 +164,25 @@ def test_kernel_within_the_int8_kernel_bound(kind, dtype, isa, monkeypatch):
 def test_one_call_of_two_types_within_the_bound():
     """A call holding a Q4_K and a Q6_K weight (a Q4_K_M layer's q and v), whose rows the kernel may
     take by two paths in one call (16 weight rows at a time for one, a row at a time for the other),
-    split between threads by rows: each output within the int8 bound of float64 (module docstring;
-    the same fp32 term as the single-type test), for 1, 2, 3 and 6 rows of x."""
+    split between threads by rows: each output within the path's bound of float64 (module
+    docstring; the same fp32 term as the single-type test), for 1, 2, 3 and 6 rows of x, and for
+    PANEL_ROWS and 40 rows, whose panels of 64 weight rows hold rows of both types (130 rows: the
+    last panel 2 rows) and, at K = 2560 (1280 steps of bf16 pairs, more than a panel holds), K in
+    two blocks of whole super-blocks whose sums wait between them."""
     assert native.load_qgemv(torch.float32) is None
     rng = np.random.default_rng(3)
-    K = 512
-    blocks = [weight_blocks("Q4_K", 40, K, rng), weight_blocks("Q6_K", 24, K, rng)]
-    w64 = torch.cat([dequantize_blocks(blocks[0], "Q4_K"), dequantize_blocks(blocks[1], "Q6_K")])
-    b64 = torch.cat([offsets(blocks[0], "Q4_K"), offsets(blocks[1], "Q6_K")])
-    for M in (1, 2, 3, 6):
-        x64 = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).double()
-        got = torch.ops.fms_paged.qlinear(x64.float(), blocks, None).double()
-        want = x64 @ w64.T
-        rounding = 1e-5 * (x64.abs() @ (w64.abs() + 2 * b64.abs()).T)
-        assert ((got - want).abs() <= kernel_bound(x64, w64, "Q4_K") + rounding).all()
+    for K, (n_k, n_v) in ((512, (40, 24)), (2560, (40, 90))):
+        blocks = [weight_blocks("Q4_K", n_k, K, rng), weight_blocks("Q6_K", n_v, K, rng)]
+        w64 = torch.cat([dequantize_blocks(blocks[0], "Q4_K"), dequantize_blocks(blocks[1], "Q6_K")])
+        b64 = torch.cat([offsets(blocks[0], "Q4_K"), offsets(blocks[1], "Q6_K")])
+        for M in (1, 2, 3, 6, PANEL_ROWS, 40):
+            x64 = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).double()
+            got = torch.ops.fms_paged.qlinear(x64.float(), blocks, None).double()
+            want = x64 @ w64.T
+            rounding = 1e-5 * (x64.abs() @ (w64.abs() + 2 * b64.abs()).T)
+            err = (got - want).abs()
+            assert (err <= kernel_bound(x64, w64, "Q4_K") + rounding).all(), (K, M)
+            assert float(err.max()) <= 0.02 * float(want.abs().max())
 
 
 def test_a_prefill_of_many_rows_and_the_bias():

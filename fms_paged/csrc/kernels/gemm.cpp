@@ -4,49 +4,25 @@
 // per storage type T of x, the weights and y (-DFMS_ELEM: float, fms_bf16 or fms_f16); the dot
 // products accumulate in fp32.
 //
-// Packing on the fly (GotoBLAS / BLIS's way): a thread takes NC weight rows (output columns) at a
-// time and copies a block of K of them into its own panel, K-major, NC columns per step of K: the
-// layout a broadcast tile reads with whole-vector loads and no reduction across lanes (what
-// oneDNN's packed copy holds for good). The panel (at most KC_MAX steps: 256 KB of bf16, 128 KB of
-// fp32) stays in L2 while every row of x passes over it MR rows at a time, so its cost (one read
-// and a transpose of the weights, 16 x 16 words at a time in registers with AVX-512) is spread over
-// the M rows. The register tile is MR rows of x by NC columns: MR x NV accumulator vectors, each
-// holding W consecutive outputs of one row; a step of K loads NV vectors of the panel and
-// broadcasts one value (a pair) of each of the MR rows.
-// - AVX512_BF16, bf16 (FMS_VEC_BF16_DP): the panel holds bf16 pairs, [steps][NC][2] (the VNNI
-//   layout), x's pairs are broadcast as 32-bit words and vdpbf16ps takes 16 outputs x 2 products a
-//   step (exact products, fp32 sums); an odd K's last pair has a zero in its second half on both
-//   sides.
+// The driver, the panels and the register tiles are panels.h's (shared with qgemv.cpp's prefill);
+// this file packs plain weight rows into them: a copy and a transpose, 16 x 16 words at a time in
+// registers with AVX-512, 8 x 8 with AVX2, else word by word.
+// - AVX512_BF16, bf16 (FMS_VEC_BF16_DP): the panel holds bf16 pairs (the VNNI layout), x is read as
+//   stored.
 // - Otherwise (fp32; fp16; bf16 without AVX512_BF16; AVX2 and baseline builds): the panel holds
-//   the weights converted to fp32 ([steps][NC]), x is converted to fp32 once per call, and each
-//   step is one fp32 multiply-add per output.
-// Columns past the last weight row of a panel are zeros in it, and are not stored. Between blocks
-// of K a tile's sums wait in the thread's fp32 partial sums (the same sums, in the same order, as
-// one pass). While a panel's tiles run, they fetch the next panel's weight rows into L2 (Ahead),
-// so that packing it reads L2: the weights stream in behind the multiply-adds.
+//   the weights converted to fp32, and x is converted to fp32 once per call.
 //
 // Calls of every row count take panels. Calls of few rows repay the packing least: where
 // `linear` takes this kernel, those of too few rows run the GEMV kernel instead (the rule's one
 // place: fms_paged/native/gemm.py, OWN_GEMV_MAX_ROWS).
-//
-// Threads take panels one at a time (dynamic: a shared machine serves them unevenly; no barrier
-// but the last). A row's result does not depend on the thread count or on its place among the
-// rows of a call, whatever their number: each output sums its products in one fixed order.
-#include <omp.h>
-
 #include "args.h"
 #include "kernels.h"
+#include "panels.h"
 #include "vec.h"
 
-#include <algorithm>
-#include <atomic>
-#include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifndef FMS_ELEM
@@ -57,36 +33,11 @@ namespace {
 
 using fms_vec::to_f32;
 using T = FMS_ELEM;
-constexpr int W = fms_vec::NATIVE;  // floats per vector: one register
-using vf = fms_vec::vec<W>;
-// the tile: MR rows of x by NV vectors of W columns: MR x NV accumulators, NV loads of the panel
-// and MR broadcasts a step. AVX-512: 24 of the 32 registers (6 x 4, 64 columns); 8 lanes (AVX2's
-// 16 registers): 12 (6 x 2, 16 columns)
-#if FMS_VEC_NATIVE == 16
-constexpr int MR = 6, NV = 4;
-#else
-constexpr int MR = 6, NV = 2;
-#endif
-constexpr int NC = NV * W;  // columns (weight rows) per panel
-constexpr int64_t GRAIN = int64_t(1) << 17;  // multiply-adds per thread, at least (as the GEMV)
-// steps of K per panel, at most: 256 KB of bf16 pairs (one panel at K <= 2048), 128 KB of fp32
-// words, which L2 (1 MB on Zen 4) holds beside the rows of x and the next panel's weights on their
-// way in (an fp32 panel of 512 KB at K = 2048 measured ~1.2x oneDNN's time at 64 rows; blocks of
-// 512 steps ~1.05-1.1x)
-constexpr int64_t KC_MAX = FMS_VEC_BF16_DP ? 1024 : 512;
-// the work items a thread has at least, where x's rows are many enough to split (see `run`), and
-// the fewest tiles of rows a part of them keeps (96 rows: its panel's packing spread over them)
-constexpr int64_t ITEMS_PER_THREAD = 8, PART_MIN_TILES = 16;
-
-#if FMS_VEC_BF16_DP
-using X = T;      // x as stored: bf16 pairs
-using P = T;      // panel values: bf16, in pairs
-constexpr int KU = 2;  // values of K per step (per 32-bit panel word)
-#else
-using X = float;  // x converted once (fms_vec::rows_as)
-using P = float;  // panel values: fp32
-constexpr int KU = 1;
-#endif
+constexpr bool DP = FMS_VEC_BF16_DP;  // bf16 pair panels (panels.h)
+using X = fms_panels::Words<DP>::X;  // x as stored (bf16 pairs), else converted once (fms_vec::rows_as)
+using P = fms_panels::Words<DP>::P;  // panel values: bf16, in pairs, else fp32
+constexpr int KU = fms_panels::Words<DP>::KU;  // values of K per step (per 32-bit panel word)
+using fms_panels::NC;
 
 // the weights' rows as one stack: row r of the call's [sum of rows, K] matrix
 struct Rows {
@@ -103,7 +54,6 @@ struct Rows {
 // panel[((s - s_begin) NC + c) KU + u] = W[r0 + c, s KU + u] (in P), zeros past K and past nc. A
 // panel is a transpose of 32-bit words (a bf16 pair, or one fp32 value): blocks of 16 x 16 words in
 // registers with AVX-512, 8 x 8 with AVX2, else word by word.
-constexpr int64_t steps_of(int64_t K) { return (K + KU - 1) / KU; }  // words of K: a panel's steps
 #if FMS_VEC_NATIVE == 16 && defined(__AVX512F__)
 // the 16 words of a weight row from step s0 on, in P, as one vector: `whole` when they lie
 // inside K, else zeros past K (the last steps copied into a zeroed buffer first, so an odd K's
@@ -125,29 +75,6 @@ inline __m512i words(const T* w, int64_t s0, int64_t K) {
 #endif
 }
 
-// r[e] <- the e-th words of r[0..15] (a 16 x 16 transpose of 32-bit words)
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {  // in each 128-bit lane: words (0, 1) and (2, 3) of two rows
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + j], lane L: word 4 L + j of rows i .. i + 3
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {  // the 4 x 4 lanes of u[j], u[4 + j], u[8 + j], u[12 + j]
-    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
-    r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-    r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-  }
-}
-
 void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, int64_t s_end, P* panel) {
   const T* w[NC];
   int seg = 0;
@@ -160,7 +87,7 @@ void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, 
     } else {
       for (int i = 0; i < 16; ++i) r[i] = c0 + i < nc ? words<decltype(whole)::value>(w[c0 + i], s0, K) : _mm512_setzero_si512();
     }
-    transpose16(r);
+    fms_panels::transpose16(r);
     for (int64_t e = 0; e < 16 && s0 + e < s_end; ++e)
       _mm512_store_si512(out + ((s0 - s_begin + e) * NC + c0) * 4, r[e]);
   };
@@ -234,119 +161,6 @@ void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, 
 }
 #endif
 
-// the weight rows of a thread's next panel, fetched into L2 a cache line per step of K while a
-// tile runs on this panel (each tile of the panel takes a share of the rows), so that packing the
-// next panel reads L2, not memory: the weights stream in behind the multiply-adds as they do into
-// a library's GEMM that reads its packed copy
-struct Ahead {
-  const char* p = nullptr;    // the next line to fetch
-  const char* end = nullptr;  // the end of its row
-  const T* const* row = nullptr;  // the share's rows after it
-  int64_t rows = 0, row_bytes = 0;
-  int per_step = 1;  // lines a step (the share's lines over the tile's steps, rounded up)
-  void step() {
-    for (int i = 0; i < per_step; ++i) {
-      if (p >= end) {
-        if (rows == 0) return;
-        p = reinterpret_cast<const char*>(*row++);
-        end = p + row_bytes;
-        --rows;
-      }
-      __builtin_prefetch(p, 0, 2);
-      p += 64;
-    }
-  }
-};
-
-// a block of K's steps as a tile runs it: the steps [s_begin, s_end) of K; whether it is K's first
-// (the sums start from zeros) and its last (the sums go to y; otherwise to the thread's fp32 partial
-// sums, which the next block starts from: the same sums in the same order as one pass over K)
-struct Steps {
-  int64_t s_begin, s_end;
-  bool first, last;
-};
-
-// y[i, j] for i < mr, j < nc (nc <= NC; y's row stride y_st) from the mr rows of x (from K's
-// first value on) over a panel of the block `b` of K; part: the tile's partial sums, [mr][NC]
-template <int mr>
-void tile(const X* x, int64_t x_st, int64_t K, const Steps& b, const P* panel, int64_t nc, float* part, T* y,
-          int64_t y_st, Ahead ahead) {
-  vf acc[mr][NV];
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < NV; ++j)
-      acc[i][j] = b.first ? fms_vec::splat<W>(0.0f) : fms_vec::load<W>(part + i * NC + j * W);
-  const int64_t n = b.s_end - b.s_begin;
-  x += b.s_begin * KU;
-#if FMS_VEC_BF16_DP
-  const auto step = [&](const P* w, auto pair) {
-    ahead.step();
-    __m512i bv[NV];
-    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(w + j * W * 2);
-    for (int i = 0; i < mr; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair(i));
-      for (int j = 0; j < NV; ++j) acc[i][j] = (vf)_mm512_dpbf16_ps((__m512)acc[i][j], xv, (__m512bh)bv[j]);
-    }
-  };
-  const int64_t whole = b.last && K % 2 ? n - 1 : n;  // steps of whole pairs
-  for (int64_t s = 0; s < whole; ++s)
-    step(panel + s * NC * 2, [&](int i) {
-      int32_t u;
-      std::memcpy(&u, x + i * x_st + 2 * s, 4);
-      return u;
-    });
-  if (whole < n)  // the last value of each row, a zero beside it (not the next row's value)
-    step(panel + whole * NC * 2, [&](int i) { return (int32_t)x[i * x_st + 2 * whole].bits; });
-#else
-  for (int64_t k = 0; k < n; ++k) {
-    ahead.step();
-    const P* w = panel + k * NC;
-    vf bv[NV];
-    for (int j = 0; j < NV; ++j) bv[j] = fms_vec::load<W>(w + j * W);
-    for (int i = 0; i < mr; ++i) {
-      const vf xv = fms_vec::splat<W>(x[i * x_st + k]);
-      for (int j = 0; j < NV; ++j) acc[i][j] += xv * bv[j];
-    }
-  }
-#endif
-  for (int i = 0; i < mr; ++i) {
-    if (!b.last) {
-      for (int j = 0; j < NV; ++j) fms_vec::store<W>(part + i * NC + j * W, acc[i][j]);
-    } else if (nc == NC) {
-      for (int j = 0; j < NV; ++j) fms_vec::store<W>(y + i * y_st + j * W, acc[i][j]);
-    } else {
-      T out[NC];
-      for (int j = 0; j < NV; ++j) fms_vec::store<W>(out + j * W, acc[i][j]);
-      std::memcpy(y + i * y_st, out, nc * sizeof(T));
-    }
-  }
-}
-
-// the last rows of x (fewer than MR): one tile of `left` rows
-template <int mr>
-void rest(int64_t left, const X* x, int64_t x_st, int64_t K, const Steps& b, const P* panel, int64_t nc, float* part,
-          T* y, int64_t y_st, Ahead ahead) {
-  if constexpr (mr > 0) {
-    if (left == mr) return tile<mr>(x, x_st, K, b, panel, nc, part, y, y_st, ahead);
-    rest<mr - 1>(left, x, x_st, K, b, panel, nc, part, y, y_st, ahead);
-  }
-}
-
-// this thread's panel of at least `bytes`, 64-byte aligned (whole cache lines): kept from call to
-// call (the OpenMP threads persist), so that a call neither maps nor faults in fresh pages; it
-// grows to the largest K the thread has seen (K x NC x 4 bytes: 160 KB at K = 640); nullptr where
-// memory runs out
-template <int which>  // 0: the panel, 1: the partial sums
-void* thread_buffer(size_t bytes) {
-  thread_local std::unique_ptr<void, decltype(&std::free)> buf(nullptr, &std::free);
-  thread_local size_t size = 0;
-  if (size < bytes) {
-    size = (bytes + 4095) / 4096 * 4096;
-    buf.reset(std::aligned_alloc(64, size));
-    if (!buf) size = 0;
-  }
-  return buf.get();
-}
-
 }  // namespace
 
 // The kernel's arguments, passed by pointer: the struct of FMS_PAGED_GEMM_FIELDS
@@ -365,69 +179,14 @@ int fms_paged_gemm(const FmsGemmArgs* args) {
   std::vector<int64_t> first{0};
   for (int i = 0; i < (int)a.n_weights; ++i) first.push_back(first.back() + a.rows[i]);
   const Rows rows{a.weights, first.data(), (int)a.n_weights};
-  const int64_t N = first.back();
-  const int64_t panels = (N + NC - 1) / NC;
-  const int64_t tiles = (M + MR - 1) / MR;
-  // work items: a panel and a part of x's rows. Few panels a thread (a weight of a few hundred
-  // rows) would leave the threads uneven (15 panels on 2 threads: 8 against 7), so x's rows are
-  // split until there are ITEMS_PER_THREAD items a thread, each part at least PART_MIN_TILES tiles;
-  // each part packs its panel again (its cost spread over fewer rows). A row's sums are the same.
-  const int64_t split = std::max<int64_t>(1, std::min<int64_t>(
-      (ITEMS_PER_THREAD * a.threads + panels - 1) / panels, tiles / PART_MIN_TILES));
-  const int64_t part_tiles = (tiles + split - 1) / split, parts = (tiles + part_tiles - 1) / part_tiles;
-  const int64_t items = panels * parts;  // (no part empty)
-  const int64_t by_work = std::max<int64_t>(1, M * N * K / GRAIN);
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)a.threads, items, by_work}));
-  // K in blocks of at most KC_MAX steps (equal, whole multiples of 16), a panel of each at a time
-  const int64_t steps = steps_of(K), at_most = (steps + KC_MAX - 1) / KC_MAX;
-  const int64_t kc = ((steps + at_most - 1) / at_most + 15) / 16 * 16, blocks = (steps + kc - 1) / kc;
-  const size_t panel_bytes = (size_t)kc * KU * NC * sizeof(P), part_bytes = (size_t)M * NC * sizeof(float);
-  T* y = a.y;
-  // panels claimed one at a time (dynamic: a shared machine serves the threads unevenly; no
-  // barrier but the last), each thread holding its next claim while it works on a panel so that it
-  // knows which weight rows to fetch ahead
-  std::atomic<int64_t> claims{0};
-  std::atomic<bool> out_of_memory{false};
-#pragma omp parallel num_threads(threads)
-  {
-    P* panel = static_cast<P*>(thread_buffer<0>(panel_bytes));
-    float* part = blocks > 1 ? static_cast<float*>(thread_buffer<1>(part_bytes)) : nullptr;
-    if (!panel || (blocks > 1 && !part)) {  // (no exception may leave the parallel region: thrown after it)
-      out_of_memory = true;
-      claims = items;
-    }
-    const T* next_rows[NC];
-    for (int64_t it = out_of_memory ? items : claims.fetch_add(1); it < items;) {
-      const int64_t next = claims.fetch_add(1);  // the next item
-      const int64_t p = it / parts, q = next < items ? next / parts : panels;  // its panel, the next one's
-      const int64_t t0 = it % parts * part_tiles, t1 = std::min(tiles, t0 + part_tiles);
-      const int64_t r0 = p * NC, nc = std::min<int64_t>(NC, N - r0);
-      for (int64_t kb = 0; kb < blocks; ++kb) {
-        const Steps b{kb * kc, std::min(steps, (kb + 1) * kc), kb == 0, kb == blocks - 1};
-        // the next block's rows: this panel's next block, else the next panel's first
-        const int64_t nr0 = kb + 1 < blocks ? r0 : q * NC;
-        const int64_t nn = kb + 1 < blocks ? nc : q < panels ? std::min<int64_t>(NC, N - nr0) : 0;
-        const int64_t nk0 = (kb + 1 < blocks ? b.s_end : 0) * KU;
-        const int64_t row_bytes = (std::min(K, nk0 + kc * KU) - nk0) * (int64_t)sizeof(T);
-        int seg = 0;
-        for (int64_t c = 0; c < nn; ++c) next_rows[c] = rows.row(nr0 + c, seg, K) + nk0;
-        pack(rows, r0, nc, K, b.s_begin, b.s_end, panel);
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t m = t * MR, c0 = (t - t0) * nn / (t1 - t0), c1 = (t - t0 + 1) * nn / (t1 - t0);
-          const int64_t lines = (c1 - c0) * ((row_bytes + 63) / 64), n = b.s_end - b.s_begin;
-          const int per_step = (int)std::min<int64_t>(4, (lines + n - 1) / n);
-          const Ahead ahead{nullptr, nullptr, next_rows + c0, c1 - c0, row_bytes, per_step};
-          float* tpart = part ? part + m * NC : nullptr;
-          if (m + MR <= M)
-            tile<MR>(x + m * x_st, x_st, K, b, panel, nc, tpart, y + m * N + r0, N, ahead);
-          else
-            rest<MR - 1>(M - m, x + m * x_st, x_st, K, b, panel, nc, tpart, y + m * N + r0, N, ahead);
-        }
-      }
-      it = next;
-    }
-  }
-  if (out_of_memory) throw std::bad_alloc();
+  const auto pack_rows = [&](int64_t r0, int64_t nc, int64_t s_begin, int64_t s_end, P* panel, void*) {
+    pack(rows, r0, nc, K, s_begin, s_end, panel);
+  };
+  const auto span = [&](int64_t r, int64_t k0, int64_t k1) {
+    int seg = 0;
+    return std::pair<const void*, int64_t>(rows.row(r, seg, K) + k0, (k1 - k0) * (int64_t)sizeof(T));
+  };
+  fms_panels::run<DP>(M, K, first.back(), x, x_st, a.y, a.threads, 16, 0, pack_rows, span);
   return 0;
 }
 
