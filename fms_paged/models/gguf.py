@@ -53,7 +53,7 @@ from fms_paged.models.families import CheckpointError
 from fms_paged.models.hf import config_from_hf, hf_to_ours_name, unpermute_rope
 from fms_paged.models.llama import LLaMA, LLaMAConfig
 from fms_paged.modules.positions import rope_inv_freq
-from fms_paged.modules.quantized import BLOCK_TYPES, BLOCK_VALUES, BlockEmbedding, BlockLinear, qgemv_isa
+from fms_paged.modules.quantized import BLOCK_TYPES, BLOCK_VALUES, BlockEmbedding, BlockLinear, qgemv_kernel
 
 try:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
@@ -500,7 +500,8 @@ def file_summary(model_path: str | os.PathLike) -> dict[str, str]:
            "kernel": "on the CPU, Q8_0 / Q4_0 / Q5_0 / Q4_K / Q5_K / Q6_K projections, embedding and head "
                      "held as the file's blocks and "
                      "run by the fms_paged qgemv kernel (int8 activations per block of 32, integer dot "
-                     "products), inside the one-call forward (`layers`: each layer's); every other "
+                     "products, for decode rows, bf16 panels for prefill where the CPU has "
+                     "AVX512_BF16), inside the one-call forward (`layers`: each layer's); every other "
                      "tensor dequantized at load into the model's dtype (fp32 for block types unless "
                      "--dtype) and run by that dtype's GEMMs"}
     layers = sorted((k for k in per if k != "other"), key=lambda k: int(k.split()[1]))
@@ -520,7 +521,7 @@ def layer_kernels(model_path: str | os.PathLike, dtype: torch.dtype | None = Non
     kept = _kept_as_blocks(reader, config)
     types = {name: t.tensor_type.name for name, t in _our_names(reader, config) if name is not None}
     dt = str(dtype).removeprefix("torch.")
-    qgemv = f"fms_paged qgemv (int8 activations per block of 32, {qgemv_isa()})"
+    qgemv = qgemv_kernel()
 
     def fmt(name: str) -> str:
         if name in kept:

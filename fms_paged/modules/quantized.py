@@ -43,8 +43,8 @@ from fms_paged.modules.linear import Linear
 
 __all__ = ["BLOCK_TYPES", "BLOCK_VALUES", "BlockEmbedding", "BlockLinear", "DEFAULT_GROUP_SIZE",
            "GROUP_SIZES", "QUANTIZATIONS", "QuantizationError", "QuantizedLinear", "dequantize_blocks",
-           "qgemv_isa", "check", "check_scheme", "describe", "layer_formats", "quantize_model",
-           "quantize_weight"]
+           "qgemv_isa", "qgemv_kernel", "check", "check_scheme", "describe", "layer_formats",
+           "quantize_model", "quantize_weight"]
 
 QUANTIZATIONS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what `_weight_int4pack_mm_for_cpu` takes
@@ -202,6 +202,17 @@ def qgemv_isa() -> str:
     return "scalar"
 
 
+def qgemv_kernel() -> str:
+    """What runs a projection held as GGUF blocks here, as `fms-paged info` says it: the qgemv
+    kernel's decode rows (int8 activations, `qgemv_isa`) and, where its build has AVX512_BF16, its
+    prefill rows (bf16 panels: csrc/kernels/qgemv.cpp's FMS_QTILES)."""
+    flags = native.cpu_flags()
+    decode = f"int8 activations per block of 32, {qgemv_isa()}"
+    if native.isa() == "native" and {"avx512_bf16", "avx512bw"} <= set(flags):
+        return f"fms_paged qgemv ({decode} for decode rows, bf16 panels with vdpbf16ps for prefill)"
+    return f"fms_paged qgemv ({decode})"
+
+
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K: the 12 scale bytes [..., 12] (int32) -> the eight 6-bit scales and mins [..., 8]:
     sub-blocks 0-3 in the low six bits of bytes j and j + 4, sub-blocks 4-7 in the nibbles of
@@ -288,7 +299,7 @@ class BlockLinear(nn.Module):
         """The kernel that computes this projection here (for activations of `dtype`)."""
         if native.compiler() is None:
             return "dequantized per call + F.linear (no C++ compiler for the qgemv kernel)"
-        return f"fms_paged qgemv (int8 activations per block of 32, {qgemv_isa()})"
+        return qgemv_kernel()
 
     def describe(self) -> str:
         """The format and kernel, as `fms-paged info` says them."""

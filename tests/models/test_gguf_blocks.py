@@ -38,8 +38,9 @@ from fms_paged.modules.quantized import (  # noqa: E402
     QuantizationError,
     dequantize_blocks,
     layer_formats,
+    qgemv_isa,
+    qgemv_kernel,
 )
-from fms_paged.modules.quantized import qgemv_isa as native_isa  # noqa: E402
 from tests.gguf_files import MIXED, Q, prompt_ids, random_blocks, rel_err, write_gguf  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_0")  # the types held as blocks first
@@ -269,7 +270,7 @@ def test_model_logits_and_engine_against_the_dequantized_model(kind, tmp_path):
         for k in ("Q4_K", "Q5_K", "Q6_K"):
             assert f"GGUF {k} blocks, fms_paged qgemv" in formats["layer 0"], formats
         # `fms-paged info x.gguf`'s per-layer kernels, from the file's table alone
-        run = f"fms_paged qgemv (int8 activations per block of 32, {native_isa()})"
+        run = qgemv_kernel()
         assert layer_kernels(file)["layer 0"].split("; ") == [
             f"query, key, dense, w1: GGUF Q4_K blocks, {run}", f"value, w2: GGUF Q6_K blocks, {run}",
             f"wg: GGUF Q5_K blocks, {run}"]
@@ -295,10 +296,14 @@ def test_mixed_groups_stay_dequantized_and_info_names_the_kernel(tmp_path):
         assert rel_err(model(ids), ref(ids)) <= MODEL_REL
     assert "qgemv" in file_summary(file)["kernel"]
     layers = layer_kernels(file)
-    q = "fms_paged qgemv (int8 activations per block of 32, "
-    run = f"{q}{native_isa()})"
+    run = qgemv_kernel()
+    # the kernel's paths as this CPU and build take them: int8 decode rows on the ISA's dot
+    # products; prefill on bf16 panels only where the native build has AVX512_BF16
+    assert f"int8 activations per block of 32, {qgemv_isa()}" in run
+    panels = native.isa() == "native" and {"avx512_bf16", "avx512bw"} <= set(native.cpu_flags())
+    assert ("bf16 panels with vdpbf16ps for prefill" in run) == panels
     assert layers["layer 1"].split("; ") == [
         f"query, key, w2: GGUF Q4_0 blocks, {run}", f"value, dense: GGUF Q8_0 blocks, {run}",
         "wg: Q4_0 held as float32, the float32 GEMV / GEMM",
         "w1: Q4_1 held as float32, the float32 GEMV / GEMM"]
-    assert layers["head"].startswith("GGUF Q8_0 blocks, " + q)
+    assert layers["head"] == "GGUF Q8_0 blocks, " + run
