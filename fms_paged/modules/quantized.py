@@ -204,12 +204,16 @@ def qgemv_isa() -> str:
 
 def qgemv_kernel() -> str:
     """What runs a projection held as GGUF blocks here, as `fms-paged info` says it: the qgemv
-    kernel's decode rows (int8 activations, `qgemv_isa`) and, where its build has AVX512_BF16, its
-    prefill rows (bf16 panels: csrc/kernels/qgemv.cpp's FMS_QTILES)."""
+    kernel's decode rows (int8 activations, `qgemv_isa`) and its prefill rows: bf16 panels where
+    its build has AVX512_BF16 (csrc/kernels/qgemv.cpp's FMS_QTILES), fp32 panels in an AVX2 build
+    (FMS_QPANELS), else the int8 path too."""
     flags = native.cpu_flags()
     decode = f"int8 activations per block of 32, {qgemv_isa()}"
     if native.isa() == "native" and {"avx512_bf16", "avx512bw"} <= set(flags):
         return f"fms_paged qgemv ({decode} for decode rows, bf16 panels with vdpbf16ps for prefill)"
+    avx2_build = native.isa() == "avx2" or (native.isa() == "native" and "avx512f" not in flags)
+    if avx2_build and "avx2" in flags:
+        return f"fms_paged qgemv ({decode} for decode rows, fp32 panels for prefill)"
     return f"fms_paged qgemv ({decode})"
 
 

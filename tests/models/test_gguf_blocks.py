@@ -15,7 +15,9 @@ sums' and products' rounding over K <= 768 stays far below it.
 Prefill calls (at least TILE_ROWS rows) on a CPU with AVX512_BF16 (the native build here) take
 another path: the weights dequantized into bf16 (2^-9 of each weight; a row pair at a time, from
 PANEL_ROWS rows a panel of 64 rows at a time) and dotted with x rounded to bf16 (2^-9 of each
-value), fp32 sums: |y - x W^T| <= 2^-8 sum |x| |w| (+ the same fp32 and output rounding).
+value), fp32 sums: |y - x W^T| <= 2^-8 sum |x| |w| (+ the same fp32 and output rounding). An AVX2
+build's prefill calls (at least AVX2_PANEL_ROWS rows) dequantize fp32 panels and multiply fp32 x:
+nothing but the fp32 and output rounding.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ NEW_TYPES = ("Q5_0", "Q4_K", "Q5_K", "Q6_K")  # computed as w = a u + b (module 
 ALL_TYPES = TYPES + NEW_TYPES
 TILE_ROWS = 4  # (qgemv.cpp) rows from which an AVX512_BF16 build dequantizes bf16 tiles
 PANEL_ROWS = 12  # (qgemv.cpp) rows from which it dequantizes panels (panels.h)
+AVX2_PANEL_ROWS = 20  # (qgemv.cpp) rows from which an AVX2 build dequantizes fp32 panels
 GROUP_ROWS = 8  # (qgemv.cpp) rows up to which the int8 path keeps Q8_0 / Q4_0 / Q4_K / Q6_K calls
 GROUP_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
@@ -113,12 +116,23 @@ def offsets(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     return dequantize_blocks(zeroed, kind)
 
 
+def fp32_panels(isa: str, rows: int) -> bool:
+    """Whether a call of `rows` rows takes an AVX2 build's fp32 panels (an AVX2 build: forced, or
+    the native one on a CPU with AVX2 and no AVX-512)."""
+    flags = native.cpu_flags()
+    avx2_build = isa == "avx2" or (isa == "native" and "avx2" in flags and "avx512f" not in flags)
+    return avx2_build and "avx2" in flags and rows >= AVX2_PANEL_ROWS
+
+
 def kernel_bound(x: torch.Tensor, w: torch.Tensor, kind: str, isa: str = "native") -> torch.Tensor:
     """The path's bound for x [M, K], w [N, K] (float64) -> [M, N]: sum_b (max|x_b| / 254) sum_{i in
-    b} |w_i| (int8 activations), or 2^-8 sum |x| |w| (bf16 tiles)."""
+    b} |w_i| (int8 activations), 2^-8 sum |x| |w| (bf16 tiles and panels), or nothing beyond the
+    callers' fp32 rounding term (fp32 panels)."""
     M, K = x.shape
     if tiles(isa, M, kind):
         return 2.0**-8 * (x.abs() @ w.abs().T)
+    if fp32_panels(isa, M):
+        return torch.zeros(M, w.shape[0], dtype=x.dtype)
     amax = x.abs().reshape(M, K // 32, 32).amax(-1)  # [M, nb]
     wsum = w.abs().reshape(w.shape[0], K // 32, 32).sum(-1)  # [N, nb]
     return amax / 254 @ wsum.T
@@ -298,10 +312,11 @@ def test_mixed_groups_stay_dequantized_and_info_names_the_kernel(tmp_path):
     layers = layer_kernels(file)
     run = qgemv_kernel()
     # the kernel's paths as this CPU and build take them: int8 decode rows on the ISA's dot
-    # products; prefill on bf16 panels only where the native build has AVX512_BF16
+    # products; prefill on bf16 panels where the native build has AVX512_BF16, fp32 on AVX2 builds
     assert f"int8 activations per block of 32, {qgemv_isa()}" in run
     panels = native.isa() == "native" and {"avx512_bf16", "avx512bw"} <= set(native.cpu_flags())
     assert ("bf16 panels with vdpbf16ps for prefill" in run) == panels
+    assert ("fp32 panels for prefill" in run) == fp32_panels(native.isa(), AVX2_PANEL_ROWS)
     assert layers["layer 1"].split("; ") == [
         f"query, key, w2: GGUF Q4_0 blocks, {run}", f"value, dense: GGUF Q8_0 blocks, {run}",
         "wg: Q4_0 held as float32, the float32 GEMV / GEMM",

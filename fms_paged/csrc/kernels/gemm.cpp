@@ -111,25 +111,6 @@ inline __m256 values8(const T* w, int64_t k0, int64_t K) {
   return (__m256)fms_vec::load<8>(tail);
 }
 
-// r[e] <- the e-th values of r[0..7] (an 8 x 8 transpose)
-inline void transpose8(__m256 (&r)[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {  // u[i + j], half h: value 4 h + j of rows i .. i + 3
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
-    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
-  }
-}
-
 void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, int64_t s_end, P* panel) {
   const T* w[NC];
   int seg = 0;
@@ -138,7 +119,7 @@ void pack(const Rows& rows, int64_t r0, int64_t nc, int64_t K, int64_t s_begin, 
     __m256 r[8];
     for (int i = 0; i < 8; ++i)
       r[i] = c0 + i < nc ? values8<decltype(whole)::value>(w[c0 + i], s0, K) : _mm256_setzero_ps();
-    transpose8(r);
+    fms_panels::transpose8(r);
     for (int64_t e = 0; e < 8 && s0 + e < s_end; ++e) _mm256_storeu_ps(panel + (s0 - s_begin + e) * NC + c0, r[e]);
   };
   const int64_t inside = K / 8 * 8;  // steps in whole blocks of 8

@@ -41,7 +41,7 @@
 #include <memory>
 #include <new>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -106,6 +106,27 @@ inline void transpose16(__m512i (&r)[16]) {
     r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
     r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
     r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+}
+#endif
+
+#if FMS_VEC_NATIVE == 8 && defined(__AVX2__)
+// r[e] <- the e-th values of r[0..7] (an 8 x 8 transpose)
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + j], half h: value 4 h + j of rows i .. i + 3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
   }
 }
 #endif

@@ -39,7 +39,8 @@
 // (cols16, cols16_k below); Q6_K's one or two rows a weight row at a time, its offset in the
 // integer sums (row_q6k). Calls of more rows (prefill) dequantize bf16 where the CPU has
 // AVX512_BF16 (FMS_QTILES below): a weight row pair at a time for a few rows, panels of 64 weight
-// rows (panels.h, shared with gemm.cpp) from PANEL_ROWS rows.
+// rows (panels.h, shared with gemm.cpp) from PANEL_ROWS rows; an AVX2 build dequantizes fp32
+// panels from PANEL_ROWS rows (FMS_QPANELS).
 // Threads split the weight rows (all segments of one call: q/k/v side by side in y) into
 // contiguous shares of rows; a prefill's rows of x are reused from L2 for each weight row pair.
 #include <omp.h>
@@ -1095,31 +1096,82 @@ void rows_to_bf16(const T* x, int64_t M, int64_t K, int64_t x_st, std::vector<ui
       fms_vec::store<16>(reinterpret_cast<fms_bf16*>(buf.data() + m * K + k), fms_vec::load<16>(x + m * x_st + k));
 }
 
-// Calls of PANEL_ROWS rows or more (prefill): panels.h's driver and broadcast tiles (6 rows of x by
-// 64 weight rows, vdpbf16ps over bf16 pairs, no sum across lanes at the end of a dot product), each
-// panel's 64 weight rows dequantized 16 at a time into the thread's scratch (dequant_row_bf16: the
-// same bf16 values as the row-pair tiles) and transposed into the panel's pairs. The panel (256 KB
-// at most) is all that is dequantized at once, and its dequantization is spread over the call's rows.
-// Measured (TinyLlama-1.1B Q4_K_M's q, gate and two Q6_K downs, 2-vCPU Zen 4, min of 15): one
-// thread, 64 rows 28.8 ms against the row pairs' 35.5 (oneDNN-class bf16 GEMM on a dense copy:
-// 24.5); two threads, 64 rows 15.5 against 19.4, 512 rows 96 against 137 (dense 90). From 12 rows
-// the panels led (32 rows 17.5 against 19.6 ms; 9 rows 9.5 against 9.2).
-constexpr int64_t PANEL_ROWS = 12;
 using Dequant = void (*)(const uint8_t*, int64_t, uint16_t*);
 Dequant dequant_of(int type) {
   return type == kQ8_0 ? dequant_row_bf16<kQ8_0> : type == kQ4_0 ? dequant_row_bf16<kQ4_0>
          : type == kQ5_0 ? dequant_row_bf16<kQ5_0> : type == kQ4_K ? dequant_row_bf16<kQ4_K>
          : type == kQ5_K ? dequant_row_bf16<kQ5_K> : dequant_row_bf16<kQ6_K>;
 }
+#endif
+
+// Calls of PANEL_ROWS rows or more (prefill): panels.h's driver and broadcast tiles, no sum across
+// lanes at the end of a dot product. Where the CPU has AVX512_BF16 (FMS_QTILES) a panel holds bf16
+// pairs: its 64 weight rows are dequantized 16 at a time into the thread's scratch
+// (dequant_row_bf16: the same bf16 values as the row-pair tiles) and transposed into the pairs,
+// and 6 rows of x pass over it by vdpbf16ps. An AVX2 build's panel holds fp32 (16 weight rows,
+// dequantized 8 at a time by dequant_row_f32: w = a u + b rounded once), x is fp32, and each step
+// is an fp32 multiply-add per output: no activation quantization there either. The panel (256 KB
+// at most) is all that is dequantized at once, and its dequantization is spread over the call's rows.
+// Measured (TinyLlama-1.1B Q4_K_M's q, gate and two Q6_K downs, 2-vCPU Zen 4, min of 15):
+// - bf16 pairs: one thread, 64 rows 28.8 ms against the row pairs' 35.5 (oneDNN-class bf16 GEMM on
+//   a dense copy: 24.5); two threads, 64 rows 15.5 against 19.4, 512 rows 96 against 137 (dense
+//   90). From 12 rows the panels led (32 rows 17.5 against 19.6 ms; 9 rows 9.5 against 9.2).
+// - fp32 (the AVX2 build, forced on that CPU): one thread, 64 rows 75 ms against the int8 path's
+//   105 (the GEMM kernel's fp32 panels on a dense copy: 68); two threads 38 against 53. From 20
+//   rows the panels led (24 rows 34.6 against 38.5 ms; 16 rows 26.7 against 25.2).
+#if defined(FMS_QTILES) || (FMS_VEC_NATIVE == 8 && defined(__AVX2__))
+#define FMS_QPANELS 1
+#ifdef FMS_QTILES
+constexpr bool PANEL_DP = true;
+#else
+constexpr bool PANEL_DP = false;
+#endif
+using PX = fms_panels::Words<PANEL_DP>::X;  // x's values as the panels' tiles read them
+constexpr int64_t PANEL_ROWS = PANEL_DP ? 12 : 20;
+
+#ifndef FMS_QTILES
+// a weight row's nb blocks of 32 values (from a super-block's start for the K-quants) as fp32, by
+// the AVX2 int8 path's decoders: d q (exact), or a u + b by one FMA (one rounding of the exact value)
+template <int type>
+void dequant_row_f32(const uint8_t* w, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i u;
+    __m256 A[2], B[2];
+    if constexpr (!sub_type(type)) {
+      float d;
+      u = decode<type>(w + b * block_bytes(type), d);
+      A[0] = A[1] = _mm256_set1_ps(d), B[0] = B[1] = _mm256_setzero_ps();
+    } else {
+      float a[2], o[2];
+      u = decode_sub<type>(w, b, a, o);
+      for (int h = 0; h < 2; ++h) A[h] = _mm256_set1_ps(a[h]), B[h] = _mm256_set1_ps(o[h]);
+    }
+    const __m128i half16[2] = {_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)};
+    for (int q = 0; q < 4; ++q) {  // values 8 q .. 8 q + 7: half q / 2 (a, b per 16)
+      const __m128i bytes = q % 2 ? _mm_srli_si128(half16[q / 2], 8) : half16[q / 2];
+      const __m256i v = sub_type(type) ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+      _mm256_storeu_ps(out + b * QK + 8 * q, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), A[q / 2], B[q / 2]));
+    }
+  }
+}
+using DequantF32 = void (*)(const uint8_t*, int64_t, float*);
+DequantF32 dequant_f32_of(int type) {
+  return type == kQ8_0 ? dequant_row_f32<kQ8_0> : type == kQ4_0 ? dequant_row_f32<kQ4_0>
+         : type == kQ5_0 ? dequant_row_f32<kQ5_0> : type == kQ4_K ? dequant_row_f32<kQ4_K>
+         : type == kQ5_K ? dequant_row_f32<kQ5_K> : dequant_row_f32<kQ6_K>;
+}
+#endif
 
 // y [M, N] (N: the weights' rows side by side, from col[i] on for weights[i] of ggml type types[i]) =
-// x (bf16 [M, K], row stride x_st) . the weights, on the panels, `threads` at most
-void panels_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t x_st, const int8_t* const* weights,
-                 const int32_t* types, const std::vector<int64_t>& col, T* y, int threads) {
+// x ([M, K], row stride x_st) . the weights, on the panels, `threads` at most
+void panels(const PX* x, int64_t M, int64_t K, int64_t x_st, const int8_t* const* weights, const int32_t* types,
+            const std::vector<int64_t>& col, T* y, int threads) {
   using fms_panels::NC;
-  constexpr int KU = 2;
-  bool k_quant = false;  // K's blocks of steps then hold whole super-blocks (256 values: 128 steps)
-  for (size_t i = 0; i + 1 < col.size(); ++i) k_quant = k_quant || k_type(types[i]);
+  using P = fms_panels::Words<PANEL_DP>::P;
+  constexpr int KU = fms_panels::Words<PANEL_DP>::KU;
+  constexpr int B = fms_panels::W;  // weight rows dequantized at once: one transpose's words a row
+  int64_t values = QK;  // K's blocks of steps hold whole blocks (a K-quant's super-block: 256 values)
+  for (size_t i = 0; i + 1 < col.size(); ++i) values = std::max<int64_t>(values, fms_gguf::block_values(types[i]));
   // weight row r of the stack: its segment i (advanced from one at or before r's) and its row there
   const auto at = [&](int64_t r, int64_t& i) {
     while (r >= col[i + 1]) ++i;
@@ -1133,31 +1185,44 @@ void panels_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t x_st, const in
     const uint8_t* w = reinterpret_cast<const uint8_t*>(weights[i]) + j * fms_gguf::row_bytes(type, K);
     return std::pair<const void*, int64_t>(w + k0 / bv * bb, (k1 - k0) / bv * bb);
   };
-  const auto pack = [&](int64_t r0, int64_t nc, int64_t s_begin, int64_t s_end, fms_bf16* panel, void* scratch) {
+  const auto pack = [&](int64_t r0, int64_t nc, int64_t s_begin, int64_t s_end, P* panel, void* scratch) {
     const int64_t k0 = KU * s_begin, n = KU * (s_end - s_begin);  // values (K % 32 == 0: whole blocks)
-    uint16_t* rows = static_cast<uint16_t*>(scratch);  // 16 weight rows' n values
+    P* rows = static_cast<P*>(scratch);  // B weight rows' n values
     char* out = reinterpret_cast<char*>(panel);  // 4-byte words, NC a step
     int64_t i = 0;
-    for (int64_t c0 = 0; c0 < NC; c0 += 16) {
-      for (int64_t c = c0; c < std::min<int64_t>(nc, c0 + 16); ++c) {
+    for (int64_t c0 = 0; c0 < NC; c0 += B) {
+      for (int64_t c = c0; c < std::min<int64_t>(nc, c0 + B); ++c) {
         const auto s = span(r0 + c, k0, k0 + n);
         at(r0 + c, i);
-        dequant_of(types[i])(static_cast<const uint8_t*>(s.first), n / QK, rows + (c - c0) * n);
+        const uint8_t* w = static_cast<const uint8_t*>(s.first);
+#ifdef FMS_QTILES
+        dequant_of(types[i])(w, n / QK, reinterpret_cast<uint16_t*>(rows + (c - c0) * n));
+#else
+        dequant_f32_of(types[i])(w, n / QK, rows + (c - c0) * n);
+#endif
       }
-      for (int64_t s0 = 0; s0 < n / KU; s0 += 16) {
+      for (int64_t s0 = 0; s0 < n / KU; s0 += B) {  // B x B words
+#ifdef FMS_QTILES
         __m512i r[16];
         for (int c = 0; c < 16; ++c)
           r[c] = c0 + c < nc ? _mm512_loadu_si512(rows + c * n + KU * s0) : _mm512_setzero_si512();
         fms_panels::transpose16(r);
         for (int e = 0; e < 16; ++e) _mm512_store_si512(out + ((s0 + e) * NC + c0) * 4, r[e]);
+#else
+        __m256 r[8];
+        for (int c = 0; c < 8; ++c) r[c] = c0 + c < nc ? _mm256_loadu_ps(rows + c * n + s0) : _mm256_setzero_ps();
+        fms_panels::transpose8(r);
+        for (int e = 0; e < 8; ++e) _mm256_store_ps(reinterpret_cast<float*>(out + ((s0 + e) * NC + c0) * 4), r[e]);
+#endif
       }
     }
   };
-  const size_t scratch = 16 * fms_panels::Words<true>::KC_MAX * KU * sizeof(uint16_t);
-  fms_panels::run<true>(M, K, col.back(), reinterpret_cast<const fms_bf16*>(x), x_st, y, threads,
-                        k_quant ? 128 : 16, scratch, pack, span);
+  const size_t scratch = B * fms_panels::Words<PANEL_DP>::KC_MAX * KU * sizeof(P);
+  fms_panels::run<PANEL_DP>(M, K, col.back(), x, x_st, y, threads, std::max<int64_t>(16, values / KU), scratch,
+                            pack, span);
 }
 #endif
+
 
 }  // namespace
 
@@ -1178,6 +1243,24 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
     if (!block_bytes(a.types[i]) || K % fms_gguf::block_values(a.types[i])) return 1;
     sums = sums || sub_type(a.types[i]);
   }
+#ifdef FMS_QPANELS
+  if (M >= PANEL_ROWS && K % 32 == 0) {  // (prefill)
+    std::vector<int64_t> col{0};
+    for (int64_t i = 0; i < a.n_weights; ++i) col.push_back(col.back() + a.rows[i]);
+    int64_t x_st = a.x_st;
+#ifdef FMS_QTILES
+    static thread_local std::vector<uint16_t> xb_kept;
+    rows_to_bf16(a.x, M, K, a.x_st, xb_kept);
+    const PX* x = reinterpret_cast<const PX*>(xb_kept.data());
+    x_st = K;
+#else
+    static thread_local std::vector<float> xf_kept;
+    const PX* x = fms_vec::rows_as<PX>(a.x, M, K, x_st, xf_kept);
+#endif
+    panels(x, M, K, x_st, a.weights, a.types, col, a.y, a.threads);
+    return 0;
+  }
+#endif
   static thread_local XQ kept;  // kept from call to call: a prefill's rows are megabytes
   XQ& xq = kept;  // (the caller's: a thread_local named inside the parallel region is each thread's own)
   // cols16 (16 weight rows at a time) for a weight of `type` at M rows: from the row counts where
@@ -1200,12 +1283,6 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   static thread_local std::vector<uint16_t> xb_kept;
   std::vector<uint16_t>& xb = xb_kept;
   if (tiles) rows_to_bf16(a.x, M, K, a.x_st, xb);
-  if (tiles && M >= PANEL_ROWS) {
-    std::vector<int64_t> cols{0};
-    for (int64_t i = 0; i < a.n_weights; ++i) cols.push_back(cols.back() + a.rows[i]);
-    panels_bf16(xb.data(), M, K, K, a.weights, a.types, cols, a.y, a.threads);
-    return 0;
-  }
   if (!tiles)
 #else
   constexpr bool tiles = false;
