@@ -56,6 +56,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -75,6 +76,19 @@ using fms_gguf::kQ8_0, fms_gguf::kQ4_0, fms_gguf::kQ5_0, fms_gguf::kQ4_K, fms_gg
 using fms_gguf::block_bytes;
 // the types taken as sub-blocks of unsigned integers u with a multiplier and an offset
 // (qgemv_blocks.h): all but Q8_0 / Q4_0, whose own paths stay as they were
+// f(the ggml type as a compile-time constant: std::integral_constant<int, type>) for a type the
+// kernel reads (block_bytes(type) != 0)
+template <class F>
+void with_type(int type, F&& f) {
+  switch (type) {
+    case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
+    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
+    case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
+    default: return f(std::integral_constant<int, kQ6_K>{});
+  }
+}
 constexpr bool sub_type(int type) { return type != kQ8_0 && type != kQ4_0; }
 #if defined(__AVX512F__)
 constexpr int MR = 8, NR = 2;  // register tile: rows of x by weight rows (32 registers)
@@ -1096,12 +1110,6 @@ void rows_to_bf16(const T* x, int64_t M, int64_t K, int64_t x_st, std::vector<ui
       fms_vec::store<16>(reinterpret_cast<fms_bf16*>(buf.data() + m * K + k), fms_vec::load<16>(x + m * x_st + k));
 }
 
-using Dequant = void (*)(const uint8_t*, int64_t, uint16_t*);
-Dequant dequant_of(int type) {
-  return type == kQ8_0 ? dequant_row_bf16<kQ8_0> : type == kQ4_0 ? dequant_row_bf16<kQ4_0>
-         : type == kQ5_0 ? dequant_row_bf16<kQ5_0> : type == kQ4_K ? dequant_row_bf16<kQ4_K>
-         : type == kQ5_K ? dequant_row_bf16<kQ5_K> : dequant_row_bf16<kQ6_K>;
-}
 #endif
 
 // Calls of PANEL_ROWS rows or more (prefill): panels.h's driver and broadcast tiles, no sum across
@@ -1154,12 +1162,6 @@ void dequant_row_f32(const uint8_t* w, int64_t nb, float* out) {
     }
   }
 }
-using DequantF32 = void (*)(const uint8_t*, int64_t, float*);
-DequantF32 dequant_f32_of(int type) {
-  return type == kQ8_0 ? dequant_row_f32<kQ8_0> : type == kQ4_0 ? dequant_row_f32<kQ4_0>
-         : type == kQ5_0 ? dequant_row_f32<kQ5_0> : type == kQ4_K ? dequant_row_f32<kQ4_K>
-         : type == kQ5_K ? dequant_row_f32<kQ5_K> : dequant_row_f32<kQ6_K>;
-}
 #endif
 
 // y [M, N] (N: the weights' rows side by side, from col[i] on for weights[i] of ggml type types[i]) =
@@ -1195,11 +1197,13 @@ void panels(const PX* x, int64_t M, int64_t K, int64_t x_st, const int8_t* const
         const auto s = span(r0 + c, k0, k0 + n);
         at(r0 + c, i);
         const uint8_t* w = static_cast<const uint8_t*>(s.first);
+        with_type(types[i], [&](auto type) {
 #ifdef FMS_QTILES
-        dequant_of(types[i])(w, n / QK, reinterpret_cast<uint16_t*>(rows + (c - c0) * n));
+          dequant_row_bf16<type()>(w, n / QK, reinterpret_cast<uint16_t*>(rows + (c - c0) * n));
 #else
-        dequant_f32_of(types[i])(w, n / QK, rows + (c - c0) * n);
+          dequant_row_f32<type()>(w, n / QK, rows + (c - c0) * n);
 #endif
+        });
       }
       for (int64_t s0 = 0; s0 < n / KU; s0 += B) {  // B x B words
 #ifdef FMS_QTILES
