@@ -74,8 +74,6 @@ using T = FMS_ELEM;
 constexpr int QK = 32;  // values per block
 using fms_gguf::kQ8_0, fms_gguf::kQ4_0, fms_gguf::kQ5_0, fms_gguf::kQ4_K, fms_gguf::kQ5_K, fms_gguf::kQ6_K;
 using fms_gguf::block_bytes;
-// the types taken as sub-blocks of unsigned integers u with a multiplier and an offset
-// (qgemv_blocks.h): all but Q8_0 / Q4_0, whose own paths stay as they were
 // f(the ggml type as a compile-time constant: std::integral_constant<int, type>) for a type the
 // kernel reads (block_bytes(type) != 0)
 template <class F>
@@ -89,6 +87,8 @@ void with_type(int type, F&& f) {
     default: return f(std::integral_constant<int, kQ6_K>{});
   }
 }
+// the types taken as sub-blocks of unsigned integers u with a multiplier and an offset
+// (qgemv_blocks.h): all but Q8_0 / Q4_0, whose own paths stay as they were
 constexpr bool sub_type(int type) { return type != kQ8_0 && type != kQ4_0; }
 #if defined(__AVX512F__)
 constexpr int MR = 8, NR = 2;  // register tile: rows of x by weight rows (32 registers)
@@ -1109,7 +1109,6 @@ void rows_to_bf16(const T* x, int64_t M, int64_t K, int64_t x_st, std::vector<ui
     for (int64_t k = 0; k < K; k += 16)
       fms_vec::store<16>(reinterpret_cast<fms_bf16*>(buf.data() + m * K + k), fms_vec::load<16>(x + m * x_st + k));
 }
-
 #endif
 
 // Calls of PANEL_ROWS rows or more (prefill): panels.h's driver and broadcast tiles, no sum across
@@ -1227,7 +1226,6 @@ void panels(const PX* x, int64_t M, int64_t K, int64_t x_st, const int8_t* const
 }
 #endif
 
-
 }  // namespace
 
 // The kernel's arguments: the struct of FMS_PAGED_QGEMV_FIELDS (kernels/kernels.h), checked by
@@ -1287,7 +1285,7 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
   static thread_local std::vector<uint16_t> xb_kept;
   std::vector<uint16_t>& xb = xb_kept;
   if (tiles) rows_to_bf16(a.x, M, K, a.x_st, xb);
-  if (!tiles)
+  else
 #else
   constexpr bool tiles = false;
 #endif
