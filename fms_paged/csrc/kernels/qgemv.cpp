@@ -1079,29 +1079,22 @@ void rest_bf16(int64_t left, const uint16_t* x, int64_t K, int64_t m, const uint
     rest_bf16<mr - 1, nr>(left, x, K, m, wb, j0, y, y_st);
   }
 }
-// y [M rows, n columns from j0] = x rows (bf16 [M, K]) . weight rows wb (bf16 [n, K]): a tile of MR
-// rows of x against every row pair of wb before the next (x's tile read from L1 n / 2 times, where a
-// pair at a time reads all of x from L2 for each); each output's sum the same as rows_bf16's
-void rows_bf16_group(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wb, int64_t n, int64_t j0, T* y,
+// y [M rows, n <= NR columns from j0] = x rows (bf16 [M, K]) . weight rows wb (bf16 [n, K]): tiles of
+// MR rows of x, then one of the rest
+void rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wb, int64_t n, int64_t j0, T* y,
                      int64_t y_st) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR)
-    for (int64_t c = 0; c < n; c += NR) {
-      if (c + NR <= n)
-        tile_bf16<MR, NR>(x, K, m, wb + c * K, j0 + c, y, y_st);
-      else
-        tile_bf16<MR, 1>(x, K, m, wb + c * K, j0 + c, y, y_st);
-    }
-  for (int64_t c = 0; c < n; c += NR) {
-    if (c + NR <= n)
-      rest_bf16<MR - 1, NR>(M - m, x, K, m, wb + c * K, j0 + c, y, y_st);
+  for (; m + MR <= M; m += MR) {
+    if (n == NR)
+      tile_bf16<MR, NR>(x, K, m, wb, j0, y, y_st);
     else
-      rest_bf16<MR - 1, 1>(M - m, x, K, m, wb + c * K, j0 + c, y, y_st);
+      tile_bf16<MR, 1>(x, K, m, wb, j0, y, y_st);
   }
+  if (n == NR)
+    rest_bf16<MR - 1, NR>(M - m, x, K, m, wb, j0, y, y_st);
+  else
+    rest_bf16<MR - 1, 1>(M - m, x, K, m, wb, j0, y, y_st);
 }
-// weight row pairs dequantized at once (rows_bf16_group) for calls of at least 2 MR rows; one pair for
-// fewer, whose x is small and whose pair then stays in L1 between its dequantization and its use
-constexpr int64_t TILE_PAIRS = 4;
 // x [M, K] (row stride x_st) as bf16 rows [M, K] in buf (rounded to nearest even; K a multiple of 16)
 void rows_to_bf16(const T* x, int64_t M, int64_t K, int64_t x_st, std::vector<uint16_t>& buf) {
   buf.resize(M * K);
@@ -1319,7 +1312,7 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
     const int t = omp_get_thread_num();
     int64_t i = 0;
 #ifdef FMS_QTILES
-    std::vector<uint16_t> wb(tiles ? TILE_PAIRS * NR * K : 0);  // the thread's dequantized row pairs
+    std::vector<uint16_t> wb(tiles ? NR * K : 0);  // the thread's dequantized row pair
 #endif
     const int64_t p_end = block_at(y_st * (t + 1) / threads);
     for (int64_t p = block_at(y_st * t / threads); p < p_end; ++p) {
@@ -1330,17 +1323,11 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
       const uint8_t* w = reinterpret_cast<const uint8_t*>(a.weights[i]);
       T* y = a.y + col[i];
 #ifdef FMS_QTILES
-      if (tiles) {
-        const auto dequant = type == kQ8_0 ? dequant_row_bf16<kQ8_0> : type == kQ4_0 ? dequant_row_bf16<kQ4_0>
-                             : type == kQ5_0 ? dequant_row_bf16<kQ5_0> : type == kQ4_K ? dequant_row_bf16<kQ4_K>
-                             : type == kQ5_K ? dequant_row_bf16<kQ5_K> : dequant_row_bf16<kQ6_K>;
-        // up to TILE_PAIRS row pairs of this segment and of the thread's share at once
-        const int64_t group = M >= 2 * MR ? TILE_PAIRS : 1;
-        const int64_t q = std::min<int64_t>({p + group, first[i + 1], p_end});
-        const int64_t rows_n = std::min<int64_t>((q - p) * NR, a.rows[i] - j0);
-        for (int64_t j = 0; j < rows_n; ++j) dequant(w + (j0 + j) * row_bytes, K / QK, wb.data() + j * K);
-        rows_bf16_group(xb.data(), M, K, wb.data(), rows_n, j0, y, y_st);
-        p = q - 1;
+      if (tiles) {  // (fewer than PANEL_ROWS rows: x is small, and the pair stays in L1 until used)
+        with_type(type, [&](auto type) {
+          for (int64_t j = 0; j < n; ++j) dequant_row_bf16<type()>(w + (j0 + j) * row_bytes, K / QK, wb.data() + j * K);
+        });
+        rows_bf16(xb.data(), M, K, wb.data(), n, j0, y, y_st);
         continue;
       }
 #endif
