@@ -1166,18 +1166,18 @@ void panels(const PX* x, int64_t M, int64_t K, int64_t x_st, const int8_t* const
   constexpr int B = fms_panels::W;  // weight rows dequantized at once: one transpose's words a row
   int64_t values = QK;  // K's blocks of steps hold whole blocks (a K-quant's super-block: 256 values)
   for (size_t i = 0; i + 1 < col.size(); ++i) values = std::max<int64_t>(values, fms_gguf::block_values(types[i]));
-  // weight row r of the stack: its segment i (advanced from one at or before r's) and its row there
-  const auto at = [&](int64_t r, int64_t& i) {
+  // weight row r of the stack: its first byte (i: its segment, advanced from one at or before r's)
+  const auto row_of = [&](int64_t r, int64_t& i) {
     while (r >= col[i + 1]) ++i;
-    return r - col[i];
+    return reinterpret_cast<const uint8_t*>(weights[i]) + (r - col[i]) * fms_gguf::row_bytes(types[i], K);
   };
-  // where row r's values [k0, k1) lie in its blocks (k0, k1: multiples of the blocks' values)
+  // the bytes of a row of `type` before its value k (k: a multiple of the blocks' values)
+  const auto bytes_to = [](int type, int64_t k) { return k / fms_gguf::block_values(type) * block_bytes(type); };
+  // where row r's values [k0, k1) lie in its blocks
   const auto span = [&](int64_t r, int64_t k0, int64_t k1) {
     int64_t i = 0;
-    const int64_t j = at(r, i);
-    const int type = types[i], bv = fms_gguf::block_values(type), bb = block_bytes(type);
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(weights[i]) + j * fms_gguf::row_bytes(type, K);
-    return std::pair<const void*, int64_t>(w + k0 / bv * bb, (k1 - k0) / bv * bb);
+    const uint8_t* w = row_of(r, i);
+    return std::pair<const void*, int64_t>(w + bytes_to(types[i], k0), bytes_to(types[i], k1) - bytes_to(types[i], k0));
   };
   const auto pack = [&](int64_t r0, int64_t nc, int64_t s_begin, int64_t s_end, P* panel, void* scratch) {
     const int64_t k0 = KU * s_begin, n = KU * (s_end - s_begin);  // values (K % 32 == 0: whole blocks)
@@ -1186,9 +1186,8 @@ void panels(const PX* x, int64_t M, int64_t K, int64_t x_st, const int8_t* const
     int64_t i = 0;
     for (int64_t c0 = 0; c0 < NC; c0 += B) {
       for (int64_t c = c0; c < std::min<int64_t>(nc, c0 + B); ++c) {
-        const auto s = span(r0 + c, k0, k0 + n);
-        at(r0 + c, i);
-        const uint8_t* w = static_cast<const uint8_t*>(s.first);
+        const uint8_t* w = row_of(r0 + c, i);
+        w += bytes_to(types[i], k0);
         with_type(types[i], [&](auto type) {
 #ifdef FMS_QTILES
           dequant_row_bf16<type()>(w, n / QK, reinterpret_cast<uint16_t*>(rows + (c - c0) * n));
@@ -1239,15 +1238,18 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
     sums = sums || sub_type(a.types[i]);
   }
 #ifdef FMS_QPANELS
-  if (M >= PANEL_ROWS && K % 32 == 0) {  // (prefill)
+  if (M >= PANEL_ROWS) {  // (prefill; K a multiple of 32: checked above)
     std::vector<int64_t> col{0};
     for (int64_t i = 0; i < a.n_weights; ++i) col.push_back(col.back() + a.rows[i]);
     int64_t x_st = a.x_st;
 #ifdef FMS_QTILES
-    static thread_local std::vector<uint16_t> xb_kept;
-    rows_to_bf16(a.x, M, K, a.x_st, xb_kept);
-    const PX* x = reinterpret_cast<const PX*>(xb_kept.data());
-    x_st = K;
+    const PX* x = reinterpret_cast<const PX*>(a.x);  // (a bf16 model's rows as they are)
+    if constexpr (!std::is_same_v<T, fms_bf16>) {
+      static thread_local std::vector<uint16_t> xb_kept;
+      rows_to_bf16(a.x, M, K, a.x_st, xb_kept);
+      x = reinterpret_cast<const PX*>(xb_kept.data());
+      x_st = K;
+    }
 #else
     static thread_local std::vector<float> xf_kept;
     const PX* x = fms_vec::rows_as<PX>(a.x, M, K, x_st, xf_kept);
@@ -1345,14 +1347,7 @@ int fms_paged_qgemv(const FmsQgemvArgs* args) {
         continue;
       }
 #endif
-      switch (type) {
-        case kQ8_0: block<kQ8_0>(n, xq, M, w, row_bytes, j0, y, y_st); break;
-        case kQ4_0: block<kQ4_0>(n, xq, M, w, row_bytes, j0, y, y_st); break;
-        case kQ5_0: block<kQ5_0>(n, xq, M, w, row_bytes, j0, y, y_st); break;
-        case kQ4_K: block<kQ4_K>(n, xq, M, w, row_bytes, j0, y, y_st); break;
-        case kQ5_K: block<kQ5_K>(n, xq, M, w, row_bytes, j0, y, y_st); break;
-        default: block<kQ6_K>(n, xq, M, w, row_bytes, j0, y, y_st); break;
-      }
+      with_type(type, [&](auto type) { block<type()>(n, xq, M, w, row_bytes, j0, y, y_st); });
     }
   }
   return 0;
